@@ -1,0 +1,68 @@
+"""The drafter protocol: every speculation source (n-gram, retrieval, model) speaks it.
+
+A drafter is called once per step with the whole batch. For each request it gets the
+context (prompt + committed tokens, the last one being the tree root whose KV the target
+has not computed yet) and a budget of draft tokens, and returns draft paths that continue
+the context, each token with the drafter's confidence (its probability of that token).
+``observe`` tells it what the target accepted; ``release`` frees per-request state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class DraftInput:
+    request_id: str
+    context_token_ids: tuple[int, ...]
+    """Prompt + committed output; the last token is the root of this step's tree."""
+    max_draft_tokens: int
+    """Budget: at most this many draft tokens in total over all returned paths."""
+
+    @classmethod
+    def make_dummy(cls, request_id: str = "r0", budget: int = 4) -> "DraftInput":
+        return cls(request_id, (1, 2, 3, 1, 2), budget)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftProposal:
+    request_id: str
+    paths: list[list[int]] = field(default_factory=list)
+    """Each path continues the context (its first token is a child of the root)."""
+    confidences: list[list[float]] = field(default_factory=list)
+    """Per token of each path: the drafter's probability of that token, in [0, 1]."""
+    drafter: str = ""
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(p) for p in self.paths)
+
+    @classmethod
+    def empty(cls, request_id: str, drafter: str = "") -> "DraftProposal":
+        return cls(request_id, [], [], drafter)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftFeedback:
+    request_id: str
+    num_draft_tokens: int
+    """How many draft tokens this drafter had in the verified tree."""
+    num_accepted_tokens: int
+    """Draft tokens accepted on the committed path (bonus token excluded)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
+        """One proposal per input, same order; an empty proposal is always allowed."""
+        ...
+
+    def observe(self, feedback: Sequence[DraftFeedback]) -> None:
+        ...
+
+    def release(self, request_id: str) -> None:
+        ...

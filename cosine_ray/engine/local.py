@@ -1,0 +1,146 @@
+"""The single-process engine: target stages, drafters and the router in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+import torch
+
+from cosine_ray.engine.config import DOMAINS, DrafterSpec, EngineConfig
+from cosine_ray.engine.drafters.base import Drafter
+from cosine_ray.engine.drafters.datastore import Datastore
+from cosine_ray.engine.drafters.model import ModelDrafter, check_same_tokenizer
+from cosine_ray.engine.drafters.ngram import NgramDrafter
+from cosine_ray.engine.drafters.retrieval import RetrievalDrafter
+from cosine_ray.engine.loop import EngineLoop
+from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.router import Router
+from cosine_ray.engine.speculation import LocalDrafterClient
+from cosine_ray.engine.target import LocalTargetClient, TargetWorker
+from cosine_ray.models.config import stage_slices
+from cosine_ray.models.llama import LlamaStage
+from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
+
+log = logging.getLogger(__name__)
+
+PACKAGED_DATASTORES = Path(__file__).resolve().parent.parent / "data" / "datastores"
+
+
+def datastore_path(model_name: str, domain: str, root: str | Path | None = None) -> Path:
+    return Path(root or PACKAGED_DATASTORES) / model_name / f"{domain}.parquet"
+
+
+def load_datastore(spec: DrafterSpec, model_name: str, root: str | Path | None = None) -> Datastore:
+    """A datastore file, a domain's default datastore, or all default ones merged."""
+    if spec.source.endswith(".parquet"):
+        return Datastore.load(spec.source)
+    domains = [spec.source] if spec.source else list(DOMAINS)
+    paths = [datastore_path(model_name, d, root) for d in domains]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(f"no datastore at {missing[0]}; build it with `cosine-ray datastore build "
+                         f"--domain {missing[0].stem} --prompts FILE` (or pass retrieval:FILE.parquet)")
+    stores = [Datastore.load(p) for p in paths]
+    if len(stores) == 1:
+        return stores[0]
+    return Datastore.from_sequences([s for ds in stores for s in ds.sequences], domain="mixed",
+                                    model_name=model_name)
+
+
+def build_target_stages(checkpoint: Checkpoint, state_dict: dict[str, torch.Tensor],
+                        num_stages: int, *, dtype: torch.dtype, device: str) -> list[LlamaStage]:
+    return [LlamaStage(checkpoint.config, state_dict, a, b, dtype=dtype, device=device)
+            for a, b in stage_slices(checkpoint.config.num_layers, num_stages)]
+
+
+def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[str, torch.Tensor],
+                  target_tokenizer: Any, config: EngineConfig) -> Drafter:
+    dtype = getattr(torch, config.dtype)
+    if spec.kind == "ngram":
+        return NgramDrafter(name=spec.name)
+    if spec.kind == "retrieval":
+        return RetrievalDrafter(load_datastore(spec, target.name, config.datastore_dir), name=spec.name)
+    if spec.kind == "self":
+        return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
+                            name="self")
+    if spec.kind == "model":
+        ckpt = resolve_checkpoint(spec.source)
+        if ckpt.has_tokenizer:
+            check_same_tokenizer(target_tokenizer, ckpt.load_tokenizer(), spec.name)
+        elif ckpt.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"drafter {spec.name!r} has vocabulary {ckpt.config.vocab_size}, the target "
+                             f"{target.config.vocab_size}; drafters must share the target's tokenizer")
+        return ModelDrafter(LlamaStage(ckpt.config, ckpt.load_state_dict(), dtype=dtype, device=config.device),
+                            name=spec.name)
+    raise ValueError(f"unknown drafter kind {spec.kind!r}")
+
+
+class LocalEngine:
+    """Build everything from an EngineConfig; generate with ``generate`` or ``stream``."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), *, checkpoint: Checkpoint | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.checkpoint = checkpoint or resolve_checkpoint(config.model)
+        self.tokenizer = self.checkpoint.load_tokenizer() if self.checkpoint.has_tokenizer else None
+        state = self.checkpoint.load_state_dict()
+        dtype = getattr(torch, config.dtype)
+        self.target = TargetWorker(build_target_stages(self.checkpoint, state, config.num_stages,
+                                                       dtype=dtype, device=config.device))
+        self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
+                                       target_tokenizer=self.tokenizer, config=config)
+                         for s in config.drafters]
+        self.router = Router(config.router, LocalTargetClient(self.target),
+                             [LocalDrafterClient(d) for d in self.drafters],
+                             vocab_size=self.checkpoint.config.vocab_size,
+                             eos_token_ids=self.eos_token_ids())
+        self.loop = EngineLoop(self.router)
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.checkpoint.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    # ---- text ---------------------------------------------------------------------------
+    def encode(self, prompt: str, *, chat: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.checkpoint.name} has no tokenizer; pass token ids")
+        return encode_prompt(self.tokenizer, prompt, chat=chat)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # ---- generation ---------------------------------------------------------------------
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        return self.loop.generate(prompt_token_ids, params, request_id)
+
+    def generate(self, prompts_token_ids: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run a batch to completion (synchronous helper for scripts and tests)."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts_token_ids)
+
+        async def run() -> list[RequestOutput]:
+            try:
+                return await asyncio.gather(*(self.loop.generate_all(p, sp)
+                                              for p, sp in zip(prompts_token_ids, params_list)))
+            finally:
+                await self.loop.shutdown()
+
+        return asyncio.run(run())
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int]:
+    """Token ids of a user prompt: through the model's chat template when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -1,0 +1,136 @@
+"""Requests and their sampling parameters: what the router's pool holds."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cosine_ray.algo.sampling import make_generator
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 64
+    """Upper bound on generated tokens (the bonus token included)."""
+    temperature: float = 0.0
+    """0 = greedy (token-identical to the target's greedy decoding)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = off."""
+    seed: int | None = None
+    """Seeds this request's own torch.Generator; None = random."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Finish when one of these is generated (it is kept in the output, like EOS)."""
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestStats:
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    """Accepted draft tokens (bonus excluded)."""
+    drafted_by: dict[str, int] = field(default_factory=dict)
+    accepted_by: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify step, bonus included (vLLM's convention)."""
+        if not self.num_verify_steps:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    pending_commit: tuple[int, ...] | None = None
+    """Speculative KV slots of the last step to keep (root + accepted path) at the next score."""
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if self.generator is None and not self.params.is_greedy:
+            self.generator = make_generator(self.params.seed)
+
+    @property
+    def context_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append(self, new_token_ids: list[int]) -> list[int]:
+        """Append verified tokens, stopping at EOS/stop tokens or max_tokens.
+
+        Returns the tokens actually appended (a suffix past a stop is dropped)."""
+        stops = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        appended = []
+        for tok in new_token_ids:
+            self.output_token_ids.append(tok)
+            appended.append(tok)
+            if tok in stops:
+                self.finish("stop")
+                break
+            if len(self.output_token_ids) >= self.params.max_tokens:
+                self.finish("length")
+                break
+        return appended
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One streamed increment of a request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    stats: RequestStats | None = None
+    error: str | None = None

@@ -1,0 +1,222 @@
+"""The router: request pool, continuous batching and the speculative step loop.
+
+NOTE(lead): one ``step()`` is the whole algorithm (DESIGN §2):
+
+    admit → draft (every drafter, whole batch, with deadlines) → select (one token tree per
+    request, best γ nodes by cumulative confidence) → score (target: prefill chains and
+    trees in one varlen forward) → verify (greedy / lossless rejection sampling) → commit
+    (accepted path's KV kept at the next score) → observe (drafters, stats) → stream.
+
+The router never touches a model: the target and drafters are behind ``TargetClient`` and
+``DrafterClient``; the same loop drives in-process workers and Ray actors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from cosine_ray.algo.sampling import logits_to_probs, sample
+from cosine_ray.algo.tree import TokenTree
+from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_stochastic
+from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from cosine_ray.engine.speculation import (DrafterClient, SpeculationStats, gather_proposals,
+                                           merge_proposals)
+from cosine_ray.engine.target import ScoreItem, TargetClient
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    max_batch_size: int = 8
+    """Requests running at once (continuous batching admits new ones as others finish)."""
+    num_speculative_tokens: int = 8
+    """γ: draft-token budget of one request's tree per step (0 = plain decoding)."""
+    drafter_deadline_s: float = 2.0
+    """A drafter's answer later than this is dropped for the step."""
+    max_model_len: int = 8192
+    """Prompt + output tokens a request may reach."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.drafter_deadline_s <= 0:
+            raise ValueError("drafter_deadline_s must be > 0")
+
+
+@dataclass(slots=True)
+class _Planned:
+    request: Request
+    item: ScoreItem
+    tree: TokenTree | None = None  # None: prefill
+    node_owners: list[str] | None = None
+
+
+class Router:
+    def __init__(self, config: RouterConfig, target: TargetClient,
+                 drafters: Sequence[DrafterClient], *, vocab_size: int,
+                 eos_token_ids: Sequence[int] = (), clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.target = target
+        self.drafters = list(drafters)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self._to_release: list[str] = []
+        self.speculation_stats = SpeculationStats()
+
+    # ---- pool ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams) -> Request:
+        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if any(not 0 <= int(t) < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) exceeds the model length {self.config.max_model_len}")
+        request = Request(request_id, [int(t) for t in prompt_token_ids], params,
+                          self.eos_token_ids, arrival_time=self.clock())
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its state on the target and drafters is freed at the next step."""
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                r.finish("abort")
+                return True
+        request = self.running.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish("abort")
+        self._to_release.append(request_id)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._to_release)
+
+    async def release_finished(self) -> None:
+        if not self._to_release:
+            return
+        ids, self._to_release = self._to_release, []
+        await self.target.release(ids)
+        for d in self.drafters:
+            try:
+                await d.release(ids)
+            except Exception:  # a dead drafter's state is gone anyway
+                self.speculation_stats.failed(d.name)
+
+    # ---- the step loop ------------------------------------------------------------------
+    async def step(self) -> list[RequestOutput]:
+        await self.release_finished()
+        self._admit()
+        if not self.running:
+            return []
+        planned = await self._plan_and_draft(list(self.running.values()))
+        logits = await self.target.score([p.item for p in planned])
+        outputs = []
+        feedback: dict[str, list[DraftFeedback]] = {d.name: [] for d in self.drafters}
+        for p, item_logits in zip(planned, logits):
+            request = p.request
+            if p.tree is None:
+                new_tokens = [self._sample_one(request, item_logits[-1:])]
+                request.pending_commit = tuple(range(len(p.item.token_ids)))
+            else:
+                result = self._verify(request, p.tree, item_logits)
+                new_tokens = list(result.new_token_ids)
+                request.pending_commit = (0,) + result.accepted_node_ids
+                self._account(request, p, result, feedback)
+            appended = request.append(new_tokens)
+            outputs.append(RequestOutput(
+                request.request_id, appended, request.is_finished, request.finish_reason,
+                len(request.prompt_token_ids), len(request.output_token_ids), request.stats))
+            if request.is_finished:
+                del self.running[request.request_id]
+                self._to_release.append(request.request_id)
+        for d in self.drafters:
+            if feedback[d.name]:
+                try:
+                    await d.observe(feedback[d.name])
+                except Exception:
+                    self.speculation_stats.failed(d.name)
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running[request.request_id] = request
+
+    async def _plan_and_draft(self, requests: list[Request]) -> list[_Planned]:
+        planned: list[_Planned] = []
+        draft_inputs: list[DraftInput] = []
+        decoding: list[_Planned] = []
+        for request in requests:
+            if not request.output_token_ids:
+                planned.append(_Planned(request, ScoreItem.prefill(request.request_id, request.prompt_token_ids)))
+                continue
+            p = _Planned(request, None)  # type: ignore[arg-type]
+            planned.append(p)
+            decoding.append(p)
+            budget = min(self.config.num_speculative_tokens,
+                         request.params.max_tokens - len(request.output_token_ids) - 1)
+            draft_inputs.append(DraftInput(request.request_id, tuple(request.context_token_ids), max(budget, 0)))
+        active = [(i, d) for i, d in enumerate(draft_inputs) if d.max_draft_tokens > 0]
+        proposals = await gather_proposals(self.drafters, [d for _, d in active],
+                                           deadline_s=self.config.drafter_deadline_s,
+                                           vocab_size=self.vocab_size, stats=self.speculation_stats)
+        per_request: list[list[DraftProposal]] = [[] for _ in draft_inputs]
+        for (i, _), props in zip(active, proposals):
+            per_request[i] = props
+        for p, inp, props in zip(decoding, draft_inputs, per_request):
+            request = p.request
+            p.tree, p.node_owners = merge_proposals(request.output_token_ids[-1], props, inp.max_draft_tokens)
+            p.item = ScoreItem.for_tree(request.request_id, p.tree, request.num_tokens - 1,
+                                        request.pending_commit)
+        return planned
+
+    def _sample_one(self, request: Request, logits: torch.Tensor) -> int:
+        """First token after prefill: the target's own choice (argmax or a sample)."""
+        if request.params.is_greedy:
+            return int(logits[0].argmax())
+        params = request.params
+        probs = logits_to_probs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        return int(sample(probs, generator=request.generator)[0])
+
+    def _verify(self, request: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
+        if request.params.is_greedy:
+            return verify_greedy(tree, logits)
+        params = request.params
+        probs = logits_to_probs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        return verify_stochastic(tree, probs, generator=request.generator)
+
+    def _account(self, request: Request, p: _Planned, result: VerifyResult,
+                 feedback: dict[str, list[DraftFeedback]]) -> None:
+        stats = request.stats
+        stats.num_verify_steps += 1
+        stats.num_draft_tokens += p.tree.num_draft_tokens
+        stats.num_accepted_tokens += len(result.accepted_node_ids)
+        owners = p.node_owners or []
+        drafted: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        for node in range(1, p.tree.num_nodes):
+            drafted[owners[node]] = drafted.get(owners[node], 0) + 1
+        for node in result.accepted_node_ids:
+            accepted[owners[node]] = accepted.get(owners[node], 0) + 1
+        for name, n in drafted.items():
+            stats.drafted_by[name] = stats.drafted_by.get(name, 0) + n
+        for name, n in accepted.items():
+            stats.accepted_by[name] = stats.accepted_by.get(name, 0) + n
+        for name in feedback:
+            feedback[name].append(DraftFeedback(request.request_id, drafted.get(name, 0), accepted.get(name, 0)))

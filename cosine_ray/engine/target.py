@@ -1,0 +1,155 @@
+"""The verification server's side: score token trees with the target model.
+
+``TargetWorker`` owns one or more consecutive ``LlamaStage`` slices and their KV caches
+(the single-process engine runs every slice here; the Ray runtime gives each slice its
+own actor and chains the hidden states). The router talks to it through ``TargetClient``.
+
+One ``ScoreItem`` per request and step carries everything a stage needs, so no metadata
+round trip precedes a forward (SiPipe's structure-aware transmission): the speculative
+slots of the previous step to keep (``commit_previous``), and the new tokens — a prompt
+chain at prefill, or a token tree's nodes afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from cosine_ray.algo.tree import TokenTree
+from cosine_ray.models.kv_cache import KVCache
+from cosine_ray.models.llama import LlamaStage, StageBatch
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreItem:
+    request_id: str
+    token_ids: tuple[int, ...]
+    """New tokens: the prompt chain (prefill) or a tree's nodes (root first)."""
+    parent_ids: tuple[int, ...] | None
+    """Tree parents (node 0 = -1); None = a causal chain."""
+    start_position: int
+    """Committed length after ``commit_previous``: the root's position."""
+    commit_previous: tuple[int, ...] | None = None
+    """Speculative slots of the previous step to keep (root + accepted path); None = none."""
+    all_logits: bool = True
+    """Logits for every new token (trees) or only the last one (prefill)."""
+
+    @classmethod
+    def prefill(cls, request_id: str, prompt_token_ids: Sequence[int]) -> "ScoreItem":
+        return cls(request_id, tuple(prompt_token_ids), None, 0, None, all_logits=False)
+
+    @classmethod
+    def for_tree(cls, request_id: str, tree: TokenTree, start_position: int,
+                 commit_previous: tuple[int, ...] | None) -> "ScoreItem":
+        return cls(request_id, tree.token_ids, tree.parent_ids, start_position, commit_previous)
+
+    def tree_mask(self) -> torch.Tensor | None:
+        if self.parent_ids is None:
+            return None
+        return TokenTree(self.token_ids, self.parent_ids, (1.0,) * len(self.token_ids)).attention_mask()
+
+    def positions(self) -> torch.Tensor:
+        if self.parent_ids is None:
+            return torch.arange(self.start_position, self.start_position + len(self.token_ids))
+        depths = [0] * len(self.parent_ids)
+        for i in range(1, len(depths)):
+            depths[i] = depths[self.parent_ids[i]] + 1
+        return torch.tensor(depths, dtype=torch.long) + self.start_position
+
+
+def build_stage_batch(items: Sequence[ScoreItem]) -> StageBatch:
+    """Flatten a step's items into one varlen batch (shared by every stage of the chain)."""
+    counts = [len(it.token_ids) for it in items]
+    logit_rows, offset = [], 0
+    for it, n in zip(items, counts):
+        logit_rows.extend(range(offset, offset + n) if it.all_logits else [offset + n - 1])
+        offset += n
+    return StageBatch(
+        request_ids=[it.request_id for it in items],
+        num_new_tokens=counts,
+        positions=torch.cat([it.positions() for it in items]),
+        tree_masks=[it.tree_mask() for it in items],
+        logit_indices=torch.tensor(logit_rows, dtype=torch.long),
+        token_ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),
+    )
+
+
+def split_logits(items: Sequence[ScoreItem], logits: torch.Tensor) -> list[torch.Tensor]:
+    """logits  # [num_logit_rows, vocab] -> one [n_i or 1, vocab] tensor per item."""
+    sizes = [len(it.token_ids) if it.all_logits else 1 for it in items]
+    return list(logits.split(sizes))
+
+
+def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
+    """Open caches for new requests and keep last step's accepted slots (every stage)."""
+    for it in items:
+        if it.request_id not in cache:
+            if it.start_position != 0:
+                raise ValueError(f"request {it.request_id!r} has no KV cache here but starts at "
+                                 f"position {it.start_position}; re-prefill it")
+            cache.allocate(it.request_id)
+        if it.commit_previous is not None:
+            cache.commit(it.request_id, it.commit_previous)
+        length = cache.committed_length(it.request_id)
+        if length != it.start_position:
+            raise ValueError(f"request {it.request_id!r}: stage holds {length} committed tokens, "
+                             f"router expects {it.start_position}")
+
+
+class TargetClient(Protocol):
+    async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
+        """Logits per item (fp32): [len(token_ids), vocab] or [1, vocab] for prefill."""
+        ...
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        ...
+
+
+class TargetWorker:
+    """All stages of the target in one process (the single-process engine)."""
+
+    def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None) -> None:
+        if not stages or not stages[0].is_first or not stages[-1].is_last:
+            raise ValueError("stages must cover the model from the embedding to the lm_head")
+        self.stages = list(stages)
+        self.caches = [s.new_kv_cache(max_tokens=max_kv_tokens) for s in self.stages]
+
+    def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
+        if not items:
+            return []
+        batch = build_stage_batch(items)
+        hidden = None
+        try:
+            for stage, cache in zip(self.stages, self.caches):
+                apply_commits(cache, items)
+                hidden = stage.forward(batch, cache, hidden)
+        except Exception:
+            for cache in self.caches:  # a failed forward leaves no half-written level behind
+                for it in items:
+                    if it.request_id in cache:
+                        cache.commit(it.request_id, ())
+            raise
+        return split_logits(items, hidden)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for cache in self.caches:
+            for rid in request_ids:
+                cache.free(rid)
+
+    def num_cached_requests(self) -> int:
+        return max(len(c.request_ids) for c in self.caches)
+
+
+class LocalTargetClient:
+    """TargetClient over an in-process TargetWorker."""
+
+    def __init__(self, worker: TargetWorker) -> None:
+        self.worker = worker
+
+    async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
+        return self.worker.score(items)
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        self.worker.release(request_ids)

@@ -1,0 +1,410 @@
+"""verify_greedy / verify_stochastic: greedy tables, determinism, and losslessness by statistics.
+
+``GREEDY_CASES`` is layer-independent (a tree as token paths and the target as a map from
+context to next token) so engine-level tests can replay it through a fake target model.
+"""
+
+import functools
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from cosine_ray.algo.tree import TokenTree
+from cosine_ray.algo.verify import VerifyResult, verify_chain, verify_greedy, verify_stochastic
+
+GREEDY_VOCAB = 8
+
+# Each case: draft ``paths`` under ``root``; ``target_next`` maps the draft tokens after the root
+# (a node's token path) to the target's argmax there; expected accepted tokens and bonus.
+GREEDY_CASES = [
+    dict(name="perfect_match", root=0, paths=[[1, 2, 3]],
+         target_next={(): 1, (1,): 2, (1, 2): 3, (1, 2, 3): 4},
+         accepted=[1, 2, 3], bonus=4),
+    dict(name="early_mismatch", root=0, paths=[[1, 2, 3]],
+         target_next={(): 1, (1,): 5, (1, 2): 3, (1, 2, 3): 4},
+         accepted=[1], bonus=5),
+    dict(name="first_token_mismatch", root=0, paths=[[1, 2, 3]],
+         target_next={(): 6, (1,): 2, (1, 2): 3, (1, 2, 3): 4},
+         accepted=[], bonus=6),
+    dict(name="root_only", root=5, paths=[],
+         target_next={(): 3},
+         accepted=[], bonus=3),
+    dict(name="second_child_matches", root=0, paths=[[1, 2], [3, 4]],
+         target_next={(): 3, (1,): 2, (1, 2): 1, (3,): 4, (3, 4): 5},
+         accepted=[3, 4], bonus=5),
+    dict(name="branch_dead_end", root=0, paths=[[1, 2], [1, 3]],
+         target_next={(): 1, (1,): 4, (1, 2): 5, (1, 3): 6},
+         accepted=[1], bonus=4),
+    dict(name="deep_tree", root=7, paths=[[1, 2, 3, 4], [1, 2, 5, 6], [1, 7, 1], [2]],
+         target_next={(): 1, (1,): 2, (1, 2): 5, (1, 2, 3): 4, (1, 2, 3, 4): 0, (1, 2, 5): 6,
+                      (1, 2, 5, 6): 7, (1, 7): 1, (1, 7, 1): 2, (2,): 3},
+         accepted=[1, 2, 5, 6], bonus=7),
+]
+
+
+def build_greedy_case(case):
+    """(tree, target_logits # [num_nodes, vocab]) for a GREEDY_CASES entry."""
+    tree = TokenTree.from_paths(case["root"], case["paths"])
+    gen = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(tree.num_nodes, GREEDY_VOCAB, generator=gen)  # [num_nodes, vocab]
+    for node in range(tree.num_nodes):
+        path = tuple(tree.token_ids[n] for n in tree.path_to(node)[1:])
+        target_logits[node, case["target_next"][path]] = 10.0
+    return tree, target_logits
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES, ids=lambda c: c["name"])
+def test_verify_greedy_table(case):
+    tree, target_logits = build_greedy_case(case)
+    result = verify_greedy(tree, target_logits)
+    assert list(result.accepted_token_ids) == case["accepted"]
+    assert result.bonus_token_id == case["bonus"]
+    assert result.accepted_length == len(case["accepted"]) + 1
+    assert result.new_token_ids == (*case["accepted"], case["bonus"])
+    # The node ids are a root-to-leaf path carrying the accepted tokens.
+    if result.accepted_node_ids:
+        assert tree.path_to(result.accepted_node_ids[-1])[1:] == list(result.accepted_node_ids)
+    assert [tree.token_ids[n] for n in result.accepted_node_ids] == case["accepted"]
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES, ids=lambda c: c["name"])
+def test_stochastic_with_one_hot_target_equals_greedy(case):
+    """Temperature 0 (one-hot target_probs) makes rejection sampling deterministic and greedy."""
+    tree, target_logits = build_greedy_case(case)
+    target_probs = torch.nn.functional.one_hot(target_logits.argmax(-1), GREEDY_VOCAB).float()
+    expected = verify_greedy(tree, target_logits)
+    for seed in range(20):
+        generator = torch.Generator().manual_seed(seed)
+        assert verify_stochastic(tree, target_probs, generator=generator) == expected
+
+
+def test_verify_greedy_ties_take_first_max():
+    tree = TokenTree.from_paths(0, [[2], [1]])
+    target_logits = torch.tensor([[0.0, 3.0, 3.0, 0.0], [0.0] * 4, [0.0] * 4])
+    result = verify_greedy(tree, target_logits)
+    assert result.accepted_token_ids == (1,)
+    assert result.accepted_node_ids == (2,)
+    assert result.bonus_token_id == 0
+
+
+def test_verify_result_properties_and_dummy():
+    dummy = VerifyResult.make_dummy()
+    assert dummy.accepted_length == 3 and dummy.new_token_ids == (10, 12, 14)
+    tree = TokenTree.make_dummy()  # root -> 10 -> 12 -> 13, root -> 11
+    target_logits = torch.zeros(tree.num_nodes, 16)
+    target_logits[[0, 1, 3, 4], [10, 12, 14, 15]] = 1.0  # "x" (13) rejected at node 3
+    assert verify_greedy(tree, target_logits) == dummy
+    with pytest.raises(AttributeError):
+        dummy.bonus_token_id = 1  # frozen
+
+
+def test_shape_checks():
+    tree = TokenTree.make_dummy()
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(AssertionError):
+        verify_greedy(tree, torch.zeros(4, 16))
+    with pytest.raises(AssertionError):
+        verify_stochastic(tree, torch.full((5,), 0.2), generator=gen)
+    with pytest.raises(AssertionError):
+        verify_stochastic(tree, torch.full((5, 16), 1 / 16), generator=gen, draft_probs=[None] * 4)
+    with pytest.raises(AssertionError):
+        verify_stochastic(tree, torch.full((5, 16), 1 / 16), generator=gen,
+                          draft_probs=[None, torch.full((8,), 1 / 8), None, None, None])
+    with pytest.raises(ValueError):  # token 13 outside a vocab of 8
+        verify_stochastic(tree, torch.full((5, 8), 1 / 8), generator=gen)
+
+
+# ---- seeded determinism and edge cases ----------------------------------------------------
+
+def _random_case(seed: int, vocab: int = 6):
+    rng = random.Random(seed)
+    paths = [[rng.randrange(vocab) for _ in range(rng.randint(1, 3))] for _ in range(4)]
+    tree = TokenTree.from_paths(0, paths)
+    gen = torch.Generator().manual_seed(seed)
+    target_probs = torch.softmax(torch.randn(tree.num_nodes, vocab, generator=gen), -1)
+    draft_probs = [None] + [torch.softmax(torch.randn(vocab, generator=gen), -1) if rng.random() < 0.5
+                            else None for _ in range(tree.num_draft_tokens)]
+    return tree, target_probs, draft_probs
+
+
+def test_verify_stochastic_is_deterministic_when_seeded():
+    for seed in range(10):
+        tree, target_probs, draft_probs = _random_case(seed)
+        runs = []
+        for _ in range(2):
+            gen = torch.Generator().manual_seed(1000 + seed)
+            runs.append([verify_stochastic(tree, target_probs, generator=gen, draft_probs=draft_probs)
+                         for _ in range(30)])
+        assert runs[0] == runs[1]
+    tree, target_probs, draft_probs = _random_case(0)
+    outputs = {verify_stochastic(tree, target_probs, generator=torch.Generator().manual_seed(s),
+                                 draft_probs=draft_probs).new_token_ids for s in range(50)}
+    assert len(outputs) > 1  # the seed matters
+
+
+def test_verify_stochastic_does_not_modify_inputs():
+    tree, target_probs, draft_probs = _random_case(3)
+    for dtype in (torch.float32, torch.float64):
+        target_copy = target_probs.to(dtype)
+        before = target_copy.clone()
+        for seed in range(20):
+            verify_stochastic(tree, target_copy, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(target_copy, before)
+
+
+def test_zero_probability_draft_token_is_never_accepted():
+    tree = TokenTree.from_paths(0, [[2, 1], [3]])
+    target_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0]] * tree.num_nodes)
+    for seed in range(200):
+        result = verify_stochastic(tree, target_probs, generator=torch.Generator().manual_seed(seed))
+        assert result.accepted_token_ids == () and result.bonus_token_id in (0, 1)
+
+
+def test_empty_residual_falls_back_to_target_row():
+    """q_c >= r everywhere (here from a q that over-sums, as float error would) rejects with
+    probability 1 - 1/1.5 and leaves an all-zero residual; the bonus then comes from the target."""
+    tree = TokenTree.chain(0, [1])
+    target_probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25] * 4])
+    draft_probs = [None, target_probs[0] * 1.5]
+    bonuses = set()
+    for seed in range(200):
+        result = verify_stochastic(tree, target_probs, generator=torch.Generator().manual_seed(seed),
+                                   draft_probs=draft_probs)
+        if not result.accepted_token_ids:
+            bonuses.add(result.bonus_token_id)
+    assert bonuses == {1, 2}
+
+
+def test_verify_chain_matches_tree_form():
+    gen = torch.Generator().manual_seed(0)
+    target_probs = torch.softmax(torch.randn(4, 5, generator=gen), -1)  # [k+1, vocab]
+    draft_probs = torch.softmax(torch.randn(3, 5, generator=gen), -1)   # [k, vocab]
+    tree = TokenTree.chain(9, [1, 3, 0])
+    for seed in range(20):
+        for rows, listed in [(None, None), (draft_probs, [None, *draft_probs])]:
+            assert verify_chain([1, 3, 0], target_probs, generator=torch.Generator().manual_seed(seed),
+                                draft_probs=rows) == \
+                verify_stochastic(tree, target_probs, generator=torch.Generator().manual_seed(seed),
+                                  draft_probs=listed)
+
+
+# ---- statistical losslessness ---------------------------------------------------------------
+#
+# A tiny "language": vocab 5, target distribution a fixed function of the whole context (so the
+# second token's distribution depends on the first). A decode loop runs verify rounds until two
+# tokens are emitted; the histogram of (token 1, token 2) over N trials must match
+# p(a) * p(b | a) (K = 25 outcomes) for every drafter, however adversarial.
+#
+# Tolerance: E[TV] <= 0.5 * sum_k sqrt(p_k / N) <= 0.5 * sqrt(K / N), and TV moves by at most 1/N
+# per trial, so by McDiarmid P(TV > E[TV] + t) <= exp(-2 N t^2). With bound sqrt(K / N),
+# t >= 0.5 sqrt(K / N) and the false-alarm probability is <= exp(-K / 2) = 4e-6 per check.
+
+STAT_VOCAB = 5
+TOKENS = range(STAT_VOCAB)
+NUM_OUTCOMES = STAT_VOCAB ** 2
+BIG_N = 20_000
+CHUNK_N = 1_250
+
+
+def _target_table(seed: int = 0) -> dict[tuple[int, ...], torch.Tensor]:
+    """p(· | context) for every context of length <= 3 (rounds reach depth 2 after one token)."""
+    gen = torch.Generator().manual_seed(seed)
+    table = {}
+    for length in range(4):
+        for context in itertools.product(range(STAT_VOCAB), repeat=length):
+            probs = 0.85 * torch.softmax(1.5 * torch.randn(STAT_VOCAB, generator=gen), -1) + 0.15 / STAT_VOCAB
+            if torch.rand((), generator=gen) < 0.5:  # some tokens the target never emits
+                probs[int(torch.randint(STAT_VOCAB, (), generator=gen))] = 0.0
+            table[context] = probs / probs.sum()
+    return table
+
+
+TARGET = _target_table()
+EXACT = torch.stack([TARGET[()][a] * TARGET[(a,)][b] for a in range(STAT_VOCAB)
+                     for b in range(STAT_VOCAB)]).double().numpy()  # [K]
+
+
+def _away_probs(target_probs: torch.Tensor) -> torch.Tensor:
+    """A draft distribution concentrated on the tokens the target likes least."""
+    weights = (target_probs.max() - target_probs + 0.02) ** 3
+    return weights / weights.sum()
+
+
+AWAY = {context: _away_probs(probs) for context, probs in TARGET.items()}
+ASCENDING = {context: torch.argsort(probs, stable=True).tolist() for context, probs in TARGET.items()}
+
+
+def _ascending(context) -> list[int]:
+    return ASCENDING[context]
+
+
+@functools.cache
+def _conditional(context: tuple[int, ...], taken: frozenset[int]) -> tuple[list[float], torch.Tensor]:
+    """The away-distribution at ``context`` with the ``taken`` tokens removed (list, tensor)."""
+    cond = AWAY[context].clone()
+    cond[list(taken)] = 0.0
+    cond /= cond.sum()
+    return cond.tolist(), cond
+
+
+def _draw(rng: random.Random, context, taken=frozenset()) -> tuple[int, torch.Tensor]:
+    """x ~ away-distribution without ``taken`` (sampling without replacement); also its q."""
+    weights, cond = _conditional(context, taken)
+    return rng.choices(TOKENS, weights=weights)[0], cond
+
+
+# Drafters: context -> (draft paths, {token path: draft distribution or None}). Their random
+# choices use their own ``random.Random``, independent of the verifier's generator.
+
+def draft_least_likely_chain(context, rng):
+    """Deterministic chain of the target's two least likely tokens (often probability 0)."""
+    x1 = _ascending(context)[0]
+    return [[x1, _ascending(context + (x1,))[0]]], {}
+
+
+def draft_away_chain(context, rng):
+    """Chain sampled from q far from p, verified with the q-rule."""
+    x1, q1 = _draw(rng, context)
+    x2, q2 = _draw(rng, context + (x1,))
+    return [[x1, x2]], {(x1,): q1, (x1, x2): q2}
+
+
+def draft_mixed_siblings(context, rng):
+    """Three siblings: the least likely token (point mass), then two sampled from q without
+    replacement (q-rule with that conditional q); each has one q-sampled child."""
+    first_tokens, draft_rows = [_ascending(context)[0]], {}
+    for _ in range(2):
+        x1, q1 = _draw(rng, context, frozenset(first_tokens))
+        first_tokens.append(x1)
+        draft_rows[(x1,)] = q1
+    paths = []
+    for x1 in first_tokens:
+        x2, q2 = _draw(rng, context + (x1,))
+        paths.append([x1, x2])
+        draft_rows[(x1, x2)] = q2
+    return paths, draft_rows
+
+
+def draft_bushy_least_likely(context, rng):
+    """Depth-2 tree: the three least likely tokens, each with its two least likely children."""
+    return [[x1, x2] for x1 in _ascending(context)[:3] for x2 in _ascending(context + (x1,))[:2]], {}
+
+
+def draft_random_tree(context, rng):
+    """A fresh random tree every trial (0-3 children, each with 0-2 children), point masses."""
+    paths = []
+    for x1 in rng.sample(range(STAT_VOCAB), rng.randint(0, 3)):
+        kids = rng.sample(range(STAT_VOCAB), rng.randint(0, 2))
+        paths += [[x1, x2] for x2 in kids] or [[x1]]
+    return paths, {}
+
+
+_ROUND_CACHE: dict = {}
+
+
+def _round_inputs(drafter, context, paths, draft_rows):
+    """(tree, target_probs # [num_nodes, vocab], draft_probs) for one verify round. Cached per
+    drafter: its draft rows are a function of (context, paths), sibling order included."""
+    key = (drafter.__name__, context, tuple(map(tuple, paths)))
+    if key not in _ROUND_CACHE:
+        tree = TokenTree.from_paths(context[-1] if context else 0, paths)
+        node_paths = [tuple(tree.token_ids[n] for n in tree.path_to(node)[1:])
+                      for node in range(tree.num_nodes)]
+        target_probs = torch.stack([TARGET[context + p] for p in node_paths])
+        draft_probs = [draft_rows.get(p) for p in node_paths] if draft_rows else None
+        _ROUND_CACHE[key] = (tree, target_probs, draft_probs)
+    return _ROUND_CACHE[key]
+
+
+def emitted_pairs(verifier, drafter, num_trials: int, seed: int) -> np.ndarray:  # [num_trials]
+    """Outcome index a * vocab + b of the first two tokens a decode loop emits, per trial."""
+    generator = torch.Generator().manual_seed(seed)  # one stream: trials are independent draws
+    rng = random.Random(seed)
+    outcomes = np.empty(num_trials, dtype=np.int64)
+    for trial in range(num_trials):
+        context: tuple[int, ...] = ()
+        while len(context) < 2:
+            tree, target_probs, draft_probs = _round_inputs(drafter, context, *drafter(context, rng))
+            result = verifier(tree, target_probs, generator=generator, draft_probs=draft_probs)
+            context += result.new_token_ids
+        outcomes[trial] = context[0] * STAT_VOCAB + context[1]
+    return outcomes
+
+
+def tv_distance(outcomes: np.ndarray) -> float:
+    freq = np.bincount(outcomes, minlength=NUM_OUTCOMES) / len(outcomes)
+    return 0.5 * float(np.abs(freq - EXACT).sum())
+
+
+def tv_bound(num_trials: int) -> float:
+    return (NUM_OUTCOMES / num_trials) ** 0.5
+
+
+def chisquare_pvalue(outcomes: np.ndarray) -> float:
+    counts = np.bincount(outcomes, minlength=NUM_OUTCOMES)
+    support = EXACT > 0
+    if counts[~support].any():  # an impossible sequence was emitted
+        return 0.0
+    expected = EXACT[support] / EXACT[support].sum() * len(outcomes)
+    return float(stats.chisquare(counts[support], expected).pvalue)
+
+
+LOSSLESS_DRAFTERS = [draft_least_likely_chain, draft_away_chain, draft_mixed_siblings,
+                     draft_bushy_least_likely, draft_random_tree]
+
+
+@pytest.mark.parametrize("drafter", LOSSLESS_DRAFTERS, ids=lambda d: d.__name__)
+def test_verify_stochastic_emits_target_distribution(drafter):
+    outcomes = emitted_pairs(verify_stochastic, drafter, BIG_N, seed=1)
+    tv_big = tv_distance(outcomes)
+    tv_chunks = [tv_distance(chunk) for chunk in outcomes.reshape(-1, CHUNK_N)]
+    assert tv_big < tv_bound(BIG_N), (tv_big, tv_bound(BIG_N))
+    assert max(tv_chunks) < tv_bound(CHUNK_N), (max(tv_chunks), tv_bound(CHUNK_N))
+    # Shrinkage: TV falls like 1/sqrt(N), i.e. 4x from 1,250 to 20,000 trials. Comparing with
+    # the mean over the 16 disjoint 1,250-trial chunks (not one small run) keeps it robust.
+    assert tv_big < 0.5 * float(np.mean(tv_chunks)), (tv_big, np.mean(tv_chunks))
+    assert chisquare_pvalue(outcomes) > 1e-4
+
+
+def verify_always_accept(tree, target_probs, *, generator, draft_probs=None):
+    """WRONG: accepts the first child at every level."""
+    node, accepted = 0, []
+    while kids := tree.children(node):
+        node = kids[0]
+        accepted.append(node)
+    bonus = int(torch.multinomial(target_probs[node], 1, generator=generator))
+    return VerifyResult(tuple(accepted), tuple(tree.token_ids[n] for n in accepted), bonus)
+
+
+def verify_without_residual(tree, target_probs, *, generator, draft_probs=None):
+    """WRONG (a classic bug): after a rejection, keeps testing and sampling against p, not the
+    residual."""
+    node, accepted = 0, []
+    while True:
+        for child in tree.children(node):
+            token = tree.token_ids[child]
+            draft_row = None if draft_probs is None else draft_probs[child]
+            draft_prob = 1.0 if draft_row is None else float(draft_row[token])
+            if float(torch.rand((), generator=generator)) * draft_prob < float(target_probs[node, token]):
+                break
+        else:
+            bonus = int(torch.multinomial(target_probs[node], 1, generator=generator))
+            return VerifyResult(tuple(accepted), tuple(tree.token_ids[n] for n in accepted), bonus)
+        accepted.append(child)
+        node = child
+
+
+@pytest.mark.parametrize("verifier, drafter", [
+    (verify_always_accept, draft_least_likely_chain),
+    (verify_without_residual, draft_bushy_least_likely),
+    (verify_without_residual, draft_mixed_siblings),
+], ids=lambda x: x.__name__)
+def test_wrong_verifier_fails_the_same_check(verifier, drafter):
+    num_trials = 4_000
+    outcomes = emitted_pairs(verifier, drafter, num_trials, seed=1)
+    assert tv_distance(outcomes) > tv_bound(num_trials)
+    assert chisquare_pvalue(outcomes) < 1e-4
