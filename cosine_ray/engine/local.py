@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
@@ -94,7 +95,9 @@ class LocalEngine:
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config)
                          for s in config.drafters]
-        self.router = Router(config.router, LocalTargetClient(self.target),
+        router_config = dataclasses.replace(config.router, max_model_len=min(
+            config.router.max_model_len, self.checkpoint.config.max_position_embeddings))
+        self.router = Router(router_config, LocalTargetClient(self.target),
                              [LocalDrafterClient(d) for d in self.drafters],
                              vocab_size=self.checkpoint.config.vocab_size,
                              eos_token_ids=self.eos_token_ids())

@@ -78,15 +78,21 @@ class Router:
                     params: SamplingParams) -> Request:
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        request = Request(request_id, [int(t) for t in prompt_token_ids], params,
+                          self.eos_token_ids, arrival_time=self.clock())
+        self.waiting.append(request)
+        return request
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot be served (before anything is queued)."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
         if any(not 0 <= int(t) < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(prompt_token_ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) exceeds the model length {self.config.max_model_len}")
-        request = Request(request_id, [int(t) for t in prompt_token_ids], params,
-                          self.eos_token_ids, arrival_time=self.clock())
-        self.waiting.append(request)
-        return request
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its state on the target and drafters is freed at the next step."""

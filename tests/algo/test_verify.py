@@ -364,9 +364,10 @@ def test_verify_stochastic_emits_target_distribution(drafter):
     tv_chunks = [tv_distance(chunk) for chunk in outcomes.reshape(-1, CHUNK_N)]
     assert tv_big < tv_bound(BIG_N), (tv_big, tv_bound(BIG_N))
     assert max(tv_chunks) < tv_bound(CHUNK_N), (max(tv_chunks), tv_bound(CHUNK_N))
-    # Shrinkage: TV falls like 1/sqrt(N), i.e. 4x from 1,250 to 20,000 trials. Comparing with
-    # the mean over the 16 disjoint 1,250-trial chunks (not one small run) keeps it robust.
-    assert tv_big < 0.5 * float(np.mean(tv_chunks)), (tv_big, np.mean(tv_chunks))
+    # Shrinkage: TV falls like 1/sqrt(N), i.e. 4x (ratio 0.25; 0.14-0.39 over seeds 1-5) from
+    # 1,250 to 20,000 trials, while a biased verifier keeps a ratio near 1. Comparing with the
+    # mean over the 16 disjoint 1,250-trial chunks (not one small run) keeps the check robust.
+    assert tv_big < 0.6 * float(np.mean(tv_chunks)), (tv_big, np.mean(tv_chunks))
     assert chisquare_pvalue(outcomes) > 1e-4
 
 
