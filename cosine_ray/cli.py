@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-size", type=int, default=8)
     build.add_argument("--model", default="smollm2-135m")
 
+    srv = sub.add_parser("serve", help="start the Ray cluster + OpenAI-compatible HTTP server")
+    srv.add_argument("--config", default=None, help="YAML engine config (see deploy/cosine_ray.yaml)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    srv.add_argument("--model", default=None)
+    srv.add_argument("--drafters", default=None)
+    srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
+    srv.add_argument("--num-speculative-tokens", type=int, default=None)
+    srv.add_argument("--max-batch-size", type=int, default=None)
+    srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
+    srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of a locally started Ray cluster")
+
     bench = sub.add_parser("bench", help="single-request tokens/s: HF vs cosine_ray drafter sets")
     from cosine_ray.bench import add_bench_args
     add_bench_args(bench)
@@ -83,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "datastore":
             return _datastore_build(args)
+        if args.command == "serve":
+            from cosine_ray.serve.launch import run_serve
+            return run_serve(args, CliError)
         if args.command == "bench":
             from cosine_ray.bench import run_bench
             return run_bench(args)

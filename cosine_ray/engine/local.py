@@ -20,7 +20,7 @@ from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.engine.router import Router
 from cosine_ray.engine.speculation import LocalDrafterClient
-from cosine_ray.engine.target import LocalTargetClient, TargetWorker
+from cosine_ray.engine.target import LocalTargetClient, StageWorker, TargetWorker
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
@@ -77,6 +77,25 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
         return ModelDrafter(LlamaStage(ckpt.config, ckpt.load_state_dict(), dtype=dtype, device=config.device),
                             name=spec.name)
     raise ValueError(f"unknown drafter kind {spec.kind!r}")
+
+
+def make_stage_worker(config: EngineConfig, stage_index: int) -> StageWorker:
+    """Pipeline stage ``stage_index`` of ``config.num_stages``, built where it will run."""
+    checkpoint = resolve_checkpoint(config.model)
+    a, b = stage_slices(checkpoint.config.num_layers, config.num_stages)[stage_index]
+    stage = LlamaStage(checkpoint.config, checkpoint.load_state_dict(), a, b,
+                       dtype=getattr(torch, config.dtype), device=config.device)
+    return StageWorker(stage)
+
+
+def make_drafter(spec: DrafterSpec, config: EngineConfig) -> Drafter:
+    """A drafter built where it will run (a drafter actor); loads only what it needs."""
+    checkpoint = resolve_checkpoint(config.model)
+    needs_model = spec.kind in ("self", "model")
+    return build_drafter(spec, target=checkpoint,
+                         target_state=checkpoint.load_state_dict() if spec.kind == "self" else {},
+                         target_tokenizer=checkpoint.load_tokenizer() if needs_model and checkpoint.has_tokenizer else None,
+                         config=config)
 
 
 class LocalEngine:

@@ -21,23 +21,25 @@ class EngineLoop:
         self.router = router
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
 
     def _ensure_running(self) -> None:
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if not self._tasks or all(t.done() for t in self._tasks):
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._run(lane))
+                           for lane in range(self.router.config.num_lanes)]
 
-    async def _run(self) -> None:
+    async def _run(self, lane: int) -> None:
         while True:
-            if not self.router.has_work:
+            if not self.router.lane_has_work(lane):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             try:
-                outputs = await self.router.step()
+                outputs = await self.router.step(lane)
             except Exception as exc:  # a failed step fails the running requests, never hangs them
                 log.exception("engine step failed")
                 self._fail_running(f"{type(exc).__name__}: {exc}")
@@ -46,6 +48,8 @@ class EngineLoop:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            if not outputs:
+                await asyncio.sleep(0.001)  # nothing ran in this lane: do not spin
             await asyncio.sleep(0)  # let streams and new arrivals run between steps
 
     def _fail_running(self, message: str) -> None:
@@ -58,6 +62,8 @@ class EngineLoop:
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_running()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -91,11 +97,12 @@ class EngineLoop:
                              last.num_output_tokens, last.stats, last.error)
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._task
+                await task
             except (asyncio.CancelledError, Exception):
                 pass
-        self._task = None
+        self._tasks = []
         self._wakeup = None  # bound to this event loop; a later loop makes its own

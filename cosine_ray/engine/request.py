@@ -78,6 +78,11 @@ class Request:
     generator: torch.Generator | None = None
     pending_commit: tuple[int, ...] | None = None
     """Speculative KV slots of the last step to keep (root + accepted path) at the next score."""
+    kv_lost: bool = False
+    """A stage lost this request's KV: the next step re-prefills prompt + committed tokens."""
+    num_restores: int = 0
+    lane: int = 0
+    """Micro-batch lane the router steps this request in."""
     stats: RequestStats = field(default_factory=RequestStats)
 
     def __post_init__(self) -> None:

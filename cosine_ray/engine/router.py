@@ -27,7 +27,7 @@ from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProp
 from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from cosine_ray.engine.speculation import (DrafterClient, SpeculationStats, gather_proposals,
                                            merge_proposals)
-from cosine_ray.engine.target import ScoreItem, TargetClient
+from cosine_ray.engine.target import ScoreItem, TargetClient, TargetUnavailable
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,14 @@ class RouterConfig:
     """A drafter's answer later than this is dropped for the step."""
     max_model_len: int = 8192
     """Prompt + output tokens a request may reach."""
+    stage_recovery_s: float = 60.0
+    """How long a lost stage may take to come back before its requests fail."""
+    max_restores: int = 3
+    """Re-prefills one request may go through before it fails (a bug must not loop)."""
+    num_lanes: int = 1
+    """Micro-batches in flight at once: running requests are split into this many lanes,
+    each stepped by its own coroutine, so with S pipeline stages stage s can work on lane
+    n while stage s+1 works on lane n-1. 1 for the in-process engine."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -48,6 +56,8 @@ class RouterConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.drafter_deadline_s <= 0:
             raise ValueError("drafter_deadline_s must be > 0")
+        if self.num_lanes < 1:
+            raise ValueError("num_lanes must be >= 1")
 
 
 @dataclass(slots=True)
@@ -112,6 +122,9 @@ class Router:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._to_release)
 
+    def lane_has_work(self, lane: int) -> bool:
+        return bool(self.waiting or self._to_release or any(r.lane == lane for r in self.running.values()))
+
     async def release_finished(self) -> None:
         if not self._to_release:
             return
@@ -124,20 +137,28 @@ class Router:
                 self.speculation_stats.failed(d.name)
 
     # ---- the step loop ------------------------------------------------------------------
-    async def step(self) -> list[RequestOutput]:
+    async def step(self, lane: int | None = None) -> list[RequestOutput]:
+        """One iteration for the requests of ``lane`` (None: every running request)."""
         await self.release_finished()
         self._admit()
-        if not self.running:
+        batch = [r for r in self.running.values() if lane is None or r.lane == lane]
+        if not batch:
             return []
-        planned = await self._plan_and_draft(list(self.running.values()))
-        logits = await self.target.score([p.item for p in planned])
+        planned = await self._plan_and_draft(batch)
+        try:
+            logits = await self.target.score([p.item for p in planned])
+        except TargetUnavailable as exc:
+            return await self._recover(str(exc))
         outputs = []
         feedback: dict[str, list[DraftFeedback]] = {d.name: [] for d in self.drafters}
         for p, item_logits in zip(planned, logits):
             request = p.request
-            if p.tree is None:
+            if request.request_id not in self.running:  # aborted while this step was in flight
+                continue
+            if p.tree is None:  # prefill (or restore after a lost stage) of the whole context
                 new_tokens = [self._sample_one(request, item_logits[-1:])]
                 request.pending_commit = tuple(range(len(p.item.token_ids)))
+                request.kv_lost = False
             else:
                 result = self._verify(request, p.tree, item_logits)
                 new_tokens = list(result.new_token_ids)
@@ -158,10 +179,32 @@ class Router:
                     self.speculation_stats.failed(d.name)
         return outputs
 
+    async def _recover(self, reason: str) -> list[RequestOutput]:
+        """A stage is gone: wait for it, then re-prefill every running request from its prompt
+        and committed tokens (nothing is streamed twice); fail them if it does not come back."""
+        recovered = await self.target.recover(self.config.stage_recovery_s)
+        outputs = []
+        for request in list(self.running.values()):
+            request.num_restores += 1
+            request.kv_lost, request.pending_commit = True, None
+            if recovered and request.num_restores <= self.config.max_restores:
+                continue
+            request.finish("error")
+            del self.running[request.request_id]
+            self._to_release.append(request.request_id)
+            outputs.append(RequestOutput(request.request_id, [], True, "error",
+                                         len(request.prompt_token_ids), len(request.output_token_ids),
+                                         request.stats, error=f"target unavailable: {reason}"))
+        return outputs
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            loads = [0] * self.config.num_lanes
+            for r in self.running.values():
+                loads[r.lane] += 1
+            request.lane = loads.index(min(loads))
             self.running[request.request_id] = request
 
     async def _plan_and_draft(self, requests: list[Request]) -> list[_Planned]:
@@ -169,8 +212,8 @@ class Router:
         draft_inputs: list[DraftInput] = []
         decoding: list[_Planned] = []
         for request in requests:
-            if not request.output_token_ids:
-                planned.append(_Planned(request, ScoreItem.prefill(request.request_id, request.prompt_token_ids)))
+            if not request.output_token_ids or request.kv_lost:
+                planned.append(_Planned(request, ScoreItem.prefill(request.request_id, request.context_token_ids)))
                 continue
             p = _Planned(request, None)  # type: ignore[arg-type]
             planned.append(p)

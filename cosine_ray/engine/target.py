@@ -98,12 +98,22 @@ def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
                              f"router expects {it.start_position}")
 
 
+class TargetUnavailable(RuntimeError):
+    """A stage died, hung past its deadline or lost its KV: the router re-prefills."""
+
+
 class TargetClient(Protocol):
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
-        """Logits per item (fp32): [len(token_ids), vocab] or [1, vocab] for prefill."""
+        """Logits per item (fp32): [len(token_ids), vocab] or [1, vocab] for prefill.
+        Raises TargetUnavailable when a stage is gone or its state is lost."""
         ...
 
     async def release(self, request_ids: Sequence[str]) -> None:
+        ...
+
+    async def recover(self, timeout_s: float) -> bool:
+        """Bring every stage back (restart if needed) and drop all per-request KV;
+        False if that did not happen within ``timeout_s``."""
         ...
 
 
@@ -172,3 +182,8 @@ class LocalTargetClient:
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.worker.release(request_ids)
+
+    async def recover(self, timeout_s: float) -> bool:
+        for stage in self.worker.stages:
+            stage.release(stage.cache.request_ids)
+        return True

@@ -122,8 +122,19 @@ class Checkpoint:
     name: str
     path: Path
     config: ModelConfig
-    hf_config: Any = field(repr=False)
-    """The transformers ``PretrainedConfig`` read from ``path/config.json``."""
+    _hf_config: Any = field(default=None, repr=False)
+
+    @property
+    def hf_config(self) -> Any:
+        """The transformers ``PretrainedConfig`` read from ``path/config.json`` (lazily)."""
+        if self._hf_config is None:
+            from transformers import AutoConfig
+            try:
+                self._hf_config = AutoConfig.from_pretrained(str(self.path))
+            except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+                raise ModelLoadError(f"transformers cannot read {self.path / 'config.json'}: "
+                                     f"{_one_line(e)}") from None
+        return self._hf_config
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -215,16 +226,11 @@ def _read_hf_dir(path: Path, name: str) -> Checkpoint:
         raise ModelLoadError(f"{path}: {e}") from None
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file} lacks a required field ({e}); is it a causal LM?") from None
-    from transformers import AutoConfig
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-        raise ModelLoadError(f"transformers cannot read {cfg_file}: {_one_line(e)}") from None
-    try:
-        config = ModelConfig.from_hf(_with_generation_eos(hf_config.to_dict(), path))
-    except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-    ckpt = Checkpoint(name=name, path=path, config=config, hf_config=hf_config)
+    # NOTE(lead): no transformers import here: AutoConfig costs seconds (10+ on a loaded
+    # 2-core machine), paid by every stage and drafter actor at start. The raw config.json is
+    # enough for our forward; transformers' view is loaded lazily (Checkpoint.hf_config).
+    config = ModelConfig.from_hf(_with_generation_eos(raw, path))
+    ckpt = Checkpoint(name=name, path=path, config=config)
     if not ckpt.weight_files():
         raise ModelLoadError(f"{path} has config.json but no weights (model.safetensors or "
                              f"sharded *.safetensors)")

@@ -109,12 +109,9 @@ class Generation:
             raise EngineUnavailable("the engine ended the request without finishing it") from None
         except OpenAIError:
             raise
-        except ValueError as exc:
-            if self._num_outputs == 0:  # rejected at submission: the request's fault
+        except Exception as exc:
+            if isinstance(exc, ValueError) and self._num_outputs == 0:  # rejected at submission
                 raise InvalidRequest(str(exc)) from None
-            log.exception("engine error in %s", self.request_id)
-            raise EngineUnavailable("the engine failed while generating; retry") from None
-        except Exception:
             log.exception("engine error in %s", self.request_id)
             raise EngineUnavailable("the engine failed while generating; retry") from None
         self._num_outputs += 1
@@ -313,10 +310,10 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
             async for event in events:
                 yield event
         except OpenAIError as exc:
-            yield sse(_json(exc.payload()))
+            yield sse(json.dumps(exc.payload()))
         except Exception:
             log.exception("stream %s failed", gen.request_id)
-            yield sse(_json(error_payload(500, "internal server error")))
+            yield sse(json.dumps(error_payload(500, "internal server error")))
         finally:
             await gen.aclose()
         yield "data: [DONE]\n\n"
@@ -415,7 +412,3 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     return app
-
-
-def _json(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, separators=(",", ":"))

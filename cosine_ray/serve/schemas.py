@@ -48,7 +48,8 @@ class _SamplingRequest(BaseModel):
     temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(strict=True, ge=-1)] = Field(-1, description="0 or -1 = off.")
-    n: Annotated[int, Field(strict=True, ge=1)] = Field(1, description="Only 1 is supported.")
+    n: Annotated[int, Field(strict=True, ge=1)] = Field(1, description="Only 1 is supported.",
+                                                        json_schema_extra={"maximum": 1})
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     seed: Annotated[int, Field(strict=True, ge=-(2**63), lt=2**64)] | None = None

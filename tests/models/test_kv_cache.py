@@ -146,6 +146,21 @@ def test_growth_keeps_committed_prefix():
     assert_contents(cache, "a", [1, 2, 5, 3] + list(range(10, 30)))
 
 
+def test_buffer_grown_under_inference_mode_can_be_compacted_outside():
+    """A forward runs under torch.inference_mode (growth happens there); the router commits
+    outside it: compaction must still work on the grown buffer."""
+    cache = make_cache(initial_capacity=2)
+    cache.allocate("a")
+    with torch.inference_mode():
+        write_level(cache, "a", [1, 2, 3, 4, 5])
+    cache.commit("a", [0, 3, 4])
+    with torch.inference_mode():
+        write_level(cache, "a", [6, 7, 8])
+    cache.commit("a", [1, 2])
+    cache.rollback("a", 1)
+    assert_contents(cache, "a", [1, 4, 5, 7])
+
+
 def test_max_tokens_counts_every_request_and_replaces_open_level():
     cache = make_cache(max_tokens=10)
     cache.allocate("a")

@@ -328,6 +328,13 @@ def test_cache_grows_past_initial_capacity(tiny_stage):
     last = tree.num_nodes - 1
     path = [tree.token_ids[i] for i in tree.path_to(last)]
     torch.testing.assert_close(out[last], fresh_logits(tiny_stage, ids[:13] + path)[-1], atol=ATOL, rtol=0)
+    # compacting commit (outside inference mode) on the buffer grown inside the forward
+    keep = tree.path_to(last)
+    assert keep != list(range(len(keep)))
+    cache2.commit("r", keep)
+    committed = ids[:13] + path
+    out = run_chain([tiny_stage], [cache2], "r", ids[40:43], len(committed))
+    torch.testing.assert_close(out, fresh_logits(tiny_stage, committed + ids[40:43])[-3:], atol=ATOL, rtol=0)
 
 
 def test_max_tokens_cap_raises_memory_error(tiny_stage):

@@ -1,0 +1,138 @@
+"""Ray implementations of the engine's client protocols; every remote call has a deadline.
+
+``ActorSlot`` keeps a live handle for one role: Ray restarts a crashed actor itself
+(``max_restarts``); an actor killed for good (``ray.kill``) is spawned again by the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Sequence
+
+import ray
+import torch
+from ray.exceptions import ActorDiedError, RayActorError
+
+from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.target import ScoreItem, TargetUnavailable, split_logits
+
+log = logging.getLogger(__name__)
+
+
+async def await_ref(ref: ray.ObjectRef, timeout_s: float) -> Any:
+    """Await an ObjectRef with a deadline (never a blocking ray.get in async code)."""
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=timeout_s)
+
+
+class ActorSlot:
+    def __init__(self, name: str, spawn: Callable[[], Any]) -> None:
+        self.name = name
+        self._spawn = spawn
+        self.handle = spawn()
+        self.num_respawns = 0
+
+    def respawn_if_dead(self, exc: BaseException) -> None:
+        """After an ActorDiedError that Ray will not repair (killed with no_restart)."""
+        if isinstance(exc, ActorDiedError) and not getattr(exc, "preempted", False):
+            try:
+                ray.get_actor(self.name)  # still registered: Ray is restarting it
+                return
+            except ValueError:
+                pass
+            log.warning("actor %s is gone; spawning a new one", self.name)
+            self.handle = self._spawn()
+            self.num_respawns += 1
+
+
+class RayDrafterClient:
+    """DrafterClient over a DrafterActor. A call that overruns its deadline keeps running in
+    the actor; until it returns, this drafter sits out the following steps instead of
+    queueing more work behind it."""
+
+    def __init__(self, slot: ActorSlot, name: str, *, deadline_s: float) -> None:
+        self.slot = slot
+        self.name = name
+        self.deadline_s = deadline_s
+        self._inflight: ray.ObjectRef | None = None
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
+        if self._inflight is not None:
+            ready, _ = ray.wait([self._inflight], timeout=0)
+            if not ready:
+                raise TimeoutError(f"drafter {self.name} is still busy with an earlier step")
+            self._inflight = None
+        ref = self.slot.handle.propose.remote(list(inputs))
+        try:
+            return await await_ref(ref, self.deadline_s)
+        except asyncio.TimeoutError:
+            self._inflight = ref
+            raise
+        except RayActorError as exc:
+            self.slot.respawn_if_dead(exc)
+            raise
+
+    async def observe(self, feedback: Sequence[DraftFeedback]) -> None:
+        self.slot.handle.observe.remote(list(feedback))  # fire and forget: ordered before the next propose
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        self.slot.handle.release.remote(list(request_ids))
+
+
+class RayTargetClient:
+    """TargetClient over the chain of StageActors.
+
+    Stage s's output ObjectRef is passed straight to stage s+1: Ray moves the hidden
+    states between the stage actors without a round trip through the router, and the
+    router only awaits the last stage's logits."""
+
+    def __init__(self, slots: Sequence[ActorSlot], *, deadline_s: float) -> None:
+        self.slots = list(slots)
+        self.deadline_s = deadline_s
+
+    async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
+        if not items:
+            return []
+        items = list(items)
+        ref = None
+        for slot in self.slots:
+            ref = slot.handle.forward.remote(items, ref)
+        try:
+            logits = await await_ref(ref, self.deadline_s)
+        except asyncio.TimeoutError as exc:
+            raise TargetUnavailable(f"stage chain missed its {self.deadline_s:.0f} s deadline") from exc
+        except (RayActorError, ray.exceptions.RayTaskError) as exc:
+            for slot in self.slots:
+                slot.respawn_if_dead(exc)
+            raise TargetUnavailable(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+        return split_logits(items, logits)
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        for slot in self.slots:
+            slot.handle.release.remote(list(request_ids))
+
+    async def recover(self, timeout_s: float) -> bool:
+        """Wait until every stage answers, then drop all per-request KV everywhere."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for slot in self.slots:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                try:
+                    await await_ref(slot.handle.ping.remote(), min(5.0, remaining))
+                    break
+                except (RayActorError, asyncio.TimeoutError) as exc:
+                    if isinstance(exc, RayActorError):
+                        slot.respawn_if_dead(exc)
+                    await asyncio.sleep(0.2)
+        try:
+            await asyncio.gather(*(await_ref(s.handle.release_all.remote(), 10.0) for s in self.slots))
+        except (RayActorError, asyncio.TimeoutError):
+            return False
+        return True
+
+    async def kv_usage(self, timeout_s: float = 5.0) -> list[dict[str, int]]:
+        return list(await asyncio.gather(*(await_ref(s.handle.kv_usage.remote(), timeout_s)
+                                           for s in self.slots)))

@@ -1,0 +1,31 @@
+"""Joining or starting the Ray cluster, and the names of our actors."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+NAMESPACE = "cosine_ray"
+
+
+def actor_name(role: str, index: int) -> str:
+    """``cosine_ray:<role>:<index>`` (all in namespace ``cosine_ray``)."""
+    return f"{NAMESPACE}:{role}:{index}"
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
+    """Join ``address`` (``auto`` or ``ray://...`` or ``HOST:PORT``), or start a local cluster.
+
+    A local cluster gets a fixed ``num_cpus`` (default: the machine's cores) so scheduling
+    does not depend on what else runs; our actors ask for fractional CPUs and limit their
+    own torch threads instead (see ``placement``).
+    """
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, namespace=NAMESPACE,
+                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)

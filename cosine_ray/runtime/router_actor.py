@@ -1,0 +1,146 @@
+"""The router actor: owns the request pool and the step loop; creates the stages and drafters.
+
+Ownership (reliability guide): the router is a named, *detached* actor
+(``cosine_ray:router:0``) that the Serve ingress gets or creates, so replacing an ingress
+replica never kills in-flight generation. Stage and drafter actors are owned by the router
+and die with it; a restarted router (``max_restarts``) builds a fresh set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, AsyncIterator, Sequence
+
+import ray
+import torch
+
+from cosine_ray.engine.config import EngineConfig
+from cosine_ray.engine.loop import EngineLoop
+from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.router import Router
+from cosine_ray.models.loader import resolve_checkpoint
+from cosine_ray.runtime.actors import DrafterActor, StageActor
+from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
+from cosine_ray.runtime.cluster import NAMESPACE, actor_name
+from cosine_ray.runtime.placement import actor_options
+
+log = logging.getLogger(__name__)
+
+ROUTER_NAME = actor_name("router", 0)
+
+
+class RouterHost:
+    def __init__(self, config: EngineConfig) -> None:
+        torch.set_num_threads(1)
+        self.config = config
+        checkpoint = resolve_checkpoint(config.model)
+        tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
+        eos = set(checkpoint.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.model_name = checkpoint.name
+        self.vocab_size = checkpoint.config.vocab_size
+
+        def spawner(role: str, index: int, cls: Any, *args: Any):
+            return lambda: cls.options(**actor_options(role, index, config)).remote(config, *args)
+
+        self.stage_slots = [ActorSlot(actor_name("stage", i), spawner("stage", i, StageActor, i))
+                            for i in range(config.num_stages)]
+        self.drafter_slots = [ActorSlot(actor_name("drafter", i), spawner("drafter", i, DrafterActor, spec))
+                              for i, spec in enumerate(config.drafters)]
+        self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
+        drafters = [RayDrafterClient(slot, spec.name, deadline_s=config.router.drafter_deadline_s)
+                    for slot, spec in zip(self.drafter_slots, config.drafters)]
+        router_config = dataclasses.replace(
+            config.router, max_model_len=min(config.router.max_model_len, checkpoint.config.max_position_embeddings))
+        self.max_model_len = router_config.max_model_len
+        self.router = Router(router_config, self.target, drafters, vocab_size=self.vocab_size,
+                             eos_token_ids=sorted(eos))
+        self.loop = EngineLoop(self.router)
+
+    async def ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait until every stage and drafter has loaded (first start loads the weights)."""
+        slots = self.stage_slots + self.drafter_slots
+        await asyncio.gather(*(await_ref(s.handle.ping.remote(), timeout_s) for s in slots))
+        return await self.describe()
+
+    async def describe(self) -> dict[str, Any]:
+        return {"model": self.model_name, "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+                "stages": [s.name for s in self.stage_slots], "drafters": [d.name for d in self.router.drafters]}
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        async for out in self.loop.generate(prompt_token_ids, params, request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return self.router.abort(request_id)
+
+    async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> str | None:
+        """None if servable, else the reason (ValueError message)."""
+        try:
+            self.router.check_request(prompt_token_ids, params)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    async def health(self) -> dict[str, Any]:
+        status = {"status": "ok", "running": len(self.router.running), "waiting": len(self.router.waiting)}
+        try:
+            await asyncio.gather(*(await_ref(s.handle.ping.remote(), 5.0) for s in self.stage_slots))
+        except Exception as exc:  # a stage is down or restarting
+            status.update(status="recovering", error=f"{type(exc).__name__}")
+        return status
+
+    async def stats(self) -> dict[str, Any]:
+        """State held per request across the cluster (tests check nothing leaks)."""
+        drafter_state = await asyncio.gather(*(await_ref(s.handle.state_size.remote(), 5.0)
+                                               for s in self.drafter_slots), return_exceptions=True)
+        return {
+            "running": len(self.router.running), "waiting": len(self.router.waiting),
+            "kv": await self.target.kv_usage(),
+            "drafters": {s.name: (d if isinstance(d, dict) else {"error": type(d).__name__})
+                         for s, d in zip(self.drafter_slots, drafter_state)},
+            "drafter_failures": dict(self.router.speculation_stats.failures),
+            "respawns": {s.name: s.num_respawns for s in self.stage_slots + self.drafter_slots},
+        }
+
+    async def actor_handles(self) -> dict[str, Any]:
+        return {s.name: s.handle for s in self.stage_slots + self.drafter_slots}
+
+    async def shutdown(self) -> None:
+        await self.loop.shutdown()
+        for slot in self.stage_slots + self.drafter_slots:
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+
+
+RouterActor = ray.remote(RouterHost)
+
+
+def get_or_create_router(config: EngineConfig, *, fresh: bool = False, ready_timeout_s: float = 900.0):
+    """The detached router actor (created if absent, or replaced when ``fresh``); waits until
+    its stages and drafters are loaded."""
+    if fresh:
+        kill_router()
+    handle = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached",
+                                 get_if_exists=True, max_restarts=-1, max_task_retries=0,
+                                 num_cpus=0, max_concurrency=1000).remote(config)
+    ray.get(handle.ready.remote(ready_timeout_s), timeout=ready_timeout_s)  # sync caller only
+    return handle
+
+
+def kill_router() -> None:
+    try:
+        handle = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    try:
+        ray.get(handle.shutdown.remote(), timeout=30)
+    except Exception:
+        pass
+    ray.kill(handle, no_restart=True)

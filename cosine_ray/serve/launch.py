@@ -1,0 +1,73 @@
+"""``cosine-ray serve``: start (or join) Ray, deploy the app, print the URL, run until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+DEFAULT_NUM_STAGES = 2
+
+
+def serve_args(args: argparse.Namespace, error: type[Exception]) -> dict[str, Any]:
+    """Engine config data from --config plus the flags that override it."""
+    from cosine_ray.engine.config import config_from_dict, config_to_dict, load_config_file
+    try:
+        data = config_to_dict(load_config_file(args.config)) if args.config else {"num_stages": DEFAULT_NUM_STAGES}
+        for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages)):
+            if flag is not None:
+                data[key] = flag
+        router = dict(data.get("router") or {})
+        if args.num_speculative_tokens is not None:
+            router["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.max_batch_size is not None:
+            router["max_batch_size"] = args.max_batch_size
+        if "num_lanes" not in router or router["num_lanes"] == 1:
+            router["num_lanes"] = max(1, int(data.get("num_stages", DEFAULT_NUM_STAGES)))
+        data["router"] = router
+        if args.address:
+            data.setdefault("cluster", {})
+            data["cluster"] = {**data["cluster"], "address": args.address}
+        config = config_from_dict(data)
+        from cosine_ray.models.loader import resolve_checkpoint
+        resolve_checkpoint(config.model)  # fail fast with a clear message (and fetch it once)
+    except ValueError as exc:
+        raise error(str(exc).splitlines()[0]) from None
+    if not 0 < args.port < 65536:
+        raise error(f"--port must be in 1..65535, got {args.port}")
+    return config_to_dict(config)
+
+
+def run_serve(args: argparse.Namespace, error: type[Exception]) -> int:
+    data = serve_args(args, error)
+    import ray
+    from ray import serve
+
+    from cosine_ray.runtime.cluster import connect
+    from cosine_ray.runtime.router_actor import kill_router
+    from cosine_ray.serve.app import build_app
+
+    connect(data["cluster"].get("address"), num_cpus=args.num_cpus)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    app_args = dict(data, fresh_router=True)
+    if args.api_key:
+        app_args["api_key"] = args.api_key
+    print(f"cosine_ray: starting {data['num_stages']} stage(s) and drafters "
+          f"[{data['drafters']}] for {data['model']} (first start loads the model)...", flush=True)
+    serve.run(build_app(app_args), name="cosine_ray", route_prefix="/", blocking=False)
+    url = f"http://{args.host}:{args.port}"
+    print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health). Ctrl-C stops.", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("cosine_ray: shutting down", file=sys.stderr, flush=True)
+    try:
+        serve.delete("cosine_ray")
+        kill_router()
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0

@@ -1,0 +1,413 @@
+"""The OpenAI HTTP layer against a real LocalEngine (tiny random model, SmolLM2 tokenizer).
+
+Drafters: n-gram plus the target itself ("self": acceptance ~1, so the stats are non-trivial).
+One uvicorn server in a background thread serves the app for the whole module (the engine's
+step loop lives on that server's event loop); the official ``openai`` client and httpx talk to
+it over TCP. References are the engine's own greedy outputs, computed before the server starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+
+from cosine_ray.engine.client import LocalEngineClient
+from cosine_ray.engine.config import EngineConfig, parse_drafters
+from cosine_ray.engine.local import LocalEngine, encode_prompt
+from cosine_ray.engine.request import RequestOutput, RequestStats, SamplingParams
+from cosine_ray.models.loader import write_tiny_checkpoint
+from cosine_ray.serve.errors import EngineUnavailable
+from cosine_ray.serve.openai_app import TextStream, build_openai_app
+
+MODEL = "tiny-smollm2"
+CHAT_TEXT = "Write a haiku about the sea."
+COMPLETION_TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+MAX_TOKENS = 12
+API_KEY = "sekrit-key"
+
+
+class Served:
+    def __init__(self, url: str, engine: LocalEngine, client: LocalEngineClient, refs: dict[str, list[int]]):
+        self.url, self.engine, self.client, self.refs = url, engine, client, refs
+        self.tok = engine.tokenizer
+
+    def ref_text(self, name: str) -> str:
+        return self.tok.decode(self.refs[name], skip_special_tokens=True)
+
+    def is_idle(self) -> bool:
+        router = self.engine.router
+        return not router.running and not router.waiting
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, real_checkpoint):
+    ck = write_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", tokenizer_from=real_checkpoint)
+    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self")), checkpoint=ck)
+    tok = engine.tokenizer
+    prompts = {"chat": encode_prompt(tok, CHAT_TEXT),
+               "completion": tok(COMPLETION_TEXT, add_special_tokens=True)["input_ids"]}
+    outs = engine.generate(list(prompts.values()), SamplingParams(max_tokens=MAX_TOKENS))  # greedy
+    refs = {name: out.new_token_ids for name, out in zip(prompts, outs)}
+    client = LocalEngineClient(engine)
+    app = build_openai_app(client, tok, model_name=MODEL)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, client, refs)
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def oai(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat_body(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": CHAT_TEXT}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+
+
+def sse_lines(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+# ---- the openai client: text equals the engine's own greedy output --------------------------
+
+def test_chat_and_completion_match_engine_greedy(served):
+    client = oai(served)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_TEXT}],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion" and chat.created > 0
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == served.ref_text("chat")
+    assert chat.choices[0].finish_reason == ("length" if len(served.refs["chat"]) == MAX_TOKENS else "stop")
+    n_prompt = len(encode_prompt(served.tok, CHAT_TEXT))
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens) == (
+        n_prompt, len(served.refs["chat"]), n_prompt + len(served.refs["chat"]))
+    assert "cosine_ray" not in chat.to_dict()
+
+    comp = client.completions.create(model=MODEL, prompt=COMPLETION_TEXT, max_tokens=MAX_TOKENS, temperature=0)
+    assert comp.id.startswith("cmpl-") and comp.object == "text_completion"
+    assert comp.choices[0].text == served.ref_text("completion")
+    assert comp.usage.completion_tokens == len(served.refs["completion"])
+    ids = served.tok(COMPLETION_TEXT, add_special_tokens=True)["input_ids"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert by_ids.choices[0].text == comp.choices[0].text
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    sampled = [client.completions.create(model=MODEL, prompt=COMPLETION_TEXT, max_tokens=MAX_TOKENS,
+                                         temperature=1.0, seed=3).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]  # a seed makes sampling reproducible
+
+
+def test_streaming_matches_engine_greedy(served):
+    client = oai(served)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CHAT_TEXT}], max_tokens=MAX_TOKENS,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == served.ref_text("chat")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(served.refs["chat"])
+    assert len({c.id for c in chunks}) == 1
+
+    comp = list(client.completions.create(model=MODEL, prompt=COMPLETION_TEXT, max_tokens=MAX_TOKENS,
+                                          temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in comp) == served.ref_text("completion")
+    assert comp[-1].choices[0].finish_reason in ("length", "stop") and comp[-1].usage is None
+
+
+def test_cosine_ray_stats_block(served):
+    client = oai(served)
+    resp = client.completions.create(model=MODEL, prompt=COMPLETION_TEXT, max_tokens=MAX_TOKENS,
+                                     temperature=0, extra_body={"cosine_ray_stats": True}).to_dict()
+    stats = resp["cosine_ray"]
+    assert set(stats) == {"num_draft_tokens", "num_accepted_tokens", "mean_accepted_length",
+                          "num_verify_steps", "drafted_by", "accepted_by"}
+    assert stats["num_verify_steps"] >= 1 and 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert stats["mean_accepted_length"] == pytest.approx(
+        (stats["num_accepted_tokens"] + stats["num_verify_steps"]) / stats["num_verify_steps"])
+    assert sum(stats["drafted_by"].values()) == stats["num_draft_tokens"]
+    assert set(stats["drafted_by"]) <= {"ngram", "self"} and stats["accepted_by"].get("self", 0) > 0
+    assert stats["num_verify_steps"] < MAX_TOKENS - 1  # the self-drafter's tokens were accepted
+    r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60,
+                   json=chat_body(stream=True, cosine_ray_stats=True))
+    events = [json.loads(e) for e in sse_lines(r.text)[:-1]]
+    assert [("cosine_ray" in e) for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_stop_strings_truncate_output(served):
+    full = served.ref_text("chat")
+    stop = full[len(full) // 3: len(full) // 3 + 4]  # straddles token boundaries in general
+    expected = full[:full.find(stop)]
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=chat_body(stop=[stop, "\u2603never"]), timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (expected, "stop")
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=chat_body(stop=stop, stream=True), timeout=60)
+    events = [json.loads(e) for e in sse_lines(r.text)[:-1]]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == expected
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert _wait_idle(served)
+
+
+class _ByteTokenizer:
+    """A byte-level tokenizer in miniature: ids 7 and 8 are the two UTF-8 bytes of "é"."""
+    VOCAB = [b"a", b"b", b"c", b"ST", b"OP", b" ", b"x", b"\xc3", b"\xa9"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.VOCAB[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    ts = TextStream(_ByteTokenizer(), stop=["STOP"])
+    assert [ts.add([i], is_final=False) for i in (0, 7, 8, 1)] == ["a", "", "\u00e9", "b"]
+    assert ts.add([3], is_final=False) == ""  # "ST" could start "STOP"
+    assert ts.add([2], is_final=False) == "STc"  # it did not
+    assert ts.add([3, 4, 0], is_final=False) == "" and ts.is_stopped and ts.text == "a\u00e9bSTc"
+    ts = TextStream(_ByteTokenizer(), stop=["ST"])
+    assert ts.add([0, 3], is_final=True) == "a" and ts.is_stopped
+    ts = TextStream(_ByteTokenizer(), stop=["STOP"])
+    assert ts.add([0, 3], is_final=True) == "aST" and not ts.is_stopped
+    assert TextStream(_ByteTokenizer()).add([0, 7], is_final=True) == "a\ufffd"  # final: nothing held
+
+
+# ---- concurrency and disconnects ------------------------------------------------------------
+
+def test_concurrent_streams_each_end_with_one_done(served):
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, list[str]]:
+        async with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        events = [line[6:] for line in lines]
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        return text, events
+
+    async def main() -> list[tuple[str, list[str]]]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+    results = asyncio.run(main())
+    for text, events in results:
+        assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+        assert text == served.ref_text("chat")
+    assert _wait_idle(served)
+
+
+def _wait_idle(served: Served, timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if served.is_idle():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_client_disconnect_aborts_engine_request(served):
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=2000, stream=True)) as r:
+            it = r.iter_lines()
+            assert next(it).startswith("data: ") and next(it) == "" and next(it).startswith("data: ")
+            assert not served.is_idle()
+    assert _wait_idle(served), "streaming request still running after the client left"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", timeout=0.5,
+                   json={"prompt": COMPLETION_TEXT, "max_tokens": 2000, "temperature": 0})
+    assert _wait_idle(served), "non-streaming request still running after the client left"
+
+
+# ---- bad input: exact status and param; the server stays correct ----------------------------
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD_INPUTS = [  # (id, method, path, body, status, param); body: dict -> JSON, bytes -> raw
+    ("malformed-json", "POST", CHAT, b'{"messages": [', 400, None),
+    ("non-object-body", "POST", CHAT, b"[1, 2]", 400, None),
+    ("string-body", "POST", CHAT, b'"hello"', 400, None),
+    ("invalid-utf8", "POST", CHAT, b'{"messages": "\xff\xfe"}', 400, None),
+    ("deeply-nested", "POST", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("missing-messages", "POST", CHAT, {"max_tokens": 4}, 400, "messages"),
+    ("empty-messages", "POST", CHAT, {"messages": []}, 400, "messages"),
+    ("bad-role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("bad-content", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("bad-content-part", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages[0].content"),
+    ("unknown-model", "POST", CHAT, {"model": "gpt-9", "messages": MSG}, 404, "model"),
+    ("max-tokens-0", "POST", CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-neg", "POST", CHAT, {"messages": MSG, "max_tokens": -5}, 400, "max_tokens"),
+    ("max-tokens-str", "POST", CHAT, {"messages": MSG, "max_tokens": "abc"}, 400, "max_tokens"),
+    ("max-tokens-over-context", "POST", CHAT, {"messages": MSG, "max_tokens": 100_000}, 400, "max_tokens"),
+    ("max-completion-tokens-over", "POST", CHAT, {"messages": MSG, "max_completion_tokens": 2048}, 400,
+     "max_completion_tokens"),
+    ("temperature-neg", "POST", CHAT, {"messages": MSG, "temperature": -0.1}, 400, "temperature"),
+    ("temperature-high", "POST", CHAT, {"messages": MSG, "temperature": 2.5}, 400, "temperature"),
+    ("temperature-nan-str", "POST", CHAT, {"messages": MSG, "temperature": "NaN"}, 400, "temperature"),
+    ("temperature-nan", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     400, "temperature"),
+    ("top-p-0", "POST", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("top-p-high", "POST", CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    ("top-k-neg", "POST", CHAT, {"messages": MSG, "top_k": -2}, 400, "top_k"),
+    ("n-2", "POST", CHAT, {"messages": MSG, "n": 2}, 400, "n"),
+    ("presence-penalty-range", "POST", CHAT, {"messages": MSG, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("frequency-penalty-nonzero", "POST", CHAT, {"messages": MSG, "frequency_penalty": 0.5}, 400,
+     "frequency_penalty"),
+    ("logprobs", "POST", CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ("too-many-stops", "POST", CHAT, {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty-stop", "POST", CHAT, {"messages": MSG, "stop": [""]}, 400, "stop"),
+    ("stream-not-bool", "POST", CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream"),
+    ("stream-options-no-stream", "POST", CHAT, {"messages": MSG, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("tools", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("prompt-oov", "POST", COMP, {"prompt": [1, 49152]}, 400, "prompt"),
+    ("prompt-negative-id", "POST", COMP, {"prompt": [-1]}, 400, "prompt"),
+    ("prompt-empty", "POST", COMP, {"prompt": ""}, 400, "prompt"),
+    ("prompt-empty-list", "POST", COMP, {"prompt": []}, 400, "prompt"),
+    ("prompt-batch", "POST", COMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt-fills-context", "POST", COMP, {"prompt": [5] * 2048}, 400, "prompt"),
+    ("completion-logprobs", "POST", COMP, {"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+    ("wrong-method", "GET", CHAT, None, 405, None),
+    ("unknown-path", "POST", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("unknown-model-get", "GET", "/v1/models/gpt-9", None, 404, "model"),
+    ("oversized-body", "POST", CHAT, b" " * ((1 << 20) + 1), 413, None),
+    ("oversized-chunked-body", "POST", CHAT, iter([b" " * 65536] * 17), 413, None),
+    ("keyed-missing-key", "POST", CHAT, {"messages": MSG}, 401, None),
+    ("keyed-wrong-key", "GET", "/v1/models", None, 401, None),
+]
+
+
+def test_bad_inputs_exact_status_and_param(served):
+    keyed = TestClient(build_openai_app(served.client, served.tok, model_name=MODEL, api_key=API_KEY))
+    assert len(BAD_INPUTS) >= 25
+    failures = []
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        for name, method, path, body, status, param in BAD_INPUTS:
+            client = keyed if name.startswith("keyed") else http
+            headers = {"Authorization": "Bearer wrong"} if name == "keyed-wrong-key" else {}
+            if isinstance(body, dict):
+                r = client.request(method, path, json=body, headers=headers)
+            else:
+                r = client.request(method, path, content=body, headers={"Content-Type": "application/json",
+                                                                         **headers})
+            err = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else None
+            if r.status_code != status or err is None or err.get("param") != param or not err.get("message"):
+                failures.append(f"{name}: {r.status_code} {r.text[:200]}")
+            elif "Traceback" in r.text or "File \"" in r.text:
+                failures.append(f"{name}: leaks internals: {r.text[:200]}")
+    assert not failures, "\n".join(failures)
+    assert keyed.get("/health").status_code == 200  # the allowlisted route
+    ok = keyed.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=chat_body(), timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == served.ref_text("chat")
+    assert _wait_idle(served)
+
+
+def test_openapi_schema_lists_routes(served):
+    schema = httpx.get(f"{served.url}/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(schema["paths"])
+
+
+# ---- engine failures (fake engine, in-process) ----------------------------------------------
+
+class _FakeEngine:
+    model_name, max_model_len, vocab_size = "fake", 64, 100
+
+    def __init__(self, outputs: list[RequestOutput] | Exception, health: Any = None) -> None:
+        self.outputs, self._health, self.closed = outputs, health, 0
+
+    async def stream(self, prompt_token_ids, params, request_id):
+        try:
+            if isinstance(self.outputs, Exception):
+                raise self.outputs
+            for out in self.outputs:
+                yield out
+        finally:
+            self.closed += 1
+
+    async def check_request(self, prompt_token_ids, params) -> None:
+        pass
+
+    async def health(self) -> dict[str, Any]:
+        if isinstance(self._health, Exception):
+            raise self._health
+        return self._health or {"status": "ok"}
+
+
+class _IdTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def _fake_app(engine: _FakeEngine) -> TestClient:
+    return TestClient(build_openai_app(engine, _IdTokenizer(), model_name="fake"))
+
+
+def test_engine_errors_become_503_or_sse_error_events():
+    stats = RequestStats()
+    failing = [RequestOutput("r", [7], False, stats=stats), RequestOutput("r", [], True, "error", error="boom")]
+    engine = _FakeEngine(failing)
+    r = _fake_app(engine).post(COMP, json={"prompt": [1, 2]})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["type"] == "service_unavailable_error" and "boom" not in r.text
+    r = _fake_app(engine).post(COMP, json={"prompt": [1, 2], "stream": True})
+    events = sse_lines(r.text)
+    assert r.status_code == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert json.loads(events[0])["choices"][0]["text"] == "<7>"
+    assert json.loads(events[-2])["error"]["code"] == "engine_unavailable"
+    r = _fake_app(_FakeEngine(EngineUnavailable("stage 1 is recovering", retry_after=2.5))).post(
+        COMP, json={"prompt": [1], "stream": True})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "3" and "recovering" in r.text
+    assert engine.closed == 2
+
+
+def test_health_reports_engine_state_and_unexpected_errors_are_opaque_500s():
+    assert _fake_app(_FakeEngine([], {"status": "ok"})).get("/health").json() == {"status": "ok"}
+    r = _fake_app(_FakeEngine([], {"status": "recovering"})).get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "recovering"
+    assert _fake_app(_FakeEngine([], ConnectionError("router gone"))).get("/health").status_code == 503
+
+    class Broken(_IdTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            raise RuntimeError("secret internal detail")
+
+    engine = _FakeEngine([RequestOutput("r", [7], True, "length")])
+    r = TestClient(build_openai_app(engine, Broken(), model_name="fake")).post(COMP, json={"prompt": [1]})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text and "Traceback" not in r.text and engine.closed == 1
+
+
+def test_disconnect_does_not_disturb_concurrent_requests(served):
+    async def leave_early(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", CHAT, json=chat_body(max_tokens=2000, stream=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                    return  # first text delta: hang up mid-generation
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            stayers = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=60))) for _ in range(2)]
+            await asyncio.gather(*(leave_early(client) for _ in range(3)))
+            return await asyncio.gather(*stayers)
+
+    for r in asyncio.run(main()):
+        assert r.status_code == 200, r.text
+    assert _wait_idle(served)
