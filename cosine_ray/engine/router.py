@@ -145,6 +145,9 @@ class Router:
         if not batch:
             return []
         planned = await self._plan_and_draft(batch)
+        planned = [p for p in planned if p.request.request_id in self.running]  # aborted while drafting
+        if not planned:
+            return []
         try:
             logits = await self.target.score([p.item for p in planned])
         except TargetUnavailable as exc:

@@ -16,6 +16,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
 from cosine_ray.engine.target import ScoreItem, TargetUnavailable, split_logits
+from cosine_ray.runtime.cluster import NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class ActorSlot:
         """After an ActorDiedError that Ray will not repair (killed with no_restart)."""
         if isinstance(exc, ActorDiedError) and not getattr(exc, "preempted", False):
             try:
-                ray.get_actor(self.name)  # still registered: Ray is restarting it
+                ray.get_actor(self.name, namespace=NAMESPACE)  # still registered: Ray restarts it
                 return
             except ValueError:
                 pass

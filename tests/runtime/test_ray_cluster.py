@@ -1,0 +1,434 @@
+"""The Ray runtime on a real local cluster: router actor, pipeline stage actors, drafter actors.
+
+Tiny random-weight model with SmolLM2's tokenizer (vocab 49152; N(0, 0.2) weights leave no
+near-ties, so greedy outputs must match exactly). One local Ray cluster for the session
+(``ray_cluster``, see conftest.py) and one detached router per pipeline depth S: the router is
+a named actor (``cosine_ray:router:0``), so ``get_or_create_router(fresh=True)`` replaces the
+previous one. Tests run in file order: S=1, S=3, then S=2 for everything else (names, drafter
+and stage faults, cancellation, concurrency). Every wait has a deadline: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from cosine_ray.engine.config import EngineConfig, config_from_dict, parse_drafters  # noqa: E402
+from cosine_ray.engine.local import LocalEngine, encode_prompt  # noqa: E402
+from cosine_ray.engine.request import RequestOutput, SamplingParams  # noqa: E402
+from cosine_ray.engine.router import RouterConfig  # noqa: E402
+from cosine_ray.models.loader import write_tiny_checkpoint  # noqa: E402
+from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
+from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
+from cosine_ray.runtime.router_actor import ROUTER_NAME, get_or_create_router, kill_router  # noqa: E402
+
+pytestmark = [pytest.mark.ray]
+
+MAX_TOKENS = 40
+LONG_MAX_TOKENS = 300
+"""Fault tests: long enough that the kill lands mid-generation."""
+GAMMA = 6
+STAGE_RECOVERY_S = 120.0
+"""A restarted stage actor re-imports torch and reloads its slice (~10-30 s here)."""
+DRAFTERS = {1: "ngram", 2: "ngram,self", 3: "self"}
+"""Per pipeline depth (fewer actors = faster start); S=2 hosts the fault tests: "self" (the
+target drafting for itself) always proposes, so "its drafts are routed again" is observable."""
+SELF_DRAFTER = actor_name("drafter", 1)
+
+CHAT_TEXTS = [
+    "Write a haiku about the sea.",
+    "List the planets of the solar system, in order.",
+    "Repeat after me: one two three, one two three, one two three.",
+    "Explain recursion to a five year old.",
+]
+
+
+def _timed(label: str, start: float) -> None:
+    print(f"[ray-cluster] {label}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+# ---- references --------------------------------------------------------------------------------
+
+@dataclass
+class Tiny:
+    ckpt: Any
+    tokenizer: Any
+    prompts: list[list[int]]
+    """8 prompts: 4 chat-templated texts and 4 raw token-id lists."""
+    refs: list[list[int]]
+    """HF greedy, MAX_TOKENS each."""
+    long_prompt: list[int]
+    long_ref: list[int]
+    """HF greedy, LONG_MAX_TOKENS."""
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
+                             pad_token_id=model.generation_config.pad_token_id or 0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
+    start = time.perf_counter()
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ray-tiny") / "tiny-smollm2",
+                                 tokenizer_from=real_checkpoint, seed=7)
+    tok = ckpt.load_tokenizer()
+    g = torch.Generator().manual_seed(99)
+    vocab = ckpt.config.vocab_size
+    raw = [torch.randint(100, vocab, (n,), generator=g).tolist() for n in (5, 17, 33)]
+    raw.append(list(range(1000, 1012)) * 4)  # repetitive: the n-gram drafter has matches
+    prompts = [encode_prompt(tok, t) for t in CHAT_TEXTS] + raw
+    hf = ckpt.load_hf_model()
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    long_prompt = encode_prompt(tok, "Tell me a very long story about a lighthouse keeper.")
+    long_ref = hf_greedy(hf, long_prompt, LONG_MAX_TOKENS)
+    # the premise of exact comparison: the references run to max_tokens (no EOS)
+    assert all(len(r) == MAX_TOKENS for r in refs) and len(long_ref) == LONG_MAX_TOKENS
+    _timed("tiny checkpoint + HF references", start)
+    return Tiny(ckpt, tok, prompts, refs, long_prompt, long_ref)
+
+
+# ---- routers -----------------------------------------------------------------------------------
+
+def engine_config_data(tiny: Tiny, num_stages: int) -> dict[str, Any]:
+    return {"model": str(tiny.ckpt.path), "drafters": DRAFTERS[num_stages], "num_stages": num_stages,
+            "router": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_batch_size": 8,
+                       "stage_recovery_s": STAGE_RECOVERY_S},
+            "cluster": {"stage_deadline_s": 30.0}}
+
+
+class Routers:
+    """At most one router alive (it is a named detached actor); replaced when S changes."""
+
+    def __init__(self, tiny: Tiny) -> None:
+        self.tiny = tiny
+        self.num_stages: int | None = None
+        self.handle: Any = None
+        self.client: RayEngineClient | None = None
+
+    def get(self, num_stages: int) -> tuple[Any, RayEngineClient]:
+        if self.num_stages != num_stages:
+            start = time.perf_counter()
+            self.num_stages = None
+            config = config_from_dict(engine_config_data(self.tiny, num_stages))
+            self.handle = get_or_create_router(config, fresh=True, ready_timeout_s=300)
+            self.client = RayEngineClient.from_router(self.handle, token_timeout_s=180.0, call_timeout_s=30.0)
+            self.num_stages = num_stages
+            _timed(f"router with {num_stages} stage(s) + drafters [{DRAFTERS[num_stages]}] ready", start)
+        return self.handle, self.client
+
+
+@pytest.fixture(scope="module")
+def routers(ray_cluster, tiny) -> Routers:
+    pool = Routers(tiny)
+    yield pool
+    start = time.perf_counter()
+    kill_router()
+    _timed("router killed", start)
+
+
+@pytest.fixture
+def router2(routers):
+    """The S=2 router (ngram + self drafters), shared by every fault/concurrency test."""
+    return routers.get(2)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def run(coro: Awaitable, timeout_s: float = 240.0):
+    """Run a test body with an overall deadline: nothing may hang."""
+    return asyncio.run(asyncio.wait_for(coro, timeout=timeout_s))
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    last: RequestOutput | None
+    num_outputs: int
+    elapsed_s: float
+
+
+async def collect(client: RayEngineClient, prompt: list[int], max_tokens: int, *,
+                  on_output: Callable[[int, RequestOutput], Awaitable[bool | None]] | None = None,
+                  request_id: str | None = None) -> Result:
+    """Stream one request; ``on_output(n, out)`` returning True closes the stream early."""
+    start = time.perf_counter()
+    tokens: list[int] = []
+    last = None
+    n = 0
+    agen = client.stream(prompt, SamplingParams(max_tokens=max_tokens), request_id or uuid.uuid4().hex)
+    try:
+        async for out in agen:
+            n += 1
+            tokens.extend(out.new_token_ids)
+            last = out
+            if on_output is not None and await on_output(n, out):
+                break
+    finally:
+        await agen.aclose()
+    return Result(tokens, last, n, time.perf_counter() - start)
+
+
+def is_idle(stats: dict[str, Any]) -> bool:
+    return (stats["running"] == 0 and stats["waiting"] == 0
+            and all(kv["requests"] == 0 and kv["tokens"] == 0 for kv in stats["kv"])
+            and all(d.get("requests") == 0 for d in stats["drafters"].values()))
+
+
+async def wait_idle(client: RayEngineClient, timeout_s: float) -> dict[str, Any]:
+    """Poll router.stats() until no state is held anywhere; the last stats if it never is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await client.stats()
+        if is_idle(stats) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.1)
+
+
+def wait_actor_back(name: str, old_incarnation: str | None, timeout_s: float = 180.0) -> str:
+    """Block until the named actor answers ping with a new incarnation."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            incarnation = ray.get(ray.get_actor(name, namespace=NAMESPACE).ping.remote(), timeout=10)
+            if incarnation != old_incarnation:
+                return incarnation
+        except Exception as exc:  # not registered yet / restarting / starting
+            last_exc = exc
+        time.sleep(0.5)
+    raise AssertionError(f"actor {name} did not come back within {timeout_s} s (last error: {last_exc!r})")
+
+
+def ping(name: str) -> str:
+    return ray.get(ray.get_actor(name, namespace=NAMESPACE).ping.remote(), timeout=60)
+
+
+def our_named_actors() -> dict[str, str]:
+    """name -> namespace of every live named actor whose name is ours."""
+    return {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("cosine_ray:")}
+
+
+# ---- (a) pipeline depth changes nothing ----------------------------------------------------------
+
+@pytest.mark.parametrize("num_stages", [1, 3, 2])  # 2 last: the tests below reuse its router
+def test_pipeline_matches_local_engine_and_hf_greedy(routers, tiny, num_stages):
+    _, client = routers.get(num_stages)
+    prompts, refs = tiny.prompts[:4] + tiny.prompts[-1:], tiny.refs[:4] + tiny.refs[-1:]
+
+    start = time.perf_counter()
+    local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]),
+                                     num_stages=num_stages,
+                                     router=RouterConfig(num_speculative_tokens=GAMMA, max_batch_size=8)),
+                        checkpoint=tiny.ckpt)
+    local_outs = local.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.new_token_ids for o in local_outs] == refs, "in-process engine differs from HF greedy"
+
+    async def main():
+        return await asyncio.gather(*(collect(client, p, MAX_TOKENS) for p in prompts))
+
+    start = time.perf_counter()
+    results = run(main(), 180)
+    _timed(f"S={num_stages}: {len(prompts)} concurrent requests via Ray", start)
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        assert res.tokens == ref, f"prompt {i}: Ray pipeline (S={num_stages}) differs from greedy"
+        assert res.last.finished and res.last.finish_reason == "length" and res.last.error is None
+        assert res.last.num_output_tokens == MAX_TOKENS
+    stats = [r.last.stats for r in results]
+    assert sum(s.num_draft_tokens for s in stats) > 0, "no drafts were verified at all"
+    if "self" in DRAFTERS[num_stages]:  # the target drafting for itself is always right
+        assert sum(s.accepted_by.get("self", 0) for s in stats) > 0
+    assert is_idle(run(wait_idle(client, 5.0), 30))
+
+
+# ---- (b) actor names ---------------------------------------------------------------------------
+
+def test_actor_names_and_namespace(router2):
+    handle, client = router2
+    expected = {ROUTER_NAME, actor_name("stage", 0), actor_name("stage", 1),
+                actor_name("drafter", 0), actor_name("drafter", 1)}
+    assert ROUTER_NAME == "cosine_ray:router:0"
+    assert expected == {"cosine_ray:router:0", "cosine_ray:stage:0", "cosine_ray:stage:1",
+                        "cosine_ray:drafter:0", "cosine_ray:drafter:1"}
+    # the S=3 router's actors were replaced, not left behind (stage:2 is gone)
+    deadline = time.monotonic() + 30
+    while (names := our_named_actors()).keys() != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert names == {n: NAMESPACE for n in expected}
+    assert NAMESPACE == "cosine_ray"
+    info = ray.get(handle.describe.remote(), timeout=30)
+    assert info["stages"] == [actor_name("stage", 0), actor_name("stage", 1)]
+    assert info["drafters"] == ["ngram", "self"]
+    # the router's handles are the named actors
+    handles = ray.get(handle.actor_handles.remote(), timeout=30)
+    assert set(handles) == expected - {ROUTER_NAME}
+    for name, h in handles.items():
+        assert ray.get(h.ping.remote(), timeout=30) == ping(name)
+    assert ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id == handle._actor_id
+
+
+# ---- (c) a drafter dies mid-generation -----------------------------------------------------------
+
+@pytest.mark.parametrize("no_restart", [True, False], ids=["killed-for-good", "ray-restarts-it"])
+def test_drafter_killed_mid_generation(router2, tiny, no_restart):
+    handle, client = router2
+    before = run(client.stats(), 30)
+    old = ping(SELF_DRAFTER)
+    killed_at: list[int] = []
+
+    async def kill_after_two(n: int, out: RequestOutput) -> None:
+        if n == 2:
+            ray.kill(ray.get_actor(SELF_DRAFTER, namespace=NAMESPACE), no_restart=no_restart)
+            killed_at.append(out.num_output_tokens)
+
+    start = time.perf_counter()
+    res = run(collect(client, tiny.long_prompt, LONG_MAX_TOKENS, on_output=kill_after_two), 240)
+    _timed(f"drafter kill (no_restart={no_restart}): request done, {res.num_outputs} outputs", start)
+    assert killed_at and killed_at[0] < LONG_MAX_TOKENS, "the kill did not land mid-generation"
+    assert res.tokens == tiny.long_ref
+    assert res.last.finish_reason == "length" and res.last.error is None
+
+    stats = run(client.stats(), 60)
+    print(f"[ray-cluster] stats after drafter kill: failures={stats['drafter_failures']} "
+          f"respawns={stats['respawns']}", flush=True)
+    assert stats["drafter_failures"].get("self", 0) > before["drafter_failures"].get("self", 0)
+    respawned = stats["respawns"][SELF_DRAFTER] - before["respawns"][SELF_DRAFTER]
+    if no_restart:  # Ray will not bring it back: the router's slot spawned a new one
+        assert respawned == 1
+    else:  # Ray restarted it under the same handle
+        assert respawned == 0
+    for name in (actor_name("stage", 0), actor_name("stage", 1), actor_name("drafter", 0)):
+        assert stats["respawns"][name] == before["respawns"][name]
+
+    # the drafter is back and routed to again
+    start = time.perf_counter()
+    wait_actor_back(SELF_DRAFTER, old)
+    _timed("drafter back", start)
+
+    async def until_drafted_by_self() -> Result:
+        for _ in range(30):  # its first calls may still be queued behind its start-up
+            res = await collect(client, tiny.prompts[0], MAX_TOKENS)
+            assert res.tokens == tiny.refs[0]
+            if res.last.stats.drafted_by.get("self", 0) > 0:
+                return res
+            await asyncio.sleep(0.5)
+        raise AssertionError("the drafter came back but was never routed to again")
+
+    res = run(until_drafted_by_self(), 120)
+    assert res.last.stats.accepted_by.get("self", 0) > 0
+    assert is_idle(run(wait_idle(client, 5.0), 30))
+
+
+# ---- (d) a stage dies mid-generation -------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [1])
+def test_stage_killed_mid_generation_recovers(router2, tiny, stage):
+    """Ray restarts the stage (its KV is gone): the router re-prefills every running request
+    from prompt + committed tokens and the text is unchanged, or, had the stage not come back
+    within stage_recovery_s, the requests would end with finish_reason "error". Two requests
+    in flight (one per lane) so both lanes hit the lost stage."""
+    handle, client = router2
+    name = actor_name("stage", stage)
+    old = ping(name)
+    before = run(client.stats(), 30)
+    killed = asyncio.Event()
+
+    async def kill_after_two(n: int, out: RequestOutput) -> None:
+        if n == 2 and not killed.is_set():
+            killed.set()
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+
+    async def main():
+        start = time.perf_counter()
+        other = asyncio.ensure_future(collect(client, tiny.prompts[3], LONG_MAX_TOKENS))
+        victim = await collect(client, tiny.long_prompt, LONG_MAX_TOKENS, on_output=kill_after_two)
+        return victim, await other, time.perf_counter() - start
+
+    victim, other, elapsed = run(main(), STAGE_RECOVERY_S + 120)
+    print(f"[ray-cluster] stage {stage} killed: finished in {elapsed:.1f} s; victim "
+          f"{victim.last.finish_reason!r} ({len(victim.tokens)} tokens, error={victim.last.error!r}), "
+          f"other {other.last.finish_reason!r} ({len(other.tokens)} tokens)", flush=True)
+    assert killed.is_set()
+    # What happens: the stage comes back well within stage_recovery_s, so both requests are
+    # re-prefilled and finish with the greedy text; nothing is streamed twice.
+    assert victim.last.finish_reason == "length", f"victim failed: {victim.last.error}"
+    assert victim.tokens == tiny.long_ref
+    assert other.last.finish_reason == "length", f"other request failed: {other.last.error}"
+    hf_other = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=()), checkpoint=tiny.ckpt)
+    assert other.tokens == hf_other.generate([tiny.prompts[3]], SamplingParams(max_tokens=LONG_MAX_TOKENS))[0].new_token_ids
+    assert elapsed < STAGE_RECOVERY_S + 60
+
+    assert ping(name) != old, "the stage was not restarted"
+    stats = run(wait_idle(client, 5.0), 30)
+    assert is_idle(stats), f"state left behind after the stage restart: {stats}"
+    assert stats["respawns"] == before["respawns"]  # Ray restarted it; the slot did not respawn
+    # the pipeline serves new requests normally
+    res = run(collect(client, tiny.prompts[1], MAX_TOKENS), 120)
+    assert res.tokens == tiny.refs[1] and res.last.finish_reason == "length"
+
+
+# ---- (e) cancellation frees state ----------------------------------------------------------------
+
+def test_closing_the_stream_early_frees_all_state(router2, tiny):
+    handle, client = router2
+
+    async def close_after_two(n: int, out: RequestOutput) -> bool:
+        return n >= 2
+
+    async def main():
+        stays = asyncio.ensure_future(collect(client, tiny.prompts[2], MAX_TOKENS))
+        leavers = await asyncio.gather(*(collect(client, p, LONG_MAX_TOKENS, on_output=close_after_two)
+                                         for p in (tiny.long_prompt, tiny.prompts[5])))
+        survivor = await stays
+        return leavers, survivor, await wait_idle(client, 5.0)
+
+    leavers, stays, stats = run(main(), 180)
+    for res in leavers:
+        assert res.num_outputs == 2 and not res.last.finished
+        assert len(res.tokens) < LONG_MAX_TOKENS
+    assert stays.tokens == tiny.refs[2] and stays.last.finish_reason == "length"
+    assert is_idle(stats), f"state left behind after cancellation: {stats}"
+
+    # a lone cancelled request: everything is free within 5 s of closing the stream
+    async def lone():
+        res = await collect(client, tiny.long_prompt, LONG_MAX_TOKENS, on_output=close_after_two)
+        closed = time.perf_counter()
+        stats = await wait_idle(client, 5.0)
+        return res, stats, time.perf_counter() - closed
+
+    res, stats, took = run(lone(), 60)
+    print(f"[ray-cluster] cancelled request's state freed in {took:.2f} s", flush=True)
+    assert res.num_outputs == 2
+    assert is_idle(stats), f"state still held 5 s after the stream was closed: {stats}"
+    assert took <= 5.5
+
+
+# ---- (f) concurrency ---------------------------------------------------------------------------
+
+def test_eight_concurrent_requests_complete(router2, tiny):
+    handle, client = router2
+
+    async def main():
+        return await asyncio.gather(*(collect(client, p, MAX_TOKENS) for p in tiny.prompts))
+
+    start = time.perf_counter()
+    results = run(main(), 180)
+    _timed("8 concurrent requests (S=2)", start)
+    assert len(results) == 8
+    for i, (res, ref) in enumerate(zip(results, tiny.refs)):
+        assert res.last.finished and res.last.finish_reason == "length", f"request {i}: {res.last}"
+        assert res.tokens == ref, f"request {i} differs from greedy under concurrency"
+    assert is_idle(run(wait_idle(client, 5.0), 30))
