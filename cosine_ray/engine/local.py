@@ -14,8 +14,8 @@ from cosine_ray.engine.config import DOMAINS, DrafterSpec, EngineConfig
 from cosine_ray.engine.drafters.base import Drafter
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.drafters.model import ModelDrafter, check_same_tokenizer
-from cosine_ray.engine.drafters.ngram import NgramDrafter
-from cosine_ray.engine.drafters.retrieval import RetrievalDrafter
+from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter
+from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.engine.router import Router
@@ -60,10 +60,14 @@ def build_target_stages(checkpoint: Checkpoint, state_dict: dict[str, torch.Tens
 def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[str, torch.Tensor],
                   target_tokenizer: Any, config: EngineConfig) -> Drafter:
     dtype = getattr(torch, config.dtype)
+    # NOTE(lead): the engine smooths n-gram counts (a continuation seen once gets confidence
+    # 1/2, not 1): with RouterConfig.min_tree_confidence this keeps one-off matches from
+    # filling the tree; a draft node costs ~1/7 of a decode step on CPU (DESIGN §8).
     if spec.kind == "ngram":
-        return NgramDrafter(name=spec.name)
+        return NgramDrafter(NgramConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "retrieval":
-        return RetrievalDrafter(load_datastore(spec, target.name, config.datastore_dir), name=spec.name)
+        return RetrievalDrafter(load_datastore(spec, target.name, config.datastore_dir),
+                                RetrievalConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "self":
         return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
                             name="self")

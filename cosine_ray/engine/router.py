@@ -36,6 +36,9 @@ class RouterConfig:
     """Requests running at once (continuous batching admits new ones as others finish)."""
     num_speculative_tokens: int = 8
     """γ: draft-token budget of one request's tree per step (0 = plain decoding)."""
+    min_tree_confidence: float = 0.25
+    """Draft nodes whose cumulative confidence (product along their path) is below this are
+    not verified: a node that is unlikely to be accepted still costs a verify slot."""
     drafter_deadline_s: float = 2.0
     """A drafter's answer later than this is dropped for the step."""
     max_model_len: int = 8192
@@ -233,7 +236,8 @@ class Router:
             per_request[i] = props
         for p, inp, props in zip(decoding, draft_inputs, per_request):
             request = p.request
-            p.tree, p.node_owners = merge_proposals(request.output_token_ids[-1], props, inp.max_draft_tokens)
+            p.tree, p.node_owners = merge_proposals(request.output_token_ids[-1], props, inp.max_draft_tokens,
+                                                    min_confidence=self.config.min_tree_confidence)
             p.item = ScoreItem.for_tree(request.request_id, p.tree, request.num_tokens - 1,
                                         request.pending_commit)
         return planned

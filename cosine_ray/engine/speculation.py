@@ -103,7 +103,8 @@ async def gather_proposals(clients: Sequence[DrafterClient], inputs: Sequence[Dr
     return per_input
 
 
-def merge_proposals(root_token_id: int, proposals: Sequence[DraftProposal], budget: int) -> tuple[TokenTree, list[str]]:
+def merge_proposals(root_token_id: int, proposals: Sequence[DraftProposal], budget: int, *,
+                    min_confidence: float = 0.0) -> tuple[TokenTree, list[str]]:
     """Union of all drafters' paths as one tree of at most ``budget`` draft nodes.
 
     Nodes are kept by cumulative confidence (TreeSelection): all paths are merged, then the
@@ -128,10 +129,11 @@ def merge_proposals(root_token_id: int, proposals: Sequence[DraftProposal], budg
             node = lookup[(node, int(tok))]
             if not node_owner[node]:
                 node_owner[node] = owner
-    if full.num_draft_tokens <= budget:
-        return full, node_owner
     cum = full.cumulative_confidences()
+    eligible = [i for i in range(1, full.num_nodes) if cum[i] >= min_confidence]
+    if len(eligible) == full.num_draft_tokens <= budget:
+        return full, node_owner
     # cum[child] <= cum[parent] and parents have smaller indices, so the top-`budget` set by
-    # (-cum, index) always contains every kept node's ancestors.
-    kept = sorted(sorted(range(1, full.num_nodes), key=lambda i: (-cum[i], i))[:budget])
+    # (-cum, index) — and the set above a threshold — always holds every kept node's ancestors.
+    kept = sorted(sorted(eligible, key=lambda i: (-cum[i], i))[:budget])
     return full.select(kept), [""] + [node_owner[k] for k in kept]

@@ -105,7 +105,7 @@ class RayTargetClient:
         except (RayActorError, ray.exceptions.RayTaskError) as exc:
             for slot in self.slots:
                 slot.respawn_if_dead(exc)
-            raise TargetUnavailable(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+            raise TargetUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}") from exc
         return split_logits(items, logits)
 
     async def release(self, request_ids: Sequence[str]) -> None:

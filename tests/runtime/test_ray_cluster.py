@@ -68,6 +68,8 @@ class Tiny:
     long_prompt: list[int]
     long_ref: list[int]
     """HF greedy, LONG_MAX_TOKENS."""
+    long_ref3: list[int]
+    """HF greedy of prompts[3], LONG_MAX_TOKENS."""
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -94,10 +96,11 @@ def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
     refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     long_prompt = encode_prompt(tok, "Tell me a very long story about a lighthouse keeper.")
     long_ref = hf_greedy(hf, long_prompt, LONG_MAX_TOKENS)
+    long_ref3 = hf_greedy(hf, prompts[3], LONG_MAX_TOKENS)
     # the premise of exact comparison: the references run to max_tokens (no EOS)
-    assert all(len(r) == MAX_TOKENS for r in refs) and len(long_ref) == LONG_MAX_TOKENS
+    assert all(len(r) == MAX_TOKENS for r in refs) and len(long_ref) == len(long_ref3) == LONG_MAX_TOKENS
     _timed("tiny checkpoint + HF references", start)
-    return Tiny(ckpt, tok, prompts, refs, long_prompt, long_ref)
+    return Tiny(ckpt, tok, prompts, refs, long_prompt, long_ref, long_ref3)
 
 
 # ---- routers -----------------------------------------------------------------------------------
@@ -334,12 +337,14 @@ def test_drafter_killed_mid_generation(router2, tiny, no_restart):
 
 # ---- (d) a stage dies mid-generation -------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", [1])
-def test_stage_killed_mid_generation_recovers(router2, tiny, stage):
-    """Ray restarts the stage (its KV is gone): the router re-prefills every running request
-    from prompt + committed tokens and the text is unchanged, or, had the stage not come back
-    within stage_recovery_s, the requests would end with finish_reason "error". Two requests
-    in flight (one per lane) so both lanes hit the lost stage."""
+@pytest.mark.parametrize("stage, no_restart", [(1, False), (0, True)],
+                         ids=["ray-restarts-stage1", "stage0-killed-for-good"])
+def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
+    """The stage's KV is gone: Ray restarts it (no_restart=False) or the router's slot spawns a
+    new one (no_restart=True); the router re-prefills every running request from prompt +
+    committed tokens and the text is unchanged. (Had the stage not come back within
+    stage_recovery_s, the requests would end cleanly with finish_reason "error".) Two requests
+    are in flight, one per lane, so both lanes hit the lost stage."""
     handle, client = router2
     name = actor_name("stage", stage)
     old = ping(name)
@@ -349,7 +354,7 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage):
     async def kill_after_two(n: int, out: RequestOutput) -> None:
         if n == 2 and not killed.is_set():
             killed.set()
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=no_restart)
 
     async def main():
         start = time.perf_counter()
@@ -358,23 +363,28 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage):
         return victim, await other, time.perf_counter() - start
 
     victim, other, elapsed = run(main(), STAGE_RECOVERY_S + 120)
-    print(f"[ray-cluster] stage {stage} killed: finished in {elapsed:.1f} s; victim "
-          f"{victim.last.finish_reason!r} ({len(victim.tokens)} tokens, error={victim.last.error!r}), "
+    print(f"[ray-cluster] stage {stage} killed (no_restart={no_restart}): finished in {elapsed:.1f} s; "
+          f"victim {victim.last.finish_reason!r} ({len(victim.tokens)} tokens, error={victim.last.error!r}), "
           f"other {other.last.finish_reason!r} ({len(other.tokens)} tokens)", flush=True)
     assert killed.is_set()
     # What happens: the stage comes back well within stage_recovery_s, so both requests are
     # re-prefilled and finish with the greedy text; nothing is streamed twice.
-    assert victim.last.finish_reason == "length", f"victim failed: {victim.last.error}"
+    for label, res in (("victim", victim), ("other", other)):
+        assert res.last.finish_reason == "length", (
+            f"{label} request failed: {res.last.error}" + (
+                "\n(known race, reported: two lanes recover at once and a late release_all drops a "
+                "re-prefilled request's KV while the router marks it restored; see the Router "
+                "epoch/lock fix)" if "no KV cache here" in (res.last.error or "") else ""))
     assert victim.tokens == tiny.long_ref
-    assert other.last.finish_reason == "length", f"other request failed: {other.last.error}"
-    hf_other = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=()), checkpoint=tiny.ckpt)
-    assert other.tokens == hf_other.generate([tiny.prompts[3]], SamplingParams(max_tokens=LONG_MAX_TOKENS))[0].new_token_ids
+    assert other.tokens == tiny.long_ref3
     assert elapsed < STAGE_RECOVERY_S + 60
 
-    assert ping(name) != old, "the stage was not restarted"
+    assert ping(name) != old, "the stage was not replaced"
     stats = run(wait_idle(client, 5.0), 30)
     assert is_idle(stats), f"state left behind after the stage restart: {stats}"
-    assert stats["respawns"] == before["respawns"]  # Ray restarted it; the slot did not respawn
+    respawned = {n: stats["respawns"][n] - before["respawns"][n] for n in stats["respawns"]}
+    # Ray restarted it under the same handle, or the slot spawned exactly one replacement
+    assert respawned == {n: int(no_restart and n == name) for n in respawned}
     # the pipeline serves new requests normally
     res = run(collect(client, tiny.prompts[1], MAX_TOKENS), 120)
     assert res.tokens == tiny.refs[1] and res.last.finish_reason == "length"

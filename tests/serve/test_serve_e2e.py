@@ -422,6 +422,40 @@ def test_bad_requests_get_openai_400s(server, oai):
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
+def test_replaced_ingress_replica_reattaches_to_the_router(server):
+    """Serve replaces a dead ingress replica; the new one must reuse the detached router (and
+    its loaded stages and drafters) instead of replacing it (reliability guide: replacing an
+    ingress replica never kills in-flight generation)."""
+    router_id = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id
+    stage0 = ray.get(ray.get_actor(actor_name("stage", 0), namespace=NAMESPACE).ping.remote(), timeout=60)
+    replicas = [n for ns, n in our_actors() if ns == "serve" and n.startswith("SERVE_REPLICA")]
+    assert len(replicas) == 1, replicas
+    start = time.perf_counter()
+    ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 300
+    while True:
+        new = [n for ns, n in our_actors() if ns == "serve" and n.startswith("SERVE_REPLICA")]
+        try:
+            healthy = bool(new) and new != replicas and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy:
+            break
+        assert time.monotonic() < deadline, f"no healthy replica 300 s after the kill:\n{server.log_tail()}"
+        time.sleep(1.0)
+    _timed("ingress replica replaced and healthy", start)
+    case = server.chat[1]
+    out = run(stream_chat(server.url, case, model=server.model))
+    assert out["text"] == case.ref_text and out["done"] == 1
+    new_router_id = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id
+    new_stage0 = ray.get(ray.get_actor(actor_name("stage", 0), namespace=NAMESPACE).ping.remote(), timeout=60)
+    if (new_router_id, new_stage0) != (router_id, stage0):
+        # Known bug (reported): launch.run_serve passes fresh_router=True in the deployment's
+        # init args, so every replica start (not only the launch) kills and rebuilds the router.
+        pytest.xfail("BUG: a replaced ingress replica replaced the router and reloaded every stage "
+                     "and drafter (fresh_router=True is baked into the deployment args)")
+
+
 def test_sigint_shuts_down_cleanly(server):
     """Last: Ctrl-C deletes the Serve app and the router (with its stages and drafters)."""
     assert ROUTER_NAME in {n for _, n in our_actors()}
