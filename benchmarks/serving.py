@@ -85,7 +85,8 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     base = f"http://127.0.0.1:{args.port}"
     for label, drafters in ((f"http, {args.drafters}", args.drafters), ("http, speculation off", "none")):
-        serve.run(build_app({"drafters": drafters, "num_stages": args.stages, "fresh_router": True,
+        kill_router()
+        serve.run(build_app({"drafters": drafters, "num_stages": args.stages,
                              "router": {"num_lanes": args.stages, "max_batch_size": args.concurrency}}),
                   name="cosine_ray", route_prefix="/")
         results[label] = asyncio.run(_http_figures(base, prompts, args.max_tokens, args.concurrency,

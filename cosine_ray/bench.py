@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PROMPT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+def _default_prompt_dir() -> Path:
+    """``$COSINE_RAY_PROMPTS``, else ``shared/data/prompts`` beside the checkout."""
+    env = os.environ.get("COSINE_RAY_PROMPTS")
+    if env:
+        return Path(env)
+    beside = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+    return beside if beside.is_dir() else Path("/work/shared/data/prompts")
+
+
+DEFAULT_PROMPT_DIR = _default_prompt_dir()
 DOMAIN_FILES = {"code": "humaneval.jsonl", "math": "gsm8k.jsonl",
                 "instruction": "alpaca.jsonl", "chat": "mtbench.jsonl"}
 

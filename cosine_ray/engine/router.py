@@ -13,6 +13,7 @@ The router never touches a model: the target and drafters are behind ``TargetCli
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -85,6 +86,10 @@ class Router:
         self.running: dict[str, Request] = {}
         self._to_release: list[str] = []
         self.speculation_stats = SpeculationStats()
+        self._epoch = 0
+        """Completed target recoveries. A step scored under an older epoch is stale: a recovery
+        (another lane's) dropped all KV while it was in flight."""
+        self._recovery_lock: asyncio.Lock | None = None
 
     # ---- pool ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -147,6 +152,7 @@ class Router:
         batch = [r for r in self.running.values() if lane is None or r.lane == lane]
         if not batch:
             return []
+        epoch = self._epoch  # before drafting: a recovery may complete while drafters answer
         planned = await self._plan_and_draft(batch)
         planned = [p for p in planned if p.request.request_id in self.running]  # aborted while drafting
         if not planned:
@@ -154,7 +160,11 @@ class Router:
         try:
             logits = await self.target.score([p.item for p in planned])
         except TargetUnavailable as exc:
-            return await self._recover(str(exc))
+            return await self._recover(str(exc), epoch)
+        if epoch != self._epoch:  # a recovery dropped the KV these logits belong to: re-prefill
+            for p in planned:
+                p.request.kv_lost, p.request.pending_commit = True, None
+            return []
         outputs = []
         feedback: dict[str, list[DraftFeedback]] = {d.name: [] for d in self.drafters}
         for p, item_logits in zip(planned, logits):
@@ -185,10 +195,20 @@ class Router:
                     self.speculation_stats.failed(d.name)
         return outputs
 
-    async def _recover(self, reason: str) -> list[RequestOutput]:
+    async def _recover(self, reason: str, epoch: int) -> list[RequestOutput]:
         """A stage is gone: wait for it, then re-prefill every running request from its prompt
-        and committed tokens (nothing is streamed twice); fail them if it does not come back."""
-        recovered = await self.target.recover(self.config.stage_recovery_s)
+        and committed tokens (nothing is streamed twice); fail them if it does not come back.
+        One recovery at a time: a lane whose step failed under an older epoch was already
+        covered by the recovery that ended that epoch (its requests are marked kv_lost)."""
+        if self._recovery_lock is None:
+            self._recovery_lock = asyncio.Lock()
+        async with self._recovery_lock:
+            if epoch != self._epoch:
+                return []
+            return self._after_recovery(reason, await self.target.recover(self.config.stage_recovery_s))
+
+    def _after_recovery(self, reason: str, recovered: bool) -> list[RequestOutput]:
+        self._epoch += 1
         outputs = []
         for request in list(self.running.values()):
             request.num_restores += 1

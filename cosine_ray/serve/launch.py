@@ -51,7 +51,8 @@ def run_serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
     connect(data["cluster"].get("address"), num_cpus=args.num_cpus)
     serve.start(http_options={"host": args.host, "port": args.port})
-    app_args = dict(data, fresh_router=True)
+    kill_router()  # this launch gets a fresh router; replicas Serve (re)starts later attach to it
+    app_args = dict(data)
     if args.api_key:
         app_args["api_key"] = args.api_key
     print(f"cosine_ray: starting {data['num_stages']} stage(s) and drafters "

@@ -138,9 +138,6 @@ def test_tiny_pipeline_stages_and_continuous_batching(tiny_checkpoint, tiny_prom
 
 def test_tiny_micro_batch_lanes(tiny_checkpoint, tiny_prompts, tiny_reference):
     """Several lanes (micro-batches stepped by their own coroutines) change nothing."""
-    from dataclasses import fields
-    if "num_lanes" not in {f.name for f in fields(RouterConfig)}:
-        pytest.skip("RouterConfig has no num_lanes")
     engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
                                       num_stages=2,
                                       router=RouterConfig(num_speculative_tokens=4, max_batch_size=5, num_lanes=2)),
@@ -188,7 +185,7 @@ def test_tiny_eos_stops_like_hf(tmp_path, tiny_prompts):
 # excused near-tie the rest is still checked on our trajectory. ``test_real_none_equals_hf_generate``
 # ties the two formulations together with literal ``generate`` calls on a few prompts.
 
-PROMPTS_DIR = Path("/work/shared/data/prompts")
+from cosine_ray.bench import DEFAULT_PROMPT_DIR as PROMPTS_DIR  # noqa: E402
 PROMPT_FILES = ("humaneval", "gsm8k", "alpaca", "mtbench")
 REAL_MAX_TOKENS = 48
 REAL_PER_FILE = 5
@@ -221,8 +218,7 @@ def real_tokenizer(real_checkpoint):
 def real_prompts(real_tokenizer) -> list[list[int]]:
     """20 prompts: 5 per domain file, from the second half of each (the first half is what
     datastores are built from)."""
-    if not PROMPTS_DIR.is_dir():
-        pytest.skip(f"{PROMPTS_DIR} not found")
+    assert PROMPTS_DIR.is_dir(), f"{PROMPTS_DIR} not found (set COSINE_RAY_PROMPTS)"
     out = []
     for name in PROMPT_FILES:
         texts = read_prompts(name)

@@ -42,6 +42,9 @@ DRAFTERS = {1: "ngram", 2: "ngram,self", 3: "self"}
 """Per pipeline depth (fewer actors = faster start); S=2 hosts the fault tests: "self" (the
 target drafting for itself) always proposes, so "its drafts are routed again" is observable."""
 SELF_DRAFTER = actor_name("drafter", 1)
+MIN_TREE_CONFIDENCE = 0.0
+"""Verify every draft node: the tiny random model's own (self-drafter) probabilities are mostly
+below the default threshold, and these tests need trees in flight across the stages."""
 
 CHAT_TEXTS = [
     "Write a haiku about the sea.",
@@ -108,7 +111,7 @@ def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
 def engine_config_data(tiny: Tiny, num_stages: int) -> dict[str, Any]:
     return {"model": str(tiny.ckpt.path), "drafters": DRAFTERS[num_stages], "num_stages": num_stages,
             "router": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_batch_size": 8,
-                       "stage_recovery_s": STAGE_RECOVERY_S},
+                       "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE},
             "cluster": {"stage_deadline_s": 30.0}}
 
 
@@ -235,10 +238,12 @@ def test_pipeline_matches_local_engine_and_hf_greedy(routers, tiny, num_stages):
     start = time.perf_counter()
     local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]),
                                      num_stages=num_stages,
-                                     router=RouterConfig(num_speculative_tokens=GAMMA, max_batch_size=8)),
+                                     router=RouterConfig(num_speculative_tokens=GAMMA, max_batch_size=8,
+                                                         min_tree_confidence=MIN_TREE_CONFIDENCE)),
                         checkpoint=tiny.ckpt)
     local_outs = local.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in local_outs] == refs, "in-process engine differs from HF greedy"
+    _timed(f"S={num_stages}: in-process LocalEngine reference", start)
 
     async def main():
         return await asyncio.gather(*(collect(client, p, MAX_TOKENS) for p in prompts))
@@ -367,17 +372,20 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
           f"victim {victim.last.finish_reason!r} ({len(victim.tokens)} tokens, error={victim.last.error!r}), "
           f"other {other.last.finish_reason!r} ({len(other.tokens)} tokens)", flush=True)
     assert killed.is_set()
-    # What happens: the stage comes back well within stage_recovery_s, so both requests are
-    # re-prefilled and finish with the greedy text; nothing is streamed twice.
-    for label, res in (("victim", victim), ("other", other)):
-        assert res.last.finish_reason == "length", (
-            f"{label} request failed: {res.last.error}" + (
-                "\n(known race, reported: two lanes recover at once and a late release_all drops a "
-                "re-prefilled request's KV while the router marks it restored; see the Router "
-                "epoch/lock fix)" if "no KV cache here" in (res.last.error or "") else ""))
-    assert victim.tokens == tiny.long_ref
-    assert other.tokens == tiny.long_ref3
-    assert elapsed < STAGE_RECOVERY_S + 60
+    for res in (victim, other):  # nothing hung, nothing wrong was streamed
+        assert res.last.finished and res.last.finish_reason in ("length", "error")
+    assert victim.tokens == tiny.long_ref[:len(victim.tokens)]
+    assert other.tokens == tiny.long_ref3[:len(other.tokens)]
+    # A request that failed with this error lost the race below; any other failure is a new bug.
+    raced = [r.last.error for r in (victim, other)
+             if r.last.finish_reason == "error" and "no KV cache here" in (r.last.error or "")]
+    if not raced:
+        # What happens: the stage comes back well within stage_recovery_s, so both requests
+        # are re-prefilled and finish with the greedy text; nothing is streamed twice.
+        for label, res in (("victim", victim), ("other", other)):
+            assert res.last.finish_reason == "length", f"{label} request failed: {res.last.error}"
+        assert victim.tokens == tiny.long_ref and other.tokens == tiny.long_ref3
+        assert elapsed < STAGE_RECOVERY_S + 60
 
     assert ping(name) != old, "the stage was not replaced"
     stats = run(wait_idle(client, 5.0), 30)
@@ -388,6 +396,7 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
     # the pipeline serves new requests normally
     res = run(collect(client, tiny.prompts[1], MAX_TOKENS), 120)
     assert res.tokens == tiny.refs[1] and res.last.finish_reason == "length"
+    assert not raced, f"concurrent lane recoveries failed the requests: {raced[0][:160]}"
 
 
 # ---- (e) cancellation frees state ----------------------------------------------------------------

@@ -22,6 +22,7 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from cosine_ray.engine.client import LocalEngineClient
+from cosine_ray.engine.router import RouterConfig
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import RequestOutput, RequestStats, SamplingParams
@@ -52,7 +53,9 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", tokenizer_from=real_checkpoint)
-    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self")), checkpoint=ck)
+    # the random tiny model's own probabilities are low: verify every draft it makes
+    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self"),
+                                      router=RouterConfig(min_tree_confidence=0.0)), checkpoint=ck)
     tok = engine.tokenizer
     prompts = {"chat": encode_prompt(tok, CHAT_TEXT),
                "completion": tok(COMPLETION_TEXT, add_special_tokens=True)["input_ids"]}

@@ -449,11 +449,8 @@ def test_replaced_ingress_replica_reattaches_to_the_router(server):
     assert out["text"] == case.ref_text and out["done"] == 1
     new_router_id = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id
     new_stage0 = ray.get(ray.get_actor(actor_name("stage", 0), namespace=NAMESPACE).ping.remote(), timeout=60)
-    if (new_router_id, new_stage0) != (router_id, stage0):
-        # Known bug (reported): launch.run_serve passes fresh_router=True in the deployment's
-        # init args, so every replica start (not only the launch) kills and rebuilds the router.
-        pytest.xfail("BUG: a replaced ingress replica replaced the router and reloaded every stage "
-                     "and drafter (fresh_router=True is baked into the deployment args)")
+    assert (new_router_id, new_stage0) == (router_id, stage0), \
+        "a replaced ingress replica must re-attach to the running router, not rebuild it"
 
 
 def test_sigint_shuts_down_cleanly(server):
