@@ -376,16 +376,12 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
         assert res.last.finished and res.last.finish_reason in ("length", "error")
     assert victim.tokens == tiny.long_ref[:len(victim.tokens)]
     assert other.tokens == tiny.long_ref3[:len(other.tokens)]
-    # A request that failed with this error lost the race below; any other failure is a new bug.
-    raced = [r.last.error for r in (victim, other)
-             if r.last.finish_reason == "error" and "no KV cache here" in (r.last.error or "")]
-    if not raced:
-        # What happens: the stage comes back well within stage_recovery_s, so both requests
-        # are re-prefilled and finish with the greedy text; nothing is streamed twice.
-        for label, res in (("victim", victim), ("other", other)):
-            assert res.last.finish_reason == "length", f"{label} request failed: {res.last.error}"
-        assert victim.tokens == tiny.long_ref and other.tokens == tiny.long_ref3
-        assert elapsed < STAGE_RECOVERY_S + 60
+    # The stage comes back well within stage_recovery_s, so both requests are re-prefilled
+    # and finish with the greedy text; nothing is streamed twice.
+    for label, res in (("victim", victim), ("other", other)):
+        assert res.last.finish_reason == "length", f"{label} request failed: {res.last.error}"
+    assert victim.tokens == tiny.long_ref and other.tokens == tiny.long_ref3
+    assert elapsed < STAGE_RECOVERY_S + 60
 
     assert ping(name) != old, "the stage was not replaced"
     stats = run(wait_idle(client, 5.0), 30)
@@ -396,7 +392,6 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
     # the pipeline serves new requests normally
     res = run(collect(client, tiny.prompts[1], MAX_TOKENS), 120)
     assert res.tokens == tiny.refs[1] and res.last.finish_reason == "length"
-    assert not raced, f"concurrent lane recoveries failed the requests: {raced[0][:160]}"
 
 
 # ---- (e) cancellation frees state ----------------------------------------------------------------
