@@ -105,3 +105,35 @@ def real_checkpoint():
 def real_hf_model(real_checkpoint):
     """transformers' SmolLM2 in fp32 eval mode: the reference for real-model tests."""
     return real_checkpoint.load_hf_model()
+
+
+# ---- one local Ray cluster for the whole session (runtime/ and serve/ tests) ------------------
+
+RAY_NUM_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The GCS address of the session's local Ray cluster (``runtime.cluster.connect``: 4
+    logical CPUs, namespace ``cosine_ray``, OMP_NUM_THREADS=1 in every worker). Actor start is
+    slow on small machines (each actor process imports torch), so test modules keep their
+    routers for the whole module."""
+    import time
+
+    import ray
+
+    from cosine_ray.runtime.cluster import connect
+
+    owner = not ray.is_initialized()
+    if owner:
+        start = time.perf_counter()
+        connect(None, num_cpus=RAY_NUM_CPUS)
+        print(f"\n[ray] local cluster up in {time.perf_counter() - start:.1f} s "
+              f"({ray.get_runtime_context().gcs_address})", flush=True)
+    yield ray.get_runtime_context().gcs_address
+    if owner:
+        from cosine_ray.runtime.router_actor import kill_router
+        try:
+            kill_router()
+        finally:
+            ray.shutdown()
