@@ -63,7 +63,7 @@ def main() -> None:
             ray.get(compiled.execute(x))
 
         print(f"{tokens:>6} {x.numel() * 4:>9} {measure(plain, args.iters):>12.2f} {measure(cg, args.iters):>15.2f}")
-    compiled.teardown()
+    compiled.teardown(kill_actors=True)
     if args.real:
         real_stages(args.stages, max(20, args.iters // 5))
     ray.shutdown()
@@ -110,7 +110,7 @@ def real_stages(num_stages: int, iters: int) -> None:
 
     print(f"real stages ({num_stages}), one decode step of 8 x 9-node trees: "
           f"actor calls {measure(plain, iters):.1f} ms, compiled graph {measure(cg, iters):.1f} ms")
-    compiled.teardown()
+    compiled.teardown(kill_actors=True)
 
 
 if __name__ == "__main__":
