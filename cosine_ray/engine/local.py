@@ -18,7 +18,7 @@ from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter
 from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.router import Router
+from cosine_ray.engine.router import Router, RouterConfig
 from cosine_ray.engine.speculation import LocalDrafterClient
 from cosine_ray.engine.target import LocalTargetClient, StageWorker, TargetWorker
 from cosine_ray.models.config import stage_slices
@@ -102,6 +102,20 @@ def make_drafter(spec: DrafterSpec, config: EngineConfig) -> Drafter:
                          config=config)
 
 
+def eos_token_ids(checkpoint: Checkpoint, tokenizer: Any) -> tuple[int, ...]:
+    """End-of-sequence ids of the model config and of its tokenizer."""
+    ids = set(checkpoint.config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def router_config_for(config: EngineConfig, checkpoint: Checkpoint) -> RouterConfig:
+    """The configured router settings, capped at the model's context length."""
+    return dataclasses.replace(config.router, max_model_len=min(
+        config.router.max_model_len, checkpoint.config.max_position_embeddings))
+
+
 class LocalEngine:
     """Build everything from an EngineConfig; generate with ``generate`` or ``stream``."""
 
@@ -118,19 +132,14 @@ class LocalEngine:
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config)
                          for s in config.drafters]
-        router_config = dataclasses.replace(config.router, max_model_len=min(
-            config.router.max_model_len, self.checkpoint.config.max_position_embeddings))
-        self.router = Router(router_config, LocalTargetClient(self.target),
+        self.router = Router(router_config_for(config, self.checkpoint), LocalTargetClient(self.target),
                              [LocalDrafterClient(d) for d in self.drafters],
                              vocab_size=self.checkpoint.config.vocab_size,
-                             eos_token_ids=self.eos_token_ids())
+                             eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer))
         self.loop = EngineLoop(self.router)
 
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.checkpoint.config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return tuple(sorted(ids))
+        return self.router.eos_token_ids
 
     # ---- text ---------------------------------------------------------------------------
     def encode(self, prompt: str, *, chat: bool = True) -> list[int]:

@@ -48,6 +48,7 @@ class EngineLoop:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            self._wakeup.set()  # this step may have admitted requests into a sleeping lane
             if not outputs:
                 await asyncio.sleep(0.001)  # nothing ran in this lane: do not spin
             await asyncio.sleep(0)  # let streams and new arrivals run between steps

@@ -131,7 +131,8 @@ class Router:
         return bool(self.waiting or self.running or self._to_release)
 
     def lane_has_work(self, lane: int) -> bool:
-        return bool(self.waiting or self._to_release or any(r.lane == lane for r in self.running.values()))
+        can_admit = bool(self.waiting) and len(self.running) < self.config.max_batch_size
+        return can_admit or bool(self._to_release) or any(r.lane == lane for r in self.running.values())
 
     async def release_finished(self) -> None:
         if not self._to_release:
@@ -266,16 +267,17 @@ class Router:
         """First token after prefill: the target's own choice (argmax or a sample)."""
         if request.params.is_greedy:
             return int(logits[0].argmax())
-        params = request.params
-        probs = logits_to_probs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        return int(sample(probs, generator=request.generator)[0])
+        return int(sample(self._probs(request, logits), generator=request.generator)[0])
 
     def _verify(self, request: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
         if request.params.is_greedy:
             return verify_greedy(tree, logits)
+        return verify_stochastic(tree, self._probs(request, logits), generator=request.generator)
+
+    @staticmethod
+    def _probs(request: Request, logits: torch.Tensor) -> torch.Tensor:
         params = request.params
-        probs = logits_to_probs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        return verify_stochastic(tree, probs, generator=request.generator)
+        return logits_to_probs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
 
     def _account(self, request: Request, p: _Planned, result: VerifyResult,
                  feedback: dict[str, list[DraftFeedback]]) -> None:

@@ -45,18 +45,16 @@ class ScoreItem:
                  commit_previous: tuple[int, ...] | None) -> "ScoreItem":
         return cls(request_id, tree.token_ids, tree.parent_ids, start_position, commit_previous)
 
+    def _tree(self) -> TokenTree:
+        return TokenTree(self.token_ids, self.parent_ids, (1.0,) * len(self.token_ids))
+
     def tree_mask(self) -> torch.Tensor | None:
-        if self.parent_ids is None:
-            return None
-        return TokenTree(self.token_ids, self.parent_ids, (1.0,) * len(self.token_ids)).attention_mask()
+        return None if self.parent_ids is None else self._tree().attention_mask()
 
     def positions(self) -> torch.Tensor:
         if self.parent_ids is None:
             return torch.arange(self.start_position, self.start_position + len(self.token_ids))
-        depths = [0] * len(self.parent_ids)
-        for i in range(1, len(depths)):
-            depths[i] = depths[self.parent_ids[i]] + 1
-        return torch.tensor(depths, dtype=torch.long) + self.start_position
+        return torch.tensor(self._tree().depths(), dtype=torch.long) + self.start_position
 
 
 def build_stage_batch(items: Sequence[ScoreItem]) -> StageBatch:

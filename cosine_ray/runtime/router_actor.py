@@ -9,7 +9,6 @@ and die with it; a restarted router (``max_restarts``) builds a fresh set.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Any, AsyncIterator, Sequence
 
@@ -17,6 +16,7 @@ import ray
 import torch
 
 from cosine_ray.engine.config import EngineConfig
+from cosine_ray.engine.local import eos_token_ids, router_config_for
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.engine.router import Router
@@ -37,9 +37,6 @@ class RouterHost:
         self.config = config
         checkpoint = resolve_checkpoint(config.model)
         tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
-        eos = set(checkpoint.config.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
         self.model_name = checkpoint.name
         self.vocab_size = checkpoint.config.vocab_size
 
@@ -53,11 +50,10 @@ class RouterHost:
         self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
         drafters = [RayDrafterClient(slot, spec.name, deadline_s=config.router.drafter_deadline_s)
                     for slot, spec in zip(self.drafter_slots, config.drafters)]
-        router_config = dataclasses.replace(
-            config.router, max_model_len=min(config.router.max_model_len, checkpoint.config.max_position_embeddings))
+        router_config = router_config_for(config, checkpoint)
         self.max_model_len = router_config.max_model_len
         self.router = Router(router_config, self.target, drafters, vocab_size=self.vocab_size,
-                             eos_token_ids=sorted(eos))
+                             eos_token_ids=eos_token_ids(checkpoint, tokenizer))
         self.loop = EngineLoop(self.router)
 
     async def ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
