@@ -83,6 +83,10 @@ class Request:
     num_restores: int = 0
     lane: int = 0
     """Micro-batch lane the router steps this request in."""
+    admitted_time: float | None = None
+    """When the router moved it from waiting to running (same clock as arrival_time)."""
+    domain: str = "other"
+    """Domain the router classified the prompt into (code, math, instruction, chat, other)."""
     stats: RequestStats = field(default_factory=RequestStats)
 
     def __post_init__(self) -> None:

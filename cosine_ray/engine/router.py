@@ -29,6 +29,7 @@ from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, Sam
 from cosine_ray.engine.speculation import (DrafterClient, SpeculationStats, gather_proposals,
                                            merge_proposals)
 from cosine_ray.engine.target import ScoreItem, TargetClient, TargetUnavailable
+from cosine_ray.metrics.registry import MetricsRegistry
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +76,11 @@ class _Planned:
 class Router:
     def __init__(self, config: RouterConfig, target: TargetClient,
                  drafters: Sequence[DrafterClient], *, vocab_size: int,
-                 eos_token_ids: Sequence[int] = (), clock: Callable[[], float] = time.monotonic) -> None:
+                 eos_token_ids: Sequence[int] = (), clock: Callable[[], float] = time.monotonic,
+                 metrics: MetricsRegistry | None = None) -> None:
         self.config = config
+        self.metrics = metrics or MetricsRegistry()
+        """Plain counters (cosine_ray.metrics.names); exported at the edge."""
         self.target = target
         self.drafters = list(drafters)
         self.vocab_size = vocab_size
@@ -228,6 +232,7 @@ class Router:
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.admitted_time = self.clock()
             loads = [0] * self.config.num_lanes
             for r in self.running.values():
                 loads[r.lane] += 1

@@ -1,0 +1,95 @@
+"""Plain in-process counters, gauges and histograms (no Prometheus client here).
+
+The engine records into a ``MetricsRegistry``; an exporter at the edge turns a
+``snapshot()`` into Prometheus text. Names and label sets are checked against
+``names.METRICS`` so a typo fails loudly in tests instead of exporting a stray series.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from cosine_ray.metrics.names import METRICS, MetricSpec
+
+LabelKey = tuple[tuple[str, str], ...]
+
+
+@dataclass(slots=True)
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    """Non-cumulative count per bucket, plus one for +Inf."""
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+
+class MetricsRegistry:
+    def __init__(self) -> None:
+        self._values: dict[str, dict[LabelKey, Any]] = {name: {} for name in METRICS}
+
+    @staticmethod
+    def _key(name: str, spec: MetricSpec, labels: dict[str, Any]) -> LabelKey:
+        if set(labels) != set(spec.labels):
+            raise ValueError(f"{name} takes labels {spec.labels}, got {tuple(sorted(labels))}")
+        return tuple((k, str(labels[k])) for k in spec.labels)
+
+    def _spec(self, name: str, kind: str) -> MetricSpec:
+        spec = METRICS.get(name)
+        if spec is None:
+            raise KeyError(f"unknown metric {name!r}: add it to cosine_ray.metrics.names.METRICS")
+        if spec.kind != kind:
+            raise TypeError(f"{name} is a {spec.kind}, not a {kind}")
+        return spec
+
+    def inc(self, name: str, value: float = 1.0, **labels: Any) -> None:
+        spec = self._spec(name, "counter")
+        if value < 0:
+            raise ValueError(f"counter {name} cannot decrease")
+        series = self._values[name]
+        key = self._key(name, spec, labels)
+        series[key] = series.get(key, 0.0) + value
+
+    def set(self, name: str, value: float, **labels: Any) -> None:
+        spec = self._spec(name, "gauge")
+        self._values[name][self._key(name, spec, labels)] = float(value)
+
+    def observe(self, name: str, value: float, **labels: Any) -> None:
+        spec = self._spec(name, "histogram")
+        series = self._values[name]
+        key = self._key(name, spec, labels)
+        hist = series.get(key)
+        if hist is None:
+            hist = series[key] = Histogram(spec.buckets)
+        hist.observe(float(value))
+
+    def get(self, name: str, **labels: Any) -> Any:
+        """Current value of one series (0 / None when never recorded); for tests and stats."""
+        spec = METRICS[name]
+        value = self._values[name].get(self._key(name, spec, labels))
+        if value is None and spec.kind != "histogram":
+            return 0.0
+        return value
+
+    def total(self, name: str, **match: Any) -> float:
+        """Sum of a counter/gauge over every series whose labels include ``match``."""
+        want = {(k, str(v)) for k, v in match.items()}
+        return sum(v for key, v in self._values[name].items() if want <= set(key))
+
+    def snapshot(self) -> dict[str, dict[LabelKey, Any]]:
+        """A picklable copy: {name: {labels: float | Histogram}}."""
+        out: dict[str, dict[LabelKey, Any]] = {}
+        for name, series in self._values.items():
+            out[name] = {k: (Histogram(v.buckets, list(v.counts), v.sum, v.count)
+                             if isinstance(v, Histogram) else v) for k, v in series.items()}
+        return out
