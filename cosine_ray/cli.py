@@ -1,4 +1,4 @@
-"""``cosine-ray``: generate | datastore build | bench.
+"""``cosine-ray``: generate | datastore build | bench | profile.
 
 Bad input (empty prompt, max tokens < 1, negative temperature, unknown drafter, missing
 model path, ...) prints one line ``cosine-ray: error: ...`` and exits with status 2.
@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Sequence
 
+from cosine_ray.engine.config import DEFAULT_DRAFTERS
+
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
@@ -25,7 +27,27 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message} (see `{self.prog} --help`)")
 
 
-def _add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = "ngram,retrieval") -> None:
+def add_cosine_args(p: argparse.ArgumentParser) -> None:
+    """CoSine's components and their ablation switches (RouterConfig fields)."""
+    g = p.add_argument_group("CoSine (ablation switches)")
+    g.add_argument("--routing", choices=("expertise", "random"), default=None,
+                   help="expertise routing (eq. 1-3) or random drafters (routing off)")
+    g.add_argument("--fusion", choices=("confidence", "single", "union"), default=None,
+                   help="confidence fusion (eq. 4), the single best drafter (fusion off), or union of paths")
+    g.add_argument("--scheduler", choices=("lp", "fcfs"), default=None,
+                   help="LP batch scheduler (eq. 5-8) or first-come fixed batches (LP off)")
+    g.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
+                   help="fixed γ and drafter participation (adaptive speculation off)")
+    g.add_argument("--drafters-per-request", type=int, default=None, help="k drafters routed per request (1-3)")
+
+
+def cosine_router_overrides(args: argparse.Namespace) -> dict:
+    """RouterConfig fields given on the command line (absent flags are left out)."""
+    names = ("routing", "fusion", "scheduler", "adaptive", "drafters_per_request", "num_speculative_tokens")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = DEFAULT_DRAFTERS) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="target model: embedded name, Hugging Face directory or .gguf file")
     p.add_argument("--drafters", default=drafters_default,
@@ -34,6 +56,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = "ngr
                    help="draft-token budget of each request's tree per step (0 = plain decoding)")
     p.add_argument("--stages", type=int, default=1, help="pipeline stages (layer slices) of the target")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_cosine_args(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -79,12 +102,28 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
     srv.add_argument("--num-speculative-tokens", type=int, default=None)
     srv.add_argument("--max-batch-size", type=int, default=None)
+    add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
+    srv.add_argument("--return-spec-stats", action="store_true",
+                     help="add the `cosine_ray` speculation-stats block to every completion")
+    srv.add_argument("--metrics-require-key", action="store_true",
+                     help="GET /metrics needs the API key too (default: public, like /health)")
     srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of a locally started Ray cluster")
 
     bench = sub.add_parser("bench", help="single-request tokens/s: HF vs cosine_ray drafter sets")
     from cosine_ray.bench import add_bench_args
     add_bench_args(bench)
+
+    prof = sub.add_parser("profile", help="measure the target and drafters; fit the LP scheduler's latency models")
+    prof.add_argument("--model", default="smollm2-135m",
+                      help="target model: embedded name, Hugging Face directory or .gguf file")
+    prof.add_argument("--stages", type=int, default=1, help="pipeline stages (layer slices) of the target")
+    prof.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+                      help="none, or a comma list of ngram, retrieval[:DOMAIN|:FILE.parquet], model:MODEL, self")
+    prof.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    prof.add_argument("--quick", action="store_true", help="small grid, 3 repetitions (what `serve` runs at first start)")
+    prof.add_argument("--out", default=None,
+                      help="output JSON (default: ~/.cache/cosine_ray/profiles/<model>-<device>-<dtype>-s<stages>.json)")
     return parser
 
 
@@ -102,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from cosine_ray.bench import run_bench
             return run_bench(args)
+        if args.command == "profile":
+            return _profile(args)
     except CliError as exc:
         print(f"cosine-ray: error: {exc}", file=sys.stderr)
         return 2
@@ -118,8 +159,7 @@ def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
     try:
         return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
                             num_stages=args.stages, num_threads=args.threads,
-                            router=RouterConfig(max_batch_size=batch_size,
-                                                num_speculative_tokens=args.num_speculative_tokens))
+                            router=RouterConfig(max_batch_size=batch_size, **cosine_router_overrides(args)))
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
@@ -231,6 +271,34 @@ def _datastore_build(args: argparse.Namespace) -> int:
     num_out = sum(len(o.new_token_ids) for o in outs)
     print(f"datastore {args.domain}: {len(rows)} prompts, {store.num_tokens} tokens "
           f"({num_out} generated in {elapsed:.1f} s) -> {path}")
+    return 0
+
+
+# ---- profile ------------------------------------------------------------------------------
+def _profile(args: argparse.Namespace) -> int:
+    from cosine_ray.engine.config import EngineConfig, parse_drafters
+    from cosine_ray.engine.profile import format_table, profile_path, run_profile, save_profile
+
+    if args.stages < 1 or (args.threads is not None and args.threads < 1):
+        raise CliError("--stages and --threads must be >= 1")
+    try:
+        config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
+                              num_stages=args.stages, num_threads=args.threads)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    start = time.perf_counter()
+    try:
+        model = run_profile(config, quick=args.quick)
+    except (ValueError, OSError) as exc:  # ModelLoadError is a ValueError
+        raise CliError(str(exc).splitlines()[0]) from None
+    elapsed = time.perf_counter() - start
+    try:
+        path = save_profile(model, args.out or profile_path(config))
+    except OSError as exc:
+        raise CliError(f"cannot write the profile: {exc}") from None
+    print(format_table(model))
+    print(f"profiled {model.model_name} ({'quick' if args.quick else 'full'}, {model.num_threads} threads) "
+          f"in {elapsed:.1f} s -> {path}")
     return 0
 
 

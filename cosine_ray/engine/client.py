@@ -25,6 +25,15 @@ class EngineClient(Protocol):
         """{"status": "ok"|"recovering"|..., ...}; raises if the engine is unreachable."""
         ...
 
+    async def metrics_snapshot(self, http: tuple[str, dict] | None = None) -> dict[str, Any]:
+        """``MetricsRegistry.snapshot()`` of the engine's one registry, read now (GET /metrics),
+        after folding in ``http`` = (replica id, cumulative {(route, status): n})."""
+        ...
+
+    def record_http(self, replica: str, totals: dict) -> None:
+        """Push one ingress replica's cumulative HTTP counts; must not block."""
+        ...
+
 
 class LocalEngineClient:
     """EngineClient over an in-process LocalEngine (tests, single-process serving)."""
@@ -45,3 +54,16 @@ class LocalEngineClient:
     async def health(self) -> dict[str, Any]:
         router = self.engine.router
         return {"status": "ok", "running": len(router.running), "waiting": len(router.waiting)}
+
+    async def metrics_snapshot(self, http: tuple[str, dict] | None = None) -> dict[str, Any]:
+        metrics = self.engine.router.metrics
+        if http is not None:
+            metrics.add_http_totals(*http)
+        for index, stage in enumerate(self.engine.target.stages):
+            busy, idle = stage.utilisation()
+            metrics.add_cumulative("cosine_ray:stage_busy_seconds", busy, "local", stage=index)
+            metrics.add_cumulative("cosine_ray:stage_idle_seconds", idle, "local", stage=index)
+        return self.engine.loop.metrics_snapshot()
+
+    def record_http(self, replica: str, totals: dict) -> None:
+        self.engine.router.metrics.add_http_totals(replica, totals)

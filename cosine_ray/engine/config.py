@@ -10,6 +10,9 @@ from cosine_ray.engine.router import RouterConfig
 
 DRAFTER_KINDS = ("none", "ngram", "retrieval", "model", "self")
 DOMAINS = ("code", "math", "instruction", "chat")
+DEFAULT_DRAFTERS = "ngram," + ",".join(f"retrieval:{d}" for d in DOMAINS)
+"""CoSine's default speculation cluster: the context n-gram drafter and one retrieval
+drafter per domain (the expertise router learns which serves which request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +35,14 @@ class DrafterSpec:
 
 
 def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
-    """``"none"`` | comma list of ``ngram``, ``retrieval[:DOMAIN|:FILE.parquet]``,
-    ``model:SPEC``, ``self``. Raises ValueError naming the accepted forms."""
+    """``"none"`` | ``"default"`` (DEFAULT_DRAFTERS) | comma list of ``ngram``,
+    ``retrieval[:DOMAIN|:FILE.parquet]``, ``model:SPEC``, ``self``. Raises ValueError naming
+    the accepted forms."""
     text = text.strip()
     if text in ("", "none"):
         return ()
+    if text == "default":
+        text = DEFAULT_DRAFTERS
     specs = []
     for part in text.split(","):
         kind, _, source = part.strip().partition(":")
@@ -88,7 +94,7 @@ class ClusterConfig:
 class EngineConfig:
     model: str = "smollm2-135m"
     """Target model: embedded name, Hugging Face directory or .gguf file."""
-    drafters: tuple[DrafterSpec, ...] = field(default_factory=lambda: parse_drafters("ngram,retrieval"))
+    drafters: tuple[DrafterSpec, ...] = field(default_factory=lambda: parse_drafters(DEFAULT_DRAFTERS))
     """Speculation sources; () = plain decoding."""
     num_stages: int = 1
     """Contiguous layer slices of the target (pipeline stages)."""

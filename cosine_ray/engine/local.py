@@ -116,6 +116,35 @@ def router_config_for(config: EngineConfig, checkpoint: Checkpoint) -> RouterCon
         config.router.max_model_len, checkpoint.config.max_position_embeddings))
 
 
+EMBEDDING_KEY = "model.embed_tokens.weight"
+
+
+def cosine_components(config: EngineConfig, checkpoint: Checkpoint, embeddings: torch.Tensor | None = None,
+                      *, run_profile_if_missing: bool = False) -> dict[str, Any]:
+    """What the router needs beyond its clients: the target's unit input embeddings (eq. 1
+    and the domain classifier), a prompt domain classifier fitted on the default domain
+    datastores when this model has them, and the measured latency model: the profile on disk
+    (``cosine-ray profile``), or a quick profiling pass now when ``run_profile_if_missing``
+    (the server), else none (the planner starts from a default and refits from every verify
+    step)."""
+    from cosine_ray.algo.domains import DomainClassifier
+    from cosine_ray.algo.latency_model import LatencyModel
+    from cosine_ray.algo.routing import normalise_embeddings
+    from cosine_ray.engine.profile import load_or_profile, profile_path
+
+    unit = normalise_embeddings(embeddings if embeddings is not None else checkpoint.load_tensor(EMBEDDING_KEY))
+    paths = {d: datastore_path(checkpoint.name, d, config.datastore_dir) for d in DOMAINS}
+    classifier = None
+    if all(p.is_file() for p in paths.values()):
+        classifier = DomainClassifier.fit(unit, {d: Datastore.load(p).sequences for d, p in paths.items()})
+    if run_profile_if_missing:
+        latency = load_or_profile(config, quick=True)
+    else:
+        path = profile_path(config)
+        latency = LatencyModel.from_json(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return {"unit_embeddings": unit, "domain_classifier": classifier, "latency_model": latency}
+
+
 class LocalEngine:
     """Build everything from an EngineConfig; generate with ``generate`` or ``stream``."""
 
@@ -135,7 +164,8 @@ class LocalEngine:
         self.router = Router(router_config_for(config, self.checkpoint), LocalTargetClient(self.target),
                              [LocalDrafterClient(d) for d in self.drafters],
                              vocab_size=self.checkpoint.config.vocab_size,
-                             eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer))
+                             eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),
+                             **cosine_components(config, self.checkpoint, state[EMBEDDING_KEY]))
         self.loop = EngineLoop(self.router)
 
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Sequence
 
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.engine.router import Router
+from cosine_ray.metrics.serving import RequestTimeline
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +70,34 @@ class EngineLoop:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self.router.add_request(request_id, prompt_token_ids, params)
+            request = self.router.add_request(request_id, prompt_token_ids, params)
         except Exception:
             del self._queues[request_id]
             raise
+        timeline = RequestTimeline(self.router.metrics, self.router.clock, request)
         self._wakeup.set()
         finished = False
         try:
             while not finished:
                 out = await queue.get()
                 finished = out.finished
+                timeline.observe(out.new_token_ids, out.finished, out.finish_reason)
+                if out.stats is not None:
+                    out.stats.domain = request.domain  # classified by the router after arrival
                 yield out
         finally:
             self._queues.pop(request_id, None)
             if not finished:
+                timeline.finish("abort")
                 self.router.abort(request_id)
                 self._wakeup.set()
+
+    def metrics_snapshot(self) -> dict:
+        """The router's registry with the running/waiting gauges read now (what /metrics shows)."""
+        metrics = self.router.metrics
+        metrics.set("cosine_ray:num_requests_running", len(self.router.running))
+        metrics.set("cosine_ray:num_requests_waiting", len(self.router.waiting))
+        return metrics.snapshot()
 
     async def generate_all(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                            request_id: str | None = None) -> RequestOutput:

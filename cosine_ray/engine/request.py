@@ -56,6 +56,12 @@ class RequestStats:
     """Accepted draft tokens (bonus excluded)."""
     drafted_by: dict[str, int] = field(default_factory=dict)
     accepted_by: dict[str, int] = field(default_factory=dict)
+    routed_to: dict[str, int] = field(default_factory=dict)
+    """Steps in which the router sent this request to each drafter (expertise routing)."""
+    num_routed_steps: int = 0
+    """Steps in which the request was routed to drafters at all."""
+    domain: str = "other"
+    """The request's domain (``Request.domain``), copied here by the engine loop for clients."""
 
     @property
     def mean_accepted_length(self) -> float:

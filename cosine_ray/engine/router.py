@@ -2,10 +2,11 @@
 
 NOTE(lead): one ``step()`` is the whole algorithm (DESIGN §2):
 
-    admit → draft (every drafter, whole batch, with deadlines) → select (one token tree per
-    request, best γ nodes by cumulative confidence) → score (target: prefill chains and
-    trees in one varlen forward) → verify (greedy / lossless rejection sampling) → commit
-    (accepted path's KV kept at the next score) → observe (drafters, stats) → stream.
+    admit → plan (route each request to its drafters, draft with confidence fusion, select
+    one token tree per request, schedule the batch and each γ_i: ``engine.planner``) →
+    score (target: prefill chains and trees in one varlen forward) → verify (greedy /
+    lossless rejection sampling) → commit (accepted path's KV kept at the next score) →
+    learn (calibration, routing scores, latency model, metrics) → stream.
 
 The router never touches a model: the target and drafters are behind ``TargetClient`` and
 ``DrafterClient``; the same loop drives in-process workers and Ray actors.
@@ -17,7 +18,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -26,10 +27,18 @@ from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_stochastic
 from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
 from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from cosine_ray.engine.speculation import (DrafterClient, SpeculationStats, gather_proposals,
-                                           merge_proposals)
+from cosine_ray.engine.planner import Plan, SpeculationPlanner
+from cosine_ray.engine.speculation import DrafterClient, SpeculationStats
 from cosine_ray.engine.target import ScoreItem, TargetClient, TargetUnavailable
 from cosine_ray.metrics.registry import MetricsRegistry
+
+if TYPE_CHECKING:
+    from cosine_ray.algo.domains import DomainClassifier
+    from cosine_ray.algo.latency_model import LatencyModel
+
+ROUTING_MODES = ("expertise", "random")
+FUSION_MODES = ("confidence", "single", "union")
+SCHEDULERS = ("lp", "fcfs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +46,26 @@ class RouterConfig:
     max_batch_size: int = 8
     """Requests running at once (continuous batching admits new ones as others finish)."""
     num_speculative_tokens: int = 8
-    """γ: draft-token budget of one request's tree per step (0 = plain decoding)."""
+    """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
     min_tree_confidence: float = 0.25
-    """Draft nodes whose cumulative confidence (product along their path) is below this are
-    not verified: a node that is unlikely to be accepted still costs a verify slot."""
+    """With ``scheduler="fcfs"`` (LP off): draft nodes whose cumulative confidence (product
+    along their path) is below this are not verified. The LP decides γ_i itself."""
+    routing: str = "expertise"
+    """expertise (CoSine eq. 1-3) | random (ablation: routing off, k drafters at random)."""
+    fusion: str = "confidence"
+    """confidence (eq. 4, round by round) | single (ablation: the best routed drafter alone) |
+    union (every routed drafter's whole paths merged)."""
+    scheduler: str = "lp"
+    """lp (eq. 5-8 with scipy HiGHS) | fcfs (ablation: first come, fixed size, fixed cut)."""
+    adaptive: bool = True
+    """False (ablation): fixed γ and fixed drafter participation."""
+    drafters_per_request: int = 2
+    """k: drafters routed to each request per step (adaptive: where participation starts)."""
+    max_drafters_per_request: int = 3
+    total_gamma_max: int = 64
+    """Γ_max: draft tokens per micro-batch (eq. 6; Algorithm 2 trims above it)."""
+    step_time_max_s: float = 5.0
+    """T_max: the scheduler keeps a step's predicted time under this (eq. 7)."""
     drafter_deadline_s: float = 2.0
     """A drafter's answer later than this is dropped for the step."""
     max_model_len: int = 8192
@@ -63,21 +88,34 @@ class RouterConfig:
             raise ValueError("drafter_deadline_s must be > 0")
         if self.num_lanes < 1:
             raise ValueError("num_lanes must be >= 1")
+        for name, value, allowed in (("routing", self.routing, ROUTING_MODES), ("fusion", self.fusion, FUSION_MODES),
+                                     ("scheduler", self.scheduler, SCHEDULERS)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: use one of {', '.join(allowed)}")
+        if not 1 <= self.drafters_per_request <= self.max_drafters_per_request:
+            raise ValueError("need 1 <= drafters_per_request <= max_drafters_per_request")
+        if self.total_gamma_max < 0 or self.step_time_max_s <= 0:
+            raise ValueError("total_gamma_max must be >= 0 and step_time_max_s > 0")
 
 
 @dataclass(slots=True)
 class _Planned:
     request: Request
     item: ScoreItem
-    tree: TokenTree | None = None  # None: prefill
-    node_owners: list[str] | None = None
+    plan: Plan | None = None  # None: prefill
+
+    @property
+    def tree(self) -> TokenTree | None:
+        return None if self.plan is None else self.plan.selected.tree
 
 
 class Router:
     def __init__(self, config: RouterConfig, target: TargetClient,
                  drafters: Sequence[DrafterClient], *, vocab_size: int,
                  eos_token_ids: Sequence[int] = (), clock: Callable[[], float] = time.monotonic,
-                 metrics: MetricsRegistry | None = None) -> None:
+                 metrics: MetricsRegistry | None = None, unit_embeddings: torch.Tensor | None = None,
+                 domain_classifier: "DomainClassifier | None" = None,
+                 latency_model: "LatencyModel | None" = None, seed: int | None = 0) -> None:
         self.config = config
         self.metrics = metrics or MetricsRegistry()
         """Plain counters (cosine_ray.metrics.names); exported at the edge."""
@@ -89,7 +127,10 @@ class Router:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._to_release: list[str] = []
-        self.speculation_stats = SpeculationStats()
+        self.speculation_stats = SpeculationStats(self.metrics)
+        self.planner = SpeculationPlanner(config, self.drafters, vocab_size=vocab_size, metrics=self.metrics,
+                                          stats=self.speculation_stats, clock=clock, unit_embeddings=unit_embeddings,
+                                          domain_classifier=domain_classifier, latency_model=latency_model, seed=seed)
         self._epoch = 0
         """Completed target recoveries. A step scored under an older epoch is stale: a recovery
         (another lane's) dropped all KV while it was in flight."""
@@ -103,6 +144,7 @@ class Router:
         self.check_request(prompt_token_ids, params)
         request = Request(request_id, [int(t) for t in prompt_token_ids], params,
                           self.eos_token_ids, arrival_time=self.clock())
+        self.planner.start(request)
         self.waiting.append(request)
         return request
 
@@ -122,6 +164,7 @@ class Router:
             if r.request_id == request_id:
                 self.waiting.remove(r)
                 r.finish("abort")
+                self.planner.finish([request_id])
                 return True
         request = self.running.pop(request_id, None)
         if request is None:
@@ -142,12 +185,13 @@ class Router:
         if not self._to_release:
             return
         ids, self._to_release = self._to_release, []
+        self.planner.finish(ids)
         await self.target.release(ids)
         for d in self.drafters:
             try:
                 await d.release(ids)
             except Exception:  # a dead drafter's state is gone anyway
-                self.speculation_stats.failed(d.name)
+                self._drafter_failed(d.name)
 
     # ---- the step loop ------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
@@ -162,10 +206,17 @@ class Router:
         planned = [p for p in planned if p.request.request_id in self.running]  # aborted while drafting
         if not planned:
             return []
+        items = [p.item for p in planned]
+        verify_start = self.clock()
+        self.planner.verifier.begin()
         try:
-            logits = await self.target.score([p.item for p in planned])
+            logits = await self.target.score(items)
         except TargetUnavailable as exc:
             return await self._recover(str(exc), epoch)
+        finally:
+            self.planner.verifier.end()
+        self.planner.observe_verify([i.start_position for i in items], [len(i.token_ids) for i in items],
+                                    self.clock() - verify_start)
         if epoch != self._epoch:  # a recovery dropped the KV these logits belong to: re-prefill
             for p in planned:
                 p.request.kv_lost, p.request.pending_commit = True, None
@@ -185,6 +236,7 @@ class Router:
                 new_tokens = list(result.new_token_ids)
                 request.pending_commit = (0,) + result.accepted_node_ids
                 self._account(request, p, result, feedback)
+                self.planner.learn(request, p.plan, result)
             appended = request.append(new_tokens)
             outputs.append(RequestOutput(
                 request.request_id, appended, request.is_finished, request.finish_reason,
@@ -197,8 +249,11 @@ class Router:
                 try:
                     await d.observe(feedback[d.name])
                 except Exception:
-                    self.speculation_stats.failed(d.name)
+                    self._drafter_failed(d.name)
         return outputs
+
+    def _drafter_failed(self, name: str) -> None:
+        self.speculation_stats.failed(name)
 
     async def _recover(self, reason: str, epoch: int) -> list[RequestOutput]:
         """A stage is gone: wait for it, then re-prefill every running request from its prompt
@@ -241,31 +296,20 @@ class Router:
 
     async def _plan_and_draft(self, requests: list[Request]) -> list[_Planned]:
         planned: list[_Planned] = []
-        draft_inputs: list[DraftInput] = []
-        decoding: list[_Planned] = []
+        decoding: list[Request] = []
         for request in requests:
             if not request.output_token_ids or request.kv_lost:
                 planned.append(_Planned(request, ScoreItem.prefill(request.request_id, request.context_token_ids)))
+            else:
+                decoding.append(request)
+        plans = await self.planner.plan(decoding)
+        for request in decoding:
+            plan = plans.get(request.request_id)
+            if plan is None:  # the scheduler left it for a later step
                 continue
-            p = _Planned(request, None)  # type: ignore[arg-type]
-            planned.append(p)
-            decoding.append(p)
-            budget = min(self.config.num_speculative_tokens,
-                         request.params.max_tokens - len(request.output_token_ids) - 1)
-            draft_inputs.append(DraftInput(request.request_id, tuple(request.context_token_ids), max(budget, 0)))
-        active = [(i, d) for i, d in enumerate(draft_inputs) if d.max_draft_tokens > 0]
-        proposals = await gather_proposals(self.drafters, [d for _, d in active],
-                                           deadline_s=self.config.drafter_deadline_s,
-                                           vocab_size=self.vocab_size, stats=self.speculation_stats)
-        per_request: list[list[DraftProposal]] = [[] for _ in draft_inputs]
-        for (i, _), props in zip(active, proposals):
-            per_request[i] = props
-        for p, inp, props in zip(decoding, draft_inputs, per_request):
-            request = p.request
-            p.tree, p.node_owners = merge_proposals(request.output_token_ids[-1], props, inp.max_draft_tokens,
-                                                    min_confidence=self.config.min_tree_confidence)
-            p.item = ScoreItem.for_tree(request.request_id, p.tree, request.num_tokens - 1,
-                                        request.pending_commit)
+            item = ScoreItem.for_tree(request.request_id, plan.selected.tree, request.num_tokens - 1,
+                                      request.pending_commit)
+            planned.append(_Planned(request, item, plan))
         return planned
 
     def _sample_one(self, request: Request, logits: torch.Tensor) -> int:
@@ -290,7 +334,7 @@ class Router:
         stats.num_verify_steps += 1
         stats.num_draft_tokens += p.tree.num_draft_tokens
         stats.num_accepted_tokens += len(result.accepted_node_ids)
-        owners = p.node_owners or []
+        owners = p.plan.selected.owners
         drafted: dict[str, int] = {}
         accepted: dict[str, int] = {}
         for node in range(1, p.tree.num_nodes):

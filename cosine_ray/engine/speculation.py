@@ -1,9 +1,17 @@
 """The speculation cluster as the router sees it: drafter clients with deadlines.
 
-Every drafter is called once per step with the whole batch. A drafter that errors, hangs
-past its deadline or returns garbage is dropped from that step (the request goes on with
-the remaining drafters, or none: plain decoding), and counted as a failure; text never
-changes because verification decides every token.
+Two ways to draft a batch, both one call per drafter for all the requests routed to it:
+
+- ``fuse_drafts``: CoSine's token fusion (eq. 4, ``algo.fusion``), round by round — each
+  round asks every drafter to continue the fused prefix (and its own losing token) of each
+  of its requests, then fuses the answers by calibrated confidence;
+- ``gather_proposals``: each drafter proposes whole paths on its own (single-drafter
+  speculation, and the union-of-paths mode).
+
+Either way ``build_tree`` then applies TreeSelection. A drafter that errors, hangs past its
+deadline or returns garbage is dropped (for the step, or for the rest of the fusion rounds)
+and counted as a failure; the request goes on with the remaining drafters, or none (plain
+decoding). Text never changes because verification decides every token.
 """
 
 from __future__ import annotations
@@ -11,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
+from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal, Drafter
+from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
+                                             Drafter)
+from cosine_ray.metrics.registry import MetricsRegistry
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +34,8 @@ class DrafterClient(Protocol):
     name: str
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]: ...
+
+    async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]: ...
 
     async def observe(self, feedback: Sequence[DraftFeedback]) -> None: ...
 
@@ -39,6 +52,9 @@ class LocalDrafterClient:
     async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         return self.drafter.propose(inputs)
 
+    async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        return self.drafter.continue_drafts(queries)
+
     async def observe(self, feedback: Sequence[DraftFeedback]) -> None:
         self.drafter.observe(feedback)
 
@@ -49,10 +65,14 @@ class LocalDrafterClient:
 
 @dataclass(slots=True)
 class SpeculationStats:
+    metrics: MetricsRegistry | None = None
+    """Where ``cosine_ray:drafter_failures`` is counted too (the router's registry)."""
     failures: dict[str, int] = field(default_factory=dict)
 
     def failed(self, name: str) -> None:
         self.failures[name] = self.failures.get(name, 0) + 1
+        if self.metrics is not None:
+            self.metrics.inc("cosine_ray:drafter_failures", drafter=name)
 
 
 def is_valid_proposal(p: object, item: DraftInput, vocab_size: int) -> bool:
@@ -71,69 +91,175 @@ def is_valid_proposal(p: object, item: DraftInput, vocab_size: int) -> bool:
     return True
 
 
-async def gather_proposals(clients: Sequence[DrafterClient], inputs: Sequence[DraftInput], *,
+def _valid_candidates(cands: object, k: int, vocab_size: int) -> bool:
+    if not isinstance(cands, (list, tuple)) or len(cands) > k:
+        return False
+    for c in cands:
+        if not isinstance(c, (list, tuple)) or len(c) != 2:
+            return False
+        tok, conf = c
+        if not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            return False
+        if not isinstance(conf, (int, float)) or not 0.0 <= conf <= 1.0:
+            return False
+    return True
+
+
+async def continue_via_propose(client: DrafterClient, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+    """``continue_drafts`` for a drafter that only implements ``propose``: one propose call
+    per prefix slot with the prefix appended to the context and a budget of ``k`` (first
+    tokens of its paths). Stateless drafters answer the same; stateful ones may rebuild."""
+    out: list[list[Candidates]] = [[[] for _ in q.prefixes] for q in queries]
+    for slot in range(max((len(q.prefixes) for q in queries), default=0)):
+        live = [(i, q) for i, q in enumerate(queries) if slot < len(q.prefixes)]
+        inputs = [DraftInput(q.request_id, tuple(q.context_token_ids) + tuple(q.prefixes[slot]), q.k) for _, q in live]
+        proposals = await client.propose(inputs)
+        if not isinstance(proposals, list) or len(proposals) != len(inputs):
+            raise ValueError(f"propose returned {type(proposals).__name__} for {len(inputs)} inputs")
+        for (i, q), p in zip(live, proposals):
+            firsts = [(path[0], confs[0]) for path, confs in zip(p.paths, p.confidences) if path]
+            out[i][slot] = firsts[:q.k]
+    return out
+
+
+async def _call_all(clients: Mapping[str, DrafterClient], batches: Mapping[str, list], method: str,
+                    deadline_s: float) -> dict[str, object]:
+    """One call per drafter (its batch), concurrently, each with its own deadline."""
+    names = [n for n, batch in batches.items() if batch and n in clients]
+
+    async def call(name: str):
+        client = clients[name]
+        if method == "continue_drafts" and not hasattr(client, "continue_drafts"):
+            work = continue_via_propose(client, batches[name])
+        else:
+            work = getattr(client, method)(batches[name])
+        return await asyncio.wait_for(work, timeout=deadline_s)
+
+    results = await asyncio.gather(*(call(n) for n in names), return_exceptions=True)
+    return dict(zip(names, results))
+
+
+async def gather_proposals(clients: Mapping[str, DrafterClient], batches: Mapping[str, Sequence[DraftInput]], *,
                            deadline_s: float, vocab_size: int,
-                           stats: SpeculationStats | None = None) -> list[list[DraftProposal]]:
-    """Ask every drafter for the whole batch at once; returns proposals per input.
+                           stats: SpeculationStats | None = None) -> dict[str, list[DraftProposal]]:
+    """Ask each drafter for whole draft paths for the requests routed to it.
 
-    Each call has its own deadline; a late, failing or malformed drafter contributes nothing.
-    """
-    per_input: list[list[DraftProposal]] = [[] for _ in inputs]
-    if not inputs or not clients:
-        return per_input
-
-    async def call(client: DrafterClient):
-        return await asyncio.wait_for(client.propose(inputs), timeout=deadline_s)
-
-    results = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
-    for client, result in zip(clients, results):
+    Returns request id → valid, non-empty proposals; a late, failing or malformed drafter
+    contributes nothing."""
+    per_request: dict[str, list[DraftProposal]] = {}
+    results = await _call_all(clients, {n: list(b) for n, b in batches.items()}, "propose", deadline_s)
+    for name, result in results.items():
+        inputs = batches[name]
         if isinstance(result, BaseException) or not isinstance(result, list) or len(result) != len(inputs):
-            log.warning("drafter %s dropped from this step: %r", client.name, result)
+            log.warning("drafter %s dropped from this step: %r", name, result)
             if stats is not None:
-                stats.failed(client.name)
+                stats.failed(name)
             continue
-        for i, (item, proposal) in enumerate(zip(inputs, result)):
+        for item, proposal in zip(inputs, result):
             if is_valid_proposal(proposal, item, vocab_size):
                 if proposal.paths:
-                    per_input[i].append(
-                        proposal if proposal.drafter else
-                        DraftProposal(proposal.request_id, proposal.paths, proposal.confidences, client.name))
+                    per_request.setdefault(item.request_id, []).append(
+                        DraftProposal(proposal.request_id, proposal.paths, proposal.confidences, name))
             elif stats is not None:
-                stats.failed(client.name)
-    return per_input
+                stats.failed(name)
+    return per_request
+
+
+async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str, FusionState],
+                      contexts: Mapping[str, Sequence[int]], *, deadline_s: float, vocab_size: int,
+                      stats: SpeculationStats | None = None) -> int:
+    """Run fusion rounds until every state is done; returns the number of rounds.
+
+    Each round makes one ``continue_drafts`` call per drafter covering all its requests. A
+    drafter that fails a round is dropped for the remaining rounds of this step."""
+    dropped: set[str] = set()
+    rounds = 0
+    while True:
+        batches: dict[str, list[ContinueQuery]] = {}
+        for rid, state in states.items():
+            if state.done:
+                continue
+            context = tuple(contexts[rid])
+            for name, prefixes in state.queries().items():
+                if name not in dropped:
+                    batches.setdefault(name, []).append(ContinueQuery(rid, context, prefixes, 1))
+        if not batches:
+            return rounds
+        rounds += 1
+        results = await _call_all(clients, batches, "continue_drafts", deadline_s)
+        answers: dict[str, dict[str, list[Candidates]]] = {}
+        for name, queries in batches.items():
+            result = results.get(name)
+            ok = (not isinstance(result, BaseException) and isinstance(result, list) and len(result) == len(queries)
+                  and all(isinstance(r, list) and len(r) == len(q.prefixes) and
+                          all(_valid_candidates(c, q.k, vocab_size) for c in r) for q, r in zip(queries, result)))
+            if not ok:
+                log.warning("drafter %s dropped from this step's fusion: %r", name, result)
+                dropped.add(name)
+                if stats is not None:
+                    stats.failed(name)
+                continue
+            for q, r in zip(queries, result):
+                answers.setdefault(q.request_id, {})[name] = r
+        for rid, state in states.items():
+            if not state.done:
+                state.absorb(answers.get(rid, {}))
+
+
+@dataclass(frozen=True, slots=True)
+class SelectedTree:
+    tree: TokenTree
+    owners: tuple[str, ...]
+    """Drafter of each node ("" for the root)."""
+    raw_confidences: tuple[float, ...]
+    """The owner's own probability of each node (root: 1.0)."""
+
+    def node_acceptance(self) -> list[float]:
+        """Cumulative (calibrated) confidence of each draft node: its chance of acceptance."""
+        return self.tree.cumulative_confidences()[1:]
+
+
+def proposals_to_paths(proposals: Sequence[DraftProposal], calibrate: Calibrate | None = None) -> list[FusedPath]:
+    paths = []
+    for p in proposals:
+        for path, confs in zip(p.paths, p.confidences):
+            cal = tuple(calibrate(p.drafter, c) if calibrate else c for c in confs)
+            paths.append(FusedPath(tuple(path), cal, (p.drafter,) * len(path), tuple(confs)))
+    return paths
+
+
+def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
+               min_confidence: float = 0.0) -> SelectedTree:
+    """TreeSelection: the union of ``paths`` as one tree of at most ``budget`` draft nodes.
+
+    All paths are merged (shared prefixes become one node, keeping the highest confidence),
+    then the ``budget`` draft nodes with the highest cumulative confidence (the product
+    along their path) survive, none below ``min_confidence``. A node's cumulative
+    confidence never exceeds its parent's, so ancestors survive first. A node's owner is
+    the drafter of the first path that reached it (list the fused trunk first)."""
+    full = TokenTree.from_paths(root_token_id, [p.token_ids for p in paths], [p.confidences for p in paths])
+    owner = [""] * full.num_nodes
+    raw = [1.0] * full.num_nodes
+    lookup = {(full.parent_ids[i], full.token_ids[i]): i for i in range(1, full.num_nodes)}
+    for p in paths:
+        node = 0
+        raws = p.raw_confidences or p.confidences
+        for tok, who, r in zip(p.token_ids, p.owners, raws):
+            node = lookup[(node, int(tok))]
+            if not owner[node]:
+                owner[node], raw[node] = who, r
+    cum = full.cumulative_confidences()
+    eligible = [i for i in range(1, full.num_nodes) if cum[i] >= min_confidence]
+    if len(eligible) == full.num_draft_tokens <= budget:
+        return SelectedTree(full, tuple(owner), tuple(raw))
+    # cum[child] <= cum[parent] and parents have smaller indices, so the top-`budget` set by
+    # (-cum, index) — and the set above a threshold — always holds every kept node's ancestors.
+    kept = sorted(sorted(eligible, key=lambda i: (-cum[i], i))[:max(budget, 0)])
+    return SelectedTree(full.select(kept), ("",) + tuple(owner[k] for k in kept), (1.0,) + tuple(raw[k] for k in kept))
 
 
 def merge_proposals(root_token_id: int, proposals: Sequence[DraftProposal], budget: int, *,
                     min_confidence: float = 0.0) -> tuple[TokenTree, list[str]]:
-    """Union of all drafters' paths as one tree of at most ``budget`` draft nodes.
-
-    Nodes are kept by cumulative confidence (TreeSelection): all paths are merged, then the
-    ``budget`` draft nodes with the highest product of confidences along their path survive
-    (a node's cumulative confidence never exceeds its parent's, so ancestors survive first).
-    Returns the tree and, per node, the first drafter that proposed it ("" for the root).
-    """
-    paths, confs, owners = [], [], []
-    for p in proposals:
-        for path, c in zip(p.paths, p.confidences):
-            paths.append(path)
-            confs.append(c)
-            owners.append(p.drafter)
-    full = TokenTree.from_paths(root_token_id, paths, confs)
-    node_owner = [""] * full.num_nodes
-    lookup = {}
-    for i in range(1, full.num_nodes):
-        lookup[(full.parent_ids[i], full.token_ids[i])] = i
-    for path, owner in zip(paths, owners):
-        node = 0
-        for tok in path:
-            node = lookup[(node, int(tok))]
-            if not node_owner[node]:
-                node_owner[node] = owner
-    cum = full.cumulative_confidences()
-    eligible = [i for i in range(1, full.num_nodes) if cum[i] >= min_confidence]
-    if len(eligible) == full.num_draft_tokens <= budget:
-        return full, node_owner
-    # cum[child] <= cum[parent] and parents have smaller indices, so the top-`budget` set by
-    # (-cum, index) — and the set above a threshold — always holds every kept node's ancestors.
-    kept = sorted(sorted(eligible, key=lambda i: (-cum[i], i))[:budget])
-    return full.select(kept), [""] + [node_owner[k] for k in kept]
+    """Union of whole-path proposals under TreeSelection; returns the tree and node owners."""
+    selected = build_tree(root_token_id, proposals_to_paths(proposals), budget, min_confidence=min_confidence)
+    return selected.tree, list(selected.owners)

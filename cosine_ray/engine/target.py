@@ -12,8 +12,9 @@ chain at prefill, or a token tree's nodes afterwards.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -120,19 +121,37 @@ class StageWorker:
     Ray runtime makes it an actor). ``forward`` returns hidden states, or on the last stage
     the logit rows of every item concatenated (``split_logits`` cuts them per item)."""
 
-    def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None) -> None:
+    def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.stage = stage
         self.cache = stage.new_kv_cache(max_tokens=max_kv_tokens)
+        self.clock = clock
+        self.started_at = clock()
+        self.busy_s = 0.0
+        """Seconds spent in finished ``forward`` calls (metrics: stage busy vs idle)."""
+        self._busy_since: float | None = None
 
     def forward(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None) -> torch.Tensor:
-        apply_commits(self.cache, items)
+        self._busy_since = self.clock()
         try:
-            return self.stage.forward(build_stage_batch(items), self.cache, hidden)
-        except Exception:  # a failed forward leaves no half-written speculative level behind
-            for it in items:
-                if it.request_id in self.cache:
-                    self.cache.commit(it.request_id, ())
-            raise
+            apply_commits(self.cache, items)
+            try:
+                return self.stage.forward(build_stage_batch(items), self.cache, hidden)
+            except Exception:  # a failed forward leaves no half-written speculative level behind
+                for it in items:
+                    if it.request_id in self.cache:
+                        self.cache.commit(it.request_id, ())
+                raise
+        finally:
+            self.busy_s += self.clock() - self._busy_since
+            self._busy_since = None
+
+    def utilisation(self) -> tuple[float, float]:
+        """(busy, idle) seconds since this stage was built; a forward in progress counts as
+        busy so far, so both only grow (they are exported as counters)."""
+        now = self.clock()
+        busy = self.busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        return busy, max(0.0, now - self.started_at - busy)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:

@@ -13,6 +13,29 @@ Derived figures (PromQL):
 - mean accepted length (bonus token included, vLLM's convention):
   ``1 + sum(rate(cosine_ray:spec_decode_num_accepted_tokens_total[1m]))
   / sum(rate(cosine_ray:spec_decode_num_drafts_total[1m]))``
+- acceptance rate per drafter (or per domain: ``by (domain)``):
+  ``sum by (drafter) (rate(cosine_ray:spec_decode_num_accepted_tokens_total[1m]))
+  / sum by (drafter) (rate(cosine_ray:spec_decode_num_draft_tokens_total[1m]))``
+- acceptance at tree depth k (vLLM's per-position rate): ``sum by (position)
+  (rate(cosine_ray:spec_decode_num_accepted_tokens_per_pos_total[1m])) / scalar(sum(
+  rate(cosine_ray:spec_decode_num_drafts_total[1m])))``
+- routing share of a drafter: ``sum by (drafter) (rate(cosine_ray:routing_decisions_total[1m]))
+  / scalar(sum(rate(cosine_ray:routing_decisions_total[1m])))``; fusion share likewise over
+  ``fusion_picks_total``; fusion survival: ``fusion_picks_accepted_total / fusion_picks_total``
+  by drafter.
+- stage utilisation (1 - bubble share): ``rate(cosine_ray:stage_busy_seconds_total[1m]) /
+  (rate(cosine_ray:stage_busy_seconds_total[1m]) + rate(cosine_ray:stage_idle_seconds_total[1m]))``
+- latency percentiles: ``histogram_quantile(0.99, sum by (le)
+  (rate(cosine_ray:time_to_first_token_seconds_bucket[1m])))``; means: ``rate(X_sum[1m]) /
+  rate(X_count[1m])`` (mean γ from ``scheduler_gamma``, mean Γ from ``scheduler_total_gamma``).
+
+Who records what: the router (``engine/router.py``) the speculation, routing, fusion and
+scheduler series; the engine loop (``engine/loop.py``) the serving series; the HTTP edge
+``http_requests``; the router actor at scrape time ``stage_*_seconds`` (read from the stage
+workers), ``drafter_restarts`` (from the actor slots) and the running/waiting gauges. One
+registry in the router process holds them all; ``metrics/prometheus.py`` renders it.
+Unlabelled counters, gauges and histograms are always exported (0 until recorded); labelled
+ones appear with their first recorded series.
 """
 
 from __future__ import annotations
@@ -93,4 +116,8 @@ METRICS: dict[str, MetricSpec] = {
         "counter", "Drafter calls dropped (error, deadline, malformed answer).", ("drafter",)),
     "cosine_ray:drafter_restarts": MetricSpec(
         "counter", "Drafter actors respawned after being lost.", ("drafter",)),
+    # ---- the exporter itself --------------------------------------------------------------------
+    "cosine_ray:metrics_collection_failures": MetricSpec(
+        "counter", "Scrape-time reads that failed or missed their deadline (a stage that did not "
+        "answer keeps its last values).", ("source",)),
 }

@@ -37,6 +37,8 @@ class Histogram:
 class MetricsRegistry:
     def __init__(self) -> None:
         self._values: dict[str, dict[LabelKey, Any]] = {name: {} for name in METRICS}
+        self._readings: dict[tuple[str, str, LabelKey], float] = {}
+        """Last cumulative reading per (metric, source, labels): see ``add_cumulative``."""
 
     @staticmethod
     def _key(name: str, spec: MetricSpec, labels: dict[str, Any]) -> LabelKey:
@@ -59,6 +61,31 @@ class MetricsRegistry:
         series = self._values[name]
         key = self._key(name, spec, labels)
         series[key] = series.get(key, 0.0) + value
+
+    def add_cumulative(self, name: str, reading: float, source: str, *, lower_means_restart: bool = True,
+                       **labels: Any) -> None:
+        """Fold a cumulative reading taken from another process into a counter.
+
+        Stage busy seconds and drafter respawns are counted where they happen and read at
+        scrape time. The counter grows by ``reading - last reading of (source, labels)``; a
+        reading below the last one means the source restarted from zero, so all of it is new.
+        The exported counter therefore never decreases, across restarts of the source too.
+        With ``lower_means_restart=False`` a lower reading is a stale one that arrived late
+        (sources whose restarts get a new ``source`` name) and is ignored."""
+        spec = self._spec(name, "counter")
+        key = (name, source, self._key(name, spec, labels))
+        last = self._readings.get(key, 0.0)
+        if reading < last and not lower_means_restart:
+            return
+        self._readings[key] = float(reading)
+        self.inc(name, reading - last if reading >= last else reading, **labels)
+
+    def add_http_totals(self, replica: str, totals: dict[tuple[str, int], int]) -> None:
+        """Cumulative HTTP response counts of one ingress replica ({(route, status): n}),
+        folded in order-insensitively: a late, older push changes nothing."""
+        for (route, status), n in totals.items():
+            self.add_cumulative("cosine_ray:http_requests", n, replica, lower_means_restart=False,
+                                route=route, status=status)
 
     def set(self, name: str, value: float, **labels: Any) -> None:
         spec = self._spec(name, "gauge")

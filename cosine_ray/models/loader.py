@@ -174,6 +174,22 @@ class Checkpoint:
                 out[k] = v.to(torch.float32) if v.is_floating_point() else v
         return out
 
+    def load_tensor(self, name: str) -> "torch.Tensor":
+        """One parameter as fp32 without loading the rest (safetensors are read lazily)."""
+        import torch
+
+        for f in self.weight_files():
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(f), framework="pt", device="cpu") as handle:
+                    if name in handle.keys():
+                        return handle.get_tensor(name).to(torch.float32)
+            else:
+                part = torch.load(str(f), map_location="cpu", weights_only=True)
+                if name in part:
+                    return part[name].to(torch.float32)
+        raise ModelLoadError(f"no parameter {name!r} in {self.path}")
+
     # -- tokenizer / reference model -------------------------------------------------------
 
     @property

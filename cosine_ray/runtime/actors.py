@@ -19,7 +19,7 @@ import ray
 import torch
 
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
 from cosine_ray.engine.local import make_drafter, make_stage_worker
 from cosine_ray.engine.target import ScoreItem
 
@@ -65,6 +65,9 @@ class DrafterHost(_Hosted):
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         return self.drafter.propose(inputs)
+
+    def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        return self.drafter.continue_drafts(queries)
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:
         self.drafter.observe(feedback)

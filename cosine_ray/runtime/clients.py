@@ -14,7 +14,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, RayActorError
 
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
 from cosine_ray.engine.target import ScoreItem, TargetUnavailable, split_logits
 from cosine_ray.runtime.cluster import NAMESPACE
 
@@ -58,12 +58,18 @@ class RayDrafterClient:
         self._inflight: ray.ObjectRef | None = None
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
+        return await self._call("propose", list(inputs))
+
+    async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        return await self._call("continue_drafts", list(queries))
+
+    async def _call(self, method: str, arg: list) -> Any:
         if self._inflight is not None:
             ready, _ = ray.wait([self._inflight], timeout=0)
             if not ready:
-                raise TimeoutError(f"drafter {self.name} is still busy with an earlier step")
+                raise TimeoutError(f"drafter {self.name} is still busy with an earlier call")
             self._inflight = None
-        ref = self.slot.handle.propose.remote(list(inputs))
+        ref = getattr(self.slot.handle, method).remote(arg)
         try:
             return await await_ref(ref, self.deadline_s)
         except asyncio.TimeoutError:

@@ -9,6 +9,7 @@ the request in the router, which frees its state on every stage and drafter.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from typing import Any, AsyncIterator, Sequence
 
@@ -76,3 +77,14 @@ class RayEngineClient:
 
     async def stats(self) -> dict[str, Any]:
         return await await_ref(self.router.stats.remote(), self.call_timeout_s)
+
+    async def metrics_snapshot(self, http: tuple[str, dict] | None = None) -> dict[str, Any]:
+        return await await_ref(self.router.metrics_snapshot.remote(http), self.call_timeout_s)
+
+    def record_http(self, replica: str, totals: dict) -> None:
+        """Fire and forget (never blocks a response): cumulative totals, so a late or lost
+        push is repaired by the next one or by this replica's next ``metrics_snapshot``."""
+        try:  # a fresh context: not a child call of this request, so a disconnect never cancels it
+            contextvars.Context().run(self.router.record_http.remote, replica, totals)
+        except Exception:
+            log.debug("could not count an HTTP response", exc_info=True)

@@ -16,13 +16,14 @@ import ray
 import torch
 
 from cosine_ray.engine.config import EngineConfig
-from cosine_ray.engine.local import eos_token_ids, router_config_for
+from cosine_ray.engine.local import cosine_components, eos_token_ids, router_config_for
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.engine.router import Router
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.runtime.actors import DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
+from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.placement import actor_options
 
@@ -53,7 +54,8 @@ class RouterHost:
         router_config = router_config_for(config, checkpoint)
         self.max_model_len = router_config.max_model_len
         self.router = Router(router_config, self.target, drafters, vocab_size=self.vocab_size,
-                             eos_token_ids=eos_token_ids(checkpoint, tokenizer))
+                             eos_token_ids=eos_token_ids(checkpoint, tokenizer),
+                             **cosine_components(config, checkpoint, run_profile_if_missing=True))
         self.loop = EngineLoop(self.router)
 
     async def ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -102,6 +104,23 @@ class RouterHost:
             "drafter_failures": dict(self.router.speculation_stats.failures),
             "respawns": {s.name: s.num_respawns for s in self.stage_slots + self.drafter_slots},
         }
+
+    async def metrics_snapshot(self, http: tuple[str, dict] | None = None) -> dict[str, Any]:
+        """The deployment's one metrics registry (single exporter), with the figures counted
+        elsewhere read now: drafter respawns, and stage busy/idle (a background read the
+        scrape waits for briefly; see runtime/metrics_scrape.py), and the calling ingress
+        replica's HTTP counts ``http`` = (replica id, cumulative totals)."""
+        if http is not None:
+            self.router.metrics.add_http_totals(*http)
+        if getattr(self, "_stage_reader", None) is None:  # made on first scrape (no state before)
+            self._stage_reader = StageUtilisationReader(self.router.metrics, self.stage_slots)
+        await self._stage_reader.refresh()
+        collect_drafter_restarts(self.router.metrics, self.drafter_slots, [s.name for s in self.config.drafters])
+        return self.loop.metrics_snapshot()
+
+    async def record_http(self, replica: str, totals: dict) -> None:
+        """Cumulative HTTP counts of one ingress replica (every replica pushes here)."""
+        self.router.metrics.add_http_totals(replica, totals)
 
     async def actor_handles(self) -> dict[str, Any]:
         return {s.name: s.handle for s in self.stage_slots + self.drafter_slots}

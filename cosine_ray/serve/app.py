@@ -4,7 +4,8 @@
 ``serve run cosine_ray.serve.app:build_app`` / ``serve deploy deploy/serve_config.yaml``
 use it directly. ``args`` are the engine config as plain data (see
 ``engine.config.config_from_dict``) plus ``api_key`` (or env ``COSINE_RAY_API_KEY``) and
-``max_body_bytes``.
+``max_body_bytes``, ``return_spec_stats`` (every completion carries the ``cosine_ray`` stats
+block) and ``metrics_require_key`` (``GET /metrics`` needs the API key too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from cosine_ray.engine.config import config_from_dict
 from cosine_ray.serve.openai_app import build_openai_app
 
 INGRESS_ARGS = ("api_key", "max_body_bytes", "max_ongoing_requests", "max_queued_requests",
-                "fresh_router")
+                "fresh_router", "return_spec_stats", "metrics_require_key")
 
 
 @serve.ingress()
@@ -26,7 +27,8 @@ class OpenAIIngress:
     """One replica: tokenizer + a client of the (detached, shared) router actor."""
 
     def __init__(self, config_data: dict[str, Any], api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20, fresh_router: bool = False) -> None:
+                 max_body_bytes: int = 1 << 20, fresh_router: bool = False,
+                 return_spec_stats: bool = False, metrics_require_key: bool = False) -> None:
         from cosine_ray.models.loader import resolve_checkpoint
         from cosine_ray.runtime.engine_client import RayEngineClient
         from cosine_ray.runtime.router_actor import get_or_create_router
@@ -37,10 +39,14 @@ class OpenAIIngress:
         self.tokenizer = resolve_checkpoint(config.model).load_tokenizer()
         self.api_key = api_key or os.environ.get("COSINE_RAY_API_KEY") or None
         self.max_body_bytes = max_body_bytes
+        self.return_spec_stats = bool(return_spec_stats)
+        self.metrics_require_key = bool(metrics_require_key)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.engine, self.tokenizer, model_name=self.engine.model_name,
-                                max_body_bytes=self.max_body_bytes, api_key=self.api_key)
+                                max_body_bytes=self.max_body_bytes, api_key=self.api_key,
+                                return_spec_stats=self.return_spec_stats,
+                                metrics_require_key=self.metrics_require_key)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

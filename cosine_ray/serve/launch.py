@@ -19,9 +19,8 @@ def serve_args(args: argparse.Namespace, error: type[Exception]) -> dict[str, An
         for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages)):
             if flag is not None:
                 data[key] = flag
-        router = dict(data.get("router") or {})
-        if args.num_speculative_tokens is not None:
-            router["num_speculative_tokens"] = args.num_speculative_tokens
+        from cosine_ray.cli import cosine_router_overrides
+        router = {**(data.get("router") or {}), **cosine_router_overrides(args)}
         if args.max_batch_size is not None:
             router["max_batch_size"] = args.max_batch_size
         if "num_lanes" not in router or router["num_lanes"] == 1:
@@ -55,11 +54,16 @@ def run_serve(args: argparse.Namespace, error: type[Exception]) -> int:
     app_args = dict(data)
     if args.api_key:
         app_args["api_key"] = args.api_key
+    if getattr(args, "return_spec_stats", False):
+        app_args["return_spec_stats"] = True
+    if getattr(args, "metrics_require_key", False):
+        app_args["metrics_require_key"] = True
     print(f"cosine_ray: starting {data['num_stages']} stage(s) and drafters "
           f"[{data['drafters']}] for {data['model']} (first start loads the model)...", flush=True)
     serve.run(build_app(app_args), name="cosine_ray", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"
-    print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health). Ctrl-C stops.", flush=True)
+    print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
+          f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

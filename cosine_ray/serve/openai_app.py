@@ -34,6 +34,7 @@ from cosine_ray.engine.request import RequestStats, SamplingParams
 from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, CatchAllMiddleware,
                                      EngineUnavailable, InvalidRequest, NotFound, OpenAIError,
                                      error_payload, error_response, install_error_handlers)
+from cosine_ray.serve.metrics_http import METRICS_PATH, HttpCounts, HttpMetricsMiddleware, metrics_response
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                       CompletionChoice, CompletionRequest, CompletionResponse,
@@ -43,8 +44,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: min(this, context left after the prompt)."""
-PUBLIC_PATHS = frozenset({"/health"})
-"""Routes that need no API key."""
+PUBLIC_PATHS = frozenset({"/health", METRICS_PATH})
+"""Routes that need no API key (Prometheus scrapes carry none; ``metrics_require_key`` drops
+``/metrics`` from this set)."""
 T = TypeVar("T")
 
 
@@ -145,7 +147,9 @@ class Generation:
         s = self.stats or RequestStats()
         return CosineRayStats(num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
                               mean_accepted_length=s.mean_accepted_length, num_verify_steps=s.num_verify_steps,
-                              drafted_by=dict(s.drafted_by), accepted_by=dict(s.accepted_by))
+                              drafted_by=dict(s.drafted_by), accepted_by=dict(s.accepted_by),
+                              domain=s.domain,
+                              drafters_used=sorted(name for name, n in s.drafted_by.items() if n > 0))
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -203,12 +207,13 @@ def sse(data: Any) -> str:
 class ApiKeyMiddleware:
     """``Authorization: Bearer KEY`` on every path except PUBLIC_PATHS (constant-time compare)."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str, public_paths: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.public_paths = public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.public_paths:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given.strip(), self.expected):
                 response = error_response(401, "missing or invalid API key: send `Authorization: Bearer KEY`",
@@ -219,17 +224,29 @@ class ApiKeyMiddleware:
 
 def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-                     default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
-    """The OpenAI-compatible app. ``tokenizer`` is the target's HF tokenizer (chat template)."""
+                     default_max_tokens: int = DEFAULT_MAX_TOKENS, return_spec_stats: bool = False,
+                     metrics_require_key: bool = False) -> FastAPI:
+    """The OpenAI-compatible app. ``tokenizer`` is the target's HF tokenizer (chat template).
+    ``return_spec_stats`` adds the ``cosine_ray`` stats block to every completion (otherwise
+    only when a request asks with ``cosine_ray_stats``); ``metrics_require_key`` makes
+    ``GET /metrics`` need the API key too (by default it is public, like ``/health``)."""
     app = FastAPI(title="cosine_ray", summary="OpenAI-compatible lossless speculative decoding",
                   responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                              503: {"model": ErrorResponse}})
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(CatchAllMiddleware)  # outermost
+        public = PUBLIC_PATHS - {METRICS_PATH} if metrics_require_key else PUBLIC_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_paths=public)
+    app.add_middleware(CatchAllMiddleware)
+    known_paths: frozenset[str] = frozenset()
+    http_counts = HttpCounts(engine)
+    app.add_middleware(HttpMetricsMiddleware, counts=http_counts,  # outermost: counts 401/413/500
+                       known_paths=lambda: known_paths)
     created = int(time.time())
+
+    def wants_stats(req: ChatCompletionRequest | CompletionRequest) -> bool:
+        return return_spec_stats or req.cosine_ray_stats
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
@@ -340,7 +357,7 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
             return ChatCompletionResponse(
                 id=rid, created=now, model=model_name, usage=gen.usage(),
                 choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)],
-                cosine_ray=gen.stats_block() if req.cosine_ray_stats else None)
+                cosine_ray=gen.stats_block() if wants_stats(req) else None)
 
         def chunk(delta: ChatDelta, finish_reason: str | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=now, model=model_name,
@@ -351,7 +368,7 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
             async for delta in generate_deltas(gen, first):
                 yield sse(chunk(ChatDelta(content=delta)))
             last = chunk(ChatDelta(), gen.finish_reason)
-            last.cosine_ray = gen.stats_block() if req.cosine_ray_stats else None
+            last.cosine_ray = gen.stats_block() if wants_stats(req) else None
             yield sse(last)
             if req.include_usage:
                 yield sse(ChatCompletionChunk(id=rid, created=now, model=model_name, choices=[],
@@ -372,7 +389,7 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
             return CompletionResponse(
                 id=rid, created=now, model=model_name, usage=usage,
                 choices=[CompletionChoice(text=text, finish_reason=finish_reason)] if choices else [],
-                cosine_ray=gen.stats_block() if stats and req.cosine_ray_stats else None)
+                cosine_ray=gen.stats_block() if stats and wants_stats(req) else None)
 
         def complete(text: str) -> CompletionResponse:
             return response(text, gen.finish_reason, usage=gen.usage(), stats=True)
@@ -411,4 +428,9 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
         body = {"status": status, **error_payload(503, f"engine status: {status}")}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def metrics() -> Any:
+        return await metrics_response(engine, http_counts)
+
+    known_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     return app

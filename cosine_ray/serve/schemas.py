@@ -189,6 +189,10 @@ class CosineRayStats(BaseModel):
     num_verify_steps: int
     drafted_by: dict[str, int]
     accepted_by: dict[str, int]
+    domain: str
+    """The domain the router classified the prompt into (code, math, instruction, chat, other)."""
+    drafters_used: list[str]
+    """Drafters that put at least one token into this request's verified trees (sorted)."""
 
 
 class AssistantMessage(BaseModel):

@@ -108,9 +108,9 @@ def tiny_drafter_sets(draft_path: Path, store: Path) -> dict[str, str]:
 def test_tiny_speculative_equals_hf_greedy(tiny_checkpoint, tiny_draft_checkpoint, tiny_prompts,
                                            tiny_reference, tiny_datastore, drafters, gamma):
     spec = tiny_drafter_sets(tiny_draft_checkpoint.path, tiny_datastore)[drafters]
-    # the random tiny model's probabilities are low: verify every draft (no confidence cut)
+    # the random tiny model's probabilities are low: verify a fixed γ (no confidence cut, no LP)
     engine = make_engine(tiny_checkpoint, spec, num_speculative_tokens=gamma, max_batch_size=8,
-                         min_tree_confidence=0.0)
+                         min_tree_confidence=0.0, adaptive=False)
     outs = engine.generate(tiny_prompts, SamplingParams(max_tokens=TINY_MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == tiny_reference
     assert all(o.finish_reason == "length" for o in outs)
@@ -123,6 +123,19 @@ def test_tiny_speculative_equals_hf_greedy(tiny_checkpoint, tiny_draft_checkpoin
         assert all(o.stats.num_verify_steps == math.ceil((TINY_MAX_TOKENS - 1) / (gamma + 1)) for o in outs)
     if drafters == "retrieval":  # the datastore holds exactly these continuations
         assert accepted >= 0.8 * drafted > 0
+
+
+@pytest.mark.parametrize("config", [{}, {"routing": "random"}, {"fusion": "single"}, {"fusion": "union"},
+                                    {"scheduler": "fcfs", "min_tree_confidence": 0.0}, {"adaptive": False}],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "cosine")
+def test_tiny_cosine_and_ablations_equal_hf_greedy(tiny_checkpoint, tiny_draft_checkpoint, tiny_prompts,
+                                                   tiny_reference, tiny_datastore, config):
+    """Full CoSine (routing, fusion, LP, adaptive γ) and each ablation switch: still HF greedy."""
+    spec = tiny_drafter_sets(tiny_draft_checkpoint.path, tiny_datastore)["ngram+retrieval+model"]
+    engine = make_engine(tiny_checkpoint, spec, num_speculative_tokens=4, max_batch_size=8, **config)
+    outs = engine.generate(tiny_prompts, SamplingParams(max_tokens=TINY_MAX_TOKENS))
+    assert [o.new_token_ids for o in outs] == tiny_reference
+    assert sum(o.stats.num_routed_steps for o in outs) > 0
 
 
 def test_tiny_pipeline_stages_and_continuous_batching(tiny_checkpoint, tiny_prompts, tiny_reference):
@@ -361,3 +374,25 @@ def test_real_ngram_retrieval_equals_hf_greedy(real_engines, real_retrieval_spec
         check_hf_greedy(f"ngram+retrieval prompt {k}", prompt, out.new_token_ids, hf_tops, engine.eos_token_ids())
     names = {n for o in outs for n in o.stats.drafted_by}
     assert any(n.startswith("retrieval") for n in names), names
+
+
+REAL_COSINE_CONFIGS = {"cosine": {}, "routing off": {"routing": "random"}, "fusion off": {"fusion": "single"},
+                       "lp off": {"scheduler": "fcfs"}, "adaptive off": {"adaptive": False}}
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", list(REAL_COSINE_CONFIGS))
+def test_real_cosine_and_ablations_equal_hf_greedy(real_checkpoint, hf_tops, real_prompts, name):
+    """The default speculation cluster (n-gram + one retrieval drafter per domain, packaged
+    datastores) with expertise routing, confidence fusion, LP scheduling and adaptive γ — and
+    each ablation — is still HF greedy: full CoSine on the 20 held-back prompts, each ablation
+    on 2 per domain file (the switches only change which drafts are verified)."""
+    engine = make_engine(real_checkpoint, "default", num_speculative_tokens=8, max_batch_size=8,
+                         **REAL_COSINE_CONFIGS[name])
+    prompts = real_prompts if name == "cosine" else [p for i, p in enumerate(real_prompts) if i % REAL_PER_FILE < 2]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=REAL_MAX_TOKENS))
+    for k, (prompt, out) in enumerate(zip(prompts, outs)):
+        check_hf_greedy(f"{name} prompt {k}", prompt, out.new_token_ids, hf_tops, engine.eos_token_ids())
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0
+    routed = {n for o in outs for n in o.stats.routed_to}
+    assert {f"retrieval:{d}" for d in DOMAINS} & routed, routed

@@ -55,7 +55,7 @@ def served(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", tokenizer_from=real_checkpoint)
     # the random tiny model's own probabilities are low: verify every draft it makes
     engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self"),
-                                      router=RouterConfig(min_tree_confidence=0.0)), checkpoint=ck)
+                                      router=RouterConfig(min_tree_confidence=0.0, adaptive=False)), checkpoint=ck)
     tok = engine.tokenizer
     prompts = {"chat": encode_prompt(tok, CHAT_TEXT),
                "completion": tok(COMPLETION_TEXT, add_special_tokens=True)["input_ids"]}
@@ -143,7 +143,9 @@ def test_cosine_ray_stats_block(served):
                                      temperature=0, extra_body={"cosine_ray_stats": True}).to_dict()
     stats = resp["cosine_ray"]
     assert set(stats) == {"num_draft_tokens", "num_accepted_tokens", "mean_accepted_length",
-                          "num_verify_steps", "drafted_by", "accepted_by"}
+                          "num_verify_steps", "drafted_by", "accepted_by", "domain", "drafters_used"}
+    assert stats["drafters_used"] == sorted(d for d, n in stats["drafted_by"].items() if n > 0)
+    assert isinstance(stats["domain"], str) and stats["domain"]
     assert stats["num_verify_steps"] >= 1 and 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
     assert stats["mean_accepted_length"] == pytest.approx(
         (stats["num_accepted_tokens"] + stats["num_verify_steps"]) / stats["num_verify_steps"])

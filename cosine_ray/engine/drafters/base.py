@@ -5,6 +5,12 @@ context (prompt + committed tokens, the last one being the tree root whose KV th
 has not computed yet) and a budget of draft tokens, and returns draft paths that continue
 the context, each token with the drafter's confidence (its probability of that token).
 ``observe`` tells it what the target accepted; ``release`` frees per-request state.
+
+``continue_drafts`` is the step-by-step form CoSine's token fusion (eq. 4) drives: for each
+request the router gives the committed context and a few draft prefixes (the fused prefix,
+and the drafter's own last token as a branch), and the drafter answers, per prefix, its most
+likely next tokens with their probabilities. One call per drafter per fusion round covers
+the whole batch.
 """
 
 from __future__ import annotations
@@ -53,12 +59,31 @@ class DraftFeedback:
     """Draft tokens accepted on the committed path (bonus token excluded)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ContinueQuery:
+    request_id: str
+    context_token_ids: tuple[int, ...]
+    """Prompt + committed output; the last token is the root of this step's tree."""
+    prefixes: tuple[tuple[int, ...], ...]
+    """Draft tokens after the root; the drafter continues each one."""
+    k: int = 1
+    """Continuations wanted per prefix (most likely first)."""
+
+
+Candidates = list[tuple[int, float]]
+"""``(token_id, probability)`` continuations, most likely first; ``[]`` when the drafter has none."""
+
+
 @runtime_checkable
 class Drafter(Protocol):
     name: str
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         """One proposal per input, same order; an empty proposal is always allowed."""
+        ...
+
+    def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        """Per query, per prefix: up to ``k`` candidates for the token after ``context ⊕ prefix``."""
         ...
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
 
@@ -70,6 +70,30 @@ class ModelDrafter:
         self.cache.truncate(rid, common)
         del seen[common:]
         return context[common:]
+
+    @torch.inference_mode()
+    def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        """One batched forward per prefix slot: the cache rolls back to the longest common
+        prefix of what it holds and ``context ⊕ prefix`` (the fused prefix and a drafter's
+        own branch differ in their last token only, so each costs one or two tokens)."""
+        out: list[list[Candidates]] = [[[] for _ in q.prefixes] for q in queries]
+        for slot in range(max((len(q.prefixes) for q in queries), default=0)):
+            live = [(qi, q) for qi, q in enumerate(queries) if slot < len(q.prefixes) and q.k > 0]
+            if not live:
+                continue
+            rids = [q.request_id for _, q in live]
+            chains = [self._sync(DraftInput(q.request_id, tuple(q.context_token_ids) + tuple(q.prefixes[slot]), 1))
+                      for _, q in live]
+            starts = [self.cache.committed_length(rid) for rid in rids]
+            logits = self.model.forward(StageBatch.from_chains(rids, chains, starts), self.cache)
+            probs = torch.softmax(logits.float(), dim=-1)
+            top = probs.topk(max(q.k for _, q in live), dim=-1)
+            for row, ((qi, q), chain) in enumerate(zip(live, chains)):
+                self.cache.commit(q.request_id)
+                self._seen[q.request_id].extend(chain)
+                out[qi][slot] = [(int(t), float(c)) for t, c in
+                                 zip(top.indices[row, :q.k].tolist(), top.values[row, :q.k].tolist())]
+        return out
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
 
 DraftLookup = Callable[[list[int], int], list[tuple[int, float]]]
 """``lookup(tail_token_ids, k)``: up to k ``(token_id, confidence)`` continuations of the
@@ -200,6 +200,17 @@ class NgramDrafter:
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         return [self._propose_one(item) for item in inputs]
+
+    def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        """Index the committed context, look up ``context ⊕ prefix`` (the prefix is not indexed)."""
+        out = []
+        for q in queries:
+            index = self._index_for(q.request_id)
+            context = q.context_token_ids
+            index.update(context if isinstance(context, tuple) else tuple(context))
+            tail = list(context[-self.config.max_n:])
+            out.append([index.lookup((tail + list(prefix))[-self.config.max_n:], q.k) for prefix in q.prefixes])
+        return out
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:
         """Nothing to learn: the index follows the context, which grows with accepted tokens."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
 from cosine_ray.engine.drafters.datastore import ContinuationIndex, Datastore
 from cosine_ray.engine.drafters.ngram import grow_paths
 
@@ -73,6 +73,11 @@ class RetrievalDrafter:
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         return [self._propose_one(item) for item in inputs]
+
+    def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        max_n = self.config.max_n
+        return [[self._lookup((list(q.context_token_ids[-max_n:]) + list(prefix))[-max_n:], q.k)
+                 for prefix in q.prefixes] for q in queries]
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:
         """Nothing to learn: the datastore is fixed."""

@@ -1,0 +1,176 @@
+"""Confidence-based token fusion (CoSine eq. 4), one request at a time, round by round.
+
+At draft position i every drafter routed to the request proposes its most likely token
+``x[n,i]`` after the *fused* prefix, with confidence ``c[n,i]``. The fused token is the most
+confident one::
+
+    x*_i = argmax_n  P(x[n,i])            (eq. 4)
+
+and the next round continues from ``prefix ⊕ x*_i``. A drafter whose token lost is not
+thrown away: its token stays as a branch of the tree (``prefix ⊕ x[n,i]``) and in the next
+round the same drafter is also asked to continue its own token,
+``P(x[n,i+1] | prefix ⊕ x[n,i])``, so the branch is two tokens deep. The union of the fused
+trunk and these branches is the request's draft tree; TreeSelection then keeps the best
+γ_i nodes by cumulative confidence (``engine.speculation.merge_proposals``).
+
+::
+
+    round 0   ngram: "def" 0.6   retrieval:code: "def" 0.9   → trunk [def]
+    round 1   ngram: "(" 0.5     retrieval:code: "fib" 0.8   → trunk [def, fib]; branch [def, (]
+    round 2   ngram: "n" 0.7 after "def fib", and ")" 0.4 after its own "def ("
+                                 → branch [def, (, )] … and so on
+
+Interpretations (ours, the paper leaves them open):
+
+- Confidences from different drafters are put on one scale before the argmax: the
+  ``calibrate(drafter, raw)`` hook maps a drafter's raw probability to the probability that
+  the target accepts such a token (learned online, ``algo.calibration``). Routing (eq. 2)
+  sees the raw confidences, as the paper defines them.
+- Ties go to the drafter listed first (the router lists drafters best-scoring first).
+- A drafter that answers nothing (no match, failure, late) simply has no token this round;
+  fusion stops when no drafter answers, when the trunk reaches ``max_depth``, or when the
+  trunk's cumulative confidence falls below ``min_cumulative`` (deeper nodes would be cut by
+  TreeSelection anyway). A losing token whose branch is already below ``min_cumulative`` is
+  neither kept nor continued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+Candidates = Sequence[tuple[int, float]]
+"""``(token_id, probability)`` continuations, most likely first."""
+
+Calibrate = Callable[[str, float], float]
+
+
+def _identity(_drafter: str, confidence: float) -> float:
+    return confidence
+
+
+@dataclass(frozen=True, slots=True)
+class FusedPath:
+    """One root-to-leaf path of the fused tree."""
+
+    token_ids: tuple[int, ...]
+    confidences: tuple[float, ...]
+    """Calibrated confidence of each token given its parent path."""
+    owners: tuple[str, ...]
+    """Drafter whose token each node is."""
+    raw_confidences: tuple[float, ...] = ()
+    """The owners' own probabilities (what calibration learns from); () = same as confidences."""
+
+
+@dataclass(slots=True)
+class FusionState:
+    drafters: tuple[str, ...]
+    """Drafters routed to this request, best-scoring first (tie order)."""
+    max_depth: int
+    min_cumulative: float = 0.0
+    calibrate: Calibrate = _identity
+    trunk: list[int] = field(default_factory=list)
+    trunk_confidences: list[float] = field(default_factory=list)
+    trunk_owners: list[str] = field(default_factory=list)
+    trunk_raw: list[float] = field(default_factory=list)
+    branches: list[FusedPath] = field(default_factory=list)
+    answers: dict[str, list[tuple[int | None, float]]] = field(default_factory=dict)
+    """Per drafter, per depth: its token after the fused prefix and its raw confidence
+    ((None, 0.0) when it had none) — the ``x[n,i]``, ``c[n,i]`` routing's eq. 1-2 score."""
+    done: bool = False
+    _own: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Drafter → its losing token at the last depth (calibrated, raw confidence) to continue."""
+
+    def __post_init__(self) -> None:
+        self.drafters = tuple(self.drafters)
+        if self.max_depth <= 0 or not self.drafters:
+            self.done = True
+        for d in self.drafters:
+            self.answers.setdefault(d, [])
+
+    @property
+    def depth(self) -> int:
+        return len(self.trunk)
+
+    def trunk_cumulative(self) -> float:
+        c = 1.0
+        for x in self.trunk_confidences:
+            c *= x
+        return c
+
+    def queries(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Prefixes each drafter is asked to continue this round: the fused trunk first, then
+        (if its token lost last round) its own branch."""
+        if self.done:
+            return {}
+        trunk = tuple(self.trunk)
+        out = {}
+        for d in self.drafters:
+            own = self._own.get(d)
+            out[d] = (trunk,) if own is None else (trunk, trunk[:-1] + (own[0],))
+        return out
+
+    def absorb(self, answers: Mapping[str, Sequence[Candidates]]) -> None:
+        """Fold one round of answers (drafter → candidates per queried prefix; a drafter
+        missing from ``answers`` had nothing or failed)."""
+        if self.done:
+            return
+        depth = self.depth
+        proposals: list[tuple[float, int, str, float]] = []  # (calibrated, order, drafter, raw) per token
+        tokens: dict[str, int] = {}
+        for order, d in enumerate(self.drafters):
+            per_prefix = answers.get(d) or ()
+            trunk_cands = per_prefix[0] if len(per_prefix) > 0 else ()
+            if trunk_cands:
+                tok, raw = int(trunk_cands[0][0]), float(trunk_cands[0][1])
+                tokens[d] = tok
+                proposals.append((self.calibrate(d, raw), order, d, raw))
+                self.answers[d].append((tok, raw))
+            else:
+                self.answers[d].append((None, 0.0))
+            own = self._own.get(d)
+            own_cands = per_prefix[1] if own is not None and len(per_prefix) > 1 else ()
+            if own_cands:  # the drafter's own branch grows to two tokens
+                tok2, raw2 = int(own_cands[0][0]), float(own_cands[0][1])
+                self.branches.append(FusedPath(
+                    tuple(self.trunk[:-1]) + (own[0], tok2),
+                    tuple(self.trunk_confidences[:-1]) + (own[1], self.calibrate(d, raw2)),
+                    tuple(self.trunk_owners[:-1]) + (d, d),
+                    tuple(self.trunk_raw[:-1]) + (own[2], raw2)))
+        self._own = {}
+        if not proposals:
+            self.done = True
+            return
+        best_conf, _, best, best_raw = max(proposals, key=lambda p: (p[0], -p[1]))
+        best_token = tokens[best]
+        prefix_cum = self.trunk_cumulative()
+        seen = {best_token}
+        for conf, _, d, raw in sorted(proposals, key=lambda p: (-p[0], p[1])):
+            tok = tokens[d]
+            if tok in seen or prefix_cum * conf < self.min_cumulative:
+                continue
+            seen.add(tok)
+            self.branches.append(FusedPath(tuple(self.trunk) + (tok,), tuple(self.trunk_confidences) + (conf,),
+                                           tuple(self.trunk_owners) + (d,), tuple(self.trunk_raw) + (raw,)))
+            self._own[d] = (tok, conf, raw)
+        self.trunk.append(best_token)
+        self.trunk_confidences.append(best_conf)
+        self.trunk_owners.append(best)
+        self.trunk_raw.append(best_raw)
+        if depth + 1 >= self.max_depth or self.trunk_cumulative() < self.min_cumulative:
+            self.done = True
+
+    def paths(self) -> list[FusedPath]:
+        """The fused trunk first, then the branches (in the order they were found)."""
+        out = []
+        if self.trunk:
+            out.append(FusedPath(tuple(self.trunk), tuple(self.trunk_confidences), tuple(self.trunk_owners),
+                                 tuple(self.trunk_raw)))
+        return out + list(self.branches)
+
+    def fusion_picks(self) -> dict[str, int]:
+        """Trunk tokens taken from each drafter."""
+        picks: dict[str, int] = {}
+        for d in self.trunk_owners:
+            picks[d] = picks.get(d, 0) + 1
+        return picks

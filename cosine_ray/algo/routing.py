@@ -1,0 +1,362 @@
+"""CoSine expertise routing (papers/cosine.md §4.2, eq. 1-3; DESIGN.md §4).
+
+Each step the router picks, for every request of the batch, k (2-3) drafters of the
+speculation cluster; after verification it scores the drafters that took part and folds the
+score into the request's routing vector ``M_r``. Paper notation → names here:
+
+    x[n,i]  drafter n's token at draft position i        ``drafted[i]``
+    c[n,i]  its probability of that token (confidence)   ``confidences[i]``
+    x_i     the target's token at position i            ``accepted[i]``
+    H(·)    the target's input embedding                 ``unit_embeddings`` (rows L2-normalised)
+    d[n,i]  verification accuracy, eq. 1                 ``verification_accuracy``
+    m[n]    routing score, eq. 2                         ``routing_score``
+    M_r     routing vector of request r                  ``ExpertiseRouter.scores(r)``
+    τ       explore/exploit threshold, eq. 3             ``RoutingConfig.tau``
+
+Interpretations (the paper leaves these open or contradicts itself):
+
+* **Eq. 1** ``d[i] = clamp(cos(H(accepted[i]), H(drafted[i])), 0, 1)`` for ``i < L_acc``, else
+  0. Cosine can be negative; eq. 2 needs d in [0,1], so it is clamped. ``accepted`` is what the
+  target committed this step: the accepted draft tokens *and* the bonus/recovered token (the
+  house convention "accepted length includes the bonus"), so a drafter whose token at the
+  first mismatch was a near-synonym of the target's still earns partial credit there.
+* **Eq. 2** ``m = mean_i c·d / (c·d + (1-c)(1-d) + ε)``; K is the number of draft positions of
+  the step (the longer of the two inputs); a position where the drafter proposed nothing
+  counts as c = 0 (term 0), so short drafts score lower.
+* **Eq. 3** the paper gives the top-scoring operator weight α in exploration mode and β < α in
+  exploitation mode, while its prose says exploration reallocates requests to under-used
+  drafters. We follow the prose: exploration is the mode with the *larger random share*
+  (``explore_random_share`` 0.5 vs ``exploit_random_share`` 0.1). Mixing is per slot: for each
+  of the k slots, with probability = the mode's random share a drafter is drawn uniformly from
+  the remaining available ones, otherwise the best remaining one by
+  ``M_r[n] − load_weight · load[n] / batch_size`` is taken (ties: the earlier drafter in pool
+  order wins, so results never depend on dict or set ordering). ``load[n]`` is the external
+  load the caller passes (queue length, "system status") plus the requests already given to
+  n earlier in the same ``choose`` call, so a batch spreads over drafters whose scores tie.
+  Mode: ``L_acc < τ`` → explore, else exploit, where ``L_acc`` is the number of *draft* tokens
+  accepted at the request's last step (bonus not counted: with τ = 1 a step that accepted no
+  draft token triggers exploration). A fresh request has no ``L_acc`` yet and is routed in
+  exploitation mode from its prior (the prior is what domain classification buys).
+* **Priors** ``prior[domain][n]`` is an EMA (rate ``prior_ema``, starting at
+  ``initial_score``) of every m[n] observed on requests of that domain; a global prior learns
+  the same way from all domains. A new request starts with
+  ``M_r[n] = prior[domain][n]`` if that pair was ever observed, else the global prior of n if
+  n was ever observed, else ``initial_score``. Requests are started with the domain the
+  prompt classifier gave them (``algo.domains``). Priors learn on every ``update`` (not only
+  at finish), so the information survives a request that is cancelled; ``finish`` just forgets
+  the request. Priors of a removed drafter are kept, so a drafter that comes back keeps its
+  reputation.
+* **Routing off** (``mode="random"``): k drafters drawn uniformly without replacement from
+  the available ones, no scores, no loads: the ablation baseline.
+
+Randomness comes from one ``random.Random(seed)`` per router, consumed in request order, so a
+seeded router replays the same choices for the same calls.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Collection, Literal, Mapping, Sequence
+
+import torch
+
+RouteMode = Literal["explore", "exploit", "random"]
+
+
+# ---- eq. 1 and eq. 2: pure functions ----------------------------------------------------------
+
+def normalise_embeddings(embeddings: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Rows L2-normalised in fp32 (``H`` of eq. 1 as unit vectors); an all-zero row stays zero."""
+    if embeddings.ndim != 2:
+        raise ValueError(f"embeddings must be [vocab, hidden], got shape {tuple(embeddings.shape)}")
+    emb = embeddings.detach().to(torch.float32)  # [vocab, hidden]
+    return emb / emb.norm(dim=1, keepdim=True).clamp_min(eps)
+
+
+def verification_accuracy(unit_embeddings: torch.Tensor, accepted: Sequence[int],
+                          drafted: Sequence[int | None]) -> list[float]:
+    """Eq. 1 for one drafter: ``d[i]`` for each of its draft positions (``len(drafted)`` values).
+
+    ``unit_embeddings``: [vocab, hidden] with unit rows (``normalise_embeddings``).
+    ``accepted``: the target's committed tokens this step, ``L_acc = len(accepted)``.
+    ``drafted[i]``: the drafter's token at position i, or None where it proposed nothing.
+    """
+    return _verification_accuracies(unit_embeddings, accepted, [drafted])[0]
+
+
+def _verification_accuracies(unit_embeddings: torch.Tensor, accepted: Sequence[int],
+                             drafted_rows: Sequence[Sequence[int | None]]) -> list[list[float]]:
+    """Eq. 1 for several drafters of one request with a single embedding gather."""
+    if unit_embeddings.ndim != 2:
+        raise ValueError(f"unit_embeddings must be [vocab, hidden], got {tuple(unit_embeddings.shape)}")
+    vocab_size = unit_embeddings.shape[0]
+    out = [[0.0] * len(row) for row in drafted_rows]
+    slots: list[tuple[int, int]] = []  # (row, position) of each scored pair
+    acc_ids: list[int] = []
+    draft_ids: list[int] = []
+    for r, row in enumerate(drafted_rows):
+        for i, tok in enumerate(row):
+            if tok is None or i >= len(accepted):
+                continue
+            acc, tok = int(accepted[i]), int(tok)
+            if not (0 <= acc < vocab_size and 0 <= tok < vocab_size):
+                raise ValueError(f"token id out of range [0, {vocab_size}): accepted {acc}, drafted {tok}")
+            slots.append((r, i))
+            acc_ids.append(acc)
+            draft_ids.append(tok)
+    if slots:
+        cos = (unit_embeddings[torch.tensor(acc_ids)] * unit_embeddings[torch.tensor(draft_ids)]).sum(-1)  # [pairs]
+        for (r, i), value in zip(slots, cos.clamp(0.0, 1.0).tolist()):
+            out[r][i] = float(value)
+    return out
+
+
+def routing_score(confidences: Sequence[float | None], accuracies: Sequence[float],
+                  eps: float = 1e-6) -> float:
+    """Eq. 2: ``mean_i c·d / (c·d + (1-c)(1-d) + eps)`` over K = the longer input's length.
+
+    A missing (or None) confidence counts as c = 0, a missing accuracy as d = 0; both give a
+    zero term. Returns 0.0 when K = 0. Inputs must lie in [0, 1].
+    """
+    num_positions = max(len(confidences), len(accuracies))
+    if num_positions == 0:
+        return 0.0
+    total = 0.0
+    for i in range(num_positions):
+        conf = confidences[i] if i < len(confidences) else None
+        conf = 0.0 if conf is None else float(conf)
+        acc = float(accuracies[i]) if i < len(accuracies) else 0.0
+        if not (0.0 <= conf <= 1.0 and 0.0 <= acc <= 1.0):
+            raise ValueError(f"position {i}: confidence {conf} and accuracy {acc} must be in [0, 1]")
+        joint = conf * acc
+        total += joint / (joint + (1.0 - conf) * (1.0 - acc) + eps)
+    return total / num_positions
+
+
+def drafter_scores(unit_embeddings: torch.Tensor, accepted: Sequence[int],
+                   drafted_by: Mapping[str, Sequence[int | None]],
+                   confidences_by: Mapping[str, Sequence[float | None]], eps: float = 1e-6) -> dict[str, float]:
+    """m[n] (eq. 2 over eq. 1) of every drafter of one request's step: the input of ``update``.
+
+    ``drafted_by[n]``/``confidences_by[n]``: drafter n's token and confidence per draft
+    position (None where it proposed nothing); a drafter missing from ``confidences_by`` has
+    c = 0 everywhere.
+    """
+    names = list(drafted_by)
+    accuracies = _verification_accuracies(unit_embeddings, accepted, [drafted_by[n] for n in names])
+    return {name: routing_score(confidences_by.get(name, ()), acc, eps) for name, acc in zip(names, accuracies)}
+
+
+# ---- eq. 3: the stateful router ----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    drafters_per_request: int = 2
+    """k: drafters chosen per request when ``choose`` gets no ``k`` (the paper uses 2-3)."""
+    tau: float = 1.0
+    """τ of eq. 3: a request whose last step accepted fewer than τ draft tokens explores."""
+    explore_random_share: float = 0.5
+    """Probability that a slot is filled uniformly at random in exploration mode."""
+    exploit_random_share: float = 0.1
+    """Probability that a slot is filled uniformly at random in exploitation mode."""
+    score_ema: float = 0.5
+    """Weight of a new m[n] in the request's M_r[n] (1.0 = keep only the latest)."""
+    prior_ema: float = 0.1
+    """Weight of a new m[n] in the per-domain and global priors."""
+    initial_score: float = 0.5
+    """Score of a (domain, drafter) pair never observed; priors start their EMA here."""
+    load_weight: float = 0.1
+    """"System status" penalty: score minus load_weight × (drafter's load / batch size)."""
+    mode: str = "expertise"
+    """``expertise`` (eq. 1-3) or ``random`` (routing-off ablation: k drafters uniformly)."""
+
+    def __post_init__(self) -> None:
+        if self.drafters_per_request < 0:
+            raise ValueError(f"drafters_per_request={self.drafters_per_request}: use 0 or more")
+        if not math.isfinite(self.tau):
+            raise ValueError(f"tau={self.tau}: use a finite threshold (e.g. 1.0)")
+        for name in ("explore_random_share", "exploit_random_share", "initial_score"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}={value}: use a value in [0, 1]")
+        for name in ("score_ema", "prior_ema"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name}={value}: use a rate in (0, 1]")
+        if self.load_weight < 0:
+            raise ValueError(f"load_weight={self.load_weight}: use 0 or more")
+        if self.mode not in ("expertise", "random"):
+            raise ValueError(f"mode={self.mode!r}: use 'expertise' or 'random'")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    drafters: tuple[str, ...]
+    """Chosen drafters, in the order the slots were filled."""
+    mode: RouteMode
+    """``explore``/``exploit`` (eq. 3) or ``random`` (routing off)."""
+    num_random: int = 0
+    """How many of the slots were filled by the random operator."""
+
+
+@dataclass(slots=True)
+class _RequestState:
+    domain: str
+    scores: dict[str, float]
+    last_accepted_len: int | None = None
+
+
+class ExpertiseRouter:
+    """Per-request routing vectors M_r, per-domain priors, and eq. 3's choice; see module doc."""
+
+    def __init__(self, drafter_names: Sequence[str], config: RoutingConfig = RoutingConfig(), *,
+                 seed: int | None = 0) -> None:
+        self.config = config
+        self._rng = random.Random(seed)
+        self._drafters: list[str] = []
+        self._requests: dict[str, _RequestState] = {}
+        self._domain_priors: dict[str, dict[str, float]] = {}
+        self._global_prior: dict[str, float] = {}
+        for name in drafter_names:
+            self.add_drafter(name)
+
+    # ---- pool -------------------------------------------------------------------------------
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        return tuple(self._drafters)
+
+    def add_drafter(self, name: str) -> None:
+        """Join the pool (last in tie order); live requests get the drafter's prior score."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"drafter name must be a non-empty string, got {name!r}")
+        if name in self._drafters:
+            raise ValueError(f"drafter {name!r} is already in the pool")
+        self._drafters.append(name)
+        for state in self._requests.values():
+            state.scores[name] = self._prior_score(state.domain, name)
+
+    def remove_drafter(self, name: str) -> None:
+        """Leave the pool; it is never chosen again. Its learned priors are kept."""
+        if name not in self._drafters:
+            raise KeyError(f"drafter {name!r} is not in the pool {self._drafters}")
+        self._drafters.remove(name)
+        for state in self._requests.values():
+            state.scores.pop(name, None)
+
+    # ---- request lifecycle -------------------------------------------------------------------
+    def start(self, request_id: str, domain: str) -> None:
+        """Track a new request; M_r starts from the domain prior (see module doc)."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already started; finish() it first")
+        scores = {name: self._prior_score(domain, name) for name in self._drafters}
+        self._requests[request_id] = _RequestState(domain=domain, scores=scores)
+
+    def finish(self, request_id: str) -> None:
+        """Forget the request (idempotent); what it taught is already in the priors."""
+        self._requests.pop(request_id, None)
+
+    def update(self, request_id: str, scores: Mapping[str, float], accepted_len: int | None) -> None:
+        """Fold this step's m[n] (eq. 2) into M_r and the priors; remember L_acc for eq. 3.
+
+        ``scores``: m[n] of the drafters that drafted this step (others keep their M_r).
+        ``accepted_len``: draft tokens accepted this step, bonus not counted; None when no draft
+        was verified this step (the scheduler gave it γ = 0): eq. 3's mode stays as it was.
+        """
+        state = self._state(request_id)
+        if accepted_len is not None and accepted_len < 0:
+            raise ValueError(f"accepted_len={accepted_len}: must be 0 or more")
+        cfg = self.config
+        domain_prior = self._domain_priors.setdefault(state.domain, {})
+        for name, value in scores.items():
+            value = float(value)
+            if not 0.0 <= value <= 1.0:  # also rejects NaN
+                raise ValueError(f"score of {name!r} is {value}; routing scores lie in [0, 1]")
+            if name not in state.scores:
+                continue  # removed from the pool meanwhile
+            state.scores[name] += cfg.score_ema * (value - state.scores[name])
+            for prior in (domain_prior, self._global_prior):
+                old = prior.get(name, cfg.initial_score)
+                prior[name] = old + cfg.prior_ema * (value - old)
+        if accepted_len is not None:
+            state.last_accepted_len = int(accepted_len)
+
+    # ---- eq. 3 ---------------------------------------------------------------------------------
+    def choose(self, request_ids: Sequence[str], *, k: int | None = None,
+               loads: Mapping[str, float] | None = None,
+               available: Collection[str] | None = None) -> dict[str, RouteChoice]:
+        """Drafters for every request of the batch (one call per step).
+
+        ``k``: drafters per request (default ``config.drafters_per_request``), capped by the
+        number available. ``loads``: external load per drafter (e.g. queued requests).
+        ``available``: drafters that may be chosen (default: the whole pool); names not in the
+        pool are ignored, and dead or slow drafters left out are never chosen.
+        """
+        k = self.config.drafters_per_request if k is None else int(k)
+        if k < 0:
+            raise ValueError(f"k={k}: use 0 or more drafters per request")
+        allowed = set(self._drafters) if available is None else set(available)
+        candidates = [name for name in self._drafters if name in allowed]  # pool order
+        load = {name: float((loads or {}).get(name, 0.0)) for name in candidates}
+        batch_size = max(len(request_ids), 1)
+        out: dict[str, RouteChoice] = {}
+        for request_id in request_ids:
+            state = self._state(request_id)
+            if self.config.mode == "random":
+                picked = tuple(self._rng.sample(candidates, min(k, len(candidates))))
+                out[request_id] = RouteChoice(picked, "random", len(picked))
+                continue
+            mode = self.mode_of(request_id)
+            share = self.config.explore_random_share if mode == "explore" else self.config.exploit_random_share
+            remaining = list(candidates)
+            picked_list: list[str] = []
+            num_random = 0
+            for _ in range(min(k, len(candidates))):
+                if self._rng.random() < share:
+                    name = remaining[self._rng.randrange(len(remaining))]
+                    num_random += 1
+                else:  # max() keeps the first of equal values: pool order breaks ties
+                    name = max(remaining, key=lambda n: state.scores[n]
+                               - self.config.load_weight * load[n] / batch_size)
+                remaining.remove(name)
+                picked_list.append(name)
+                load[name] += 1.0
+            out[request_id] = RouteChoice(tuple(picked_list), mode, num_random)
+        return out
+
+    def mode_of(self, request_id: str) -> RouteMode:
+        """Eq. 3's mode for the request's next step."""
+        if self.config.mode == "random":
+            return "random"
+        last = self._state(request_id).last_accepted_len
+        return "explore" if last is not None and last < self.config.tau else "exploit"
+
+    # ---- inspection ------------------------------------------------------------------------------
+    def scores(self, request_id: str) -> dict[str, float]:
+        """A copy of M_r (drafter → score) for the request."""
+        return dict(self._state(request_id).scores)
+
+    def prior(self, domain: str) -> dict[str, float]:
+        """The score a new request of ``domain`` would start with, per drafter in the pool."""
+        return {name: self._prior_score(domain, name) for name in self._drafters}
+
+    def domain_of(self, request_id: str) -> str:
+        return self._state(request_id).domain
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _prior_score(self, domain: str, name: str) -> float:
+        domain_prior = self._domain_priors.get(domain, {})
+        if name in domain_prior:
+            return domain_prior[name]
+        return self._global_prior.get(name, self.config.initial_score)
+
+    def _state(self, request_id: str) -> _RequestState:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}: call start() first") from None

@@ -1,0 +1,243 @@
+"""Fakes for router tests: a lookup-table target that checks the KV protocol, and drafters
+that are perfect, wrong, malformed, failing or hanging (shared by test_router.py and
+test_cosine_router.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+
+import torch
+
+from cosine_ray.engine.drafters.base import DraftProposal
+
+VOCAB = 48
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
+
+
+# ---- fake target -----------------------------------------------------------------------------
+
+class TableTarget:
+    """TargetClient whose logits are a fixed function of the context (last two tokens and the
+    length mod 5). It keeps its own "KV" (the committed tokens per request) and asserts the
+    protocol: a new request starts at 0, ``commit_previous`` is a root path of the last scored
+    tree (a prefix of a prefill chain), and ``start_position`` equals the committed length."""
+
+    def __init__(self, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.table = scale * torch.randn(vocab, vocab, 5, vocab, generator=g)
+        self.committed: dict[str, list[int]] = {}
+        self.last: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
+        self.batch_sizes: list[int] = []
+        self.scored: Counter[str] = Counter()
+        self.released: list[str] = []
+        self.fail_next = 0
+
+    def logits(self, context: list[int]) -> torch.Tensor:  # [vocab]
+        prev = context[-2] if len(context) > 1 else 0
+        return self.table[prev, context[-1], len(context) % 5]
+
+    def next_token(self, context: list[int]) -> int:
+        return int(self.logits(context).argmax())
+
+    def greedy(self, prompt: list[int], max_tokens: int, stops: tuple[int, ...] = ()) -> list[int]:
+        out: list[int] = []
+        while len(out) < max_tokens:
+            out.append(self.next_token(prompt + out))
+            if out[-1] in stops:
+                break
+        return out
+
+    async def score(self, items):
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError("target stage died")
+        self.batch_sizes.append(len(items))
+        out = []
+        for it in items:
+            rid = it.request_id
+            self.scored[rid] += 1
+            if rid not in self.committed:
+                assert it.start_position == 0 and it.commit_previous is None, it
+                self.committed[rid] = []
+            if it.commit_previous is None:
+                assert rid not in self.last, f"{rid}: previous level neither committed nor dropped"
+            else:
+                tokens, parents = self.last.pop(rid)
+                keep = list(it.commit_previous)
+                if parents is None:
+                    assert keep == list(range(len(keep))), keep
+                else:
+                    assert keep[0] == 0 and all(parents[b] == a for a, b in zip(keep, keep[1:])), keep
+                self.committed[rid] += [tokens[k] for k in keep]
+            base = self.committed[rid]
+            assert it.start_position == len(base), (rid, it.start_position, len(base))
+            rows = []
+            for node in range(len(it.token_ids)):
+                if it.parent_ids is None:
+                    path = list(it.token_ids[:node + 1])
+                else:
+                    path, n = [], node
+                    while n != -1:
+                        path.append(it.token_ids[n])
+                        n = it.parent_ids[n]
+                    path.reverse()
+                rows.append(self.logits(base + path))
+            logits = torch.stack(rows)  # [n, vocab]
+            out.append(logits if it.all_logits else logits[-1:])
+            self.last[rid] = (it.token_ids, it.parent_ids)
+        return out
+
+    async def release(self, request_ids):
+        for rid in request_ids:
+            self.committed.pop(rid, None)
+            self.last.pop(rid, None)
+            self.released.append(rid)
+
+
+# ---- fake drafters ---------------------------------------------------------------------------
+
+class FakeDrafter:
+    """DrafterClient base: records calls; ``draft(item)`` returns one proposal."""
+
+    def __init__(self, name: str, target: TableTarget | None = None) -> None:
+        self.name = name
+        self.target = target
+        self.num_calls = 0
+        self.num_inputs = 0
+        self.observed = []
+        self.released: list[str] = []
+
+    async def propose(self, inputs):
+        self.num_calls += 1
+        self.num_inputs += len(inputs)
+        return [self.draft(item) for item in inputs]
+
+    def greedy_path(self, item, n: int) -> list[int]:
+        context = list(item.context_token_ids)
+        path = []
+        for _ in range(n):
+            path.append(self.target.next_token(context + path))
+        return path
+
+    def draft(self, item) -> DraftProposal:
+        return DraftProposal.empty(item.request_id)
+
+    async def observe(self, feedback):
+        self.observed.extend(feedback)
+
+    async def release(self, request_ids):
+        self.released.extend(request_ids)
+
+
+class OracleDrafter(FakeDrafter):
+    """Knows the target: drafts its greedy continuation, the whole budget (or ``max_len``)."""
+
+    def __init__(self, name: str, target: TableTarget, max_len: int | None = None) -> None:
+        super().__init__(name, target)
+        self.max_len = max_len
+
+    def draft(self, item):
+        n = item.max_draft_tokens if self.max_len is None else min(self.max_len, item.max_draft_tokens)
+        path = self.greedy_path(item, n)
+        return DraftProposal(item.request_id, [path], [[1.0] * len(path)])
+
+
+class AdversarialDrafter(FakeDrafter):
+    """Always wrong: the target's 2nd and 3rd choices (the most tempting wrong tokens) as two
+    branches, each continued greedily, with confidence ``confidence``."""
+
+    def __init__(self, name: str, target: TableTarget, confidence: float = 1.0) -> None:
+        super().__init__(name, target)
+        self.confidence = confidence
+
+    def draft(self, item):
+        context = list(item.context_token_ids)
+        ranked = self.target.logits(context).argsort(descending=True).tolist()
+        budget = item.max_draft_tokens
+        paths = []
+        for first in ranked[1:3]:
+            n = budget - sum(len(p) for p in paths)
+            if n <= 0:
+                break
+            rest = [self.target.next_token(context + [first])] * (n - 1)
+            paths.append(([first] + rest)[:n])
+        return DraftProposal(item.request_id, paths, [[self.confidence] * len(p) for p in paths])
+
+
+class GarbageDrafter(FakeDrafter):
+    """Malformed proposals of one kind, built around correct tokens (so accepting one by
+    mistake would show in the stats)."""
+
+    PER_ITEM = ("out_of_vocab", "negative_token", "wrong_request_id", "over_budget", "bad_confidence",
+                "nan_confidence", "ragged", "float_token")
+    WHOLE_CALL = ("short_list", "not_a_list")
+
+    def __init__(self, kind: str, target: TableTarget) -> None:
+        super().__init__(kind, target)
+        self.kind = kind
+
+    async def propose(self, inputs):
+        out = await super().propose(inputs)
+        if self.kind == "short_list":
+            return out[:-1]
+        if self.kind == "not_a_list":
+            return None
+        return out
+
+    def draft(self, item):
+        budget = item.max_draft_tokens
+        path = self.greedy_path(item, budget)
+        confs = [1.0] * len(path)
+        rid = item.request_id
+        if self.kind == "out_of_vocab":
+            return DraftProposal(rid, [path[:-1] + [self.target.vocab]], [confs])
+        if self.kind == "negative_token":
+            return DraftProposal(rid, [[-1] + path[1:]], [confs])
+        if self.kind == "wrong_request_id":
+            return DraftProposal(rid + "-other", [path], [confs])
+        if self.kind == "over_budget":
+            return DraftProposal(rid, [self.greedy_path(item, budget + 1)], [[1.0] * (budget + 1)])
+        if self.kind == "bad_confidence":
+            return DraftProposal(rid, [path], [[1.5] * len(path)])
+        if self.kind == "nan_confidence":
+            return DraftProposal(rid, [path], [[math.nan] * len(path)])
+        if self.kind == "ragged":
+            return DraftProposal(rid, [path], [confs[:-1]])
+        if self.kind == "float_token":
+            return DraftProposal(rid, [[float(t) for t in path]], [confs])
+        return DraftProposal(rid, [path], [confs])
+
+
+class RaisingDrafter(FakeDrafter):
+    def __init__(self, name: str = "raising", *, on=("propose", "observe", "release")) -> None:
+        super().__init__(name)
+        self.on = on
+
+    async def propose(self, inputs):
+        self.num_calls += 1
+        if "propose" in self.on:
+            raise RuntimeError("drafter crashed")
+        return [DraftProposal.empty(i.request_id) for i in inputs]
+
+    async def observe(self, feedback):
+        if "observe" in self.on:
+            raise RuntimeError("drafter crashed in observe")
+
+    async def release(self, request_ids):
+        if "release" in self.on:
+            raise ConnectionError("drafter is gone")
+        self.released.extend(request_ids)
+
+
+class HangingDrafter(FakeDrafter):
+    def __init__(self, name: str = "hanging", seconds: float = 30.0) -> None:
+        super().__init__(name)
+        self.seconds = seconds
+
+    async def propose(self, inputs):
+        self.num_calls += 1
+        await asyncio.sleep(self.seconds)
+        return [DraftProposal.empty(i.request_id) for i in inputs]
