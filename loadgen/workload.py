@@ -1,0 +1,191 @@
+"""Workloads: what each request asks.
+
+Dataset workload: every ``*.jsonl`` file in the dataset directory holds one JSON object per line
+with ``id``, ``domain`` and ``prompt`` (MT-bench rows also ``turns``). A row's domain is the part
+of ``domain`` before ``/`` (``chat/writing`` → ``chat``). By default only the **second half** of
+each file is used: the first half built the servers' retrieval datastores, so measuring on it
+would flatter retrieval drafting.
+
+Choices, and why:
+- **Exact mix, not a lottery.** ``num_prompts × weight`` is rounded with largest remainders, so
+  an equal mix of 100 requests over 4 domains is exactly 25 each (the papers' cross-domain
+  sampling); prompts are then drawn without replacement per domain (re-shuffled when a domain
+  runs out) and the whole list is shuffled. All draws come from the caller's numpy Generator.
+- **Multi-turn** (MT-bench): with ``multi_turn`` a row with ``turns`` becomes a conversation;
+  the runner sends turn 2 after turn 1's answer, with the history. Otherwise only the first turn.
+- **Random tokens**: prompt token ids drawn uniformly from ``[low, high)`` with lengths uniform in
+  ``len·(1−r) .. len·(1+r)`` (``vllm bench serve`` random dataset semantics); sent to
+  /v1/completions as a token-id list, so no tokenizer is needed here. ``high`` must not exceed
+  the server's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+DEFAULT_DATASET_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
+"""``../shared/data/prompts`` next to the repository (the project's shared prompt files)."""
+SPLITS = ("second-half", "first-half", "all")
+
+
+class WorkloadError(ValueError):
+    """A bad dataset file or workload option; the message names the file/line or the flag."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One conversation to send (one request per turn)."""
+
+    conversation_id: str
+    source_id: str
+    """The dataset row's id (``gsm8k/700``) or ``random/N``."""
+    domain: str
+    turns: tuple[str, ...] = ()
+    """User messages; one entry unless multi-turn. Empty for token-id prompts."""
+    prompt_token_ids: tuple[int, ...] | None = None
+    max_tokens: int = 128
+
+    @property
+    def num_turns(self) -> int:
+        return max(1, len(self.turns))
+
+    @classmethod
+    def make_dummy(cls, i: int = 0, *, domain: str = "code", turns: Sequence[str] = ("hello",),
+                   max_tokens: int = 8) -> "WorkItem":
+        return cls(f"c{i:05d}", f"dummy/{i}", domain, tuple(turns), None, max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRow:
+    source_id: str
+    domain: str
+    turns: tuple[str, ...]
+
+
+def load_rows(dataset_dir: Path, split: str = "second-half") -> dict[str, list[PromptRow]]:
+    """domain → rows of the chosen split, files in sorted order, rows in file order."""
+    if split not in SPLITS:
+        raise WorkloadError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
+    dataset_dir = Path(dataset_dir)
+    files = sorted(dataset_dir.glob("*.jsonl")) if dataset_dir.is_dir() else []
+    if not files:
+        raise WorkloadError(f"no *.jsonl prompt files in {dataset_dir} (set --dataset-dir)")
+    by_domain: dict[str, list[PromptRow]] = {}
+    for path in files:
+        rows = _read_file(path)
+        half = (len(rows) + 1) // 2
+        chosen = {"second-half": rows[half:], "first-half": rows[:half], "all": rows}[split]
+        for row in chosen:
+            by_domain.setdefault(row.domain, []).append(row)
+    return by_domain
+
+
+def _read_file(path: Path) -> list[PromptRow]:
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read {path}: {exc}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise WorkloadError(f"{where}: expected a JSON object with id, domain, prompt")
+        prompt, domain = obj.get("prompt"), obj.get("domain")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise WorkloadError(f"{where}: 'prompt' must be a non-empty string")
+        if not isinstance(domain, str) or not domain.split("/")[0]:
+            raise WorkloadError(f"{where}: 'domain' must be a non-empty string")
+        turns = obj.get("turns", [prompt])
+        if (not isinstance(turns, list) or not turns
+                or not all(isinstance(t, str) and t.strip() for t in turns)):
+            raise WorkloadError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+        rows.append(PromptRow(str(obj.get("id", f"{path.stem}/{lineno}")), domain.split("/")[0],
+                              tuple(turns)))
+    if not rows:
+        raise WorkloadError(f"{path}: no prompts")
+    return rows
+
+
+def parse_domain_mix(text: str | None, available: Sequence[str]) -> dict[str, float]:
+    """``code=0.25,math=0.75`` → weights normalised to sum 1; None → equal over ``available``."""
+    if not text:
+        return {d: 1.0 / len(available) for d in sorted(available)}
+    weights: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep:
+            raise WorkloadError(f"--domain-mix: expected DOMAIN=WEIGHT, got {part.strip()!r}")
+        if name not in available:
+            raise WorkloadError(f"--domain-mix: unknown domain {name!r}; the dataset has "
+                                f"{', '.join(sorted(available))}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise WorkloadError(f"--domain-mix: weight of {name} must be a number, got {value!r}") from None
+        if not np.isfinite(weight) or weight < 0:
+            raise WorkloadError(f"--domain-mix: weight of {name} must be finite and >= 0, got {value}")
+        if name in weights:
+            raise WorkloadError(f"--domain-mix: {name} given twice")
+        weights[name] = weight
+    total = sum(weights.values())
+    if total <= 0:
+        raise WorkloadError("--domain-mix: the weights must sum to more than 0")
+    return {d: w / total for d, w in weights.items() if w > 0}
+
+
+def split_counts(num: int, weights: Mapping[str, float]) -> dict[str, int]:
+    """Largest-remainder rounding of ``num × weight`` (ties broken by domain name)."""
+    names = sorted(weights)
+    exact = [num * weights[d] for d in names]
+    counts = [int(np.floor(x)) for x in exact]
+    order = sorted(range(len(names)), key=lambda i: (-(exact[i] - counts[i]), names[i]))
+    for i in order[:num - sum(counts)]:
+        counts[i] += 1
+    return dict(zip(names, counts))
+
+
+def dataset_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int, mix: Mapping[str, float],
+                     rng: np.random.Generator, *, max_tokens: int, multi_turn: bool = False) -> list[WorkItem]:
+    """``num_prompts`` conversations mixed by ``mix``, in a seeded random order."""
+    picked: list[PromptRow] = []
+    for domain, count in split_counts(num_prompts, mix).items():
+        pool = list(rows[domain])
+        while count > 0:
+            order = rng.permutation(len(pool))[:count]
+            picked.extend(pool[i] for i in order)
+            count -= len(order)
+    picked = [picked[i] for i in rng.permutation(len(picked))]
+    return [WorkItem(f"c{i:05d}", row.source_id, row.domain,
+                     row.turns if multi_turn else row.turns[:1], None, max_tokens)
+            for i, row in enumerate(picked)]
+
+
+def random_workload(num_prompts: int, rng: np.random.Generator, *, input_len: int, output_len: int,
+                    range_ratio: float = 0.0, token_low: int = 1000, token_high: int = 20000) -> list[WorkItem]:
+    """Random token-id prompts (see module docstring)."""
+    if input_len < 1 or output_len < 1:
+        raise WorkloadError("--random-input-len and --random-output-len must be >= 1")
+    if not 0.0 <= range_ratio < 1.0:
+        raise WorkloadError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    if not 0 <= token_low < token_high:
+        raise WorkloadError(f"--random-token-range must satisfy 0 <= LOW < HIGH, got {token_low},{token_high}")
+
+    def lengths(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, size=num_prompts)
+
+    in_lens, out_lens = lengths(input_len), lengths(output_len)
+    return [WorkItem(f"c{i:05d}", f"random/{i}", "random", (),
+                     tuple(int(t) for t in rng.integers(token_low, token_high, size=int(n_in))), int(n_out))
+            for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens))]

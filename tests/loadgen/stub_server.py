@@ -1,0 +1,227 @@
+"""A small OpenAI-shaped streaming server with controlled timing and injectable faults.
+
+In-process (``StubServer(...).start()`` → a thread) or as a script (``python stub_server.py --port
+N``; the ``compare --launch`` tests). Every streamed answer is:
+
+    role chunk (chat only, empty content) ─ sleep ttft_s ─ content chunk 0 ─ sleep chunk_s ─ … chunk n−1
+    ─ final chunk (finish_reason, ``cosine_ray`` block if asked) ─ usage chunk (if asked) ─ [DONE]
+
+so TTFT ≈ ttft_s, ITL ≈ chunk_s, E2EL ≈ ttft_s + (n−1)·chunk_s, output tokens = n·tokens_per_chunk;
+the text is ``w0 w1 … w{tokens−1}`` whatever the chunking (two stubs with the same token count
+give identical outputs, like a lossless server with and without speculation).
+The prompt (last user message, or the completion prompt) may carry directives:
+
+    [[status=503]]  answer that status with an OpenAI error body        [[malformed]]  a non-JSON event
+    [[sse_error]]   an error event after the first chunk, then [DONE]    [[no_done]]    omit [DONE]
+    [[drop]]        close the connection after the first chunk           [[sleep=S]]    sleep S s first
+    [[accept=A/D]]  stats block with A accepted of D drafted tokens (default accept_default)
+
+The stats block also has fields loadgen does not know (``domain``, ``drafters_used``), to check
+they are tolerated. Received request ids (``X-Request-Id``) and bodies are kept for assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+DIRECTIVE = re.compile(r"\[\[(\w+)(?:=([^\]]*))?\]\]")
+
+
+class StubServer:
+    def __init__(self, *, ttft_s: float = 0.05, chunk_s: float = 0.02, num_chunks: int = 4,
+                 tokens_per_chunk: int = 1, accept_default: tuple[int, int] = (3, 6), healthy: bool = True,
+                 port: int = 0, model: str = "stub-model") -> None:
+        self.ttft_s, self.chunk_s, self.num_chunks = ttft_s, chunk_s, num_chunks
+        self.tokens_per_chunk, self.accept_default, self.healthy = tokens_per_chunk, accept_default, healthy
+        self.model = model
+        self.lock = threading.Lock()
+        self.received: list[tuple[str, dict[str, Any]]] = []
+        self.num_active = self.max_active = 0
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.httpd.daemon_threads = True
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def start(self) -> "StubServer":
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> "StubServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def received_ids(self) -> list[str]:
+        with self.lock:
+            return [rid for rid, _ in self.received]
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return str(body["messages"][-1]["content"])
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def setup(self) -> None:
+            super().setup()
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def log_message(self, *args: Any) -> None:  # quiet
+            pass
+
+        def _json(self, status: int, obj: Any) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._json(200 if stub.healthy else 503, {"status": "ok" if stub.healthy else "starting"})
+            elif self.path == "/v1/models":
+                self._json(200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]})
+            else:
+                self._json(404, {"error": {"message": "not found", "type": "not_found_error"}})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            with stub.lock:
+                stub.received.append((self.headers.get("X-Request-Id", ""), body))
+            directives = dict(DIRECTIVE.findall(_prompt_text(body)))
+            with stub.lock:
+                stub.num_active += 1
+                stub.max_active = max(stub.max_active, stub.num_active)
+            try:
+                self._answer(body, directives)
+            finally:
+                with stub.lock:
+                    stub.num_active -= 1
+
+        def _answer(self, body: dict[str, Any], directives: dict[str, str]) -> None:
+            if "sleep" in directives:
+                time.sleep(float(directives["sleep"]))
+            if "status" in directives:
+                status = int(directives["status"])
+                return self._json(status, {"error": {"message": f"injected status {status}", "type": "server_error",
+                                                     "param": None, "code": None}})
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            try:
+                self._stream(body, directives)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def _send(self, obj: Any) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+
+        def _stream(self, body: dict[str, Any], directives: dict[str, str]) -> None:
+            is_chat = "messages" in body
+            base = {"id": f"cmpl-{threading.get_ident()}-{time.monotonic_ns()}", "created": 0, "model": stub.model}
+
+            def chunk(text: str | None, finish: str | None = None) -> dict[str, Any]:
+                if is_chat:
+                    delta = {} if text is None else {"content": text}
+                    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": text or "", "finish_reason": finish}
+                return {**base, "choices": [choice]}
+
+            if is_chat:
+                self._send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            time.sleep(stub.ttft_s)
+            for i in range(stub.num_chunks):
+                if i:
+                    time.sleep(stub.chunk_s)
+                k = stub.tokens_per_chunk
+                self._send(chunk("".join(f"w{i * k + j} " for j in range(k))))
+                if i == 0 and "drop" in directives:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if i == 0 and "malformed" in directives:
+                    self._send("{this is not json")
+                if i == 0 and "sse_error" in directives:
+                    self._send({"error": {"message": "injected stream error", "type": "server_error"}})
+                    self._send("[DONE]")
+                    return
+            last = chunk(None, "length")
+            if body.get("cosine_ray_stats"):
+                accepted, drafted = (int(v) for v in directives["accept"].split("/")) if "accept" in directives \
+                    else stub.accept_default
+                out_tokens = stub.num_chunks * stub.tokens_per_chunk
+                last["cosine_ray"] = {
+                    "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                    "mean_accepted_length": out_tokens / stub.num_chunks, "num_verify_steps": stub.num_chunks,
+                    "drafted_by": {"ngram": drafted - drafted // 2, "retrieval": drafted // 2},
+                    "accepted_by": {"ngram": accepted - accepted // 2, "retrieval": accepted // 2},
+                    "domain": "stub", "drafters_used": ["ngram", "retrieval"]}
+            self._send(last)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                n = stub.num_chunks * stub.tokens_per_chunk
+                self._send({**base, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n,
+                                                             "total_tokens": 7 + n}})
+            if "no_done" not in directives:
+                self._send("[DONE]")
+
+    return Handler
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--ttft", type=float, default=0.02)
+    p.add_argument("--chunk", type=float, default=0.01)
+    p.add_argument("--num-chunks", type=int, default=4)
+    p.add_argument("--tokens-per-chunk", type=int, default=1)
+    p.add_argument("--fail-start", action="store_true", help="exit 3 at once (a server that cannot start)")
+    p.add_argument("--never-ready", action="store_true", help="/health answers 503 forever")
+    p.add_argument("--ignore-sigint", action="store_true", help="needs SIGTERM/SIGKILL to stop")
+    p.add_argument("--pid-file", default=None)
+    args = p.parse_args()
+    if args.fail_start:
+        print("stub: refusing to start (--fail-start)", flush=True)
+        sys.exit(3)
+    server = StubServer(ttft_s=args.ttft, chunk_s=args.chunk, num_chunks=args.num_chunks,
+                        tokens_per_chunk=args.tokens_per_chunk, healthy=not args.never_ready, port=args.port)
+    if args.pid_file:
+        with open(args.pid_file, "w") as f:
+            f.write(str(__import__("os").getpid()))
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, (lambda *_: None) if args.ignore_sigint else (lambda *_: stop.set()))
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()
+    print(f"stub: serving at {server.url}", flush=True)
+    stop.wait()
+    server.stop()
+    print("stub: stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()
