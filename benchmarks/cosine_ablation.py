@@ -73,6 +73,14 @@ def run_batch(engine: LocalEngine, prompts: list[list[int]], params: SamplingPar
     return outs, time.perf_counter() - start
 
 
+def _mean(hist) -> float:
+    return hist.sum / hist.count if hist is not None and hist.count else 0.0
+
+
+def _mean_ms(hist) -> float:
+    return 1e3 * _mean(hist)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -128,19 +136,23 @@ def main() -> None:
             "num_outputs": 2 * len(meas_ids),
             "routing_shares": shares,
             "participation": engine.router.planner.participation.current,
+            "decision_ms_mean": _mean_ms(engine.router.metrics.get("cosine_ray:scheduler_decision_seconds")),
+            "gamma_mean": _mean(engine.router.metrics.get("cosine_ray:scheduler_gamma")),
         }
         print(f"{name:26s} c1 {results[name]['tokens_per_s_c1']:7.2f} tok/s  c8 {results[name]['tokens_per_s_c8']:7.2f} tok/s"
               f"  mean acc len {results[name]['mean_accepted_length']:.2f}"
               f"  identical {results[name]['identical_to_spec_off']}/{results[name]['num_outputs']}", flush=True)
 
     base = results.get("speculation off")
-    print("\n| system | tok/s c=1 | tok/s c=8 | vs spec-off c=1 | vs spec-off c=8 | mean accepted length | identical |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| system | tok/s c=1 | tok/s c=8 | vs spec-off c=1 | vs spec-off c=8 | mean accepted length "
+          "| mean γ_i | decision ms | identical |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         rel1 = f"{r['tokens_per_s_c1'] / base['tokens_per_s_c1']:.2f}×" if base else ""
         rel8 = f"{r['tokens_per_s_c8'] / base['tokens_per_s_c8']:.2f}×" if base else ""
         print(f"| {name} | {r['tokens_per_s_c1']:.2f} | {r['tokens_per_s_c8']:.2f} | {rel1} | {rel8} | "
-              f"{r['mean_accepted_length']:.2f} | {r['identical_to_spec_off']}/{r['num_outputs']} |")
+              f"{r['mean_accepted_length']:.2f} | {r['gamma_mean']:.2f} | {r['decision_ms_mean']:.2f} | "
+              f"{r['identical_to_spec_off']}/{r['num_outputs']} |")
     for name in ("CoSine (full)", "routing off (random)"):
         if name in results:
             print(f"\nrouting shares, {name} (share of each domain's routed steps that included the drafter):")

@@ -68,7 +68,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="folder with humaneval/gsm8k/alpaca/mtbench .jsonl")
     p.add_argument("--prompts-per-domain", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--drafter-sets", default="none;ngram;retrieval;ngram,retrieval",
+    p.add_argument("--drafter-sets", default="none;ngram;retrieval;ngram,retrieval;default",
                    help="semicolon-separated --drafters values to measure")
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--prompt-lookup-tokens", type=int, default=8, help="HF prompt_lookup_num_tokens")

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-require-key", action="store_true",
                      help="GET /metrics needs the API key too (default: public, like /health)")
     srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of a locally started Ray cluster")
+    srv.add_argument("--max-pending-requests", type=int, default=None,
+                     help="generations one replica holds at once; one more gets 503 + Retry-After (default 256)")
+    srv.add_argument("--request-timeout-s", type=float, default=None,
+                     help="a generation running longer is cancelled and answered 408 (default 600)")
 
     bench = sub.add_parser("bench", help="single-request tokens/s: HF vs cosine_ray drafter sets")
     from cosine_ray.bench import add_bench_args

@@ -24,6 +24,8 @@ TINY_VOCAB = 256
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run tests marked slow")
+    parser.addoption("--soak-seconds", type=float, default=180.0,
+                     help="length of the serving soak test (tests/serve/test_reliability_serve.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -157,9 +157,11 @@ class RoutingConfig:
     """k: drafters chosen per request when ``choose`` gets no ``k`` (the paper uses 2-3)."""
     tau: float = 1.0
     """τ of eq. 3: a request whose last step accepted fewer than τ draft tokens explores."""
-    explore_random_share: float = 0.5
-    """Probability that a slot is filled uniformly at random in exploration mode."""
-    exploit_random_share: float = 0.1
+    explore_random_share: float = 0.25
+    """Probability that a slot is filled uniformly at random in exploration mode. Measured on
+    the 4-domain workload (benchmarks/cosine_ablation.py): 0.5 spent too many slots on drafters
+    known to be useless there (steps accepting nothing are common even with the right drafter)."""
+    exploit_random_share: float = 0.05
     """Probability that a slot is filled uniformly at random in exploitation mode."""
     score_ema: float = 0.5
     """Weight of a new m[n] in the request's M_r[n] (1.0 = keep only the latest)."""
@@ -167,7 +169,7 @@ class RoutingConfig:
     """Weight of a new m[n] in the per-domain and global priors."""
     initial_score: float = 0.5
     """Score of a (domain, drafter) pair never observed; priors start their EMA here."""
-    load_weight: float = 0.1
+    load_weight: float = 0.02
     """"System status" penalty: score minus load_weight × (drafter's load / batch size)."""
     mode: str = "expertise"
     """``expertise`` (eq. 1-3) or ``random`` (routing-off ablation: k drafters uniformly)."""

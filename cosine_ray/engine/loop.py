@@ -92,6 +92,11 @@ class EngineLoop:
                 self.router.abort(request_id)
                 self._wakeup.set()
 
+    @property
+    def num_streams(self) -> int:
+        """Requests with a live ``generate`` iterator (a leak check: 0 when idle)."""
+        return len(self._queues)
+
     def metrics_snapshot(self) -> dict:
         """The router's registry with the running/waiting gauges read now (what /metrics shows)."""
         metrics = self.router.metrics

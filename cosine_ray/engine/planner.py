@@ -120,7 +120,12 @@ class SpeculationPlanner:
         self._base_model = self.latency_model
         self._live: deque[LlmSample] = deque(maxlen=LIVE_SAMPLES)
         self._since_refit = 0
-        self.routing = ExpertiseRouter(list(self.clients), RoutingConfig(
+        # Shared (domain-agnostic) drafters join every request; routing chooses among the rest.
+        # With fusion off ("the single best drafter") every drafter competes for the one slot.
+        shared = set(config.shared_drafters) if config.fusion != "single" else set()
+        self.shared = tuple(n for n in self.clients if n in shared)
+        pool = [n for n in self.clients if n not in shared]
+        self.routing = ExpertiseRouter(pool, RoutingConfig(
             drafters_per_request=config.drafters_per_request,
             mode="random" if config.routing == "random" else "expertise"), seed=seed)
         self.calibrator = ConfidenceCalibrator()
@@ -171,10 +176,11 @@ class SpeculationPlanner:
         for r in drafting:
             choice = choices[r.request_id]
             scores = self.routing.scores(r.request_id)
-            routed[r.request_id] = tuple(sorted(choice.drafters, key=lambda n: -scores.get(n, 0.0)))
+            routed[r.request_id] = tuple(sorted(choice.drafters, key=lambda n: -scores.get(n, 0.0))) + self.shared
             r.stats.num_routed_steps += 1
-            for name in choice.drafters:
-                self.metrics.inc("cosine_ray:routing_decisions", drafter=name, mode=choice.mode, domain=r.domain)
+            for name in routed[r.request_id]:
+                mode = "shared" if name in self.shared else choice.mode
+                self.metrics.inc("cosine_ray:routing_decisions", drafter=name, mode=mode, domain=r.domain)
                 r.stats.routed_to[name] = r.stats.routed_to.get(name, 0) + 1
         cut = self._confidence_cut()
         paths, answers, trunks = await self._draft(drafting, routed, budgets, cut)
@@ -317,11 +323,15 @@ class SpeculationPlanner:
         # bonus position (with γ = 0 that is the bonus token alone).
         depths = tree.depths()
         verified = max(depths) + 1 if depths else 1
+        # c of eq. 2 is the drafter's *calibrated* confidence for this domain: raw retrieval
+        # frequencies are often 1.0 (one matching continuation), and with c = 1 eq. 2 gives 1 for
+        # any d > 0, so a confidently wrong drafter would score like a right one.
+        calibrate = self._calibration_for(domain)
         scores = {}
         for name in plan.drafters:
             answer = plan.answers.get(name, [])[:verified]
             drafted = [tok for tok, _ in answer]
-            confidences = [conf for _, conf in answer]
+            confidences = [calibrate(name, conf) for _, conf in answer]
             scores[name] = routing_score(confidences, self._accuracy(committed, drafted))
         # eq. 3's L_acc: drafts accepted; None when none was verified (the mode stays as it was)
         self.routing.update(request.request_id, scores,

@@ -61,6 +61,11 @@ class RouterConfig:
     """False (ablation): fixed γ and fixed drafter participation."""
     drafters_per_request: int = 2
     """k: drafters routed to each request per step (adaptive: where participation starts)."""
+    shared_drafters: tuple[str, ...] = ("ngram",)
+    """Domain-agnostic drafters every request uses besides its k routed ones (the context
+    n-gram drafter costs a dictionary lookup and knows the request's own text better than any
+    domain expert). Names not in the pool are ignored; with ``fusion="single"`` they compete
+    for the one slot like every other drafter."""
     max_drafters_per_request: int = 3
     total_gamma_max: int = 64
     """Γ_max: draft tokens per micro-batch (eq. 6; Algorithm 2 trims above it)."""
@@ -88,6 +93,9 @@ class RouterConfig:
             raise ValueError("drafter_deadline_s must be > 0")
         if self.num_lanes < 1:
             raise ValueError("num_lanes must be >= 1")
+        if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):
+            raise ValueError("shared_drafters must be a list of drafter names")
+        object.__setattr__(self, "shared_drafters", tuple(self.shared_drafters))
         for name, value, allowed in (("routing", self.routing, ROUTING_MODES), ("fusion", self.fusion, FUSION_MODES),
                                      ("scheduler", self.scheduler, SCHEDULERS)):
             if value not in allowed:

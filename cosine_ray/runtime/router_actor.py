@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, AsyncIterator, Sequence
 
 import ray
@@ -98,6 +99,7 @@ class RouterHost:
                                                for s in self.drafter_slots), return_exceptions=True)
         return {
             "running": len(self.router.running), "waiting": len(self.router.waiting),
+            "streams": self.loop.num_streams, "to_release": len(self.router._to_release),
             "kv": await self.target.kv_usage(),
             "drafters": {s.name: (d if isinstance(d, dict) else {"error": type(d).__name__})
                          for s, d in zip(self.drafter_slots, drafter_state)},
@@ -121,6 +123,14 @@ class RouterHost:
     async def record_http(self, replica: str, totals: dict) -> None:
         """Cumulative HTTP counts of one ingress replica (every replica pushes here)."""
         self.router.metrics.add_http_totals(replica, totals)
+
+    async def actor_pids(self, timeout_s: float = 5.0) -> dict[str, int]:
+        """PID of this router and of every stage and drafter that answers within ``timeout_s``
+        (soak tests read each one's resident memory from /proc)."""
+        slots = self.stage_slots + self.drafter_slots
+        pids = await asyncio.gather(*(await_ref(s.handle.pid.remote(), timeout_s) for s in slots),
+                                    return_exceptions=True)
+        return {ROUTER_NAME: os.getpid(), **{s.name: p for s, p in zip(slots, pids) if isinstance(p, int)}}
 
     async def actor_handles(self) -> dict[str, Any]:
         return {s.name: s.handle for s in self.stage_slots + self.drafter_slots}

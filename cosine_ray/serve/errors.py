@@ -22,14 +22,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_HEADER_BYTES = 64 << 10
+"""Request headers larger than this (names + values, all headers) get 431. uvicorn's
+httptools parser accepts megabytes of headers, so the app enforces its own bound."""
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
+               500: "server_error",
                503: "service_unavailable_error"}
 ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 408: "timeout",
-               413: "request_too_large", 429: "rate_limit_exceeded", 500: "internal_error",
+               413: "request_too_large", 429: "rate_limit_exceeded", 431: "headers_too_large",
+               500: "internal_error",
                503: "engine_unavailable"}
+OVERLOADED_CODE = "server_overloaded"
+"""``code`` of the 503 sent when a replica already holds ``max_pending_requests`` generations."""
 
 
 class OpenAIError(Exception):
@@ -55,6 +62,12 @@ class InvalidRequest(OpenAIError):
 
 class NotFound(OpenAIError):
     status_code = 404
+
+
+class RequestTimeout(OpenAIError):
+    """The request ran past the server's ``request_timeout_s``; its engine work was cancelled."""
+
+    status_code = 408
 
 
 class EngineUnavailable(OpenAIError):
@@ -198,6 +211,23 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class HeaderLimitMiddleware:
+    """431 when the request's headers (names + values) exceed ``max_header_bytes``."""
+
+    def __init__(self, app: ASGIApp, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope.get("headers") or ())
+            if size > self.max_header_bytes:
+                response = error_response(431, f"request headers are {size} bytes; the limit is "
+                                               f"{self.max_header_bytes}")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class CatchAllMiddleware:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,11 @@ def serve_args(args: argparse.Namespace, error: type[Exception]) -> dict[str, An
         raise error(str(exc).splitlines()[0]) from None
     if not 0 < args.port < 65536:
         raise error(f"--port must be in 1..65535, got {args.port}")
+    pending, timeout = getattr(args, "max_pending_requests", None), getattr(args, "request_timeout_s", None)
+    if pending is not None and pending < 1:
+        raise error(f"--max-pending-requests must be >= 1, got {pending}")
+    if timeout is not None and not timeout > 0:
+        raise error(f"--request-timeout-s must be > 0, got {timeout}")
     return config_to_dict(config)
 
 
@@ -52,12 +58,19 @@ def run_serve(args: argparse.Namespace, error: type[Exception]) -> int:
     serve.start(http_options={"host": args.host, "port": args.port})
     kill_router()  # this launch gets a fresh router; replicas Serve (re)starts later attach to it
     app_args = dict(data)
-    if args.api_key:
-        app_args["api_key"] = args.api_key
+    # The env var is read here, in the CLI process: Serve replicas are Ray workers started by the
+    # raylet and do not inherit this process's environment (a key set only here was ignored).
+    api_key = args.api_key or os.environ.get("COSINE_RAY_API_KEY")
+    if api_key:
+        app_args["api_key"] = api_key
     if getattr(args, "return_spec_stats", False):
         app_args["return_spec_stats"] = True
     if getattr(args, "metrics_require_key", False):
         app_args["metrics_require_key"] = True
+    if getattr(args, "max_pending_requests", None) is not None:
+        app_args["max_pending_requests"] = args.max_pending_requests
+    if getattr(args, "request_timeout_s", None) is not None:
+        app_args["request_timeout_s"] = args.request_timeout_s
     print(f"cosine_ray: starting {data['num_stages']} stage(s) and drafters "
           f"[{data['drafters']}] for {data['model']} (first start loads the model)...", flush=True)
     serve.run(build_app(app_args), name="cosine_ray", route_prefix="/", blocking=False)

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
@@ -31,9 +32,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
 from cosine_ray.engine.request import RequestStats, SamplingParams
-from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, CatchAllMiddleware,
-                                     EngineUnavailable, InvalidRequest, NotFound, OpenAIError,
-                                     error_payload, error_response, install_error_handlers)
+from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, OVERLOADED_CODE, BodyLimitMiddleware,
+                                     CatchAllMiddleware, EngineUnavailable, HeaderLimitMiddleware,
+                                     InvalidRequest, NotFound, OpenAIError, RequestTimeout, error_payload,
+                                     error_response, install_error_handlers)
 from cosine_ray.serve.metrics_http import METRICS_PATH, HttpCounts, HttpMetricsMiddleware, metrics_response
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -90,11 +92,52 @@ class TextStream:
         return 0
 
 
+class Admission:
+    """Bounded admission: at most ``max_pending`` generation requests in this replica at once
+    (running in the engine or waiting in its queue); one more is rejected at once with 503 +
+    ``Retry-After`` instead of queueing without bound (reliability guide R8).
+
+    ``try_acquire`` is synchronous (no await between the check and the increment), so with
+    N + k concurrent requests exactly k are rejected while the first N are in flight. The
+    slot is released when the request's engine stream is closed (finish, error, disconnect,
+    timeout), via ``Generation.aclose``; ``release`` is idempotent per slot."""
+
+    def __init__(self, max_pending: int | None) -> None:
+        if max_pending is not None and max_pending < 1:
+            raise ValueError("max_pending_requests must be >= 1")
+        self.max_pending = max_pending
+        self.num_pending = 0
+        self.num_rejected = 0
+
+    def try_acquire(self) -> Callable[[], None]:
+        """A release callback, or EngineUnavailable (503) when the replica is full."""
+        if self.max_pending is not None and self.num_pending >= self.max_pending:
+            self.num_rejected += 1
+            raise EngineUnavailable(f"the server is at capacity ({self.max_pending} requests in flight); "
+                                    "retry later", retry_after=1.0, code=OVERLOADED_CODE)
+        self.num_pending += 1
+        is_released = False
+
+        def release() -> None:
+            nonlocal is_released
+            if not is_released:
+                is_released = True
+                self.num_pending -= 1
+
+        return release
+
+
 class Generation:
     """One engine request seen as text: ``step()`` until ``is_done``; always ``aclose()``."""
 
     def __init__(self, engine: EngineClient, tokenizer: Any, prompt_token_ids: list[int],
-                 params: SamplingParams, stop: Sequence[str], request_id: str) -> None:
+                 params: SamplingParams, stop: Sequence[str], request_id: str,
+                 on_close: Callable[[], None] | None = None, deadline: float | None = None) -> None:
+        self._on_close = on_close
+        if on_close is not None:  # a Generation dropped without aclose() still frees its slot
+            weakref.finalize(self, on_close)
+        self.deadline = deadline
+        """``time.monotonic()`` by which the request must finish (server-side timeout), or None."""
         self.outputs = engine.stream(prompt_token_ids, params, request_id)
         self.text = TextStream(tokenizer, stop)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -104,9 +147,24 @@ class Generation:
         self.is_done = False
         self._num_outputs = 0
 
+    async def _next_output(self) -> Any:
+        if self.deadline is None:
+            return await self.outputs.__anext__()
+        remaining = self.deadline - time.monotonic()
+        try:
+            # asyncio.timeout, not wait_for: wait_for runs __anext__ in another task, and a
+            # cancellation arriving meanwhile (client disconnect) leaves that task running the
+            # generator, so the aclose() that aborts the request fails ("already running").
+            async with asyncio.timeout(max(remaining, 0.0)):
+                return await self.outputs.__anext__()
+        except TimeoutError:
+            await self.aclose()  # cancels the engine request: its state is freed at the next step
+            raise RequestTimeout("the request ran past the server's request timeout and was cancelled",
+                                 code="timeout") from None
+
     async def step(self) -> str:
         try:
-            out = await self.outputs.__anext__()
+            out = await self._next_output()
         except StopAsyncIteration:
             raise EngineUnavailable("the engine ended the request without finishing it") from None
         except OpenAIError:
@@ -136,7 +194,11 @@ class Generation:
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            await self.outputs.aclose()
+            try:
+                await self.outputs.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
     def usage(self) -> Usage:
         n = len(self.text.token_ids)
@@ -225,11 +287,19 @@ class ApiKeyMiddleware:
 def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
                      default_max_tokens: int = DEFAULT_MAX_TOKENS, return_spec_stats: bool = False,
-                     metrics_require_key: bool = False) -> FastAPI:
+                     metrics_require_key: bool = False, max_pending_requests: int | None = None,
+                     request_timeout_s: float | None = None) -> FastAPI:
     """The OpenAI-compatible app. ``tokenizer`` is the target's HF tokenizer (chat template).
     ``return_spec_stats`` adds the ``cosine_ray`` stats block to every completion (otherwise
     only when a request asks with ``cosine_ray_stats``); ``metrics_require_key`` makes
-    ``GET /metrics`` need the API key too (by default it is public, like ``/health``)."""
+    ``GET /metrics`` need the API key too (by default it is public, like ``/health``).
+    ``max_pending_requests`` bounds the generations in flight (``Admission``: one more gets
+    503 + Retry-After); ``request_timeout_s`` bounds one generation's wall time from its
+    admission: past it the engine request is cancelled and the client gets 408 (before the
+    first streamed byte) or an SSE error event with the 408 payload, then ``[DONE]``."""
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise ValueError("request_timeout_s must be > 0")
+    admission = Admission(max_pending_requests)
     app = FastAPI(title="cosine_ray", summary="OpenAI-compatible lossless speculative decoding",
                   responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                              503: {"model": ErrorResponse}})
@@ -238,6 +308,7 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
     if api_key:
         public = PUBLIC_PATHS - {METRICS_PATH} if metrics_require_key else PUBLIC_PATHS
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_paths=public)
+    app.add_middleware(HeaderLimitMiddleware)  # added after (outside) the key check: runs first
     app.add_middleware(CatchAllMiddleware)
     known_paths: frozenset[str] = frozenset()
     http_counts = HttpCounts(engine)
@@ -293,18 +364,26 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
         params = SamplingParams(max_tokens=requested or min(default_max_tokens, room),
                                 temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
                                 seed=req.seed)
+        release = admission.try_acquire()  # before any await: the count is exact
         try:
             await engine.check_request(prompt_ids, params)
         except ValueError as exc:
+            release()
             msg = str(exc)
             raise InvalidRequest(msg, param=max_tokens_param if msg.startswith("max_tokens")
                                  else prompt_param) from None
-        except OpenAIError:
-            raise
-        except Exception:
+        except Exception as exc:
+            release()
+            if isinstance(exc, OpenAIError):
+                raise
             log.exception("engine.check_request failed")
             raise EngineUnavailable("the engine could not check the request; retry") from None
-        return Generation(engine, tokenizer, prompt_ids, params, req.stop, request_id)
+        except BaseException:  # cancelled (client gone)
+            release()
+            raise
+        deadline = None if request_timeout_s is None else time.monotonic() + request_timeout_s
+        return Generation(engine, tokenizer, prompt_ids, params, req.stop, request_id,
+                          on_close=release, deadline=deadline)
 
     async def respond(request: Request, gen: Generation, complete: Callable[[str], Any],
                       events: Callable[[Generation, str], AsyncIterator[str]], is_stream: bool) -> Any:

@@ -184,7 +184,7 @@ def test_random_share_per_mode(accepted_len: int, share: float) -> None:
     scores = {"a": 0.9, "b": 0.3, "c": 0.3, "d": 0.2, "e": 0.1}
     trials, misses, random_slots = 3000, 0, 0
     for seed in range(trials):
-        router = _router_with_scores(scores, seed=seed)
+        router = _router_with_scores(scores, seed=seed, explore_random_share=0.5, exploit_random_share=0.1)
         router.update("r", {}, accepted_len=accepted_len)
         choice = router.choose(["r"], k=1)["r"]
         assert choice.mode == ("explore" if accepted_len < 1 else "exploit")
@@ -200,7 +200,7 @@ def test_exploration_with_two_slots_keeps_top_often_but_not_always() -> None:
     trials = 3000
     missing = 0
     for seed in range(trials):
-        router = _router_with_scores(scores, seed=seed)
+        router = _router_with_scores(scores, seed=seed, explore_random_share=0.5)
         router.update("r", {}, accepted_len=0)
         missing += "a" not in router.choose(["r"], k=2)["r"].drafters
     assert _within_binomial(missing, trials, 0.15), missing / trials
@@ -224,7 +224,7 @@ def test_load_spreads_a_batch_over_tied_drafters() -> None:
 
 def test_load_penalty_is_soft_and_external_loads_count() -> None:
     scores = {"a": 0.9, "b": 0.3, "c": 0.3}
-    router = _router_with_scores(scores, exploit_random_share=0.0)
+    router = _router_with_scores(scores, exploit_random_share=0.0, load_weight=0.1)
     # a big score gap beats the in-batch load; an external queue on "a" does not
     assert router.choose(["r"], k=1)["r"].drafters == ("a",)
     assert router.choose(["r"], k=1, loads={"a": 7.0})["r"].drafters == ("b",)  # 0.9 − 0.1·7 = 0.2

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 
 import torch
 
@@ -241,3 +241,19 @@ class HangingDrafter(FakeDrafter):
         self.num_calls += 1
         await asyncio.sleep(self.seconds)
         return [DraftProposal.empty(i.request_id) for i in inputs]
+
+
+async def drain(router, *, max_steps: int = 20000):
+    """Step until nothing is left (finished requests released too). Returns tokens and final
+    outputs per request, and the largest running batch seen."""
+    tokens: dict[str, list[int]] = defaultdict(list)
+    finals = {}
+    for _ in range(max_steps):
+        if not router.has_work:
+            return tokens, finals
+        for out in await router.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                assert out.request_id not in finals, "finished twice"
+                finals[out.request_id] = out
+    raise AssertionError("router did not finish")

@@ -16,7 +16,7 @@ from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.router import Router, RouterConfig
 
-from fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget  # noqa: E402
+from fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
 DOMAINS = ("code", "math", "chat", "instruction")
 
@@ -69,18 +69,6 @@ class ParityDrafter(FakeDrafter):
 def make(target, drafters, **config) -> Router:
     return Router(RouterConfig(**config), target, list(drafters), vocab_size=VOCAB,
                   domain_classifier=MarkerClassifier(), seed=0)
-
-
-async def drain(router: Router, max_steps: int = 20000):
-    tokens, finals = defaultdict(list), {}
-    for _ in range(max_steps):
-        if not router.has_work:
-            return tokens, finals
-        for out in await router.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.finished:
-                finals[out.request_id] = out
-    raise AssertionError("router did not drain")
 
 
 def prompts_for(domain_index: int, n: int, start: int = 0) -> list[list[int]]:

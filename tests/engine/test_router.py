@@ -22,7 +22,7 @@ from cosine_ray.engine.speculation import LocalDrafterClient
 from cosine_ray.engine.target import LocalTargetClient, TargetWorker
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
-from fakes import (VOCAB, PROMPTS, AdversarialDrafter, FakeDrafter, GarbageDrafter, HangingDrafter,  # noqa: E402
+from fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafter, GarbageDrafter, HangingDrafter,  # noqa: E402
                    OracleDrafter, RaisingDrafter, TableTarget)
 
 
@@ -35,22 +35,6 @@ plumbing these tests pin down exactly. CoSine's own path is tested in test_cosin
 
 def make_router(target, drafters=(), *, eos=(), vocab=VOCAB, **config) -> Router:
     return Router(RouterConfig(**{**CLASSIC, **config}), target, list(drafters), vocab_size=vocab, eos_token_ids=eos)
-
-
-async def drain(router: Router, *, max_steps: int = 5000):
-    """Step until nothing is left (finished requests released too). Returns tokens and final
-    outputs per request, and the largest running batch seen."""
-    tokens: dict[str, list[int]] = defaultdict(list)
-    finals = {}
-    for _ in range(max_steps):
-        if not router.has_work:
-            return tokens, finals
-        for out in await router.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.finished:
-                assert out.request_id not in finals, "finished twice"
-                finals[out.request_id] = out
-    raise AssertionError("router did not finish")
 
 
 def run_batch(target, drafters, prompts=PROMPTS, params=SamplingParams(max_tokens=21), **config):

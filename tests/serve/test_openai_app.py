@@ -293,6 +293,28 @@ BAD_INPUTS = [  # (id, method, path, body, status, param); body: dict -> JSON, b
     ("unknown-model-get", "GET", "/v1/models/gpt-9", None, 404, "model"),
     ("oversized-body", "POST", CHAT, b" " * ((1 << 20) + 1), 413, None),
     ("oversized-chunked-body", "POST", CHAT, iter([b" " * 65536] * 17), 413, None),
+    ("max-tokens-float", "POST", CHAT, {"messages": MSG, "max_tokens": 1.5}, 400, "max_tokens"),
+    ("max-tokens-bool", "POST", CHAT, {"messages": MSG, "max_tokens": True}, 400, "max_tokens"),
+    ("messages-not-list", "POST", CHAT, {"messages": "hi"}, 400, "messages"),
+    ("message-no-role", "POST", CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("message-not-object", "POST", CHAT, {"messages": ["hi"]}, 400, "messages[0]"),
+    ("seed-str", "POST", CHAT, {"messages": MSG, "seed": "x"}, 400, "seed"),
+    ("seed-over-u64", "POST", CHAT, {"messages": MSG, "seed": 2**70}, 400, "seed"),
+    ("temperature-inf", "POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+     400, "temperature"),
+    ("top-p-null", "POST", CHAT, {"messages": MSG, "top_p": None}, 400, "top_p"),
+    ("top-k-float", "POST", CHAT, {"messages": MSG, "top_k": 1.5}, 400, "top_k"),
+    ("n-0", "POST", CHAT, {"messages": MSG, "n": 0}, 400, "n"),
+    ("frequency-penalty-low", "POST", CHAT, {"messages": MSG, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("stop-not-string", "POST", CHAT, {"messages": MSG, "stop": 5}, 400, "stop"),
+    ("stream-options-bad", "POST", CHAT, {"messages": MSG, "stream": True, "stream_options": {"include_usage": "y"}},
+     400, "stream_options.include_usage"),
+    ("logit-bias", "POST", CHAT, {"messages": MSG, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("model-not-string", "POST", CHAT, {"messages": MSG, "model": 5}, 400, "model"),
+    ("empty-body", "POST", CHAT, b"", 400, None),
+    ("prompt-float-ids", "POST", COMP, {"prompt": [1.5]}, 400, "prompt"),
+    ("completion-echo", "POST", COMP, {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("wrong-method-put", "PUT", COMP, None, 405, None),
     ("keyed-missing-key", "POST", CHAT, {"messages": MSG}, 401, None),
     ("keyed-wrong-key", "GET", "/v1/models", None, 401, None),
 ]
@@ -300,7 +322,7 @@ BAD_INPUTS = [  # (id, method, path, body, status, param); body: dict -> JSON, b
 
 def test_bad_inputs_exact_status_and_param(served):
     keyed = TestClient(build_openai_app(served.client, served.tok, model_name=MODEL, api_key=API_KEY))
-    assert len(BAD_INPUTS) >= 25
+    assert len(BAD_INPUTS) >= 60
     failures = []
     with httpx.Client(base_url=served.url, timeout=60) as http:
         for name, method, path, body, status, param in BAD_INPUTS:
