@@ -162,9 +162,10 @@ class SpeculationPlanner:
         return self.participation.current if self.config.adaptive else self.config.drafters_per_request
 
     # ---- plan ---------------------------------------------------------------------------
-    async def plan(self, requests: Sequence[Request]) -> dict[str, Plan]:
+    async def plan(self, requests: Sequence[Request], live: Callable[[str], bool] | None = None) -> dict[str, Plan]:
         """Trees for the requests that run this step (a request absent from the result sits
-        this step out: the scheduler left it for the next one)."""
+        this step out: the scheduler left it for the next one). ``live(request_id)`` turns
+        false for a request aborted while drafting: it gets no further drafter calls."""
         if not requests:
             return {}
         cfg = self.config
@@ -183,7 +184,7 @@ class SpeculationPlanner:
                 self.metrics.inc("cosine_ray:routing_decisions", drafter=name, mode=mode, domain=r.domain)
                 r.stats.routed_to[name] = r.stats.routed_to.get(name, 0) + 1
         cut = self._confidence_cut()
-        paths, answers, trunks = await self._draft(drafting, routed, budgets, cut)
+        paths, answers, trunks = await self._draft(drafting, routed, budgets, cut, live)
         plans = {}
         for r in requests:
             rid = r.request_id
@@ -199,7 +200,7 @@ class SpeculationPlanner:
         return FUSION_MIN_CUMULATIVE
 
     async def _draft(self, drafting: Sequence[Request], routed: Mapping[str, tuple[str, ...]],
-                     budgets: Mapping[str, int], cut: float):
+                     budgets: Mapping[str, int], cut: float, live: Callable[[str], bool] | None):
         paths: dict[str, list] = {}
         answers: dict[str, dict[str, list[tuple[int | None, float]]]] = {}
         trunks: dict[str, tuple[int, ...]] = {}
@@ -210,7 +211,7 @@ class SpeculationPlanner:
             states = {r.request_id: FusionState(routed[r.request_id], budgets[r.request_id], cut,
                                                 self._calibration_for(r.domain)) for r in drafting}
             await fuse_drafts(self.clients, states, {r.request_id: r.context_token_ids for r in drafting},
-                              deadline_s=deadline, vocab_size=self.vocab_size, stats=self.stats)
+                              deadline_s=deadline, vocab_size=self.vocab_size, stats=self.stats, live=live)
             for rid, state in states.items():
                 paths[rid] = state.paths()
                 answers[rid] = state.answers

@@ -310,7 +310,7 @@ class Router:
                 planned.append(_Planned(request, ScoreItem.prefill(request.request_id, request.context_token_ids)))
             else:
                 decoding.append(request)
-        plans = await self.planner.plan(decoding)
+        plans = await self.planner.plan(decoding, live=self.running.__contains__)
         for request in decoding:
             plan = plans.get(request.request_id)
             if plan is None:  # the scheduler left it for a later step

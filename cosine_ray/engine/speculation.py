@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
 from cosine_ray.algo.tree import TokenTree
@@ -167,16 +167,20 @@ async def gather_proposals(clients: Mapping[str, DrafterClient], batches: Mappin
 
 async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str, FusionState],
                       contexts: Mapping[str, Sequence[int]], *, deadline_s: float, vocab_size: int,
-                      stats: SpeculationStats | None = None) -> int:
+                      stats: SpeculationStats | None = None, live: Callable[[str], bool] | None = None) -> int:
     """Run fusion rounds until every state is done; returns the number of rounds.
 
     Each round makes one ``continue_drafts`` call per drafter covering all its requests. A
-    drafter that fails a round is dropped for the remaining rounds of this step."""
+    drafter that fails a round is dropped for the remaining rounds of this step. A request
+    for which ``live`` turns false (aborted while drafting) gets no further rounds: a later
+    call would recreate the per-request state its release has just freed on the drafters."""
     dropped: set[str] = set()
     rounds = 0
     while True:
         batches: dict[str, list[ContinueQuery]] = {}
         for rid, state in states.items():
+            if not state.done and live is not None and not live(rid):
+                state.done = True
             if state.done:
                 continue
             context = tuple(contexts[rid])

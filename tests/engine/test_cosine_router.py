@@ -237,3 +237,34 @@ def test_drafting_of_one_lane_overlaps_verification_of_the_other():
     assert [o.new_token_ids for o in outs] == [target.greedy(p, 20) for p in prompts_for(0, 2)]
     serial = target.busy_s + drafter.busy_s
     assert wall < 0.8 * serial, (wall, target.busy_s, drafter.busy_s)
+
+
+class AbortingOracle(OracleDrafter):
+    """Aborts request ``victim`` from inside its first fusion round and records every request
+    id it is asked about afterwards."""
+
+    def __init__(self, target, victim: str) -> None:
+        super().__init__("oracle", target)
+        self.victim = victim
+        self.router = None
+        self.asked_after_abort: list[str] = []
+        self.aborted = False
+
+    async def propose(self, inputs):
+        if self.aborted:
+            self.asked_after_abort += [i.request_id for i in inputs]
+        elif any(i.request_id == self.victim for i in inputs) and len(inputs[0].context_token_ids) > 5:
+            self.aborted = self.router.abort(self.victim)
+        return await super().propose(inputs)
+
+
+def test_a_request_aborted_while_drafting_gets_no_further_drafter_calls():
+    """Later fusion rounds would recreate the drafter state its release just freed."""
+    target = TableTarget()
+    drafter = AbortingOracle(target, "r0")
+    router = make(target, [drafter], adaptive=False, num_speculative_tokens=4, shared_drafters=())
+    drafter.router = router
+    tokens, finals = run(router, prompts_for(0, 2), max_tokens=12)
+    assert drafter.aborted and "r0" not in drafter.asked_after_abort and "r1" in drafter.asked_after_abort
+    assert "r0" not in finals and finals["r1"].finish_reason == "length"
+    assert tokens["r1"] == target.greedy(prompts_for(0, 2)[1], 12)

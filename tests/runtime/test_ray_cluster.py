@@ -111,7 +111,8 @@ def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
 def engine_config_data(tiny: Tiny, num_stages: int) -> dict[str, Any]:
     return {"model": str(tiny.ckpt.path), "drafters": DRAFTERS[num_stages], "num_stages": num_stages,
             "router": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_batch_size": 8,
-                       "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE},
+                       "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE,
+                       "adaptive": False},  # fixed γ: the random tiny model's drafts are verified
             "cluster": {"stage_deadline_s": 30.0}}
 
 
@@ -239,7 +240,7 @@ def test_pipeline_matches_local_engine_and_hf_greedy(routers, tiny, num_stages):
     local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]),
                                      num_stages=num_stages,
                                      router=RouterConfig(num_speculative_tokens=GAMMA, max_batch_size=8,
-                                                         min_tree_confidence=MIN_TREE_CONFIDENCE)),
+                                                         min_tree_confidence=MIN_TREE_CONFIDENCE, adaptive=False)),
                         checkpoint=tiny.ckpt)
     local_outs = local.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in local_outs] == refs, "in-process engine differs from HF greedy"
