@@ -181,6 +181,18 @@ def wait_for_scrape_after(prom: Prometheus, t_wall: float, timeout_s: float = 30
     pytest.fail(f"no successful scrape after {t_wall}: {prom.vector('up')}\n{prom.log_tail()}")
 
 
+def wait_for_finished_count(prom: Prometheus, expected: int, timeout_s: float = 30.0) -> None:
+    """Until the scraped finished-request count reaches the client's. A scrape that starts
+    after the traffic can still serve a reading taken moments earlier (stage readings are
+    refreshed in the background, see runtime/metrics_scrape.py); the exact comparisons in
+    the tests run on the first scrape that has seen every request finish."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(prom.vector("sum(cosine_ray:request_success_total)").values()) >= expected:
+            return
+        time.sleep(0.5)
+
+
 # ---- the server and the traffic -----------------------------------------------------------------
 
 @dataclass
@@ -311,6 +323,7 @@ def served(ray_cluster, tmp_path_factory, real_checkpoint) -> Served:
         t_end = time.time()
         _log(f"traffic done in {time.perf_counter() - t0:.1f} s: {dict(ledger.finish)}")
         wait_for_scrape_after(prom, t_end + 0.2)
+        wait_for_finished_count(prom, sum(ledger.finish.values()))
         yield Served(url, model, prom, ledger, t_end)
     finally:
         prom.proc.terminate()

