@@ -45,6 +45,21 @@ def serve_args(args: argparse.Namespace, error: type[Exception]) -> dict[str, An
     return config_to_dict(config)
 
 
+def local_cluster_cpus(data: dict[str, Any]) -> int:
+    """Logical CPUs for a locally started cluster: every stage and drafter actor reserves
+    ``num_cpus_per_actor`` and Serve's controller, proxy and replica need room too, so the
+    default set of 2 stages + 5 drafters does not fit a 2-core machine's 2 logical CPUs (the
+    actors would wait forever). Actors run 1 torch thread each, so over-subscribing logical
+    CPUs is what we want; at least the machine's cores."""
+    import math
+    import os
+
+    drafters = [d for d in str(data.get("drafters") or "").split(",") if d.strip() and d.strip() != "none"]
+    per_actor = float((data.get("cluster") or {}).get("num_cpus_per_actor", 0.5))
+    needed = math.ceil((int(data.get("num_stages", DEFAULT_NUM_STAGES)) + len(drafters)) * per_actor) + 2
+    return max(needed, os.cpu_count() or 2)
+
+
 def run_serve(args: argparse.Namespace, error: type[Exception]) -> int:
     data = serve_args(args, error)
     import ray
@@ -54,7 +69,7 @@ def run_serve(args: argparse.Namespace, error: type[Exception]) -> int:
     from cosine_ray.runtime.router_actor import kill_router
     from cosine_ray.serve.app import build_app
 
-    connect(data["cluster"].get("address"), num_cpus=args.num_cpus)
+    connect(data["cluster"].get("address"), num_cpus=args.num_cpus or local_cluster_cpus(data))
     serve.start(http_options={"host": args.host, "port": args.port})
     kill_router()  # this launch gets a fresh router; replicas Serve (re)starts later attach to it
     app_args = dict(data)
