@@ -142,13 +142,13 @@ def cosine_components(config: EngineConfig, checkpoint: Checkpoint, embeddings: 
     # common direction: two random tokens have cosine 0.44 on average (98.6 % positive,
     # measured over 20,000 pairs), so a confident but wrong drafter scored almost as high as a
     # right one in eq. 2. Centred, random pairs average 0.00 and half clamp to 0.
+    centred = normalise_embeddings(table - table.float().mean(0))
     if run_profile_if_missing:
         latency = load_or_profile(config, quick=True)
     else:
         path = profile_path(config)
         latency = LatencyModel.from_json(path.read_text(encoding="utf-8")) if path.is_file() else None
-    return {"unit_embeddings": normalise_embeddings(table - table.float().mean(0)), "domain_classifier": classifier,
-            "latency_model": latency}
+    return {"unit_embeddings": centred, "domain_classifier": classifier, "latency_model": latency}
 
 
 class LocalEngine:

@@ -199,7 +199,7 @@ class Router:
             try:
                 await d.release(ids)
             except Exception:  # a dead drafter's state is gone anyway
-                self._drafter_failed(d.name)
+                self.speculation_stats.failed(d.name)
 
     # ---- the step loop ------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
@@ -257,11 +257,8 @@ class Router:
                 try:
                     await d.observe(feedback[d.name])
                 except Exception:
-                    self._drafter_failed(d.name)
+                    self.speculation_stats.failed(d.name)
         return outputs
-
-    def _drafter_failed(self, name: str) -> None:
-        self.speculation_stats.failed(name)
 
     async def _recover(self, reason: str, epoch: int) -> list[RequestOutput]:
         """A stage is gone: wait for it, then re-prefill every running request from its prompt

@@ -54,9 +54,11 @@ def local_cluster_cpus(data: dict[str, Any]) -> int:
     import math
     import os
 
-    drafters = [d for d in str(data.get("drafters") or "").split(",") if d.strip() and d.strip() != "none"]
+    from cosine_ray.engine.config import parse_drafters
+
     per_actor = float((data.get("cluster") or {}).get("num_cpus_per_actor", 0.5))
-    needed = math.ceil((int(data.get("num_stages", DEFAULT_NUM_STAGES)) + len(drafters)) * per_actor) + 2
+    num_actors = int(data.get("num_stages", DEFAULT_NUM_STAGES)) + len(parse_drafters(str(data.get("drafters") or "none")))
+    needed = math.ceil(num_actors * per_actor) + 2
     return max(needed, os.cpu_count() or 2)
 
 

@@ -25,8 +25,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +39,7 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from cli_server import free_port, stop_cli, wait_until_serving  # noqa: E402
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
@@ -64,24 +63,6 @@ COMPLETION_PROMPTS = ["def fibonacci(n):\n    ", "The capital of France is"]
 
 def _log(msg: str) -> None:
     print(f"[prometheus-test] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_cli(proc: subprocess.Popen, *, grace_s: float = 90.0) -> int:
-    """SIGINT (the CLI deletes the app, kills the router, shuts Serve down), then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-    return proc.returncode
 
 
 def cleanup_leftovers(timeout_s: float = 30.0) -> None:
@@ -304,13 +285,7 @@ def served(ray_cluster, tmp_path_factory, real_checkpoint) -> Served:
     try:
         wait_prometheus_ready(prom)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while "serving OpenAI API" not in cli_log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                pytest.fail(f"cosine-ray serve exited with {proc.returncode}:\n{cli_log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"cosine-ray serve not ready after {READY_TIMEOUT_S} s")
-            time.sleep(0.5)
+        wait_until_serving(proc, cli_log, READY_TIMEOUT_S)
         _log(f"server ready after {time.perf_counter() - start:.1f} s")
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         ledger = Ledger()

@@ -29,7 +29,7 @@ from cosine_ray.engine.local import LocalEngine  # noqa: E402
 from cosine_ray.models.loader import write_tiny_checkpoint  # noqa: E402
 from cosine_ray.serve.openai_app import build_openai_app  # noqa: E402
 
-from test_reliability_app import serve_in_thread  # noqa: E402
+from uvicorn_thread import serve_in_thread  # noqa: E402
 
 EXAMPLES = int(os.environ.get("COSINE_RAY_FUZZ_EXAMPLES", "40"))
 """Examples per operation and generation mode."""

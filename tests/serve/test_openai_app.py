@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
+from uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.router import RouterConfig
@@ -63,19 +61,9 @@ def served(tmp_path_factory, real_checkpoint):
     refs = {name: out.new_token_ids for name, out in zip(prompts, outs)}
     client = LocalEngineClient(engine)
     app = build_openai_app(client, tok, model_name=MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, client, refs)
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    url, stop = serve_in_thread(app)
+    yield Served(url, engine, client, refs)
+    stop()
 
 
 def oai(served: Served) -> openai.OpenAI:

@@ -12,16 +12,14 @@ The same checks against the real ``cosine-ray serve`` on Ray are in test_reliabi
 from __future__ import annotations
 
 import asyncio
-import socket
 import statistics
-import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
+from uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
@@ -234,25 +232,6 @@ class Served:
             if not any(state.values()) or time.monotonic() - start > timeout_s:
                 return state, time.monotonic() - start
             time.sleep(0.01)
-
-
-def serve_in_thread(app) -> tuple[str, Any]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,8 @@ from cosine_ray.models.loader import write_tiny_checkpoint  # noqa: E402
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
 from cosine_ray.runtime.router_actor import ROUTER_NAME  # noqa: E402
 
-from test_serve_e2e import force_cleanup, free_port, stop_cli, wait_gone  # noqa: E402
+from cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
+from test_serve_e2e import force_cleanup, wait_gone  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 
@@ -93,10 +94,7 @@ class Server:
     model: str = ""
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n)
 
 
 FAULT_TOKENS = 48
@@ -131,13 +129,7 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint):
             refs.append(tok.decode(out[:SHORT_TOKENS], skip_special_tokens=True))
             long_refs.append(tok.decode(out, skip_special_tokens=True))
         srv = Server(f"http://127.0.0.1:{port}", proc, log_path, prompt_ids, refs, long_refs)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while "serving OpenAI API" not in log_path.read_text(errors="replace"):
-            if proc.poll() is not None:
-                pytest.fail(f"cosine-ray serve exited with {proc.returncode}:\n{srv.log_tail()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"cosine-ray serve not ready after {READY_TIMEOUT_S} s:\n{srv.log_tail()}")
-            time.sleep(0.5)
+        wait_until_serving(proc, log_path, READY_TIMEOUT_S)
         note(f"server ready in {time.perf_counter() - start:.1f} s")
         srv.model = httpx.get(f"{srv.url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
         yield srv

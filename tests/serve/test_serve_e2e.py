@@ -15,8 +15,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ import torch
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
 from cosine_ray.engine.local import encode_prompt  # noqa: E402
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
 from cosine_ray.runtime.router_actor import ROUTER_NAME  # noqa: E402
@@ -97,10 +96,7 @@ class Server:
     completion: list[Case] = field(default_factory=list)
 
     def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n)
 
 
 def build_cases(hf, tok) -> tuple[list[Case], list[Case]]:
@@ -128,12 +124,6 @@ def build_cases(hf, tok) -> tuple[list[Case], list[Case]]:
 
 # ---- the server --------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def our_actors() -> list[tuple[str, str]]:
     """(namespace, name) of live named actors that belong to cosine_ray or Ray Serve."""
     return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
@@ -145,18 +135,6 @@ def wait_gone(timeout_s: float) -> list[tuple[str, str]]:
     while (left := our_actors()) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
-
-
-def stop_cli(proc: subprocess.Popen, *, grace_s: float = 90.0) -> int:
-    """SIGINT (the CLI deletes the app, kills the router, shuts Serve down), then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-    return proc.returncode
 
 
 def force_cleanup() -> None:
@@ -194,13 +172,7 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint, real_hf_model) -> Ser
         tok = real_checkpoint.load_tokenizer()
         srv.chat, srv.completion = build_cases(real_hf_model, tok)
         _timed("HF greedy references", ref_start)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while "serving OpenAI API" not in log_path.read_text(errors="replace"):
-            if proc.poll() is not None:
-                pytest.fail(f"cosine-ray serve exited with {proc.returncode} before serving:\n{srv.log_tail()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"cosine-ray serve not ready after {READY_TIMEOUT_S} s:\n{srv.log_tail()}")
-            time.sleep(0.5)
+        wait_until_serving(proc, log_path, READY_TIMEOUT_S)
         _timed("cosine-ray serve ready (CLI start to 'serving OpenAI API')", start)
         srv.model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
         yield srv
