@@ -27,10 +27,11 @@ Interpretations (ours, the paper leaves them open):
   the target accepts such a token (learned online, ``algo.calibration``). Routing (eq. 2)
   sees the raw confidences, as the paper defines them.
 - Ties go to the drafter listed first (the router lists drafters best-scoring first).
-- A drafter that answers nothing (no match, failure, late) simply has no token this round;
-  fusion stops when no drafter answers, when the trunk reaches ``max_depth``, or when the
-  trunk's cumulative confidence falls below ``min_cumulative`` (deeper nodes would be cut by
-  TreeSelection anyway). A losing token whose branch is already below ``min_cumulative`` is
+- A drafter that answers nothing for the fused prefix (no match, failure, late) has no token
+  this round and sits out the rest of the step, as its own path would have ended there
+  (and it saves a round trip per later round); fusion stops when no drafter answers, when
+  the trunk reaches ``max_depth``, or when the trunk's cumulative confidence falls below
+  ``min_cumulative`` (deeper nodes would be cut by TreeSelection anyway). A losing token whose branch is already below ``min_cumulative`` is
   neither kept nor continued.
 """
 
@@ -80,6 +81,8 @@ class FusionState:
     done: bool = False
     _own: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     """Drafter → its losing token at the last depth (calibrated, raw confidence) to continue."""
+    _silent: set[str] = field(default_factory=set)
+    """Drafters that had no token for the fused prefix: not asked again this step."""
 
     def __post_init__(self) -> None:
         self.drafters = tuple(self.drafters)
@@ -106,8 +109,9 @@ class FusionState:
         trunk = tuple(self.trunk)
         out = {}
         for d in self.drafters:
-            own = self._own.get(d)
-            out[d] = (trunk,) if own is None else (trunk, trunk[:-1] + (own[0],))
+            if d not in self._silent:
+                own = self._own.get(d)
+                out[d] = (trunk,) if own is None else (trunk, trunk[:-1] + (own[0],))
         return out
 
     def absorb(self, answers: Mapping[str, Sequence[Candidates]]) -> None:
@@ -128,6 +132,7 @@ class FusionState:
                 self.answers[d].append((tok, raw))
             else:
                 self.answers[d].append((None, 0.0))
+                self._silent.add(d)
             own = self._own.get(d)
             own_cands = per_prefix[1] if own is not None and len(per_prefix) > 1 else ()
             if own_cands:  # the drafter's own branch grows to two tokens

@@ -19,7 +19,8 @@ import ray
 import torch
 
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
-from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
+                                             continue_chains)
 from cosine_ray.engine.local import make_drafter, make_stage_worker
 from cosine_ray.engine.target import ScoreItem
 
@@ -68,6 +69,9 @@ class DrafterHost(_Hosted):
 
     def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
         return self.drafter.continue_drafts(queries)
+
+    def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+        return continue_chains(self.drafter, queries)
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:
         self.drafter.observe(feedback)

@@ -63,6 +63,9 @@ class RayDrafterClient:
     async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
         return await self._call("continue_drafts", list(queries))
 
+    async def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+        return await self._call("continue_chains", list(queries))
+
     async def _call(self, method: str, arg: list) -> Any:
         if self._inflight is not None:
             ready, _ = ray.wait([self._inflight], timeout=0)

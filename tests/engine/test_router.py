@@ -561,16 +561,30 @@ class CheckedModelDrafter(LocalDrafterClient):
 
     async def continue_drafts(self, queries):
         answers = await super().continue_drafts(queries)
-        model = self.drafter.model
         for q, per_prefix in zip(queries, answers):
             for prefix, cands in zip(q.prefixes, per_prefix):
-                cache = model.new_kv_cache()
-                cache.allocate("check")
-                chain = list(q.context_token_ids) + list(prefix)
-                logits = model.forward(StageBatch.from_chains(["check"], [chain], [0]), cache)
-                assert cands and cands[0][0] == int(logits[-1].argmax()), q.request_id
-                self.num_checked += 1
+                self._check(q, list(prefix), cands)
         return answers
+
+    async def continue_chains(self, queries):
+        """Each position of each chain, against a fresh run on ``context ⊕ prefix ⊕ tops so far``."""
+        answers = await super().continue_chains(queries)
+        for q, per_prefix in zip(queries, answers):
+            for prefix, chain in zip(q.prefixes, per_prefix):
+                assert 1 <= len(chain) <= q.depth
+                prefix = list(prefix)
+                for cands in chain:
+                    self._check(q, prefix, cands)
+                    prefix.append(cands[0][0])
+        return answers
+
+    def _check(self, q, prefix, cands):
+        model = self.drafter.model
+        cache = model.new_kv_cache()
+        cache.allocate("check")
+        logits = model.forward(StageBatch.from_chains(["check"], [list(q.context_token_ids) + prefix], [0]), cache)
+        assert cands and cands[0][0] == int(logits[-1].argmax()), q.request_id
+        self.num_checked += 1
 
 
 @pytest.mark.parametrize("config", [dict(CLASSIC, min_tree_confidence=0.0), dict(adaptive=False)],

@@ -10,7 +10,9 @@ the context, each token with the drafter's confidence (its probability of that t
 request the router gives the committed context and a few draft prefixes (the fused prefix,
 and the drafter's own last token as a branch), and the drafter answers, per prefix, its most
 likely next tokens with their probabilities. One call per drafter per fusion round covers
-the whole batch.
+the whole batch. ``continue_chains`` answers several rounds ahead in one call, assuming the
+drafter's own tokens keep winning (a round trip to a drafter actor costs more than the
+lookups; the router calls again only where fusion's trunk leaves the chain).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class ContinueQuery:
     """Draft tokens after the root; the drafter continues each one."""
     k: int = 1
     """Continuations wanted per prefix (most likely first)."""
+    depth: int = 1
+    """``continue_chains`` only: positions to answer per prefix, each after the drafter's own
+    most likely tokens so far (``continue_drafts`` answers one)."""
 
 
 Candidates = list[tuple[int, float]]
@@ -91,3 +96,29 @@ class Drafter(Protocol):
 
     def release(self, request_id: str) -> None:
         ...
+
+
+def continue_chains(drafter: Drafter, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+    """Per query, per prefix: up to ``depth`` candidate lists, the i-th continuing
+    ``prefix ⊕ (top token of each earlier list)``; a chain ends after an empty list. Exactly
+    what ``continue_drafts`` answers for those prefixes, level by level (one batched
+    ``continue_drafts`` call per level for every chain still growing)."""
+    chains: list[list[list[Candidates]]] = [[[] for _ in q.prefixes] for q in queries]
+    growing = {(qi, si): tuple(prefix) for qi, q in enumerate(queries) if q.depth > 0
+               for si, prefix in enumerate(q.prefixes)}
+    while growing:
+        slots: dict[int, list[int]] = {}
+        for qi, si in growing:
+            slots.setdefault(qi, []).append(si)
+        batch = [ContinueQuery(queries[qi].request_id, queries[qi].context_token_ids,
+                               tuple(growing[(qi, si)] for si in sis), queries[qi].k) for qi, sis in slots.items()]
+        answers = drafter.continue_drafts(batch)
+        for (qi, sis), per_prefix in zip(slots.items(), answers):
+            for si, cands in zip(sis, per_prefix):
+                chain = chains[qi][si]
+                chain.append(list(cands))
+                if not cands or len(chain) >= queries[qi].depth:
+                    del growing[(qi, si)]
+                else:
+                    growing[(qi, si)] += (int(cands[0][0]),)
+    return chains
