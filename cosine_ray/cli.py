@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
     srv.add_argument("--num-speculative-tokens", type=int, default=None)
     srv.add_argument("--max-batch-size", type=int, default=None)
+    srv.add_argument("--drafters-in-router", default=None, metavar="KINDS",
+                     help="drafter kinds run inside the router actor (default: ngram,retrieval, table "
+                          "lookups); none = every drafter in an actor of its own")
     add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
     srv.add_argument("--return-spec-stats", action="store_true",

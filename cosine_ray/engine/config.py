@@ -82,8 +82,22 @@ class ClusterConfig:
     drafter_max_restarts: int = -1
     """Ray restarts of a drafter actor (-1 = unlimited); a drafter killed for good is respawned."""
     stage_max_restarts: int = -1
+    drafters_in_router: tuple[str, ...] = ("ngram", "retrieval")
+    """Drafter kinds that run inside the router actor instead of an actor of their own: the
+    n-gram and retrieval drafters are table lookups (no model, no GPU) that take micro-
+    seconds, while a round trip to another process costs a millisecond or more per fusion
+    round. ``()`` (CLI ``--drafters-in-router none``) gives every drafter its own actor."""
 
     def __post_init__(self) -> None:
+        kinds = self.drafters_in_router
+        if isinstance(kinds, str):
+            kinds = () if kinds.strip() in ("", "none") else tuple(k.strip() for k in kinds.split(","))
+        object.__setattr__(self, "drafters_in_router", tuple(kinds))
+        kinds = DRAFTER_KINDS[1:]
+        unknown = sorted(set(self.drafters_in_router) - set(kinds))
+        if unknown:
+            raise ValueError(f"drafters_in_router: unknown kind(s) {', '.join(unknown)}; "
+                             f"use none or a comma list of {', '.join(kinds)}")
         if self.num_cpus_per_actor < 0 or self.threads_per_actor < 1:
             raise ValueError("num_cpus_per_actor must be >= 0 and threads_per_actor >= 1")
         if self.stage_deadline_s <= 0:

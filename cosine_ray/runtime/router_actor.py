@@ -17,12 +17,13 @@ import ray
 import torch
 
 from cosine_ray.engine.config import EngineConfig
-from cosine_ray.engine.local import cosine_components, eos_token_ids, router_config_for
+from cosine_ray.engine.local import cosine_components, eos_token_ids, make_drafter, router_config_for
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.engine.router import Router
 from cosine_ray.models.loader import resolve_checkpoint
-from cosine_ray.runtime.actors import DrafterActor, StageActor
+from cosine_ray.engine.speculation import LocalDrafterClient
+from cosine_ray.runtime.actors import DrafterActor, StageActor, drafter_state_size
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
@@ -47,11 +48,22 @@ class RouterHost:
 
         self.stage_slots = [ActorSlot(actor_name("stage", i), spawner("stage", i, StageActor, i))
                             for i in range(config.num_stages)]
-        self.drafter_slots = [ActorSlot(actor_name("drafter", i), spawner("drafter", i, DrafterActor, spec))
-                              for i, spec in enumerate(config.drafters)]
+        # Lookup drafters run here (cluster.drafters_in_router); the others get an actor each,
+        # named by their place in the drafter list.
+        drafters: list[Any] = []
+        self.drafter_slots: list[ActorSlot] = []
+        self.drafter_slot_names: list[str] = []
+        self.local_drafters: list[LocalDrafterClient] = []
+        for i, spec in enumerate(config.drafters):
+            if spec.kind in config.cluster.drafters_in_router:
+                self.local_drafters.append(LocalDrafterClient(make_drafter(spec, config)))
+                drafters.append(self.local_drafters[-1])
+                continue
+            slot = ActorSlot(actor_name("drafter", i), spawner("drafter", i, DrafterActor, spec))
+            self.drafter_slots.append(slot)
+            self.drafter_slot_names.append(spec.name)
+            drafters.append(RayDrafterClient(slot, spec.name, deadline_s=config.router.drafter_deadline_s))
         self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
-        drafters = [RayDrafterClient(slot, spec.name, deadline_s=config.router.drafter_deadline_s)
-                    for slot, spec in zip(self.drafter_slots, config.drafters)]
         router_config = router_config_for(config, checkpoint)
         self.max_model_len = router_config.max_model_len
         self.router = Router(router_config, self.target, drafters, vocab_size=self.vocab_size,
@@ -101,8 +113,9 @@ class RouterHost:
             "running": len(self.router.running), "waiting": len(self.router.waiting),
             "streams": self.loop.num_streams, "to_release": len(self.router._to_release),
             "kv": await self.target.kv_usage(),
-            "drafters": {s.name: (d if isinstance(d, dict) else {"error": type(d).__name__})
-                         for s, d in zip(self.drafter_slots, drafter_state)},
+            "drafters": {**{s.name: (d if isinstance(d, dict) else {"error": type(d).__name__})
+                            for s, d in zip(self.drafter_slots, drafter_state)},
+                         **{f"router:{c.name}": drafter_state_size(c.drafter) for c in self.local_drafters}},
             "drafter_failures": dict(self.router.speculation_stats.failures),
             "respawns": {s.name: s.num_respawns for s in self.stage_slots + self.drafter_slots},
         }
@@ -117,7 +130,7 @@ class RouterHost:
         if getattr(self, "_stage_reader", None) is None:  # made on first scrape (no state before)
             self._stage_reader = StageUtilisationReader(self.router.metrics, self.stage_slots)
         await self._stage_reader.refresh()
-        collect_drafter_restarts(self.router.metrics, self.drafter_slots, [s.name for s in self.config.drafters])
+        collect_drafter_restarts(self.router.metrics, self.drafter_slots, self.drafter_slot_names)
         return self.loop.metrics_snapshot()
 
     async def record_http(self, replica: str, totals: dict) -> None:

@@ -27,9 +27,12 @@ def serve_args(args: argparse.Namespace, error: type[Exception]) -> dict[str, An
         if "num_lanes" not in router or router["num_lanes"] == 1:
             router["num_lanes"] = max(1, int(data.get("num_stages", DEFAULT_NUM_STAGES)))
         data["router"] = router
+        cluster = dict(data.get("cluster") or {})
         if args.address:
-            data.setdefault("cluster", {})
-            data["cluster"] = {**data["cluster"], "address": args.address}
+            cluster["address"] = args.address
+        if getattr(args, "drafters_in_router", None) is not None:
+            cluster["drafters_in_router"] = args.drafters_in_router
+        data["cluster"] = cluster
         config = config_from_dict(data)
         from cosine_ray.models.loader import resolve_checkpoint
         resolve_checkpoint(config.model)  # fail fast with a clear message (and fetch it once)

@@ -37,9 +37,11 @@ SERVE_OVERRIDES: dict[str, dict[tuple[str, ...], Any]] = {
     # file (relative to the repo) → {path under applications[APP].args: value}. Every serve config
     # shipped under k8s/ is deploy/serve_config.yaml plus exactly these changes; the manifests'
     # comments list the same overrides.
-    "k8s/rayservice/rayservice.yaml": {("device",): "cuda", ("cluster", "use_resources"): True},
-    "k8s/cpu-dev/rayservice.yaml": {("cluster", "use_resources"): True},
-    "k8s/serve_config.cluster.yaml": {("device",): "cuda", ("cluster", "use_resources"): True},
+    "k8s/rayservice/rayservice.yaml": {("device",): "cuda", ("cluster", "use_resources"): True,
+                                       ("cluster", "drafters_in_router"): "none"},
+    "k8s/cpu-dev/rayservice.yaml": {("cluster", "use_resources"): True, ("cluster", "drafters_in_router"): "none"},
+    "k8s/serve_config.cluster.yaml": {("device",): "cuda", ("cluster", "use_resources"): True,
+                                      ("cluster", "drafters_in_router"): "none"},
 }
 SERVE_CONFIG_OF_VARIANT = {
     # Where each variant's Serve app comes from: the RayService's own serveConfigV2, or (plain
@@ -313,7 +315,8 @@ def test_every_actor_fits_on_the_worker_groups(variant):
 
     doc = _ray_doc(variant)
     engine = _engine_config(_serve_config(SERVE_CONFIG_OF_VARIANT[variant]))
-    counts = {"stage": engine.num_stages, "drafter": len(engine.drafters)}
+    counts = {"stage": engine.num_stages,
+              "drafter": sum(1 for d in engine.drafters if d.kind not in engine.cluster.drafters_in_router)}
     assert counts["drafter"] >= 1
     group_of_role = {"stage": k.STAGE_GROUP, "drafter": k.DRAFTER_GROUP}
     advertised_names = set()

@@ -113,7 +113,7 @@ def engine_config_data(tiny: Tiny, num_stages: int) -> dict[str, Any]:
             "router": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_batch_size": 8,
                        "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE,
                        "adaptive": False},  # fixed γ: the random tiny model's drafts are verified
-            "cluster": {"stage_deadline_s": 30.0}}
+            "cluster": {"stage_deadline_s": 30.0, "drafters_in_router": "none"}}  # every drafter an actor
 
 
 class Routers:

@@ -160,7 +160,8 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint, real_hf_model) -> Ser
     log_path = tmp_path_factory.mktemp("serve-e2e") / "cli.log"
     exe = shutil.which("cosine-ray")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
-        "serve", "--port", str(port), "--address", ray_cluster, "--drafters", "ngram,retrieval", "--stages", "2"]
+        "serve", "--port", str(port), "--address", ray_cluster, "--drafters", "ngram,retrieval",
+        "--drafters-in-router", "retrieval", "--stages", "2"]  # ngram in an actor (killed below), retrieval in the router
     start = time.perf_counter()
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
