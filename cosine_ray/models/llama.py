@@ -89,13 +89,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 @dataclass(slots=True)
 class _Layer:
+    """Projection weights are stored transposed, ``[in, out]``, and applied as ``x @ w_t``:
+    on CPU, for the 2-16 tokens of a verify step, MKL's GEMM with the weight as the
+    contiguous right operand is 1.3-1.7x faster than ``F.linear`` with the checkpoint's
+    ``[out, in]`` layout (single thread, SmolLM2 shapes; equal at 1 token)."""
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_t: torch.Tensor  # [hidden, (num_heads + 2 * num_kv_heads) * head_dim]
     qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_t: torch.Tensor  # [num_heads * head_dim, hidden]
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
-    down_weight: torch.Tensor
+    gate_up_t: torch.Tensor  # [hidden, 2 * intermediate]
+    down_t: torch.Tensor  # [intermediate, hidden]
     mlp_biases: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
 
 
@@ -119,6 +123,9 @@ class LlamaStage:
         def get_optional(name: str) -> torch.Tensor | None:
             return get(name) if name in state_dict else None
 
+        def transposed(weight: torch.Tensor) -> torch.Tensor:
+            return weight.t().contiguous()
+
         self.embed_weight = get("model.embed_tokens.weight") if self.is_first else None
         self.layers: list[_Layer] = []
         for i in range(layer_start, layer_end):
@@ -133,21 +140,22 @@ class LlamaStage:
                               get(f"{p}mlp.down_proj.bias"))
             self.layers.append(_Layer(
                 input_norm=get(f"{p}input_layernorm.weight"),
-                qkv_weight=torch.cat([get(f"{a}.weight") for a in attn]),
+                qkv_t=transposed(torch.cat([get(f"{a}.weight") for a in attn])),
                 qkv_bias=qkv_bias,
-                o_weight=get(f"{p}self_attn.o_proj.weight"),
+                o_t=transposed(get(f"{p}self_attn.o_proj.weight")),
                 post_norm=get(f"{p}post_attention_layernorm.weight"),
-                gate_up_weight=torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]),
-                down_weight=get(f"{p}mlp.down_proj.weight"),
+                gate_up_t=transposed(torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")])),
+                down_t=transposed(get(f"{p}mlp.down_proj.weight")),
                 mlp_biases=mlp_biases,
             ))
         self.norm_weight = get("model.norm.weight") if self.is_last else None
-        self.lm_head_weight = None
+        self.lm_head_t = None
+        """[hidden, vocab]; with tied embeddings a transposed copy of the embedding."""
         if self.is_last:
             head = get_optional("lm_head.weight")
             if head is None:  # tied embeddings
                 head = self.embed_weight if self.embed_weight is not None else get("model.embed_tokens.weight")
-            self.lm_head_weight = head
+            self.lm_head_t = transposed(head)
         self.inv_freq = _rope_inv_freq(config).to(self.device)
         self.attention_scale = config.head_dim ** -0.5
 
@@ -201,7 +209,7 @@ class LlamaStage:
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for local, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            qkv = h @ layer.qkv_t if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv_t)
             q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q = q.view(-1, nh, hd)
             k = k.view(-1, nkv, hd)
@@ -218,21 +226,21 @@ class LlamaStage:
                     is_causal=isinstance(mask, str), scale=self.attention_scale, enable_gqa=nkv != nh)
                 outs.append(out[0].transpose(0, 1).reshape(n, nh * hd))
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = x + F.linear(attn, layer.o_weight)
+            x = x + attn @ layer.o_t
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             if layer.mlp_biases is None:
-                gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(gate) * up, layer.down_weight)
+                gate, up = (h @ layer.gate_up_t).chunk(2, dim=-1)
+                x = x + (F.silu(gate) * up) @ layer.down_t
             else:
-                gate, up = F.linear(h, layer.gate_up_weight, layer.mlp_biases[0]).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.mlp_biases[1])
+                gate, up = torch.addmm(layer.mlp_biases[0], h, layer.gate_up_t).chunk(2, dim=-1)
+                x = x + torch.addmm(layer.mlp_biases[1], F.silu(gate) * up, layer.down_t)
 
         if not self.is_last:
             return x
         if batch.logit_indices is not None:
             x = x[batch.logit_indices.to(self.device)]
         x = _rms_norm(x, self.norm_weight, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head_weight).float()
+        return (x @ self.lm_head_t).float()
 
     def _attention_mask(self, slot: int, n: int, tree_mask: torch.Tensor | None):
         """Mask of n new tokens over slots [0, slot + n): ``None`` (attend to all, n == 1),

@@ -178,7 +178,7 @@ def test_stage_validation(tiny_checkpoint):
         with pytest.raises(ValueError, match="layer slice"):
             LlamaStage(cfg, state, a, b)
     middle = LlamaStage(cfg, state, 1, 3)
-    assert middle.embed_weight is None and middle.lm_head_weight is None
+    assert middle.embed_weight is None and middle.lm_head_t is None
     with pytest.raises(RuntimeError, match="first stage"):
         middle.embed(torch.tensor([1]))
     with pytest.raises(ValueError, match="num_stages"):
