@@ -25,6 +25,7 @@ from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.engine.speculation import LocalDrafterClient
 from cosine_ray.runtime.actors import DrafterActor, StageActor, drafter_state_size
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
+from cosine_ray.runtime.memory import malloc_in_use_bytes, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.placement import actor_options
@@ -70,6 +71,7 @@ class RouterHost:
                              eos_token_ids=eos_token_ids(checkpoint, tokenizer),
                              **cosine_components(config, checkpoint, run_profile_if_missing=True))
         self.loop = EngineLoop(self.router)
+        self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held
 
     async def ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Wait until every stage and drafter has loaded (first start loads the weights)."""
@@ -144,6 +146,18 @@ class RouterHost:
         pids = await asyncio.gather(*(await_ref(s.handle.pid.remote(), timeout_s) for s in slots),
                                     return_exceptions=True)
         return {ROUTER_NAME: os.getpid(), **{s.name: p for s, p in zip(slots, pids) if isinstance(p, int)}}
+
+    async def memory_stats(self) -> dict[str, float]:
+        """What a leak in this process would grow (the soak test reads it): objects the
+        garbage collector tracks, and bytes in use in glibc's heap (``mallinfo2``; absent on
+        other C libraries). RSS alone also counts freed pages the allocator keeps."""
+        import gc
+        gc.collect()
+        out: dict[str, float] = {"python_objects": len(gc.get_objects())}
+        in_use = malloc_in_use_bytes()
+        if in_use is not None:
+            out["malloc_in_use_mib"] = in_use / 2**20
+        return out
 
     async def actor_handles(self) -> dict[str, Any]:
         return {s.name: s.handle for s in self.stage_slots + self.drafter_slots}

@@ -1,0 +1,70 @@
+"""The router process's C heap: what is in use, and giving freed memory back to the OS.
+
+The router allocates and frees small buffers from several threads (Ray's core worker, the
+step loop, serialization of stage outputs). glibc serves each thread from its own arena and
+keeps the pages a thread freed for later, so the process's resident memory climbs in steps
+for the first minutes of load (+20 MiB over 3.5 minutes at ~8 requests/s, measured in
+`/proc/PID/smaps`: the growth was all in 64 MiB-aligned thread arenas) although the bytes in
+use stay flat. ``malloc_trim`` hands those free pages back (under 1 ms here); the router calls it every
+``TRIM_INTERVAL_S`` from a daemon thread, so its RSS tracks what it really holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+TRIM_INTERVAL_S = 5.0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def malloc_in_use_bytes() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back (``mallinfo2``, every arena and
+    mmapped chunk), or None on another C library."""
+    libc = _libc()
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def release_free_heap() -> bool:
+    """Return the free pages of every malloc arena to the OS (glibc ``malloc_trim(0)``)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    return bool(trim(0))
+
+
+def start_heap_trimmer(interval_s: float = TRIM_INTERVAL_S) -> threading.Thread | None:
+    """A daemon thread that calls ``release_free_heap`` every ``interval_s`` seconds."""
+    if _libc() is None or not hasattr(_libc(), "malloc_trim"):
+        return None
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                release_free_heap()
+            except Exception:  # never take the router down for housekeeping
+                log.exception("malloc_trim failed")
+
+    thread = threading.Thread(target=run, name="cosine_ray-heap-trim", daemon=True)
+    thread.start()
+    return thread
