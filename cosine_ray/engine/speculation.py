@@ -245,9 +245,9 @@ async def _fetch_chains(clients: Mapping[str, DrafterClient], batches: Mapping[s
     """One call per drafter; stores every answered position under its prefix in ``known``.
     Returns drafter → whether its answer was well formed (else nothing of it is stored)."""
     chained = {n: b for n, b in batches.items() if hasattr(clients.get(n), "continue_chains")}
-    results = await _call_all(clients, chained, "continue_chains", deadline_s)
-    plain = await _call_all(clients, {n: b for n, b in batches.items() if n not in chained}, "continue_drafts",
-                            deadline_s)
+    results, plain = await asyncio.gather(
+        _call_all(clients, chained, "continue_chains", deadline_s),
+        _call_all(clients, {n: b for n, b in batches.items() if n not in chained}, "continue_drafts", deadline_s))
     for name, result in plain.items():  # one position per prefix: a chain of one
         if isinstance(result, list):
             plain[name] = [[[c] for c in r] if isinstance(r, list) else r for r in result]
