@@ -89,15 +89,15 @@ class ClusterConfig:
     round. ``()`` (CLI ``--drafters-in-router none``) gives every drafter its own actor."""
 
     def __post_init__(self) -> None:
-        kinds = self.drafters_in_router
-        if isinstance(kinds, str):
-            kinds = () if kinds.strip() in ("", "none") else tuple(k.strip() for k in kinds.split(","))
-        object.__setattr__(self, "drafters_in_router", tuple(kinds))
-        kinds = DRAFTER_KINDS[1:]
-        unknown = sorted(set(self.drafters_in_router) - set(kinds))
+        in_router = self.drafters_in_router
+        if isinstance(in_router, str):
+            in_router = () if in_router.strip() in ("", "none") else [k.strip() for k in in_router.split(",")]
+        object.__setattr__(self, "drafters_in_router", tuple(in_router))
+        known = DRAFTER_KINDS[1:]  # without "none"
+        unknown = sorted(set(self.drafters_in_router) - set(known))
         if unknown:
             raise ValueError(f"drafters_in_router: unknown kind(s) {', '.join(unknown)}; "
-                             f"use none or a comma list of {', '.join(kinds)}")
+                             f"use none or a comma list of {', '.join(known)}")
         if self.num_cpus_per_actor < 0 or self.threads_per_actor < 1:
             raise ValueError("num_cpus_per_actor must be >= 0 and threads_per_actor >= 1")
         if self.stage_deadline_s <= 0:

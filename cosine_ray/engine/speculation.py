@@ -189,21 +189,18 @@ async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str,
     known: dict[tuple[str, str], dict[tuple[int, ...], Candidates]] = {}
     calls = FusionCalls()
     while True:
-        wanted: dict[str, list[tuple[str, tuple[tuple[int, ...], ...]]]] = {}
+        wanted: dict[str, dict[str, tuple[tuple[int, ...], ...]]] = {}  # request → drafter → prefixes
         for rid, state in states.items():
             if not state.done and live is not None and not live(rid):
                 state.done = True
-            if state.done:
-                continue
-            for name, prefixes in state.queries().items():
-                if name not in dropped:
-                    wanted.setdefault(name, []).append((rid, prefixes))
-        if not wanted:
+            if not state.done:
+                wanted[rid] = {n: prefixes for n, prefixes in state.queries().items() if n not in dropped}
+        if not any(wanted.values()):
             return calls
         calls.rounds += 1
         batches: dict[str, list[ContinueQuery]] = {}
-        for name, items in wanted.items():
-            for rid, prefixes in items:
+        for rid, per_drafter in wanted.items():
+            for name, prefixes in per_drafter.items():
                 cache = known.get((name, rid), {})
                 missing = tuple(p for p in prefixes if p not in cache)
                 if missing:  # the prefixes of one round all have the trunk's length
@@ -218,15 +215,13 @@ async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str,
                     dropped.add(name)
                     if stats is not None:
                         stats.failed(name)
-        for rid, state in states.items():
-            if state.done:
-                continue
+        for rid, per_drafter in wanted.items():
             answers: dict[str, list[Candidates]] = {}
-            for name, prefixes in state.queries().items():
+            for name, prefixes in per_drafter.items():
                 cache = known.get((name, rid), {})
                 if name not in dropped and all(p in cache for p in prefixes):
                     answers[name] = [cache[p] for p in prefixes]
-            state.absorb(answers)
+            states[rid].absorb(answers)
 
 
 @dataclass(slots=True)

@@ -12,9 +12,11 @@ use stay flat. ``malloc_trim`` hands those free pages back (under 1 ms here); th
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -26,37 +28,39 @@ class _MallInfo2(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _libc() -> ctypes.CDLL | None:
+@functools.cache
+def _glibc(name: str) -> Any:
+    """A glibc function (``restype`` set where it is not ``int``), or None elsewhere."""
     try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
+        fn = getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
+    if name == "mallinfo2":
+        fn.restype = _MallInfo2
+    return fn
 
 
 def malloc_in_use_bytes() -> int | None:
     """Bytes glibc's malloc has handed out and not had back (``mallinfo2``, every arena and
     mmapped chunk), or None on another C library."""
-    libc = _libc()
-    mallinfo2 = getattr(libc, "mallinfo2", None)
+    mallinfo2 = _glibc("mallinfo2")
     if mallinfo2 is None:
         return None
-    mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return int(info.uordblks + info.hblkhd)
 
 
 def release_free_heap() -> bool:
     """Return the free pages of every malloc arena to the OS (glibc ``malloc_trim(0)``)."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is None:
-        return False
-    return bool(trim(0))
+    trim = _glibc("malloc_trim")
+    return trim is not None and bool(trim(0))
 
 
 def start_heap_trimmer(interval_s: float = TRIM_INTERVAL_S) -> threading.Thread | None:
     """A daemon thread that calls ``release_free_heap`` every ``interval_s`` seconds."""
-    if _libc() is None or not hasattr(_libc(), "malloc_trim"):
+    if _glibc("malloc_trim") is None:
         return None
+
     def run() -> None:
         while True:
             time.sleep(interval_s)

@@ -9,6 +9,7 @@ and die with it; a restarted router (``max_restarts``) builds a fresh set.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 from typing import Any, AsyncIterator, Sequence
@@ -51,19 +52,14 @@ class RouterHost:
                             for i in range(config.num_stages)]
         # Lookup drafters run here (cluster.drafters_in_router); the others get an actor each,
         # named by their place in the drafter list.
-        drafters: list[Any] = []
-        self.drafter_slots: list[ActorSlot] = []
-        self.drafter_slot_names: list[str] = []
-        self.local_drafters: list[LocalDrafterClient] = []
-        for i, spec in enumerate(config.drafters):
-            if spec.kind in config.cluster.drafters_in_router:
-                self.local_drafters.append(LocalDrafterClient(make_drafter(spec, config)))
-                drafters.append(self.local_drafters[-1])
-                continue
-            slot = ActorSlot(actor_name("drafter", i), spawner("drafter", i, DrafterActor, spec))
-            self.drafter_slots.append(slot)
-            self.drafter_slot_names.append(spec.name)
-            drafters.append(RayDrafterClient(slot, spec.name, deadline_s=config.router.drafter_deadline_s))
+        drafters: list[LocalDrafterClient | RayDrafterClient] = [
+            LocalDrafterClient(make_drafter(spec, config)) if spec.kind in config.cluster.drafters_in_router else
+            RayDrafterClient(ActorSlot(actor_name("drafter", i), spawner("drafter", i, DrafterActor, spec)),
+                             spec.name, deadline_s=config.router.drafter_deadline_s)
+            for i, spec in enumerate(config.drafters)]
+        self.local_drafters = [d for d in drafters if isinstance(d, LocalDrafterClient)]
+        self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient)]
+        self.drafter_slots = [d.slot for d in self.actor_drafters]
         self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
         router_config = router_config_for(config, checkpoint)
         self.max_model_len = router_config.max_model_len
@@ -132,7 +128,7 @@ class RouterHost:
         if getattr(self, "_stage_reader", None) is None:  # made on first scrape (no state before)
             self._stage_reader = StageUtilisationReader(self.router.metrics, self.stage_slots)
         await self._stage_reader.refresh()
-        collect_drafter_restarts(self.router.metrics, self.drafter_slots, self.drafter_slot_names)
+        collect_drafter_restarts(self.router.metrics, self.drafter_slots, [d.name for d in self.actor_drafters])
         return self.loop.metrics_snapshot()
 
     async def record_http(self, replica: str, totals: dict) -> None:
@@ -151,7 +147,6 @@ class RouterHost:
         """What a leak in this process would grow (the soak test reads it): objects the
         garbage collector tracks, and bytes in use in glibc's heap (``mallinfo2``; absent on
         other C libraries). RSS alone also counts freed pages the allocator keeps."""
-        import gc
         gc.collect()
         out: dict[str, float] = {"python_objects": len(gc.get_objects())}
         in_use = malloc_in_use_bytes()

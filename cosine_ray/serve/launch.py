@@ -55,7 +55,6 @@ def local_cluster_cpus(data: dict[str, Any]) -> int:
     actors would wait forever). Actors run 1 torch thread each, so over-subscribing logical
     CPUs is what we want; at least the machine's cores."""
     import math
-    import os
 
     from cosine_ray.engine.config import parse_drafters
 

@@ -1,46 +1,60 @@
 """runtime/memory.py: the C-heap figures the soak test reads, and malloc_trim giving pages back."""
 
-import ctypes
+import json
+import subprocess
 import sys
 import time
 
 import pytest
 
-from cosine_ray.runtime.memory import malloc_in_use_bytes, release_free_heap, start_heap_trimmer
+from cosine_ray.runtime.memory import start_heap_trimmer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 
 
-def rss_anon_kib() -> int:
+HOLES_SCRIPT = r"""
+import ctypes, json
+from cosine_ray.runtime.memory import malloc_in_use_bytes, release_free_heap
+
+def rss_anon_kib():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             return int(line.split()[1])
-    raise AssertionError("no RssAnon")
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+before = malloc_in_use_bytes()
+holes, pins = [], []
+for _ in range(2000):
+    ptr = libc.malloc(16384)
+    ctypes.memset(ptr, 1, 16384)  # touch the pages
+    holes.append(ptr)
+    pins.append(libc.malloc(64))
+allocated = malloc_in_use_bytes() - before
+touched = rss_anon_kib()
+for ptr in holes:
+    libc.free(ptr)
+in_use_after_free = malloc_in_use_bytes() - before
+returned_by_free = touched - rss_anon_kib()
+release_free_heap()
+returned_by_trim = touched - rss_anon_kib()
+print(json.dumps(dict(allocated=allocated, in_use_after_free=in_use_after_free,
+                      returned_by_free=returned_by_free, returned_by_trim=returned_by_trim)))
+"""
 
 
 def test_in_use_follows_allocations_and_trim_returns_freed_pages():
     """Free 16 KiB holes between live 64-byte chunks: free() alone cannot give those pages back
-    (the holes never reach the top of the heap); malloc_trim does."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    before = malloc_in_use_bytes()
-    holes, pins = [], []
-    for _ in range(2000):
-        ptr = libc.malloc(16384)
-        ctypes.memset(ptr, 1, 16384)  # touch the pages
-        holes.append(ptr)
-        pins.append(libc.malloc(64))
-    assert malloc_in_use_bytes() - before >= 2000 * 16384
-    touched = rss_anon_kib()
-    for ptr in holes:
-        libc.free(ptr)
-    assert malloc_in_use_bytes() - before < 2 * 2**20
-    assert touched - rss_anon_kib() < 4096, "premise: free() kept the holes' pages"
-    release_free_heap()
-    assert touched - rss_anon_kib() > 16_000, "malloc_trim gave back most of the 31 MiB of holes"
-    for ptr in pins:
-        libc.free(ptr)
+    (the holes never reach the top of the heap); malloc_trim does. Run in a fresh interpreter:
+    in a heap other tests have used, the 64-byte chunks come from old free lists instead of
+    sitting between the holes."""
+    out = subprocess.run([sys.executable, "-c", HOLES_SCRIPT], capture_output=True, text=True, timeout=60, check=True)
+    m = json.loads(out.stdout)
+    assert m["allocated"] >= 2000 * 16384
+    assert m["in_use_after_free"] < 2 * 2**20
+    assert m["returned_by_free"] < 4096, "premise: free() kept the holes' pages"
+    assert m["returned_by_trim"] > 16_000, "malloc_trim gave back most of the 31 MiB of holes"
 
 
 def test_trimmer_thread_runs_in_the_background():
