@@ -1,0 +1,120 @@
+"""The packaged prompt sets and their fixed split (imports nothing heavy: no torch, no Ray).
+
+Four JSON-lines files ship in ``cosine_ray/data/prompts/`` (sources and licences in the
+README.md there; the instruction set is CC BY-NC 4.0, non-commercial), one per domain of the
+CoSine/PipeDec/PEARL mixed-domain workloads::
+
+    code         humaneval.jsonl   164 rows
+    math         gsm8k.jsonl     1,319 rows
+    instruction  alpaca.jsonl      175 rows
+    chat         mtbench.jsonl      80 rows (``turns`` holds both MT-bench turns)
+
+Each line is one JSON object with ``id``, ``domain`` and a non-empty string ``prompt``.
+
+**The fixed split.** The first half of each file (``(n + 1) // 2`` rows) builds the packaged
+retrieval datastores and is what warm-ups and classifier fits may use; the second half is held
+back for measurement (``cosine-ray bench``, ``cosine-loadgen``, the benchmarks), so no figure is
+measured on prompts a datastore has seen.
+
+``$COSINE_RAY_PROMPTS`` names another folder with the same four file names; it replaces the
+packaged folder as the default of ``cosine-ray bench`` and ``cosine-loadgen`` and of
+``cosine-ray datastore build`` without ``--prompts``. (``loadgen`` never imports
+``cosine_ray``; ``loadgen.workload`` finds the same folder by the same rule.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+PACKAGED_PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
+"""``cosine_ray/data/prompts`` of this installation (package data, shipped by ``pip install``)."""
+PROMPTS_ENV = "COSINE_RAY_PROMPTS"
+DOMAIN_FILES = {"code": "humaneval.jsonl", "math": "gsm8k.jsonl",
+                "instruction": "alpaca.jsonl", "chat": "mtbench.jsonl"}
+"""domain → file name, in the order benchmarks report the domains."""
+SPLITS = ("first-half", "second-half", "all")
+
+T = TypeVar("T")
+
+
+def default_prompt_dir() -> Path:
+    """``$COSINE_RAY_PROMPTS`` if set, else the packaged ``cosine_ray/data/prompts``."""
+    env = os.environ.get(PROMPTS_ENV)
+    return Path(env) if env else PACKAGED_PROMPT_DIR
+
+
+def domain_file(domain: str, prompt_dir: str | Path | None = None,
+                error: type[Exception] = ValueError) -> Path:
+    """The prompt file of a packaged domain in ``prompt_dir`` (default: ``default_prompt_dir()``)."""
+    if domain not in DOMAIN_FILES:
+        raise error(f"no packaged prompt set for domain {domain!r} (packaged: {', '.join(DOMAIN_FILES)})")
+    return Path(prompt_dir if prompt_dir is not None else default_prompt_dir()) / DOMAIN_FILES[domain]
+
+
+def split_point(num_rows: int) -> int:
+    """Rows before this index are the first half (the odd row goes to the first half)."""
+    return (num_rows + 1) // 2
+
+
+def first_half(rows: Sequence[T]) -> list[T]:
+    """The rows that build datastores and may be used to warm up or fit."""
+    return list(rows[: split_point(len(rows))])
+
+
+def second_half(rows: Sequence[T]) -> list[T]:
+    """The held-back rows: measure on these only."""
+    return list(rows[split_point(len(rows)):])
+
+
+def split_rows(rows: Sequence[T], split: str, error: type[Exception] = ValueError) -> list[T]:
+    """``first-half``, ``second-half`` or ``all`` of ``rows``."""
+    if split == "first-half":
+        return first_half(rows)
+    if split == "second-half":
+        return second_half(rows)
+    if split == "all":
+        return list(rows)
+    raise error(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+
+
+def read_prompts(path: str | Path, error: type[Exception] = ValueError) -> list[dict[str, Any]]:
+    """JSON lines with a non-empty string ``prompt``; raises ``error`` with one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"prompt file {path} does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{path}:{n}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise error(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
+            rows.append(row)
+    if not rows:
+        raise error(f"prompt file {path} has no prompts")
+    return rows
+
+
+def domain_prompts(domain: str, split: str = "second-half", prompt_dir: str | Path | None = None,
+                   error: type[Exception] = ValueError) -> list[dict[str, Any]]:
+    """The rows of one packaged domain's file, restricted to ``split``."""
+    return split_rows(read_prompts(domain_file(domain, prompt_dir, error), error), split, error)
+
+
+def held_back_prompts(prompt_dir: str | Path | None, per_domain: int | None,
+                      error: type[Exception] = ValueError) -> list[tuple[str, str]]:
+    """``(domain, prompt)`` for the first ``per_domain`` held-back prompts of each domain, in
+    ``DOMAIN_FILES`` order (``prompt_dir`` None = ``default_prompt_dir()``, ``per_domain`` None = all)."""
+    prompt_dir = Path(prompt_dir) if prompt_dir is not None else default_prompt_dir()
+    out = []
+    for domain, name in DOMAIN_FILES.items():
+        rows = read_prompts(prompt_dir / name, error)
+        out.extend((domain, r["prompt"]) for r in second_half(rows)[:per_domain])
+    return out
