@@ -16,8 +16,8 @@ towards a scaled identity: ``S = (1−λ)·S_within + λ·(tr S_within / hidden)
 
 NOTE(domains): why whitening. Every prompt shares the chat-template tokens and most of the
 embedding variance is common to all text, so plain centroids of ``e`` are nearly parallel:
-measured on the real SmolLM2-135M embedding (fit on the first half of each prompt file in
-/work/shared/data/prompts, accuracy on the second half; code/math/instruction/chat), plain
+measured on the real SmolLM2-135M embedding (fit on the first half of each packaged prompt
+file in cosine_ray/data/prompts, accuracy on the second half; code/math/instruction/chat), plain
 centroids reach 0.81 overall / 0.66 domain-averaged, IDF weighting or dropping the template
 tokens does not help (≤ 0.82 / 0.68), while the whitened cosine reaches 0.95 / 0.80. Fit from
 the retrieval datastores (40 prompt+output sequences per domain) plain centroids collapse to

@@ -23,9 +23,12 @@ trunk and these branches is the request's draft tree; TreeSelection then keeps t
 Interpretations (ours, the paper leaves them open):
 
 - Confidences from different drafters are put on one scale before the argmax: the
-  ``calibrate(drafter, raw)`` hook maps a drafter's raw probability to the probability that
-  the target accepts such a token (learned online, ``algo.calibration``). Routing (eq. 2)
-  sees the raw confidences, as the paper defines them.
+  ``calibrate(drafter, raw, depth, is_trunk)`` hook maps a drafter's raw probability to the
+  probability that the target accepts such a node (learned online per drafter, domain, role
+  and depth, ``algo.calibration``). The argmax compares trunk-role values; a losing token is
+  kept as a *branch* with its branch-role value (losing tokens are accepted far less often
+  than their raw confidence says). Routing (eq. 2) sees the raw confidences, as the paper
+  defines them.
 - Ties go to the drafter listed first (the router lists drafters best-scoring first).
 - A drafter that answers nothing for the fused prefix (no match, failure, late) has no token
   this round and sits out the rest of the step, as its own path would have ended there
@@ -43,10 +46,12 @@ from typing import Callable, Mapping, Sequence
 Candidates = Sequence[tuple[int, float]]
 """``(token_id, probability)`` continuations, most likely first."""
 
-Calibrate = Callable[[str, float], float]
+Calibrate = Callable[[str, float, int, bool], float]
+"""``calibrate(drafter, raw confidence, depth, is_trunk)`` → P(the node is accepted | its parent
+was); depth counts from 1 at the root's children."""
 
 
-def _identity(_drafter: str, confidence: float) -> float:
+def _identity(_drafter: str, confidence: float, _depth: int = 1, _is_trunk: bool = True) -> float:
     return confidence
 
 
@@ -61,6 +66,8 @@ class FusedPath:
     """Drafter whose token each node is."""
     raw_confidences: tuple[float, ...] = ()
     """The owners' own probabilities (what calibration learns from); () = same as confidences."""
+    trunk_flags: tuple[bool, ...] = ()
+    """Per token: a trunk node (True) or a branch (a token that lost fusion's argmax); () = all trunk."""
 
 
 @dataclass(slots=True)
@@ -128,7 +135,7 @@ class FusionState:
             if trunk_cands:
                 tok, raw = int(trunk_cands[0][0]), float(trunk_cands[0][1])
                 tokens[d] = tok
-                proposals.append((self.calibrate(d, raw), order, d, raw))
+                proposals.append((self.calibrate(d, raw, depth + 1, True), order, d, raw))
                 self.answers[d].append((tok, raw))
             else:
                 self.answers[d].append((None, 0.0))
@@ -139,9 +146,10 @@ class FusionState:
                 tok2, raw2 = int(own_cands[0][0]), float(own_cands[0][1])
                 self.branches.append(FusedPath(
                     tuple(self.trunk[:-1]) + (own[0], tok2),
-                    tuple(self.trunk_confidences[:-1]) + (own[1], self.calibrate(d, raw2)),
+                    tuple(self.trunk_confidences[:-1]) + (own[1], self.calibrate(d, raw2, depth + 1, False)),
                     tuple(self.trunk_owners[:-1]) + (d, d),
-                    tuple(self.trunk_raw[:-1]) + (own[2], raw2)))
+                    tuple(self.trunk_raw[:-1]) + (own[2], raw2),
+                    (True,) * (depth - 1) + (False, False)))
         self._own = {}
         if not proposals:
             self.done = True
@@ -150,13 +158,17 @@ class FusionState:
         best_token = tokens[best]
         prefix_cum = self.trunk_cumulative()
         seen = {best_token}
-        for conf, _, d, raw in sorted(proposals, key=lambda p: (-p[0], p[1])):
+        for _, _, d, raw in sorted(proposals, key=lambda p: (-p[0], p[1])):
             tok = tokens[d]
-            if tok in seen or prefix_cum * conf < self.min_cumulative:
+            if tok in seen:
+                continue
+            conf = self.calibrate(d, raw, depth + 1, False)  # a losing token: a branch
+            if prefix_cum * conf < self.min_cumulative:
                 continue
             seen.add(tok)
             self.branches.append(FusedPath(tuple(self.trunk) + (tok,), tuple(self.trunk_confidences) + (conf,),
-                                           tuple(self.trunk_owners) + (d,), tuple(self.trunk_raw) + (raw,)))
+                                           tuple(self.trunk_owners) + (d,), tuple(self.trunk_raw) + (raw,),
+                                           (True,) * depth + (False,)))
             self._own[d] = (tok, conf, raw)
         self.trunk.append(best_token)
         self.trunk_confidences.append(best_conf)

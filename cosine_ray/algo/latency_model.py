@@ -1,7 +1,7 @@
 """Measured latency models of one speculative step: T_llm (verify) and T_ssm (draft), eq. 7.
 
 CoSine models the step time as ``T_ttl = max_n T_ssm,n(b, l, γ) + T_llm(b, l, Γ)`` and says
-both terms are *measured* (DESIGN §4). This module fits them to samples taken by
+both terms are *measured* (docs/algorithms.md). This module fits them to samples taken by
 ``engine/profile.py`` (``cosine-ray profile``); nothing here is a guessed constant except
 ``LatencyModel.default()``, which only unit tests use.
 
@@ -110,14 +110,16 @@ class LinearFit:
         return float(sum(c * f for c, f in zip(self.coefs, features)))
 
     @classmethod
-    def fit(cls, rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> "LinearFit":
-        """NNLS on relative residuals: minimise Σ ((A x − y) / y)² subject to x ≥ 0."""
+    def fit(cls, rows: Sequence[Sequence[float]], seconds: Sequence[float],
+            weights: Sequence[float] | None = None) -> "LinearFit":
+        """NNLS on relative residuals: minimise Σ w·((A x − y) / y)² subject to x ≥ 0."""
         a = np.asarray(rows, dtype=np.float64)  # [num_samples, num_terms]
         y = np.asarray(seconds, dtype=np.float64)  # [num_samples]
         if a.ndim != 2 or a.shape[0] != y.shape[0] or a.shape[0] == 0:
             raise ValueError("need at least one sample with one row of features each")
+        w = np.ones_like(y) if weights is None else np.sqrt(np.asarray(weights, dtype=np.float64))  # [num_samples]
         scale = np.maximum(np.abs(a).max(axis=0), 1e-300)  # column scaling for conditioning
-        x, _ = nnls((a / scale) / y[:, None], np.ones_like(y))
+        x, _ = nnls((a / scale) * (w / y)[:, None], w)
         x = x / scale
         pred = a @ x
         ss_res = float(((pred - y) ** 2).sum())
@@ -220,10 +222,12 @@ class LatencyModel:
     @classmethod
     def fit(cls, llm_samples: Sequence[LlmSample], ssm_samples: Sequence[SsmSample] = (), *,
             model_name: str = "unknown", device: str = "cpu", dtype: str = "float32",
-            num_stages: int = 1, num_threads: int | None = None) -> "LatencyModel":
+            num_stages: int = 1, num_threads: int | None = None,
+            llm_weights: Sequence[float] | None = None) -> "LatencyModel":
+        """``llm_weights``: one per LLM sample (e.g. recent live steps over the start-up profile)."""
         if not llm_samples:
             raise ValueError("need at least one target-forward sample to fit T_llm")
-        llm = LinearFit.fit([s.features() for s in llm_samples], [s.seconds for s in llm_samples])
+        llm = LinearFit.fit([s.features() for s in llm_samples], [s.seconds for s in llm_samples], llm_weights)
         ssm: dict[str, LinearFit] = {}
         for name in sorted({s.drafter for s in ssm_samples}):
             rows = [s for s in ssm_samples if s.drafter == name]
@@ -234,10 +238,11 @@ class LatencyModel:
 
     @classmethod
     def default(cls) -> "LatencyModel":
-        """FOR UNIT TESTS ONLY: T_llm fitted to the SmolLM2-135M figures of DESIGN §8 (2-core CPU,
-        fp32, 256-token context), one drafter ``ngram`` at 0.2 ms + 0.05 ms/request + 0.01
-        ms/token (n-gram lookups are that cheap, but these three are not measured). Servers
-        call ``engine.profile.load_or_profile`` instead."""
+        """FOR UNIT TESTS ONLY: T_llm fitted to SmolLM2-135M figures measured on a 2-core CPU
+        (fp32, 256-token context: 1 token ≈ 57-62 ms, 16 requests × 1 token ≈ 186 ms), one
+        drafter ``ngram`` at 0.2 ms + 0.05 ms/request + 0.01 ms/token (n-gram lookups are that
+        cheap, but these three are not measured). Servers call
+        ``engine.profile.load_or_profile`` instead."""
         design_rows = [((256,), (k,), ms) for k, ms in ((1, 62), (4, 92), (8, 117), (16, 132), (64, 236))]
         design_rows += [((256,) * b, (1,) * b, ms) for b, ms in ((1, 57), (4, 106), (16, 186))]
         llm = [LlmSample(tuple(l), tuple(n), ms / 1e3) for l, n, ms in design_rows]

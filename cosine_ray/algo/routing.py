@@ -1,4 +1,4 @@
-"""CoSine expertise routing (papers/cosine.md §4.2, eq. 1-3; DESIGN.md §4).
+"""CoSine expertise routing (the CoSine paper §4.2, eq. 1-3; docs/algorithms.md).
 
 Each step the router picks, for every request of the batch, k (2-3) drafters of the
 speculation cluster; after verification it scores the drafters that took part and folds the
@@ -26,7 +26,7 @@ Interpretations (the paper leaves these open or contradicts itself):
 * **Eq. 3** the paper gives the top-scoring operator weight α in exploration mode and β < α in
   exploitation mode, while its prose says exploration reallocates requests to under-used
   drafters. We follow the prose: exploration is the mode with the *larger random share*
-  (``explore_random_share`` 0.5 vs ``exploit_random_share`` 0.1). Mixing is per slot: for each
+  (``explore_random_share`` 0.25 vs ``exploit_random_share`` 0.05). Mixing is per slot: for each
   of the k slots, with probability = the mode's random share a drafter is drawn uniformly from
   the remaining available ones, otherwise the best remaining one by
   ``M_r[n] − load_weight · load[n] / batch_size`` is taken (ties: the earlier drafter in pool

@@ -27,15 +27,40 @@ a draft distribution is a point mass (q_c = δ_x); that rule is lossless for *an
 independently of the verifier's coins, so it is the safe default for deterministic drafters and
 fused trees. A q_c raises x's acceptance probability from r(x) to min(1, r(x)/q_c(x)), but is
 only valid when x was actually sampled from q_c.
+
+``verify_keyed``: seeded, tree-independent sampling (what the router uses for sampled requests).
+Rejection sampling consumes randomness per draft node, so its text depends on the drafts. The
+keyed rule makes the target's token at every position a fixed function of (seed, position,
+prefix): ``algo.sampling.sample_keyed``, token_t = argmax_x p_t(x) / E_{seed,t}(x) (an exponential
+race = the Gumbel-max trick; the noise and its independence across positions are described
+there). Position convention: the root (node 0, the last committed token) sits at absolute
+position ``root_position`` (= ``ScoreItem.start_position`` = committed length - 1), node u of
+depth d at ``root_position + d``, and row u of ``target_probs``, the target's distribution after
+u, draws the token of position ``root_position + d + 1`` (its children's position), so every
+node of one depth shares one noise vector. The walk is ``verify_greedy``'s with the keyed token
+y_u in place of the argmax: from the root, accept the child whose token is y_u, stop at the
+first node that has none; the bonus is y at that node.
+
+Why this is lossless, and equal to decoding without speculation token for token: let
+Y_1, Y_2, ... be the plain keyed decode after the root (Y_k = keyed draw at position
+root_position + k given the committed text and Y_<k). By induction on the depth, the walk's
+node at depth d carries exactly the path Y_1..Y_d: its row is p(. | committed, Y_1..Y_d), the
+plain decode's row at position root_position + d + 1, with the same noise, so y_u = Y_(d+1);
+the accepted child, if any, carries Y_(d+1). Hence the step commits Y_1..Y_(m+1) (m accepted +
+the bonus), the plain decode's next m + 1 tokens, for *any* tree, even one chosen with knowledge
+of the noise (the equality is pathwise). The plain keyed decode has the target's distribution
+(``algo.sampling``), so the speculative one does too, whatever drafters and batch ran. Only the
+rows visited (one per depth) are drawn; draft distributions are not needed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from cosine_ray.algo.sampling import keyed_argmax, keyed_exponentials
 from cosine_ray.algo.tree import TokenTree
 
 
@@ -90,12 +115,47 @@ def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyResult:
     """
     _check_tree_rows(tree, target_logits, "target_logits")
     target_token_ids = target_logits.argmax(dim=-1).tolist()  # [num_nodes]
+    return _walk(tree, target_token_ids.__getitem__)
+
+
+def _walk(tree: TokenTree, target_token_at: Callable[[int], int]) -> VerifyResult:
+    """From the root, follow the child whose token is the target's token at the current node
+    (``target_token_at(node)``, asked once per visited node, in depth order); the bonus is the
+    target's token at the node where no child matches."""
     child_by_token = _child_by_token(tree)
     node, accepted = 0, []
-    while (child := child_by_token[node].get(target_token_ids[node])) is not None:
+    while True:
+        token = int(target_token_at(node))
+        child = child_by_token[node].get(token)
+        if child is None:
+            return _result(tree, accepted, token)
         accepted.append(child)
         node = child
-    return _result(tree, accepted, target_token_ids[node])
+
+
+def verify_keyed(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # [num_nodes, vocab]
+    *,
+    seed: int,
+    root_position: int,
+) -> VerifyResult:
+    """Seeded verification: the committed tokens are exactly the plain keyed samples
+    (``algo.sampling.sample_keyed`` with ``seed``) of the positions after the root, whatever
+    the tree (module docstring). ``root_position`` is the absolute position of the root token
+    (committed length - 1); row u draws position ``root_position + depth(u) + 1``."""
+    _check_tree_rows(tree, target_probs, "target_probs")
+    if root_position < 0:
+        raise ValueError(f"root_position must be >= 0, got {root_position}")
+    vocab = target_probs.shape[1]
+    depths = tree.depths()
+
+    def keyed_token(node: int) -> int:
+        # The walk visits one node per depth, so each position's noise is generated once.
+        exponentials = keyed_exponentials(seed, root_position + depths[node] + 1, vocab)  # [vocab]
+        return int(keyed_argmax(target_probs[node:node + 1], exponentials[None])[0])
+
+    return _walk(tree, keyed_token)
 
 
 def _sample_index(weights: torch.Tensor, total: float, uniform: float) -> int | None:

@@ -1,9 +1,9 @@
 """Prompt domain classifier (algo/domains.py): synthetic checks, then the real measurement.
 
-The ``real_model`` tests fit on the FIRST half of each prompt file in /work/shared/data/prompts
-(humaneval→code, gsm8k→math, alpaca→instruction, mtbench→chat), tokenised with SmolLM2's chat
-template, and measure accuracy on the SECOND half with SmolLM2-135M's input embedding. Run
-with ``-s`` to see the per-domain table.
+The ``real_model`` tests fit on the FIRST half of each packaged prompt file in
+cosine_ray/data/prompts (humaneval→code, gsm8k→math, alpaca→instruction, mtbench→chat),
+tokenised with SmolLM2's chat template, and measure accuracy on the SECOND half with
+SmolLM2-135M's input embedding. Run with ``-s`` to see the per-domain table.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 
 from cosine_ray.algo.domains import OTHER_DOMAIN, DomainClassifier, accuracy_by_domain, embed_tokens
 from cosine_ray.algo.routing import normalise_embeddings
+from cosine_ray.datasets import PACKAGED_PROMPT_DIR
 
-PROMPTS_DIR = Path("/work/shared/data/prompts")
+PROMPTS_DIR = PACKAGED_PROMPT_DIR
 PROMPT_FILES = {"humaneval": "code", "gsm8k": "math", "alpaca": "instruction", "mtbench": "chat"}
 DATASTORE_DIR = Path(__file__).resolve().parents[2] / "cosine_ray" / "data" / "datastores" / "smollm2-135m"
 

@@ -46,12 +46,17 @@ def test_stops_at_depth_when_nobody_answers_and_below_the_cut():
 
 
 def test_calibration_decides_the_argmax_but_routing_sees_raw_confidences():
-    s = FusionState(("a", "b"), max_depth=1, calibrate=lambda d, c: c * (0.1 if d == "a" else 1.0))
+    def calibrate(drafter, c, depth, is_trunk):  # "a" is overconfident; a losing token counts half
+        assert depth == 1
+        return c * (0.1 if drafter == "a" else 1.0) * (1.0 if is_trunk else 0.5)
+
+    s = FusionState(("a", "b"), max_depth=1, calibrate=calibrate)
     s.absorb({"a": [[(1, 0.9)]], "b": [[(2, 0.5)]]})
     assert s.trunk == [2] and s.trunk_confidences == [0.5]
     assert s.answers["a"] == [(1, 0.9)]
-    branch = s.branches[0]
-    assert branch.confidences == pytest.approx((0.09,)) and branch.raw_confidences == (0.9,)
+    branch = s.branches[0]  # the loser is kept as a branch, valued as one
+    assert branch.confidences == pytest.approx((0.045,)) and branch.raw_confidences == (0.9,)
+    assert branch.trunk_flags == (False,) and s.paths()[0].trunk_flags == ()
 
 
 def test_a_failed_drafter_has_no_token_that_round():

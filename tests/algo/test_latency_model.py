@@ -121,6 +121,6 @@ def test_samples_and_fits_validate_their_input():
 def test_default_is_the_design_section_8_fit():
     model = LatencyModel.default()
     assert model.model_name == "design-section-8" and "ngram" in model.ssm
-    # DESIGN §8: SmolLM2 one token at a 256-token context ≈ 57-62 ms, 16 requests × 1 token 186 ms
+    # measured: SmolLM2 one token at a 256-token context ≈ 57-62 ms, 16 requests × 1 token 186 ms
     assert 0.04 < model.predict_llm([256], [1]) < 0.09
     assert 0.13 < model.predict_llm([256] * 16, [1] * 16) < 0.25

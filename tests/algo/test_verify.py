@@ -1,4 +1,5 @@
-"""verify_greedy / verify_stochastic: greedy tables, determinism, and losslessness by statistics.
+"""verify_greedy / verify_stochastic / verify_keyed: greedy tables, determinism, and losslessness by
+statistics; verify_keyed also commits exactly the plain keyed samples whatever the tree.
 
 ``GREEDY_CASES`` is layer-independent (a tree as token paths and the target as a map from
 context to next token) so engine-level tests can replay it through a fake target model.
@@ -7,14 +8,19 @@ context to next token) so engine-level tests can replay it through a fake target
 import functools
 import itertools
 import random
+import zlib
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.algo.verify import VerifyResult, verify_chain, verify_greedy, verify_stochastic
+from cosine_ray.algo import verify as verify_module
+from cosine_ray.algo.sampling import logits_to_probs, sample_keyed
+from cosine_ray.algo.verify import VerifyResult, verify_chain, verify_greedy, verify_keyed, verify_stochastic
 
 GREEDY_VOCAB = 8
 
@@ -407,5 +413,200 @@ def verify_without_residual(tree, target_probs, *, generator, draft_probs=None):
 def test_wrong_verifier_fails_the_same_check(verifier, drafter):
     num_trials = 4_000
     outcomes = emitted_pairs(verifier, drafter, num_trials, seed=1)
+    assert tv_distance(outcomes) > tv_bound(num_trials)
+    assert chisquare_pvalue(outcomes) < 1e-4
+
+
+# ==============================================================================================
+# verify_keyed: the committed tokens are the plain keyed samples, whatever the tree
+# ==============================================================================================
+#
+# Convention under test: the root (last committed token) sits at ``root_position``; row u (the
+# target's distribution after node u, depth d) draws the token of position root_position + d + 1
+# with ``sample_keyed``'s noise for that position.
+
+def toy_target(table_seed: int, vocab: int, top_k: int = 0):
+    """p(. | token path after the root): a fixed function of the path (a toy language model)."""
+    @functools.cache
+    def probs_of(path: tuple[int, ...]) -> torch.Tensor:  # [vocab]
+        gen = torch.Generator().manual_seed(zlib.crc32(repr((table_seed, path)).encode()))
+        logits = 1.5 * torch.randn(1, vocab, generator=gen)  # [1, vocab]
+        return logits_to_probs(logits, temperature=1.0, top_k=top_k)[0]
+    return probs_of
+
+
+def tree_rows(tree: TokenTree, probs_of) -> torch.Tensor:  # [num_nodes, vocab]
+    return torch.stack([probs_of(tuple(tree.token_ids[n] for n in tree.path_to(node)[1:]))
+                        for node in range(tree.num_nodes)])
+
+
+def plain_keyed_decode(probs_of, *, seed: int, root_position: int, num_tokens: int) -> list[int]:
+    """Decoding without speculation: token k after the root is the keyed sample of position
+    root_position + k given the tokens before it."""
+    path: tuple[int, ...] = ()
+    for k in range(1, num_tokens + 1):
+        row = probs_of(path)[None]  # [1, vocab]
+        path += (int(sample_keyed(row, seed=seed, positions=[root_position + k])[0]),)
+    return list(path)
+
+
+def check_verify_keyed_is_plain_decode(tree: TokenTree, probs_of, seed: int, root_position: int) -> VerifyResult:
+    result = verify_keyed(tree, tree_rows(tree, probs_of), seed=seed, root_position=root_position)
+    max_depth = max(tree.depths())
+    plain = plain_keyed_decode(probs_of, seed=seed, root_position=root_position, num_tokens=max_depth + 1)
+    node_paths = {tuple(tree.token_ids[n] for n in tree.path_to(node)[1:]) for node in range(tree.num_nodes)}
+    accepted = max(m for m in range(max_depth + 1) if tuple(plain[:m]) in node_paths)
+    assert result.new_token_ids == tuple(plain[:accepted + 1]), (result, plain)
+    assert result.accepted_length == accepted + 1
+    if result.accepted_node_ids:  # a root path carrying the accepted tokens
+        assert tree.path_to(result.accepted_node_ids[-1])[1:] == list(result.accepted_node_ids)
+    return result
+
+
+paths_strategy = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), min_size=0, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(paths=paths_strategy, seed=st.integers(-2**63, 2**64), root_position=st.integers(0, 2**40),
+       table_seed=st.integers(0, 1000), top_k=st.sampled_from([0, 2]), root=st.integers(0, 3))
+def test_verify_keyed_commits_the_plain_keyed_decode(paths, seed, root_position, table_seed, top_k, root):
+    """Random trees over a 4-token vocabulary (so they often hold the sampled path), random
+    distributions with and without zeros: the step commits the plain decode's next tokens."""
+    check_verify_keyed_is_plain_decode(TokenTree.from_paths(root, paths), toy_target(table_seed, 4, top_k),
+                                       seed, root_position)
+
+
+def test_verify_keyed_trees_with_and_without_the_sampled_path():
+    vocab = 6
+    for seed in range(40):
+        probs_of, position = toy_target(seed, vocab), 10 + seed
+        plain = plain_keyed_decode(probs_of, seed=seed, root_position=position, num_tokens=6)
+        wrong = [(t + 1) % vocab for t in plain]
+        cases = {
+            "holds the path": ([plain[:4], [wrong[0], 1, 2], plain[:2] + [wrong[2]]], 4),
+            "holds a prefix": ([plain[:2] + [wrong[2], plain[3]]], 2),
+            "misses the first token": ([[t] + plain[1:3] for t in range(vocab) if t != plain[0]], 0),
+            "root only": ([], 0),
+        }
+        greedy_path, path = [], ()  # what a greedy drafter proposes: the target's argmax chain
+        for _ in range(5):
+            greedy_path.append(int(probs_of(path).argmax()))
+            path += (greedy_path[-1],)
+        greedy_accepted = next((m for m in range(5) if greedy_path[m] != plain[m]), 5)
+        cases["greedy chain"] = ([greedy_path], greedy_accepted)
+        for name, (paths, num_accepted) in cases.items():
+            tree = TokenTree.from_paths(plain[0] if name == "root only" else 0, paths)
+            result = check_verify_keyed_is_plain_decode(tree, probs_of, seed, position)
+            assert result.accepted_token_ids == tuple(plain[:num_accepted]), (name, seed)
+            assert result.bonus_token_id == plain[num_accepted], (name, seed)
+
+
+def test_verify_keyed_position_convention(monkeypatch):
+    """Row u draws position root_position + depth(u) + 1; each position's noise is made once,
+    only for the depths the walk reaches (one vector per committed token)."""
+    probs_of = toy_target(7, 5)
+    for seed in range(20):
+        root_position = 1000 + seed
+        # root only: the bonus is the keyed sample of the next position
+        result = verify_keyed(TokenTree.root_only(3), probs_of(())[None], seed=seed, root_position=root_position)
+        assert result.bonus_token_id == int(sample_keyed(probs_of(())[None], seed=seed,
+                                                         positions=[root_position + 1])[0])
+    made = []
+    original = verify_module.keyed_exponentials
+
+    def recording(seed, position, vocab):
+        made.append(position)
+        return original(seed, position, vocab)
+
+    monkeypatch.setattr(verify_module, "keyed_exponentials", recording)
+    plain = plain_keyed_decode(probs_of, seed=5, root_position=40, num_tokens=4)
+    wrong = (plain[0] + 1) % 5
+    tree = TokenTree.from_paths(0, [[wrong, 1, 2], plain[:3], [(plain[0] + 2) % 5]])  # siblings at depth 1
+    result = verify_keyed(tree, tree_rows(tree, probs_of), seed=5, root_position=40)
+    assert result.new_token_ids == tuple(plain[:4]) and made == [41, 42, 43, 44]
+    made.clear()
+    tree = TokenTree.from_paths(0, [[wrong, 1, 2]])
+    result = verify_keyed(tree, tree_rows(tree, probs_of), seed=5, root_position=40)
+    assert result.new_token_ids == (plain[0],) and made == [41]
+
+
+def test_verify_keyed_depends_on_seed_and_position():
+    probs_of = toy_target(3, 8)
+    tree = TokenTree.from_paths(0, [[1, 2], [3]])
+    rows = tree_rows(tree, probs_of)
+    by_seed = {verify_keyed(tree, rows, seed=s, root_position=9).new_token_ids for s in range(60)}
+    by_position = {verify_keyed(tree, rows, seed=1, root_position=p).new_token_ids for p in range(60)}
+    assert len(by_seed) > 3 and len(by_position) > 3
+    again = [verify_keyed(tree, rows, seed=s, root_position=9).new_token_ids for s in range(60)]
+    assert set(again) == by_seed
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES, ids=lambda c: c["name"])
+def test_verify_keyed_with_one_hot_target_equals_greedy(case):
+    tree, target_logits = build_greedy_case(case)
+    target_probs = logits_to_probs(target_logits, temperature=0.0)
+    expected = verify_greedy(tree, target_logits)
+    for seed in range(10):
+        assert verify_keyed(tree, target_probs, seed=seed, root_position=seed * 7) == expected
+
+
+def test_verify_keyed_checks_and_leaves_inputs_alone():
+    tree = TokenTree.make_dummy()
+    with pytest.raises(AssertionError):
+        verify_keyed(tree, torch.full((4, 16), 1 / 16), seed=0, root_position=0)
+    with pytest.raises(AssertionError):
+        verify_keyed(tree, torch.full((5,), 0.2), seed=0, root_position=0)
+    with pytest.raises(ValueError):
+        verify_keyed(tree, torch.full((5, 16), 1 / 16), seed=0, root_position=-1)
+    with pytest.raises(ValueError):  # the root row is no distribution
+        verify_keyed(tree, torch.zeros(5, 16), seed=0, root_position=0)
+    tree, target_probs, _ = _random_case(3)
+    before = target_probs.clone()
+    for seed in range(20):
+        verify_keyed(tree, target_probs, seed=seed, root_position=seed)
+    assert torch.equal(target_probs, before)
+
+
+# ---- verify_keyed: statistical losslessness over seeds -----------------------------------------
+#
+# The decode loop of ``emitted_pairs`` with keyed verification: trial i is a request with seed i
+# and a 3-token prompt (the first tree's root at position 2; each round's root is the last
+# committed token). The drafters are the adversarial ones above (their draft distributions are
+# ignored: keyed verification needs none). Same tolerance as for verify_stochastic.
+
+KEYED_PROMPT_LENGTH = 3
+KEYED_TRIALS = 10_000
+
+
+def emitted_pairs_keyed(verifier, drafter, num_trials: int) -> np.ndarray:  # [num_trials]
+    rng = random.Random(1)  # the drafters' own randomness
+    outcomes = np.empty(num_trials, dtype=np.int64)
+    for trial in range(num_trials):
+        context: tuple[int, ...] = ()
+        while len(context) < 2:
+            tree, target_probs, _ = _round_inputs(drafter, context, *drafter(context, rng))
+            result = verifier(tree, target_probs, seed=trial,
+                              root_position=KEYED_PROMPT_LENGTH - 1 + len(context))
+            context += result.new_token_ids
+        outcomes[trial] = context[0] * STAT_VOCAB + context[1]
+    return outcomes
+
+
+@pytest.mark.parametrize("drafter", LOSSLESS_DRAFTERS, ids=lambda d: d.__name__)
+def test_verify_keyed_emits_target_distribution(drafter):
+    outcomes = emitted_pairs_keyed(verify_keyed, drafter, KEYED_TRIALS)
+    assert tv_distance(outcomes) < tv_bound(KEYED_TRIALS), (tv_distance(outcomes), tv_bound(KEYED_TRIALS))
+    assert chisquare_pvalue(outcomes) > 1e-4
+
+
+def verify_keyed_relative_positions(tree, target_probs, *, seed, root_position):
+    """WRONG (a plausible bug): keys the noise by depth in the tree, not by absolute position,
+    so a round that commits one token reuses that token's noise for the next one."""
+    return verify_keyed(tree, target_probs, seed=seed, root_position=0)
+
+
+def test_wrong_keyed_verifier_fails_the_same_check():
+    num_trials = 4_000
+    outcomes = emitted_pairs_keyed(verify_keyed_relative_positions, draft_least_likely_chain, num_trials)
     assert tv_distance(outcomes) > tv_bound(num_trials)
     assert chisquare_pvalue(outcomes) < 1e-4

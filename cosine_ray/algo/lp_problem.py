@@ -1,0 +1,308 @@
+"""The LP batch scheduler's problem (eq. 5-8): its inputs (``Candidate``, ``ScheduleConfig``),
+its answer (``Schedule``), and the objective and constraints over the candidates in priority
+order (``_Problem``, ``evaluate_schedule``, ``forced_mask``, ``priority_order``).
+``algo.lp_schedule`` solves it and holds the baselines.
+
+Paper → code (the CoSine paper §4.3; docs/algorithms.md)::
+
+    b_i ∈ {0,1}        x[i, g] ∈ {0,1} one-hot over g = 0..G_i, b_i = Σ_g x[i, g]
+    γ_i ≥ 1            γ_i = Σ_g g·x[i, g] ≥ 0: γ_i = 0 turns speculation off for request i
+    l = max l_i        varlen cost: each request adds its own T_llm share (latency_model)
+    Γ ≤ Γ_max          Σ_i γ_i ≤ total_gamma_max
+    T_ttl ≤ T_max      T_ttl = c0 + Σ_i share_i(γ_i) + T_ssm(b_draft, Γ) ≤ t_max_s
+    Σ b_i m_i ≤ M_max  Σ_{waiting, selected} m_i ≤ max(0, M_max − Σ_{running} m_i)
+    min T/b + λΓ       min  T_ttl / b  −  λ_b · Σ_i gains_i(γ_i)
+
+Interpretations (each differs from, or makes precise, the paper's text):
+
+- **Sign and reward.** The paper writes ``+λΓ`` while saying λ rewards verified tokens; we
+  use ``−λ``, and reward the *expected accepted* tokens ``gains_i(γ_i)`` rather than raw Γ
+  (drafting a token nobody will accept only costs time). Gains are concave in γ, so γ_i is
+  chosen through one-hot binaries x[i, g] and the reward is linear in them.
+- **λ = None** is derived from the latency model: ``λ = T0 / b*²`` where b* is the largest
+  batch the pool allows (min(max_batch_size, schedulable requests)) and ``T0 = c0 + b*·s̄``
+  its predicted plain-decode step (s̄ = mean per-request T_llm share of the decode candidates
+  at γ=0). Why: what we want is time per token ``T / (b + A)`` (A = Σ gains: a step of b
+  requests yields b + A tokens); to first order in A around the plain full batch that is
+  ``T/b − (T0/b*²)·A`` — eq. 8 with this λ. So at that batch size drafting is chosen iff
+  ``T − T0 < (T0/b*)·A``, i.e. iff it raises tokens per second; speculation is switched off
+  (all γ=0) when draft gains do not pay for their verify and draft time, and on when they do.
+  For b* = 1 this is the brief's "per-request plain decode time"; the extra 1/b* is because
+  A sums over the batch. One λ per decision keeps objectives of different b comparable (a
+  λ that depends on b would favour tiny batches whenever gains are high).
+- **T_ttl / b is nonlinear in b**: we enumerate b = 1..max_batch_size; for fixed b the
+  objective is linear (λ_b too). T_ssm = max over drafters (epigraph variable t ≥ each
+  drafter's linear time, times an indicator z = "someone drafts"), or their sum when
+  ``parallel_drafters`` is False.
+- **Running requests already hold their KV**, so M_max only limits admissions of waiting ones.
+- **Waiting requests prefill**: a candidate with ``prefill_tokens > 0`` costs a prefill of that
+  many tokens in T_ttl (so in T_max and the prediction) and drafts nothing (γ = 0), as in the
+  router's step. In the *objective* it counts as the decode step it turns into (its prompt
+  as context, one new token): every admitted request pays its prefill exactly once whenever
+  it is admitted, so the prefill is not a throughput cost of *this* decision, while the
+  larger running batch it leads to is a gain. With the real prefill cost in T/b, eq. 8 would
+  never admit anyone voluntarily (a prefill is many decode steps' worth of work). T_max
+  bounds how much prefill one step may carry (like a chunked-prefill token budget).
+- **No starvation**: a candidate that waited ``max_wait_s`` or more is *forced* into the batch
+  (oldest first, up to max_batch_size, waiting ones only while they fit in memory).
+- **Ties** are deterministic: candidates are put in priority order (running first, then
+  longest waited, then request id) and every tie goes to the earlier one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from cosine_ray.algo.latency_model import LatencyModel
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    request_id: str
+    context_len: int
+    """l_i: tokens already in this request's KV cache."""
+    kv_bytes: int
+    """m_i: KV bytes it holds (running) or will hold once admitted (waiting)."""
+    gains: tuple[float, ...]
+    """gains[g]: expected accepted draft tokens with γ_i = g; gains[0] = 0, nondecreasing."""
+    running: bool
+    """Already admitted: holds its KV whether scheduled this step or not."""
+    waited_s: float = 0.0
+    """Time since it last advanced (fairness, tie-break)."""
+    prefill_tokens: int = 0
+    """> 0: this step is its prefill (a waiting request, or a restore) of that many tokens
+    from an empty cache; it drafts nothing (γ = 0)."""
+
+    def __post_init__(self) -> None:
+        gains = self.gains
+        if not isinstance(gains, tuple):
+            object.__setattr__(self, "gains", gains := tuple(float(x) for x in gains))
+        if not gains or gains[0] != 0:
+            raise ValueError(f"{self.request_id}: gains must start with gains[0] = 0")
+        if any(not (b >= a) for a, b in zip(gains, gains[1:])) or not math.isfinite(gains[-1]):
+            raise ValueError(f"{self.request_id}: gains must be finite and nondecreasing")
+        if self.context_len < 0 or self.kv_bytes < 0 or self.prefill_tokens < 0:
+            raise ValueError(f"{self.request_id}: context_len, kv_bytes, prefill_tokens must be >= 0")
+        if not (self.waited_s >= 0 and math.isfinite(self.waited_s)):
+            raise ValueError(f"{self.request_id}: waited_s must be a finite number >= 0")
+
+    @classmethod
+    def make_dummy(cls, request_id: str = "r0", *, context_len: int = 128, running: bool = True,
+                   gains: tuple[float, ...] = (0.0, 0.8, 1.4, 1.8, 2.0)) -> "Candidate":
+        return cls(request_id, context_len, 1 << 20, gains, running)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleConfig:
+    max_batch_size: int = 8
+    """Requests stepped at once (b ≤ this)."""
+    gamma_max: int = 8
+    """Per-request cap on γ_i."""
+    total_gamma_max: int = 64
+    """Γ_max (eq. 6): draft tokens verified per step over the batch."""
+    t_max_s: float = 1.0
+    """T_max (eq. 7): predicted step time cap; inf = none."""
+    kv_budget_bytes: float = float("inf")
+    """M_max (eq. 7): KV bytes all running + admitted requests may hold."""
+    lam: float | None = None
+    """λ (eq. 8), seconds per expected accepted token; None = λ_b = T0(b)/b² (module doc)."""
+    time_limit_s: float = 0.05
+    """HiGHS time limit for the whole decision; beyond it: FCFS fallback."""
+    max_wait_s: float = 2.0
+    """A candidate that waited this long is forced into the batch (no starvation)."""
+    parallel_drafters: bool = True
+    """Drafters run concurrently (Ray actors: T_ssm = max) or one after another (sum)."""
+    drafters: tuple[str, ...] | None = None
+    """Drafters whose T_ssm counts; None = every drafter in the latency model."""
+    use_relaxation: bool = True
+    """Return a relaxation solution when it is certified optimal (no HiGHS call); False =
+    always solve with HiGHS (benchmarks and tests of the MILP path)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.gamma_max < 0 or self.total_gamma_max < 0:
+            raise ValueError("max_batch_size must be >= 1, gamma_max and total_gamma_max >= 0")
+        if not self.t_max_s > 0 or not self.kv_budget_bytes >= 0:
+            raise ValueError("t_max_s must be > 0 and kv_budget_bytes >= 0 (inf = no cap)")
+        if self.lam is not None and not (math.isfinite(self.lam) and self.lam >= 0):
+            raise ValueError("lam must be None or a finite number >= 0")
+        if not self.time_limit_s > 0 or not self.max_wait_s > 0:
+            raise ValueError("time_limit_s and max_wait_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    batch: tuple[str, ...]
+    """Scheduled request ids (b_i = 1), in priority order."""
+    gamma: dict[str, int]
+    """γ_i per scheduled request (0 = no drafting for it)."""
+    predicted_step_s: float
+    objective: float
+    status: str
+    """optimal | tmax_relaxed | fallback | empty | infeasible."""
+    solve_s: float
+    solver: str = "none"
+    """How it was found: relaxation (certified greedy) | milp | fcfs | none."""
+    num_milp: int = 0
+    """HiGHS calls made for this decision."""
+    lam: float = math.nan
+    """λ of eq. 8 this decision used (seconds per expected accepted token); TreeSelection
+    prices the drafted trees with it (``algo.tree_selection.TreePrice``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleEvaluation:
+    objective: float
+    predicted_step_s: float
+    feasible: bool
+    reason: str = ""
+
+
+# ---- the problem in arrays (priority order) ---------------------------------------------------
+def _priority_key(c: Candidate) -> tuple[bool, float, str]:
+    return (not c.running, -c.waited_s, c.request_id)
+
+
+def priority_order(candidates: Sequence[Candidate]) -> list[int]:
+    """Running first, then the longest waited, then request id."""
+    return sorted(range(len(candidates)), key=lambda i: _priority_key(candidates[i]))
+
+
+class _Problem:
+    """The candidates in priority order, as arrays (x[i, g] ↔ ``time[i, g]``, ``gain[i, g]``)."""
+
+    def __init__(self, candidates: Sequence[Candidate], model: LatencyModel, config: ScheduleConfig) -> None:
+        n_all = len(candidates)
+        ids_all = [c.request_id for c in candidates]
+        if len(set(ids_all)) != n_all:
+            raise ValueError("candidate request ids must be unique")
+        cols = np.array([(c.running, c.waited_s, c.kv_bytes, c.context_len, c.prefill_tokens, len(c.gains))
+                         for c in candidates], dtype=np.float64).reshape(n_all, 6)
+        is_running = cols[:, 0] > 0
+        order = np.lexsort((np.array(ids_all, dtype=str), -cols[:, 1], ~is_running))  # = priority_order
+        self.config, self.model = config, model
+        self.mem_budget = max(0.0, config.kv_budget_bytes - float(cols[is_running, 2].sum()))
+        # a waiting request that alone exceeds the memory left can never be chosen
+        order = order[is_running[order] | (cols[order, 2] <= self.mem_budget)]
+        cols = cols[order]
+        n = len(order)
+        self.ids = [ids_all[i] for i in order]
+        self.running = cols[:, 0] > 0
+        self.waited = cols[:, 1]
+        self.mem = np.where(self.running, 0.0, cols[:, 2])
+        prefill = cols[:, 4]
+        is_prefill = prefill > 0
+        self.gmax = np.minimum(cols[:, 5].astype(np.int64) - 1, config.gamma_max)
+        self.gmax[is_prefill] = 0
+        G = int(self.gmax.max()) if n else 0
+        g = np.arange(G + 1)
+        _, c_req, c_tok, c_attn = model.llm.coefs
+        ctx = cols[:, 3:4].copy()  # [n, 1]
+        new = np.broadcast_to(1.0 + g, (n, G + 1)).copy()  # [n, G+1] new tokens: 1 + γ
+        ctx[is_prefill, 0] = 0.0
+        new[is_prefill, 0] = prefill[is_prefill]
+        self.time = c_req + c_tok * new + c_attn * new * (ctx + new)  # [n, G+1] per-request T_llm share
+        # objective share: a prefill counts as the decode step it turns into (module doc)
+        self.obj_time = self.time.copy()
+        self.obj_time[is_prefill, 0] = c_req + c_tok + c_attn * (prefill[is_prefill] + 1)
+        pad = (0.0,) * (G + 1)
+        self.gain = np.array([(candidates[i].gains + pad)[: G + 1] for i in order],
+                             dtype=np.float64).reshape(n, G + 1)
+        valid = g[None, :] <= self.gmax[:, None]
+        self.time[~valid] = np.inf
+        self.obj_time[~valid] = np.inf
+        self.gain[~valid] = -np.inf
+        self.g = g
+        self.c0 = model.llm.coefs[0]
+        # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
+        names = list(model.ssm if config.drafters is None else config.drafters)
+        unknown = [name for name in names if name not in model.ssm]
+        if unknown:
+            raise ValueError(f"no T_ssm fit for drafter(s) {unknown}; profiled: {sorted(model.ssm)} "
+                             f"(re-run `cosine-ray profile --drafters ...`)")
+        lines = [model.ssm[name].coefs for name in names]
+        if lines and not config.parallel_drafters:
+            lines = [tuple(map(sum, zip(*lines)))]
+        self.lines = lines or [(0.0, 0.0, 0.0)]
+        self.forced = forced_mask(self.waited, self.mem, config, self.mem_budget)
+        self.num_forced = int(self.forced.sum())
+        self.plain_share = float(self.obj_time[:, 0].mean()) if n else 0.0
+        self.b_values = list(range(max(1, self.num_forced), min(config.max_batch_size, n) + 1))
+        if config.lam is not None:
+            self.lam_value = config.lam
+        else:
+            b_ref = max(1, min(config.max_batch_size, n))
+            self.lam_value = (self.c0 + b_ref * self.plain_share) / (b_ref * b_ref)
+
+    def lam(self, b: int) -> float:
+        """λ of eq. 8 (the same for every b; ``b`` is kept for a per-b rule)."""
+        return self.lam_value
+
+    def ssm_time(self, num_drafting: int, total_gamma: int) -> float:
+        if num_drafting == 0:
+            return 0.0
+        return max(d0 + dr * num_drafting + dt * total_gamma for d0, dr, dt in self.lines)
+
+    def evaluate(self, sel: np.ndarray, gam: np.ndarray) -> tuple[float, float, str]:
+        """(objective, T_ttl, violation or "") of indices ``sel`` with draft budgets ``gam``."""
+        b = len(sel)
+        if b == 0:
+            return math.inf, 0.0, "empty batch"
+        t_ssm = self.ssm_time(int((gam > 0).sum()), int(gam.sum()))
+        step = self.c0 + float(self.time[sel, gam].sum()) + t_ssm
+        objective = (self.c0 + float(self.obj_time[sel, gam].sum()) + t_ssm) / b \
+            - self.lam(b) * float(self.gain[sel, gam].sum())
+        cfg = self.config
+        if b > cfg.max_batch_size:
+            return objective, step, f"batch of {b} > max_batch_size {cfg.max_batch_size}"
+        if np.any(gam > self.gmax[sel]):
+            return objective, step, "a γ_i exceeds its cap"
+        if int(gam.sum()) > cfg.total_gamma_max:
+            return objective, step, f"Σγ = {int(gam.sum())} > total_gamma_max {cfg.total_gamma_max}"
+        if float(self.mem[sel].sum()) > self.mem_budget:
+            return objective, step, "waiting admissions exceed the KV budget"
+        if step > cfg.t_max_s:
+            return objective, step, f"T_ttl {step:.6f} s > t_max_s {cfg.t_max_s}"
+        if self.num_forced and not np.all(np.isin(np.flatnonzero(self.forced), sel)):
+            return objective, step, "a request that waited max_wait_s is left out"
+        return objective, step, ""
+
+
+def forced_mask(waited_s: np.ndarray, waiting_bytes: np.ndarray, config: ScheduleConfig,
+                mem_budget: float) -> np.ndarray:
+    """Requests (priority order) that waited max_wait_s: oldest first, up to the batch size,
+    waiting ones (``waiting_bytes`` > 0; running ones pass 0) only while they fit in the
+    ``mem_budget`` left by the running ones."""
+    forced = np.zeros(len(waited_s), dtype=bool)
+    overdue = np.flatnonzero(waited_s >= config.max_wait_s)
+    overdue = overdue[np.lexsort((overdue, -waited_s[overdue]))]
+    used, count = 0.0, 0
+    for i in overdue:
+        if count == config.max_batch_size:
+            break
+        if used + waiting_bytes[i] <= mem_budget:
+            forced[i], used, count = True, used + waiting_bytes[i], count + 1
+    return forced
+
+
+def evaluate_schedule(candidates: Sequence[Candidate], gamma: Mapping[str, int], model: LatencyModel,
+                      config: ScheduleConfig) -> ScheduleEvaluation:
+    """Objective, predicted step time and feasibility of scheduling ``gamma``'s requests with
+    those γ: the same definitions ``schedule_batch`` optimises (tests' brute force uses it)."""
+    prob = _Problem(candidates, model, config)
+    index = {rid: i for i, rid in enumerate(prob.ids)}
+    if any(rid not in index for rid in gamma):
+        missing = [rid for rid in gamma if rid not in index]
+        return ScheduleEvaluation(math.inf, math.nan, False, f"not schedulable: {missing}")
+    sel = np.array(sorted(index[r] for r in gamma), dtype=np.int64)
+    gam = np.array([int(gamma[prob.ids[i]]) for i in sel], dtype=np.int64)
+    if np.any(gam < 0):
+        return ScheduleEvaluation(math.inf, math.nan, False, "negative γ")
+    gam_c = np.minimum(gam, prob.gmax[sel])
+    objective, step, reason = prob.evaluate(sel, gam_c)
+    if np.any(gam != gam_c):
+        reason = reason or "a γ_i exceeds its cap"
+    return ScheduleEvaluation(objective, step, not reason, reason)

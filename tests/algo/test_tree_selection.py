@@ -1,0 +1,76 @@
+"""TreeSelection: union of drafters' paths, best nodes by cumulative confidence, and the LP's
+price deciding γ on a drafted tree."""
+
+import pytest
+
+from cosine_ray.algo.adaptive import expected_gains
+from cosine_ray.algo.tree_selection import TreePrice, build_tree
+from cosine_ray.engine.drafters.base import DraftProposal
+from cosine_ray.engine.drafting import proposals_to_paths
+
+
+def merge_proposals(root_token_id, proposals, budget, *, min_confidence=0.0):
+    selected = build_tree(root_token_id, proposals_to_paths(proposals), budget, min_confidence=min_confidence)
+    return selected.tree, list(selected.owners)
+
+
+def _props():
+    return [DraftProposal("r", [[1, 2, 3], [4]], [[0.9, 0.8, 0.5], [0.3]], "a"),
+            DraftProposal("r", [[1, 5]], [[0.6, 0.9]], "b")]
+
+
+def test_union_keeps_every_path_and_first_owner():
+    tree, owners = merge_proposals(0, _props(), budget=10)
+    assert tree.num_draft_tokens == 5  # 1,2,3 / 4 / 5 under 1
+    by_token = {tree.token_ids[i]: owners[i] for i in range(1, tree.num_nodes)}
+    assert by_token == {1: "a", 2: "a", 3: "a", 4: "a", 5: "b"}
+    assert tree.confidences[tree.token_ids.index(1)] == 0.9  # merged node keeps the highest
+
+
+def test_budget_keeps_highest_cumulative_confidence_with_ancestors():
+    tree, _ = merge_proposals(0, _props(), budget=3)
+    # cumulative: 1:.9  2:.72  5:.81  3:.36  4:.3  -> keep 1, 5, 2
+    assert sorted(tree.token_ids[1:]) == [1, 2, 5]
+    for node in range(1, tree.num_nodes):
+        assert tree.parent_ids[node] < node
+
+
+def test_threshold_drops_unlikely_nodes():
+    tree, _ = merge_proposals(0, _props(), budget=10, min_confidence=0.5)
+    assert sorted(tree.token_ids[1:]) == [1, 2, 5]
+    tree, _ = merge_proposals(0, _props(), budget=10, min_confidence=0.95)
+    assert tree.num_draft_tokens == 0
+
+
+# ---- the LP's price: γ on the drafted tree ------------------------------------------------------
+
+def brute_force_gamma(price, context_len, acceptance, gamma_max):
+    """argmin over g of the full per-request objective of eq. 8 (constants included)."""
+    gains = expected_gains(acceptance, gamma_max)
+    b = price.batch_size
+
+    def share(g):
+        n = 1 + g
+        return price.c_tok * n + price.c_attn * n * (context_len + n)
+
+    values = [share(g) / b - price.lam * gains[g] for g in range(len(gains))]
+    return min(range(len(values)), key=lambda g: (values[g], g))
+
+
+@pytest.mark.parametrize("lam", [0.0, 1e-4, 2e-3, 5e-2])
+@pytest.mark.parametrize("batch_size", [1, 4, 8])
+def test_price_picks_the_argmin_of_the_per_request_objective(lam, batch_size):
+    acceptance = [0.95, 0.9, 0.6, 0.5, 0.2, 0.05, 0.01]
+    price = TreePrice(lam, batch_size, c_tok=1e-3, c_attn=2e-6)
+    for context_len in (10, 300):
+        for gamma_max in (0, 3, 7):
+            assert price.gamma(context_len, acceptance, gamma_max) == \
+                brute_force_gamma(price, context_len, acceptance, gamma_max)
+
+
+def test_price_verifies_more_when_verify_time_is_cheaper():
+    acceptance = [0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05]
+    gammas = [TreePrice(2e-3, 1, c_tok=c, c_attn=0.0).gamma(100, acceptance, 8) for c in (1e-2, 1e-3, 1e-4)]
+    assert gammas == sorted(gammas) and gammas[0] < gammas[-1], gammas
+    assert TreePrice(0.0, 1, 1e-3, 0.0).gamma(100, acceptance, 8) == 0  # tokens worth nothing: no drafts
+    assert TreePrice(10.0, 1, 1e-3, 0.0).gamma(100, acceptance, 8) == 8  # worth far more than a token: all
