@@ -17,6 +17,12 @@ class EngineClient(Protocol):
         """Outputs until ``finished``; closing the iterator early aborts the request."""
         ...
 
+    async def finish(self, request_id: str) -> None:
+        """The caller ends a streaming request as a normal completion (the HTTP layer found a
+        stop string); it closes the stream next, which frees the request as an abort would,
+        but the engine counts it as ``finished_reason="stop"`` with its latency."""
+        ...
+
     async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError (message names the field) if the request cannot be served."""
         ...
@@ -41,29 +47,30 @@ class LocalEngineClient:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.model_name = engine.checkpoint.name
-        self.max_model_len = engine.router.config.max_model_len
+        self.max_model_len = engine.core.config.max_model_len
         self.vocab_size = engine.checkpoint.config.vocab_size
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                request_id: str) -> AsyncIterator[RequestOutput]:
         return self.engine.loop.generate(prompt_token_ids, params, request_id)
 
+    async def finish(self, request_id: str) -> None:
+        self.engine.loop.finish(request_id)
+
     async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.engine.router.check_request(prompt_token_ids, params)
+        self.engine.core.check_request(prompt_token_ids, params)
 
     async def health(self) -> dict[str, Any]:
-        router = self.engine.router
-        return {"status": "ok", "running": len(router.running), "waiting": len(router.waiting)}
+        core = self.engine.core
+        return {"status": "ok", "running": len(core.running), "waiting": len(core.waiting)}
 
     async def metrics_snapshot(self, http: tuple[str, dict] | None = None) -> dict[str, Any]:
-        metrics = self.engine.router.metrics
+        core = self.engine.core
         if http is not None:
-            metrics.add_http_totals(*http)
+            core.metrics.add_http_totals(*http)
         for index, stage in enumerate(self.engine.target.stages):
-            busy, idle = stage.utilisation()
-            metrics.add_cumulative("cosine_ray:stage_busy_seconds", busy, "local", stage=index)
-            metrics.add_cumulative("cosine_ray:stage_idle_seconds", idle, "local", stage=index)
+            core.exporter.stage_utilisation(index, *stage.utilisation(), source="local")
         return self.engine.loop.metrics_snapshot()
 
     def record_http(self, replica: str, totals: dict) -> None:
-        self.engine.router.metrics.add_http_totals(replica, totals)
+        self.engine.core.metrics.add_http_totals(replica, totals)

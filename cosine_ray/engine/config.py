@@ -6,55 +6,147 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.engine.router import RouterConfig
 
-DRAFTER_KINDS = ("none", "ngram", "retrieval", "model", "self")
+DRAFTER_KINDS = ("none", "ngram", "retrieval", "suffix", "model", "self")
+LEARNING_KINDS = ("suffix",)
+"""Drafter kinds that learn from the requests the server finishes."""
 DOMAINS = ("code", "math", "instruction", "chat")
 DEFAULT_DRAFTERS = "ngram," + ",".join(f"retrieval:{d}" for d in DOMAINS)
 """CoSine's default speculation cluster: the context n-gram drafter and one retrieval
 drafter per domain (the expertise router learns which serves which request)."""
+LEARNING_DRAFTERS = "ngram," + ",".join(f"suffix:{d}" for d in DOMAINS)
+"""The context n-gram drafter and one live suffix expert per domain: each is seeded from its
+domain's datastore and keeps learning from the requests of its domain the server finishes."""
+
+
+ROUTING_MODES = ("expertise", "random")
+FUSION_MODES = ("confidence", "single", "union")
+SCHEDULERS = ("lp", "fcfs")
+
+
+@dataclass(frozen=True, slots=True)
+class StepConfig:
+    """One engine step: batching, speculation budgets, CoSine's components and their
+    ablation switches, deadlines and recovery (config key ``step``; ``router`` is accepted
+    too, the name it had before the step loop was split into its owners)."""
+
+    max_batch_size: int = 8
+    """Requests running at once (continuous batching admits new ones as others finish)."""
+    num_speculative_tokens: int = 8
+    """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
+    min_tree_confidence: float = 0.25
+    """With ``scheduler="fcfs"`` (LP off): draft nodes whose cumulative confidence (product
+    along their path) is below this are not verified. The LP decides γ_i itself."""
+    routing: str = "expertise"
+    """expertise (CoSine eq. 1-3) | random (ablation: routing off, k drafters at random)."""
+    fusion: str = "confidence"
+    """confidence (eq. 4, round by round) | single (ablation: the best routed drafter alone) |
+    union (every routed drafter's whole paths merged)."""
+    scheduler: str = "lp"
+    """lp (eq. 5-8 with scipy HiGHS) | fcfs (ablation: first come, fixed size, fixed cut)."""
+    adaptive: bool = True
+    """False (ablation): fixed γ and fixed drafter participation."""
+    drafters_per_request: int = 2
+    """k: drafters routed to each request per step (adaptive: where participation starts)."""
+    shared_drafters: tuple[str, ...] = ("ngram",)
+    """Domain-agnostic drafters every request uses besides its k routed ones (the context
+    n-gram drafter costs a dictionary lookup and knows the request's own text better than any
+    domain expert). Names not in the pool are ignored; with ``fusion="single"`` they compete
+    for the one slot like every other drafter."""
+    max_drafters_per_request: int = 3
+    total_gamma_max: int = 64
+    """Γ_max: draft tokens per micro-batch (eq. 6; Algorithm 2 trims above it)."""
+    step_time_max_s: float = 5.0
+    """T_max: the scheduler keeps a step's predicted time under this (eq. 7)."""
+    kv_budget_bytes: float = float("inf")
+    """M_max (eq. 7): KV bytes (all stages) that running requests may hold; the scheduler
+    defers the prefill of a request that would exceed it. inf = no budget."""
+    drafter_deadline_s: float = 2.0
+    """A drafter's answer later than this is dropped for the step."""
+    max_model_len: int = 8192
+    """Prompt + output tokens a request may reach."""
+    stage_recovery_s: float = 60.0
+    """How long a lost stage may take to come back before its requests fail."""
+    max_restores: int = 3
+    """Re-prefills one request may go through before it fails (a bug must not loop)."""
+    num_lanes: int = 1
+    """Micro-batches in flight at once: running requests are split into this many lanes,
+    each stepped by its own coroutine, so with S pipeline stages stage s can work on lane
+    n while stage s+1 works on lane n-1. 1 for the in-process engine."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.drafter_deadline_s <= 0:
+            raise ValueError("drafter_deadline_s must be > 0")
+        if self.num_lanes < 1:
+            raise ValueError("num_lanes must be >= 1")
+        if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):
+            raise ValueError("shared_drafters must be a list of drafter names")
+        object.__setattr__(self, "shared_drafters", tuple(self.shared_drafters))
+        for name, value, allowed in (("routing", self.routing, ROUTING_MODES), ("fusion", self.fusion, FUSION_MODES),
+                                     ("scheduler", self.scheduler, SCHEDULERS)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: use one of {', '.join(allowed)}")
+        if not 1 <= self.drafters_per_request <= self.max_drafters_per_request:
+            raise ValueError("need 1 <= drafters_per_request <= max_drafters_per_request")
+        if self.total_gamma_max < 0 or self.step_time_max_s <= 0:
+            raise ValueError("total_gamma_max must be >= 0 and step_time_max_s > 0")
+        if not self.kv_budget_bytes >= 0:
+            raise ValueError("kv_budget_bytes must be >= 0 (inf = no budget)")
 
 
 @dataclass(frozen=True, slots=True)
 class DrafterSpec:
     kind: str
-    """ngram | retrieval | model | self (the target as its own drafter)."""
+    """ngram | retrieval | suffix | model | self (the target as its own drafter)."""
     source: str = ""
     """retrieval: a domain name, a datastore .parquet path, or "" for every default
-    datastore merged; model: a model spec (embedded name, HF dir or .gguf)."""
+    datastore merged; suffix: a domain name (a live expert of that domain, seeded from its
+    datastore), a snapshot .parquet path, or "" (one index over every domain); model: a model
+    spec (embedded name, HF dir or .gguf)."""
 
     @property
     def name(self) -> str:
-        if self.kind == "retrieval":
+        if self.kind in ("retrieval", "suffix"):
             if not self.source:
-                return "retrieval"
-            return f"retrieval:{Path(self.source).stem if self.source.endswith('.parquet') else self.source}"
+                return self.kind
+            return f"{self.kind}:{Path(self.source).stem if self.source.endswith('.parquet') else self.source}"
         if self.kind == "model":
             return f"model:{Path(self.source).name or self.source}"
         return self.kind
 
+    @property
+    def learns(self) -> bool:
+        """It learns from finished requests (the engine sends it their text)."""
+        return self.kind in LEARNING_KINDS
+
 
 def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
-    """``"none"`` | ``"default"`` (DEFAULT_DRAFTERS) | comma list of ``ngram``,
-    ``retrieval[:DOMAIN|:FILE.parquet]``, ``model:SPEC``, ``self``. Raises ValueError naming
-    the accepted forms."""
+    """``"none"`` | ``"default"`` (DEFAULT_DRAFTERS) | ``"learning"`` (LEARNING_DRAFTERS) | comma
+    list of ``ngram``, ``retrieval[:DOMAIN|:FILE.parquet]``, ``suffix[:DOMAIN|:FILE.parquet]``,
+    ``model:SPEC``, ``self``. Raises ValueError naming the accepted forms."""
     text = text.strip()
     if text in ("", "none"):
         return ()
     if text == "default":
         text = DEFAULT_DRAFTERS
+    elif text == "learning":
+        text = LEARNING_DRAFTERS
     specs = []
     for part in text.split(","):
         kind, _, source = part.strip().partition(":")
         if kind not in DRAFTER_KINDS or kind == "none":
-            raise ValueError(f"unknown drafter {part.strip()!r}; use none, or a comma list of ngram, "
-                             f"retrieval[:DOMAIN|:FILE.parquet], model:MODEL, self")
+            raise ValueError(f"unknown drafter {part.strip()!r}; use none, default, learning, or a comma list of "
+                             f"ngram, retrieval[:DOMAIN|:FILE.parquet], suffix[:DOMAIN|:FILE.parquet], model:MODEL, self")
         if kind == "model" and not source:
             raise ValueError("drafter 'model' needs a model: model:smollm2-135m, model:/path/to/hf_dir "
                              "or model:/path/to/file.gguf")
-        if kind == "retrieval" and source and source not in DOMAINS and not source.endswith(".parquet"):
-            raise ValueError(f"retrieval drafter {source!r}: give a domain ({', '.join(DOMAINS)}) "
-                             f"or a datastore .parquet file")
+        if kind in ("retrieval", "suffix") and source and source not in DOMAINS and not source.endswith(".parquet"):
+            raise ValueError(f"{kind} drafter {source!r}: give a domain ({', '.join(DOMAINS)}) "
+                             f"or a {'datastore' if kind == 'retrieval' else 'snapshot'} .parquet file")
         if kind in ("ngram", "self") and source:
             raise ValueError(f"drafter {kind!r} takes no argument (got {part.strip()!r})")
         specs.append(DrafterSpec(kind, source))
@@ -82,21 +174,22 @@ class ClusterConfig:
     drafter_max_restarts: int = -1
     """Ray restarts of a drafter actor (-1 = unlimited); a drafter killed for good is respawned."""
     stage_max_restarts: int = -1
-    drafters_in_router: tuple[str, ...] = ("ngram", "retrieval")
-    """Drafter kinds that run inside the router actor instead of an actor of their own: the
-    n-gram and retrieval drafters are table lookups (no model, no GPU) that take micro-
+    drafters_in_engine: tuple[str, ...] = ("ngram", "retrieval", "suffix")
+    """Drafter kinds that run inside the engine process instead of an actor of their own: the
+    n-gram, retrieval and suffix drafters are table lookups (no model, no GPU) that take micro-
     seconds, while a round trip to another process costs a millisecond or more per fusion
-    round. ``()`` (CLI ``--drafters-in-router none``) gives every drafter its own actor."""
+    round. ``()`` (CLI ``--drafters-in-engine none``) gives every drafter its own actor.
+    (``drafters_in_router``, its name before the engine became a Serve deployment, is accepted.)"""
 
     def __post_init__(self) -> None:
-        in_router = self.drafters_in_router
-        if isinstance(in_router, str):
-            in_router = () if in_router.strip() in ("", "none") else [k.strip() for k in in_router.split(",")]
-        object.__setattr__(self, "drafters_in_router", tuple(in_router))
+        in_engine = self.drafters_in_engine
+        if isinstance(in_engine, str):
+            in_engine = () if in_engine.strip() in ("", "none") else [k.strip() for k in in_engine.split(",")]
+        object.__setattr__(self, "drafters_in_engine", tuple(in_engine))
         known = DRAFTER_KINDS[1:]  # without "none"
-        unknown = sorted(set(self.drafters_in_router) - set(known))
+        unknown = sorted(set(self.drafters_in_engine) - set(known))
         if unknown:
-            raise ValueError(f"drafters_in_router: unknown kind(s) {', '.join(unknown)}; "
+            raise ValueError(f"drafters_in_engine: unknown kind(s) {', '.join(unknown)}; "
                              f"use none or a comma list of {', '.join(known)}")
         if self.num_cpus_per_actor < 0 or self.threads_per_actor < 1:
             raise ValueError("num_cpus_per_actor must be >= 0 and threads_per_actor >= 1")
@@ -112,7 +205,7 @@ class EngineConfig:
     """Speculation sources; () = plain decoding."""
     num_stages: int = 1
     """Contiguous layer slices of the target (pipeline stages)."""
-    router: RouterConfig = field(default_factory=RouterConfig)
+    step: StepConfig = field(default_factory=StepConfig)
     dtype: str = "float32"
     """float32 | bfloat16 | float16 (bf16/fp16 only make sense on CUDA)."""
     device: str = "cpu"
@@ -144,21 +237,29 @@ def config_from_dict(data: dict[str, Any] | None) -> EngineConfig:
     """EngineConfig from plain data (YAML file, Serve ``args``); ValueError names bad keys.
 
     ``drafters`` may be a string (``"ngram,retrieval"``) or a list of such names;
-    ``router`` and ``cluster`` are nested mappings of RouterConfig / ClusterConfig fields.
+    ``step`` and ``cluster`` are nested mappings of StepConfig / ClusterConfig fields
+    (``router`` is accepted for ``step``: configs written before the rename keep working).
     """
     data = dict(data or {})
     if not isinstance(data, dict):
         raise ValueError("the config must be a mapping")
     drafters = data.pop("drafters", None)
-    router = data.pop("router", None) or {}
+    if "router" in data and "step" in data:
+        raise ValueError("give the step settings once: 'step' (or its old name 'router'), not both")
+    step = data.pop("step", None) or data.pop("router", None) or {}
     cluster = data.pop("cluster", None) or {}
-    if not isinstance(router, dict) or not isinstance(cluster, dict):
-        raise ValueError("'router' and 'cluster' must be mappings")
+    if not isinstance(step, dict) or not isinstance(cluster, dict):
+        raise ValueError("'step' and 'cluster' must be mappings")
+    if "drafters_in_router" in cluster:  # the name before the engine became a Serve deployment
+        if "drafters_in_engine" in cluster:
+            raise ValueError("give cluster.drafters_in_engine once (drafters_in_router is its old name)")
+        cluster = {**cluster, "drafters_in_engine": cluster["drafters_in_router"]}
+        del cluster["drafters_in_router"]
     if drafters is not None:
         if isinstance(drafters, (list, tuple)):
             drafters = ",".join(str(d) for d in drafters) or "none"
         data["drafters"] = parse_drafters(str(drafters))
-    data["router"] = _build(RouterConfig, router, "router")
+    data["step"] = _build(StepConfig, step, "step")
     data["cluster"] = _build(ClusterConfig, cluster, "cluster")
     return _build(EngineConfig, data, "the config")
 
@@ -166,7 +267,7 @@ def config_from_dict(data: dict[str, Any] | None) -> EngineConfig:
 def config_to_dict(config: EngineConfig) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in fields(config)}
     out["drafters"] = ",".join(s.kind + (f":{s.source}" if s.source else "") for s in config.drafters) or "none"
-    out["router"] = {f.name: getattr(config.router, f.name) for f in fields(config.router)}
+    out["step"] = {f.name: getattr(config.step, f.name) for f in fields(config.step)}
     out["cluster"] = {f.name: getattr(config.cluster, f.name) for f in fields(config.cluster)}
     return out
 

@@ -1,4 +1,4 @@
-"""Drive a Router in the background and stream each request's tokens to its caller."""
+"""Drive an EngineCore in the background and stream each request's tokens to its caller."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 from typing import AsyncIterator, Sequence
 
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.router import Router
+from cosine_ray.engine.core import EngineCore
 from cosine_ray.metrics.serving import RequestTimeline
 
 log = logging.getLogger(__name__)
@@ -16,14 +16,16 @@ log = logging.getLogger(__name__)
 
 class EngineLoop:
     """Owns the step task. ``generate`` yields RequestOutputs until the request finishes;
-    a caller that stops iterating (client disconnect, cancellation) aborts its request."""
+    a caller that stops iterating (client disconnect, cancellation) aborts its request, or
+    finishes it as ``stop`` when it said so first (``finish``: a stop string)."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
+        self._finished_by_caller: set[str] = set()
 
     def _ensure_running(self) -> None:
         if self._wakeup is None:
@@ -31,16 +33,16 @@ class EngineLoop:
         if not self._tasks or all(t.done() for t in self._tasks):
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._run(lane))
-                           for lane in range(self.router.config.num_lanes)]
+                           for lane in range(self.core.config.num_lanes)]
 
     async def _run(self, lane: int) -> None:
         while True:
-            if not self.router.lane_has_work(lane):
+            if not self.core.lane_has_work(lane):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             try:
-                outputs = await self.router.step(lane)
+                outputs = await self.core.step(lane)
             except Exception as exc:  # a failed step fails the running requests, never hangs them
                 log.exception("engine step failed")
                 self._fail_running(f"{type(exc).__name__}: {exc}")
@@ -55,11 +57,21 @@ class EngineLoop:
             await asyncio.sleep(0)  # let streams and new arrivals run between steps
 
     def _fail_running(self, message: str) -> None:
-        for rid in list(self.router.running):
-            self.router.abort(rid)
+        for rid in list(self.core.running):
+            self.core.abort(rid)
             queue = self._queues.get(rid)
             if queue is not None:
                 queue.put_nowait(RequestOutput(rid, [], True, "error", error=message))
+
+    def finish(self, request_id: str) -> bool:
+        """The caller ends a streaming request as a normal completion (the HTTP layer found a
+        stop string in its text): when the caller closes the iterator next, the request is
+        freed like an abort but its timeline ends with ``stop`` (counted as a completion, its
+        latency observed) instead of ``abort``. False if the request is not streaming."""
+        if request_id not in self._queues:
+            return False
+        self._finished_by_caller.add(request_id)
+        return True
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -70,11 +82,11 @@ class EngineLoop:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            request = self.router.add_request(request_id, prompt_token_ids, params)
+            request = self.core.add_request(request_id, prompt_token_ids, params)
         except Exception:
             del self._queues[request_id]
             raise
-        timeline = RequestTimeline(self.router.metrics, self.router.clock, request)
+        timeline = RequestTimeline(self.core.metrics, self.core.clock, request)
         self._wakeup.set()
         finished = False
         try:
@@ -83,13 +95,15 @@ class EngineLoop:
                 finished = out.finished
                 timeline.observe(out.new_token_ids, out.finished, out.finish_reason)
                 if out.stats is not None:
-                    out.stats.domain = request.domain  # classified by the router after arrival
+                    out.stats.domain = request.domain  # classified by the engine on arrival
                 yield out
         finally:
             self._queues.pop(request_id, None)
+            by_caller = request_id in self._finished_by_caller
+            self._finished_by_caller.discard(request_id)
             if not finished:
-                timeline.finish("abort")
-                self.router.abort(request_id)
+                timeline.finish("stop" if by_caller else "abort")
+                self.core.abort(request_id)
                 self._wakeup.set()
 
     @property
@@ -98,11 +112,9 @@ class EngineLoop:
         return len(self._queues)
 
     def metrics_snapshot(self) -> dict:
-        """The router's registry with the running/waiting gauges read now (what /metrics shows)."""
-        metrics = self.router.metrics
-        metrics.set("cosine_ray:num_requests_running", len(self.router.running))
-        metrics.set("cosine_ray:num_requests_waiting", len(self.router.waiting))
-        return metrics.snapshot()
+        """The engine's registry with the running/waiting gauges read now (what /metrics shows)."""
+        self.core.exporter.requests_in_pool(len(self.core.running), len(self.core.waiting))
+        return self.core.metrics.snapshot()
 
     async def generate_all(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                            request_id: str | None = None) -> RequestOutput:

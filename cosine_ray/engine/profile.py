@@ -2,7 +2,9 @@
 
 It measures the real in-process target (the same ``TargetWorker`` over ``LlamaStage`` slices
 that the engine runs) and the configured drafters, fits ``algo.latency_model.LatencyModel``
-and stores it as JSON under ``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>.json``.
+and stores it as JSON under
+``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``
+(``profile_path``: each setup keeps its own profile).
 
 What is measured:
 
@@ -36,6 +38,7 @@ import torch
 
 from cosine_ray.algo.latency_model import LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
+from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
 from cosine_ray.engine.target import ScoreItem, TargetWorker
@@ -59,14 +62,37 @@ class ProfileGrid:
         return cls((1, 2, 4, 8, 16), (0, 2, 4, 8, 16), (32, 128, 512, 1024), warmup=2, repeats=5)
 
 
+def profile_threads(config: EngineConfig) -> int:
+    """The torch intra-op threads a profile of ``config`` is (or would be) measured with:
+    ``config.num_threads``, else this process's current setting (the engine replica pins 1,
+    the in-process engine keeps torch's default)."""
+    return int(config.num_threads or torch.get_num_threads())
+
+
+def drafter_set_digest(config: EngineConfig) -> str:
+    """8 hex digits naming the configured drafter *set* (order does not matter; ``none`` for
+    plain decoding). Drafters are named by kind and full source (``retrieval:/a/x.parquet``
+    and ``retrieval:/b/x.parquet`` differ although both are called ``retrieval:x``)."""
+    specs = sorted(s.kind + (f":{s.source}" if s.source else "") for s in config.drafters)
+    return hashlib.sha1(",".join(specs or ["none"]).encode()).hexdigest()[:8]
+
+
 def profile_path(config: EngineConfig) -> Path:
-    """``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>.json``; a model given as a
-    path is named by its last component plus a short hash of the full path."""
+    """``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``.
+
+    Everything the measured costs depend on is in the name, so different setups keep their
+    own profile instead of overwriting each other's (``cosine-ray serve`` and ``serve run`` of
+    another config used to re-profile at every start): the pipeline stages, the torch thread
+    count the verify forward runs with (``profile_threads``: a 1-thread engine replica and a
+    multi-threaded in-process engine have very different costs) and the drafter set
+    (``drafter_set_digest``). A model given as a path is named by its last component plus a
+    short hash of the full path."""
     spec = str(config.model)
     name = Path(spec).name or spec
     if name != spec:
         name = f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-{config.device}-{config.dtype}-s{config.num_stages}")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-{config.device}-{config.dtype}-s{config.num_stages}"
+                                             f"-t{profile_threads(config)}-d{drafter_set_digest(config)}")
     return cache_root() / "profiles" / f"{slug}.json"
 
 
@@ -143,8 +169,6 @@ def measure_drafter(drafter, vocab_size: int, grid: ProfileGrid, seed: int = 0) 
 
 def run_profile(config: EngineConfig, *, quick: bool) -> LatencyModel:
     """Measure the target (and ``config.drafters``) in this process and fit the models."""
-    from cosine_ray.engine.local import build_drafter, build_target_stages  # avoids an import cycle
-
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     grid = ProfileGrid.for_mode(quick)
@@ -164,7 +188,7 @@ def run_profile(config: EngineConfig, *, quick: bool) -> LatencyModel:
                                     target_tokenizer=tokenizer, config=config)
             ssm += measure_drafter(drafter, vocab, grid)
     return LatencyModel.fit(llm, ssm, model_name=checkpoint.name, device=config.device, dtype=config.dtype,
-                            num_stages=config.num_stages, num_threads=config.num_threads or torch.get_num_threads())
+                            num_stages=config.num_stages, num_threads=profile_threads(config))
 
 
 def save_profile(model: LatencyModel, path: str | Path) -> Path:
@@ -177,8 +201,9 @@ def save_profile(model: LatencyModel, path: str | Path) -> Path:
 
 
 def load_or_profile(config: EngineConfig, *, quick: bool = True) -> LatencyModel:
-    """The profile for this model/device/dtype/stages if one is stored (and covers the
-    configured drafters), else run the pass now (quick by default) and store it."""
+    """The profile stored for this setup (``profile_path``: model, device, dtype, stages,
+    threads, drafter set) if there is one and it covers the configured drafters, else run the
+    pass now (quick by default) and store it."""
     path = profile_path(config)
     if path.is_file():
         try:

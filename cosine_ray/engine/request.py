@@ -1,4 +1,4 @@
-"""Requests and their sampling parameters: what the router's pool holds."""
+"""Requests and their sampling parameters: what the engine's request pool holds."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from cosine_ray.algo.sampling import make_generator
+from cosine_ray.algo.sampling import draw_seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +20,8 @@ class SamplingParams:
     top_k: int = 0
     """0 = off."""
     seed: int | None = None
-    """Seeds this request's own torch.Generator; None = random."""
+    """Keys this request's sampling noise (the same seed gives the same text, with or without
+    speculation and whatever else is batched with it); None = a random seed."""
     stop_token_ids: tuple[int, ...] = ()
     """Finish when one of these is generated (it is kept in the output, like EOS)."""
     ignore_eos: bool = False
@@ -81,9 +80,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    pending_commit: tuple[int, ...] | None = None
-    """Speculative KV slots of the last step to keep (root + accepted path) at the next score."""
+    seed: int | None = None
+    """Key of this request's sampling noise (``algo.sampling.sample_keyed``): ``params.seed``, or
+    a fresh random one (``draw_seed``, os.urandom) when that is None. Every request gets one;
+    greedy requests never use it."""
     kv_lost: bool = False
     """A stage lost this request's KV: the next step re-prefills prompt + committed tokens."""
     num_restores: int = 0
@@ -98,8 +98,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        if self.generator is None and not self.params.is_greedy:
-            self.generator = make_generator(self.params.seed)
+        if self.seed is None:
+            self.seed = draw_seed() if self.params.seed is None else int(self.params.seed)
 
     @property
     def context_token_ids(self) -> list[int]:

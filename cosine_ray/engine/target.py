@@ -5,9 +5,14 @@
 own actor and chains the hidden states). The router talks to it through ``TargetClient``.
 
 One ``ScoreItem`` per request and step carries everything a stage needs, so no metadata
-round trip precedes a forward (SiPipe's structure-aware transmission): the speculative
-slots of the previous step to keep (``commit_previous``), and the new tokens — a prompt
-chain at prefill, or a token tree's nodes afterwards.
+round trip precedes a forward (SiPipe's structure-aware transmission): the new tokens — a
+prompt chain at prefill, or a token tree's nodes afterwards — and, on the Ray path, the
+speculative slots of the previous step to keep (``commit_previous``).
+
+After verification the engine calls ``TargetClient.commit`` with each request's kept slots
+(root + accepted path, or the whole prefill chain). The in-process client applies it at once;
+the Ray client sends it with the request's next forward (no extra round trip). Either way it
+takes effect before that request's next forward.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ import torch
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.llama import LlamaStage, StageBatch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCommit:
+    """Keep these slots of a request's last speculative level (indices into the level, in
+    path order); the rest of the level is dropped (PipeDec's two-level cache)."""
+
+    request_id: str
+    keep: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +121,10 @@ class TargetClient(Protocol):
         Raises TargetUnavailable when a stage is gone or its state is lost."""
         ...
 
+    def commit(self, commits: Sequence[KVCommit]) -> None:
+        """Keep the accepted slots; applied before each request's next forward."""
+        ...
+
     async def release(self, request_ids: Sequence[str]) -> None:
         ...
 
@@ -153,15 +171,22 @@ class StageWorker:
         busy = self.busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
         return busy, max(0.0, now - self.started_at - busy)
 
+    def commit(self, commits: Sequence[KVCommit]) -> None:
+        for c in commits:
+            if c.request_id in self.cache:
+                self.cache.commit(c.request_id, c.keep)
+
     def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.cache.free(rid)
 
-    def num_cached_requests(self) -> int:
-        return len(self.cache.request_ids)
+    def release_all(self) -> None:
+        """Drop every request's KV (after a recovery nothing held before is valid)."""
+        self.release(self.cache.request_ids)
 
-    def num_cached_tokens(self) -> int:
-        return self.cache.num_tokens()
+    def kv_usage(self) -> dict[str, int]:
+        """Requests and tokens held (tests check nothing leaks)."""
+        return {"requests": len(self.cache.request_ids), "tokens": self.cache.num_tokens()}
 
 
 class TargetWorker:
@@ -180,12 +205,16 @@ class TargetWorker:
             hidden = stage.forward(items, hidden)
         return split_logits(items, hidden)
 
+    def commit(self, commits: Sequence[KVCommit]) -> None:
+        for stage in self.stages:
+            stage.commit(commits)
+
     def release(self, request_ids: Sequence[str]) -> None:
         for stage in self.stages:
             stage.release(request_ids)
 
     def num_cached_requests(self) -> int:
-        return max(s.num_cached_requests() for s in self.stages)
+        return max(s.kv_usage()["requests"] for s in self.stages)
 
 
 class LocalTargetClient:
@@ -197,10 +226,13 @@ class LocalTargetClient:
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         return self.worker.score(items)
 
+    def commit(self, commits: Sequence[KVCommit]) -> None:
+        self.worker.commit(commits)
+
     async def release(self, request_ids: Sequence[str]) -> None:
         self.worker.release(request_ids)
 
     async def recover(self, timeout_s: float) -> bool:
         for stage in self.worker.stages:
-            stage.release(stage.cache.request_ids)
+            stage.release_all()
         return True

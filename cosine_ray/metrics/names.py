@@ -3,7 +3,7 @@
 Names follow vLLM's (``vllm:`` becomes ``cosine_ray:``) where vLLM has one, so existing
 queries and dashboards carry over. Counters are listed by their base name; the Prometheus
 exposition adds ``_total``. Labels: ``drafter`` is a drafter name (``ngram``,
-``retrieval:code``, ``model:…``), ``domain`` the request's domain as the router classified
+``retrieval:code``, ``model:…``), ``domain`` the request's domain as the engine classified
 it (``code``, ``math``, ``instruction``, ``chat`` or ``other``).
 
 Derived figures (PromQL):
@@ -23,17 +23,22 @@ Derived figures (PromQL):
   / scalar(sum(rate(cosine_ray:routing_decisions_total[1m])))``; fusion share likewise over
   ``fusion_picks_total``; fusion survival: ``fusion_picks_accepted_total / fusion_picks_total``
   by drafter.
+- cost model error: ``sum(rate(cosine_ray:verify_predicted_seconds_total[1m])) /
+  sum(rate(cosine_ray:verify_seconds_total[1m]))`` (1 = exact); gain model error:
+  ``sum(rate(cosine_ray:spec_decode_expected_accepted_tokens_total[1m])) /
+  sum(rate(cosine_ray:spec_decode_num_accepted_tokens_total[1m]))``.
 - stage utilisation (1 - bubble share): ``rate(cosine_ray:stage_busy_seconds_total[1m]) /
   (rate(cosine_ray:stage_busy_seconds_total[1m]) + rate(cosine_ray:stage_idle_seconds_total[1m]))``
 - latency percentiles: ``histogram_quantile(0.99, sum by (le)
   (rate(cosine_ray:time_to_first_token_seconds_bucket[1m])))``; means: ``rate(X_sum[1m]) /
   rate(X_count[1m])`` (mean γ from ``scheduler_gamma``, mean Γ from ``scheduler_total_gamma``).
 
-Who records what: the router (``engine/router.py``) the speculation, routing, fusion and
-scheduler series; the engine loop (``engine/loop.py``) the serving series; the HTTP edge
-``http_requests``; the router actor at scrape time ``stage_*_seconds`` (read from the stage
+Who records what: the engine's exporter (``metrics/exporter.py``, fed one ``StepStats`` per
+step by ``engine/learner.py``) the speculation, routing, fusion and scheduler series; the
+engine loop (``engine/loop.py``) the serving series; the HTTP edge ``http_requests``; the
+engine deployment at scrape time ``stage_*_seconds`` (read from the stage
 workers), ``drafter_restarts`` (from the actor slots) and the running/waiting gauges. One
-registry in the router process holds them all; ``metrics/prometheus.py`` renders it.
+registry in the engine process holds them all; ``metrics/prometheus.py`` renders it.
 Unlabelled counters, gauges and histograms are always exported (0 until recorded); labelled
 ones appear with their first recorded series.
 """
@@ -62,7 +67,7 @@ METRICS: dict[str, MetricSpec] = {
     "cosine_ray:num_requests_running": MetricSpec("gauge", "Requests in the running batch."),
     "cosine_ray:num_requests_waiting": MetricSpec("gauge", "Requests queued for admission."),
     "cosine_ray:time_to_first_token_seconds": MetricSpec(
-        "histogram", "Arrival at the router to the first streamed token.", (), LATENCY_BUCKETS),
+        "histogram", "Arrival at the engine to the first streamed token.", (), LATENCY_BUCKETS),
     "cosine_ray:inter_token_latency_seconds": MetricSpec(
         "histogram", "Time between consecutive streamed increments, per token.", (), LATENCY_BUCKETS),
     "cosine_ray:time_per_output_token_seconds": MetricSpec(
@@ -108,6 +113,15 @@ METRICS: dict[str, MetricSpec] = {
         "histogram", "γ_i: draft-token budget given to each scheduled request.", (), SIZE_BUCKETS),
     "cosine_ray:scheduler_decision_seconds": MetricSpec(
         "histogram", "Time of one batch-scheduling decision (LP solve included).", (), DECISION_BUCKETS),
+    # ---- economics: the models the scheduler decides with, checked against what happened ----------
+    "cosine_ray:verify_seconds": MetricSpec(
+        "counter", "Wall time of the verify forwards (the target call of each step)."),
+    "cosine_ray:verify_predicted_seconds": MetricSpec(
+        "counter", "What the cost model (T_llm) predicted for those same forwards."),
+    "cosine_ray:spec_decode_expected_accepted_tokens": MetricSpec(
+        "counter", "Draft tokens the gain model expected verification to accept (Σ node acceptance)."),
+    "cosine_ray:speculation_level": MetricSpec(
+        "gauge", "κ, the guard's current multiplier on the value of an accepted token (0 = off)."),
     "cosine_ray:stage_busy_seconds": MetricSpec(
         "counter", "Seconds a pipeline stage spent computing.", ("stage",)),
     "cosine_ray:stage_idle_seconds": MetricSpec(

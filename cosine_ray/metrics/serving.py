@@ -13,7 +13,10 @@ stamped ``arrival_time`` and ``admitted_time``. Definitions:
 
 Latency histograms cover requests that finished normally (``stop``/``length``);
 ``request_success{finished_reason}`` counts every ending: ``stop``, ``length``, ``error``, and
-``abort`` (the caller stopped listening: client disconnect, or the HTTP layer's stop string).
+``abort`` (the caller stopped listening: client disconnect, timeout). A request the HTTP layer
+ends because a stop string appeared is a normal completion: the layer tells the engine
+(``EngineClient.finish``) before closing the stream, and the loop ends its timeline with
+``stop``, so it counts as ``stop`` and its latency is observed like any other completion.
 ``prompt_tokens`` counts a request's prompt once its first token exists (its prefill ran);
 ``generation_tokens`` counts tokens handed to the caller.
 """

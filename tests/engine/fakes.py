@@ -1,6 +1,6 @@
-"""Fakes for router tests: a lookup-table target that checks the KV protocol, and drafters
-that are perfect, wrong, malformed, failing or hanging (shared by test_router.py and
-test_cosine_router.py)."""
+"""Fakes for engine-core tests: a lookup-table target that checks the KV protocol, and drafters
+that are perfect, wrong, malformed, failing or hanging (shared by test_core.py and
+test_cosine_core.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
 class TableTarget:
     """TargetClient whose logits are a fixed function of the context (last two tokens and the
     length mod 5). It keeps its own "KV" (the committed tokens per request) and asserts the
-    protocol: a new request starts at 0, ``commit_previous`` is a root path of the last scored
-    tree (a prefix of a prefill chain), and ``start_position`` equals the committed length."""
+    protocol: a new request starts at 0, a commit (``commit`` or ``commit_previous``) is a root
+    path of the last scored tree (a prefix of a prefill chain), every scored level is committed
+    or dropped before the next, and ``start_position`` equals the committed length."""
 
     def __init__(self, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -65,13 +66,7 @@ class TableTarget:
             if it.commit_previous is None:
                 assert rid not in self.last, f"{rid}: previous level neither committed nor dropped"
             else:
-                tokens, parents = self.last.pop(rid)
-                keep = list(it.commit_previous)
-                if parents is None:
-                    assert keep == list(range(len(keep))), keep
-                else:
-                    assert keep[0] == 0 and all(parents[b] == a for a, b in zip(keep, keep[1:])), keep
-                self.committed[rid] += [tokens[k] for k in keep]
+                self._keep(rid, it.commit_previous)
             base = self.committed[rid]
             assert it.start_position == len(base), (rid, it.start_position, len(base))
             rows = []
@@ -89,6 +84,19 @@ class TableTarget:
             out.append(logits if it.all_logits else logits[-1:])
             self.last[rid] = (it.token_ids, it.parent_ids)
         return out
+
+    def commit(self, commits):
+        for c in commits:
+            self._keep(c.request_id, c.keep)
+
+    def _keep(self, rid, keep):
+        tokens, parents = self.last.pop(rid)
+        keep = list(keep)
+        if parents is None:
+            assert keep == list(range(len(keep))), keep
+        else:
+            assert keep[0] == 0 and all(parents[b] == a for a, b in zip(keep, keep[1:])), keep
+        self.committed[rid] += [tokens[k] for k in keep]
 
     async def release(self, request_ids):
         for rid in request_ids:
@@ -233,12 +241,17 @@ class RaisingDrafter(FakeDrafter):
 
 
 class HangingDrafter(FakeDrafter):
+    """Answers nothing, after ``seconds``; ``called`` is set when a call has started (a test
+    awaits it to act while a step is waiting for this drafter)."""
+
     def __init__(self, name: str = "hanging", seconds: float = 30.0) -> None:
         super().__init__(name)
         self.seconds = seconds
+        self.called = asyncio.Event()
 
     async def propose(self, inputs):
         self.num_calls += 1
+        self.called.set()
         await asyncio.sleep(self.seconds)
         return [DraftProposal.empty(i.request_id) for i in inputs]
 

@@ -20,8 +20,9 @@ from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.drafters.model import ModelDrafter
 from cosine_ray.engine.drafters.ngram import NgramDrafter
 from cosine_ray.engine.drafters.retrieval import RetrievalDrafter
-from cosine_ray.engine.local import PACKAGED_DATASTORES
-from cosine_ray.engine.speculation import LocalDrafterClient, fuse_drafts
+from cosine_ray.engine.build import PACKAGED_DATASTORES
+from cosine_ray.engine.drafters.worker import DrafterWorker
+from cosine_ray.engine.drafting import LocalDrafterClient, fuse_drafts
 from cosine_ray.models.llama import LlamaStage
 
 DOMAINS = ("code", "math", "instruction", "chat")
@@ -100,7 +101,7 @@ def fuse(clients, contexts, depth):
 @pytest.mark.parametrize("batch", [1, 4, 24])
 def test_chained_fusion_builds_the_same_trees_with_fewer_drafter_calls(stores, batch):
     contexts = real_contexts(stores, n_per_domain=6, seed=1)[::24 // batch]
-    chained_states, chained = fuse([LocalDrafterClient(d) for d in real_drafters(stores)], contexts, 8)
+    chained_states, chained = fuse([LocalDrafterClient(DrafterWorker(d)) for d in real_drafters(stores)], contexts, 8)
     plain_clients = [PlainClient(d) for d in real_drafters(stores)]
     plain_states, plain = fuse(plain_clients, contexts, 8)
     for rid, state in plain_states.items():

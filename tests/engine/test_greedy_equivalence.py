@@ -17,9 +17,10 @@ import torch
 
 from cosine_ray.engine.config import DOMAINS, EngineConfig, parse_drafters
 from cosine_ray.engine.drafters.datastore import Datastore
-from cosine_ray.engine.local import LocalEngine, datastore_path, encode_prompt
+from cosine_ray.engine.build import datastore_path
+from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.router import RouterConfig
+from cosine_ray.engine.config import StepConfig
 
 NEAR_TIE = 1e-4
 NEAR_TIES: list[str] = []
@@ -58,7 +59,7 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, *, top: int 
 
 def make_engine(ckpt, drafters: str, **router) -> LocalEngine:
     return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters),
-                                    router=RouterConfig(**router)), checkpoint=ckpt)
+                                    step=StepConfig(**router)), checkpoint=ckpt)
 
 
 # ==============================================================================================
@@ -141,7 +142,7 @@ def test_tiny_cosine_and_ablations_equal_hf_greedy(tiny_checkpoint, tiny_draft_c
 def test_tiny_pipeline_stages_and_continuous_batching(tiny_checkpoint, tiny_prompts, tiny_reference):
     """3 pipeline stages, more requests than max_batch_size, mixed max_tokens in one call."""
     engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
-                                      num_stages=3, router=RouterConfig(num_speculative_tokens=4, max_batch_size=3)),
+                                      num_stages=3, step=StepConfig(num_speculative_tokens=4, max_batch_size=3)),
                          checkpoint=tiny_checkpoint)
     limits = [TINY_MAX_TOKENS - 3 * i for i in range(len(tiny_prompts))]
     outs = engine.generate(tiny_prompts, [SamplingParams(max_tokens=n) for n in limits])
@@ -155,7 +156,7 @@ def test_tiny_micro_batch_lanes(tiny_checkpoint, tiny_prompts, tiny_reference):
     """Several lanes (micro-batches stepped by their own coroutines) change nothing."""
     engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
                                       num_stages=2,
-                                      router=RouterConfig(num_speculative_tokens=4, max_batch_size=5, num_lanes=2)),
+                                      step=StepConfig(num_speculative_tokens=4, max_batch_size=5, num_lanes=2)),
                          checkpoint=tiny_checkpoint)
     outs = engine.generate(tiny_prompts, SamplingParams(max_tokens=TINY_MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == tiny_reference
@@ -174,7 +175,7 @@ def test_tiny_long_context_grows_the_kv_cache(tiny_checkpoint, tiny_hf):
 
 def test_tiny_eos_stops_like_hf(tmp_path, tiny_prompts):
     """With an EOS token, the engine stops exactly where HF generate stops."""
-    from cosine_ray.models.loader import write_tiny_checkpoint
+    from tiny_checkpoint import write_tiny_checkpoint
     probe = write_tiny_checkpoint(tmp_path / "probe", vocab_size=256, seed=0)
     hf = probe.load_hf_model()
     ref, _ = hf_greedy(hf, tiny_prompts[4], TINY_MAX_TOKENS)
@@ -196,11 +197,13 @@ def test_tiny_eos_stops_like_hf(tmp_path, tiny_prompts):
 # an output is HF's greedy output iff, at each position, its token is HF's argmax on the output's
 # own prefix. One HF forward per distinct output checks that (teacher forcing, cached across
 # drafter sets) instead of 960 sequential HF decode steps; up to the first difference the
-# prefix *is* HF's reference prefix, so the near-tie rule is the one of DESIGN §6. After an
+# prefix *is* HF's reference prefix, so the near-tie rule above (NEAR_TIE) applies. After an
 # excused near-tie the rest is still checked on our trajectory. ``test_real_none_equals_hf_generate``
 # ties the two formulations together with literal ``generate`` calls on a few prompts.
 
-from cosine_ray.bench import DEFAULT_PROMPT_DIR as PROMPTS_DIR  # noqa: E402
+from cosine_ray.datasets import default_prompt_dir  # noqa: E402
+
+PROMPTS_DIR = default_prompt_dir()
 PROMPT_FILES = ("humaneval", "gsm8k", "alpaca", "mtbench")
 REAL_MAX_TOKENS = 48
 REAL_PER_FILE = 5
@@ -309,7 +312,8 @@ def check_hf_greedy(label: str, prompt: list[int], ours: list[int], tops, eos_to
         NEAR_TIES.append(f"{label}: position {j} took {token} instead of HF's {ids[0]} (gap {gap:.2e})")
 
 
-REAL_DRAFTER_SETS = {"none": ("none", 8), "ngram": ("ngram", 8), "self": ("self", 4)}
+REAL_DRAFTER_SETS = {"none": ("none", 8), "ngram": ("ngram", 8), "self": ("self", 4), "suffix": ("suffix", 8),
+                     "learning": ("learning", 8)}
 
 
 @pytest.mark.real_model
@@ -336,6 +340,26 @@ def test_real_speculative_equals_hf_greedy(real_engines, hf_tops, real_prompts, 
                              f"self-drafts accepted (near-tie on the output, gap {gap:.2e})")
     if name == "none":
         assert all(o.stats.num_draft_tokens == 0 for o in outs)
+
+
+@pytest.mark.real_model
+def test_real_learning_experts_learn_and_stay_lossless(real_checkpoint, hf_tops, real_prompts):
+    """Live suffix experts (``learning``): the same prompts a second time are drafted from the
+    first pass's outputs (the experts learned them), and both passes equal HF greedy."""
+    engine = make_engine(real_checkpoint, "learning", num_speculative_tokens=8, max_batch_size=8)
+    params = SamplingParams(max_tokens=REAL_MAX_TOKENS)
+    first, second = engine.generate(real_prompts, params), engine.generate(real_prompts, params)
+    eos = engine.eos_token_ids()
+    for k, (prompt, a, b) in enumerate(zip(real_prompts, first, second)):
+        check_hf_greedy(f"learning prompt {k}", prompt, a.new_token_ids, hf_tops, eos)
+        assert b.new_token_ids == a.new_token_ids
+    experts = [d for d in engine.drafters if d.name.startswith("suffix:")]
+    assert sum(d.state_size()["global_sequences"] for d in experts) > 0
+    steps = [sum(o.stats.num_verify_steps for o in outs) for outs in (first, second)]
+    accepted = sum(o.stats.num_accepted_tokens for o in second)
+    mean_len = (accepted + steps[1]) / steps[1]
+    print(f"\n[learning] verify steps {steps[0]} -> {steps[1]}; second pass mean accepted length {mean_len:.2f}")
+    assert steps[1] < steps[0] / 2 and mean_len >= 3.0
 
 
 @pytest.mark.real_model

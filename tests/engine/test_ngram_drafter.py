@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, Drafter
+from drafter_protocol import assert_speaks_drafter_protocol  # noqa: E402
+from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput
 from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter, grow_paths
 
 
@@ -25,9 +26,11 @@ def check_invariants(proposal, budget: int) -> None:
     assert all(0.0 <= c <= 1.0 for confs in proposal.confidences for c in confs)
 
 
-def test_is_a_drafter_with_name():
+def test_speaks_the_drafter_protocol_with_its_name():
     drafter = NgramDrafter()
-    assert isinstance(drafter, Drafter)
+    contexts = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 1, 2, 4, 1, 2], [9]]
+    assert assert_speaks_drafter_protocol(drafter, contexts, vocab_size=16) > 0
+    assert drafter.num_tracked_requests == 0  # released
     assert drafter.name == "ngram"
     assert NgramDrafter(name="ngram:ctx").name == "ngram:ctx"
 
@@ -203,3 +206,14 @@ def test_grow_paths_restores_tail_and_trims_best_first():
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         NgramConfig(**kwargs)
+
+
+def test_protocol_check_catches_a_malformed_drafter():
+    """The conformance check can fail: a confidence above 1 is something fusion would drop."""
+    class Overconfident(NgramDrafter):
+        def continue_drafts(self, queries):
+            return [[[(tok, conf * 1.5) for tok, conf in cands] for cands in per_prefix]
+                    for per_prefix in super().continue_drafts(queries)]
+
+    with pytest.raises(AssertionError):
+        assert_speaks_drafter_protocol(Overconfident(), [[5, 6, 7, 8, 9, 5, 6, 7]], vocab_size=16)

@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from cosine_ray.algo.latency_model import LatencyModel
 from cosine_ray.cli import main
@@ -51,8 +52,8 @@ def test_quick_pass_measures_the_grid_and_fits(tiny_profile):
 def test_profile_json_round_trips_through_the_default_path(tiny_profile, cache):
     config, model = tiny_profile
     path = profile.save_profile(model, profile.profile_path(config))
-    assert path.parent == cache / "profiles" and path.name.endswith("-cpu-float32-s1.json")
-    assert path.name.startswith("tiny-llama-")
+    assert path.parent == cache / "profiles" and path.name.startswith("tiny-llama-")
+    assert f"-cpu-float32-s1-t1-d{profile.drafter_set_digest(config)}.json" in path.name
     again = LatencyModel.from_json(path.read_text())
     assert again == model
 
@@ -71,6 +72,46 @@ def test_load_or_profile_loads_a_stored_profile_and_replaces_a_bad_one(tiny_prof
     with_more = EngineConfig(model=config.model, drafters=parse_drafters("ngram,self"), num_threads=1)
     profile.load_or_profile(with_more)
     assert calls == [True, True]
+
+
+def test_profile_path_keys_the_drafter_set_and_threads(tiny_checkpoint, cache):
+    """Different setups (drafter set, torch threads, stages) get different files; the same
+    setup (drafters in any order) the same file."""
+    def cfg(drafters="ngram", threads=1, stages=1):
+        return EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters(drafters),
+                            num_threads=threads, num_stages=stages)
+
+    base = profile.profile_path(cfg())
+    assert profile.profile_path(cfg()) == base
+    assert profile.profile_path(cfg("ngram,retrieval:code")) == profile.profile_path(cfg("retrieval:code,ngram"))
+    others = [cfg("ngram,retrieval"), cfg("none"), cfg(threads=2), cfg(stages=2), cfg("ngram,retrieval:code")]
+    paths = {profile.profile_path(c) for c in others} | {base}
+    assert len(paths) == len(others) + 1, paths
+    assert all(p.parent == cache / "profiles" for p in paths)
+    # no num_threads: keyed by the thread count this process runs with (what the pass would use)
+    assert profile.profile_path(cfg(threads=None)) == profile.profile_path(cfg(threads=torch.get_num_threads()))
+    # `cosine-ray serve` (default drafters) vs a Serve config with `ngram,retrieval`: two files
+    assert profile.profile_path(cfg("default", stages=2)) != profile.profile_path(cfg("ngram,retrieval", stages=2))
+
+
+def test_two_setups_keep_their_own_profiles(tiny_profile, cache, monkeypatch):
+    """Loading one setup's profile never re-profiles (or overwrites) another's: before the
+    drafter set and threads were in the name, alternating two setups re-profiled every start."""
+    config, model = tiny_profile
+    setups = {"ngram, 1 thread": (config, model)}
+    for label, other in (("no drafters", EngineConfig(model=config.model, drafters=(), num_threads=1)),
+                         ("ngram, 2 threads", EngineConfig(model=config.model, drafters=config.drafters,
+                                                           num_threads=2))):
+        setups[label] = (other, LatencyModel.fit(model.llm_samples, model.ssm_samples, model_name=label,
+                                                 num_threads=other.num_threads))
+    paths = {label: profile.save_profile(m, profile.profile_path(c)) for label, (c, m) in setups.items()}
+    assert len(set(paths.values())) == len(setups)
+    monkeypatch.setattr(profile, "run_profile", lambda *a, **k: pytest.fail("re-profiled a stored setup"))
+    for _ in range(2):  # alternate between the setups, as restarts of different servers do
+        for label, (c, m) in setups.items():
+            assert profile.load_or_profile(c) == m, label
+    for label, (c, m) in setups.items():
+        assert LatencyModel.from_json(paths[label].read_text()) == m, label
 
 
 def test_cli_profile_writes_json(tiny_checkpoint, tmp_path, capsys):

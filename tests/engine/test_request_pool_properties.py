@@ -11,7 +11,7 @@ and drafters. After every operation:
 * no output arrives for a request after its abort or after its final output.
 
 After draining: no KV and no speculative level left on the target, no request released twice,
-nothing left in the planner, and every request that ran to the end produced exactly the
+nothing left in routing, scheduling or the gain model, and every request that ran to the end produced exactly the
 target's greedy continuation (abort traffic never changes anyone else's text).
 """
 
@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.router import Router, RouterConfig
+from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.core import EngineCore
 
 from fakes import PROMPTS, VOCAB, FakeDrafter, OracleDrafter, TableTarget  # noqa: E402
 
@@ -66,12 +67,12 @@ def check_invariants(router: Router, target: TableTarget, model: Model) -> None:
     for rid in model.ids:
         places = (rid in waiting) + (rid in running) + (rid in model.finished | model.aborted)
         assert places == 1, f"{rid} is in {places} places"
-    tracked = set(running) | set(router._to_release)
+    tracked = set(running) | set(router.pool.to_release)
     assert set(target.committed) <= tracked, f"KV held for untracked requests: {set(target.committed) - tracked}"
 
 
 async def run_ops(ops, target: TableTarget, drafters) -> tuple[Router, Model]:
-    router = Router(RouterConfig(max_batch_size=MAX_BATCH, num_speculative_tokens=4, fusion="union",
+    router = EngineCore(StepConfig(max_batch_size=MAX_BATCH, num_speculative_tokens=4, fusion="union",
                                  scheduler="fcfs", adaptive=False, drafters_per_request=2),
                     target, drafters, vocab_size=VOCAB)
     model = Model()
@@ -143,6 +144,6 @@ def test_add_abort_finish_sequences_never_leak_or_double_release(ops):
     assert model.finished | model.aborted == set(model.ids)
     for rid in model.finished:
         assert model.tokens[rid] == target.greedy(model.prompt[rid], model.max_tokens[rid]), rid
-    planner_state = getattr(router.planner, "num_tracked_requests", None)
-    if planner_state is not None:
-        assert planner_state == 0
+    assert router.routing.router.num_requests == 0, "routing state left behind"
+    assert router.scheduler.num_tracked_requests == 0, "scheduling state left behind"
+    assert router.learner.gains.num_tracked_requests == 0, "gain predictions left behind"

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput, Drafter
+from drafter_protocol import assert_speaks_drafter_protocol  # noqa: E402
+from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter
 
@@ -16,6 +17,8 @@ SEQS = [
     [20, 11, 12, 13, 14, 15, 18, 19],
     [30, 31, 32, 33, 34, 35, 36, 37, 38, 39],
 ]
+
+VOCAB_LIMIT = 1000
 
 
 def make_drafter(seqs=SEQS, **config) -> RetrievalDrafter:
@@ -37,9 +40,10 @@ def check_invariants(proposal, budget):
     assert all(0.0 <= c <= 1.0 for confs in proposal.confidences for c in confs)
 
 
-def test_is_a_drafter_named_by_domain():
+def test_speaks_the_drafter_protocol_named_by_domain():
     drafter = make_drafter()
-    assert isinstance(drafter, Drafter)
+    contexts = [list(seq[: max(len(seq) // 2, 2)]) for seq in SEQS] + [[999]]
+    assert assert_speaks_drafter_protocol(drafter, contexts, vocab_size=VOCAB_LIMIT) > 0
     assert drafter.name == "retrieval:code"
     store = Datastore.from_sequences(SEQS, domain="math", model_name="m")
     assert RetrievalDrafter(store, name="r").name == "r"

@@ -1,7 +1,9 @@
 """A real Prometheus scrapes a real ``cosine-ray serve``; the dashboards' queries must all work.
 
-Set-up: Debian's ``prometheus`` binary (``scripts/install_prometheus.sh``, also run by
-``.ci/run``) runs on loopback with a 1 s scrape interval against the Serve port's ``/metrics``;
+Set-up: Debian's ``prometheus`` binary (install it with ``sudo bash
+scripts/install_prometheus.sh``; .ci/run does, and sets COSINE_RAY_REQUIRE_PROMETHEUS=1; without
+the binary the test is skipped, or fails when that variable is 1: it never installs anything
+itself) runs on loopback with a 1 s scrape interval against the Serve port's ``/metrics``;
 ``cosine-ray serve --return-spec-stats`` runs on the session Ray cluster (2 stages, ngram +
 retrieval drafters, SmolLM2-135M). Traffic, through the official ``openai`` client: a warm-up
 request, a 400 and a 404 (so every per-request series exists before the main traffic and rates
@@ -40,12 +42,15 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cli_server import free_port, stop_cli, wait_until_serving  # noqa: E402
-from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
+from cosine_ray.runtime.cluster import actor_name  # noqa: E402
+from engine_app import engine_actor, force_cleanup, our_actors  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = ROOT / "scripts" / "install_prometheus.sh"
+INSTALL_COMMAND = "sudo bash scripts/install_prometheus.sh"
+REQUIRE_ENV = "COSINE_RAY_REQUIRE_PROMETHEUS"
 READY_TIMEOUT_S = 360.0
 REQUEST_TIMEOUT_S = 180.0
 MAX_TOKENS = 16
@@ -66,41 +71,29 @@ def _log(msg: str) -> None:
 
 
 def cleanup_leftovers(timeout_s: float = 30.0) -> None:
-    """Whatever a killed CLI left in the session cluster (router, stages, drafters, Serve)."""
-    def ours():
-        return [(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith("cosine_ray:") or a["namespace"] == "serve"]
-
+    """Whatever a killed CLI left in the session cluster (engine, stages, drafters, Serve)."""
     deadline = time.monotonic() + timeout_s
-    while ours() and time.monotonic() < deadline:
+    while our_actors() and time.monotonic() < deadline:
         time.sleep(0.5)
-    if not ours():
-        return
-    from ray import serve
-
-    from cosine_ray.runtime.router_actor import kill_router
-    try:
-        serve.shutdown()
-    except Exception as exc:
-        _log(f"serve.shutdown: {exc!r}")
-    kill_router()
-    for namespace, name in ours():
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except Exception:
-            pass
+    if our_actors():
+        force_cleanup()
 
 
 # ---- prometheus ---------------------------------------------------------------------------------
 
 def prometheus_binary() -> str:
+    """The ``prometheus`` on PATH. The test never installs a system package itself: without
+    the binary it is skipped (the reason, in pytest's summary, names the install command), or
+    it fails when ``COSINE_RAY_REQUIRE_PROMETHEUS=1`` (.ci/run sets it after running
+    scripts/install_prometheus.sh, so CI can never skip it silently)."""
     exe = shutil.which("prometheus")
-    if exe is None:
-        done = subprocess.run(["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{INSTALL_SCRIPT} failed:\n{done.stdout}\n{done.stderr}"
-        exe = shutil.which("prometheus")
-    assert exe, "prometheus is not installed; run scripts/install_prometheus.sh"
-    return exe
+    if exe:
+        return exe
+    message = (f"prometheus is not installed: run `{INSTALL_COMMAND}` (Debian/Ubuntu, installs the "
+               f"`prometheus` package), or put a prometheus binary on PATH")
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 and {message}", pytrace=False)
+    pytest.skip(message)
 
 
 @dataclass
@@ -122,8 +115,7 @@ class Prometheus:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def start_prometheus(tmp: Path, target_port: int) -> Prometheus:
-    exe = prometheus_binary()
+def start_prometheus(exe: str, tmp: Path, target_port: int) -> Prometheus:
     port = free_port()
     config = tmp / "prometheus.yml"
     config.write_text(
@@ -168,9 +160,13 @@ def wait_for_finished_count(prom: Prometheus, expected: int, timeout_s: float = 
     refreshed in the background, see runtime/metrics_scrape.py); the exact comparisons in
     the tests run on the first scrape that has seen every request finish."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sum(prom.vector("sum(cosine_ray:request_success_total)").values()) >= expected:
+    while True:
+        seen = sum(prom.vector("sum(cosine_ray:request_success_total)").values())
+        if seen >= expected:
             return
+        if time.monotonic() > deadline:
+            pytest.fail(f"Prometheus counted {seen} finished requests after {timeout_s} s; the clients "
+                        f"saw {expected}\n{prom.log_tail()}")
         time.sleep(0.5)
 
 
@@ -263,25 +259,43 @@ async def run_traffic(url: str, model: str, ledger: Ledger, *, warmup: bool) -> 
 
 
 def kill_drafter0() -> None:
-    """ray.kill (no restart) drafter 0 (ngram): the router's next call to it fails and its slot
+    """ray.kill (no restart) drafter 0 (ngram): the engine's next call to it fails and its slot
     spawns a new one (one drafter failure or more, exactly one restart)."""
-    ray.kill(ray.get_actor(actor_name("drafter", 0), namespace=NAMESPACE))
+    ray.kill(engine_actor(actor_name("drafter", 0)))
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_missing_prometheus_is_never_installed_by_the_test(monkeypatch, required):
+    """No `apt-get install` from pytest: a missing binary skips (README command on a fresh
+    machine) or, with COSINE_RAY_REQUIRE_PROMETHEUS=1 (.ci/run), fails; both name the command."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"the test ran {a}: it must not install"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail(f"the test ran {a}: it must not install"))
+    monkeypatch.setenv(REQUIRE_ENV, "1" if required else "0")
+    expected = pytest.fail.Exception if required else pytest.skip.Exception
+    with pytest.raises(expected) as info:
+        prometheus_binary()
+    assert INSTALL_COMMAND in str(info.value) and len(str(info.value).splitlines()) == 1
+    assert (ROOT / INSTALL_COMMAND.split()[-1]).is_file()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"export {REQUIRE_ENV}=1" in ci and ci.index("install_prometheus.sh") < ci.index("python -m pytest")
 
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, tmp_path_factory, real_checkpoint) -> Served:
+    prometheus = prometheus_binary()  # skips (or fails in CI) before anything starts
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     exe = shutil.which("cosine-ray")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
         "serve", "--port", str(port), "--address", ray_cluster, "--drafters", "ngram,retrieval",
-        "--drafters-in-router", "retrieval", "--stages", "2", "--return-spec-stats"]  # ngram: an actor (killed)
+        "--drafters-in-engine", "retrieval", "--stages", "2", "--return-spec-stats"]  # ngram: an actor (killed)
     start = time.perf_counter()
     cli_log = tmp / "cli.log"
     log = open(cli_log, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    prom = start_prometheus(tmp, port)  # scrapes fail until the server is up; that is fine
+    prom = start_prometheus(prometheus, tmp, port)  # scrapes fail until the server is up; that is fine
     try:
         wait_prometheus_ready(prom)
         url = f"http://127.0.0.1:{port}"

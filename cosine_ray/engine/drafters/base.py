@@ -75,6 +75,18 @@ class ContinueQuery:
     most likely tokens so far (``continue_drafts`` answers one)."""
 
 
+@dataclass(frozen=True, slots=True)
+class FinishedText:
+    """A request that finished normally, for drafters that learn from what the server writes
+    (``Drafter.learn``, optional): its text and the domain the engine classified it into."""
+
+    request_id: str
+    domain: str
+    token_ids: tuple[int, ...]
+    """Prompt + output."""
+    prompt_len: int
+
+
 Candidates = list[tuple[int, float]]
 """``(token_id, probability)`` continuations, most likely first; ``[]`` when the drafter has none."""
 
@@ -96,6 +108,9 @@ class Drafter(Protocol):
 
     def release(self, request_id: str) -> None:
         ...
+
+    # optional: def learn(self, texts: Sequence[FinishedText]) -> None  (drafters that learn
+    # from finished requests; the engine calls it when requests end with stop or length)
 
 
 def continue_chains(drafter: Drafter, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:

@@ -1,4 +1,4 @@
-"""The speculation cluster as the router sees it: drafter clients with deadlines.
+"""The speculation cluster as the engine sees it: drafter clients with deadlines.
 
 Two ways to draft a batch, both one call per drafter for all the requests routed to it:
 
@@ -11,7 +11,7 @@ Two ways to draft a batch, both one call per drafter for all the requests routed
 - ``gather_proposals``: each drafter proposes whole paths on its own (single-drafter
   speculation, and the union-of-paths mode).
 
-Either way ``build_tree`` then applies TreeSelection. A drafter that errors, hangs past its
+Either way TreeSelection (``algo.tree_selection``) then builds the tree. A drafter that errors, hangs past its
 deadline or returns garbage is dropped (for the step, or for the rest of the fusion rounds)
 and counted as a failure; the request goes on with the remaining drafters, or none (plain
 decoding). Text never changes because verification decides every token.
@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
-from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
-                                             Drafter, continue_chains)
-from cosine_ray.metrics.registry import MetricsRegistry
+                                             FinishedText)
+from cosine_ray.engine.drafters.worker import DrafterWorker
 
 log = logging.getLogger(__name__)
 
@@ -46,41 +45,58 @@ class DrafterClient(Protocol):
 
     async def release(self, request_ids: Sequence[str]) -> None: ...
 
+    learns: bool
+    """Whether the drafter learns from finished requests (then the engine calls ``learn``)."""
+
+    async def learn(self, texts: Sequence[FinishedText]) -> None: ...
+
 
 class LocalDrafterClient:
-    """DrafterClient over an in-process drafter."""
+    """DrafterClient over an in-process ``DrafterWorker`` (the same worker a drafter actor hosts)."""
 
-    def __init__(self, drafter: Drafter) -> None:
-        self.drafter = drafter
-        self.name = drafter.name
+    def __init__(self, worker: DrafterWorker) -> None:
+        self.worker = worker
+        self.name = worker.name
+        self.learns = worker.learns
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
-        return self.drafter.propose(inputs)
+        return self.worker.propose(inputs)
 
     async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
-        return self.drafter.continue_drafts(queries)
+        return self.worker.continue_drafts(queries)
 
     async def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
-        return continue_chains(self.drafter, queries)
+        return self.worker.continue_chains(queries)
 
     async def observe(self, feedback: Sequence[DraftFeedback]) -> None:
-        self.drafter.observe(feedback)
+        self.worker.observe(feedback)
 
     async def release(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            self.drafter.release(rid)
+        self.worker.release(request_ids)
+
+    async def learn(self, texts: Sequence[FinishedText]) -> None:
+        self.worker.learn(texts)
 
 
 @dataclass(slots=True)
-class SpeculationStats:
-    metrics: MetricsRegistry | None = None
-    """Where ``cosine_ray:drafter_failures`` is counted too (the router's registry)."""
-    failures: dict[str, int] = field(default_factory=dict)
+class DraftingStats:
+    """One step's drafting as it happened (the learner puts it into ``StepStats``)."""
+
+    failures: list[str] = field(default_factory=list)
+    """Drafter of each dropped call or malformed answer (error, deadline, garbage)."""
+    rounds: int = 0
+    """Fusion rounds (trunk positions decided)."""
+    calling_rounds: int = 0
+    """Rounds that waited for at least one drafter: the step's drafting latency in round trips."""
+    calls: int = 0
+    """Drafter calls made (one per drafter per round that needed it)."""
+    num_drafted_nodes: int = 0
+    """Draft nodes of the full trees, before TreeSelection cut them to γ_i."""
+    selection_s: float = 0.0
+    """Time TreeSelection took (part of the step's scheduling decision)."""
 
     def failed(self, name: str) -> None:
-        self.failures[name] = self.failures.get(name, 0) + 1
-        if self.metrics is not None:
-            self.metrics.inc("cosine_ray:drafter_failures", drafter=name)
+        self.failures.append(name)
 
 
 def is_valid_proposal(p: object, item: DraftInput, vocab_size: int) -> bool:
@@ -99,7 +115,8 @@ def is_valid_proposal(p: object, item: DraftInput, vocab_size: int) -> bool:
     return True
 
 
-def _valid_candidates(cands: object, k: int, vocab_size: int) -> bool:
+def is_valid_candidates(cands: object, k: int, vocab_size: int) -> bool:
+    """An answer for one prefix: at most ``k`` ``(token, confidence)`` pairs, tokens in the vocabulary."""
     if not isinstance(cands, (list, tuple)) or len(cands) > k:
         return False
     for c in cands:
@@ -149,7 +166,7 @@ async def _call_all(clients: Mapping[str, DrafterClient], batches: Mapping[str, 
 
 async def gather_proposals(clients: Mapping[str, DrafterClient], batches: Mapping[str, Sequence[DraftInput]], *,
                            deadline_s: float, vocab_size: int,
-                           stats: SpeculationStats | None = None) -> dict[str, list[DraftProposal]]:
+                           stats: DraftingStats | None = None) -> dict[str, list[DraftProposal]]:
     """Ask each drafter for whole draft paths for the requests routed to it.
 
     Returns request id → valid, non-empty proposals; a late, failing or malformed drafter
@@ -175,7 +192,7 @@ async def gather_proposals(clients: Mapping[str, DrafterClient], batches: Mappin
 
 async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str, FusionState],
                       contexts: Mapping[str, Sequence[int]], *, deadline_s: float, vocab_size: int,
-                      stats: SpeculationStats | None = None, live: Callable[[str], bool] | None = None) -> FusionCalls:
+                      stats: DraftingStats | None = None, live: Callable[[str], bool] | None = None) -> DraftingStats:
     """Run fusion rounds until every state is done.
 
     Each round needs, per drafter and request, its answers for a few prefixes. Answers come
@@ -187,7 +204,7 @@ async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str,
     would recreate the per-request state its release has just freed on the drafters."""
     dropped: set[str] = set()
     known: dict[tuple[str, str], dict[tuple[int, ...], Candidates]] = {}
-    calls = FusionCalls()
+    calls = stats if stats is not None else DraftingStats()
     while True:
         wanted: dict[str, dict[str, tuple[tuple[int, ...], ...]]] = {}  # request → drafter → prefixes
         for rid, state in states.items():
@@ -213,8 +230,7 @@ async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str,
                 if not ok:
                     log.warning("drafter %s dropped from this step's fusion", name)
                     dropped.add(name)
-                    if stats is not None:
-                        stats.failed(name)
+                    calls.failed(name)
         for rid, per_drafter in wanted.items():
             answers: dict[str, list[Candidates]] = {}
             for name, prefixes in per_drafter.items():
@@ -222,16 +238,6 @@ async def fuse_drafts(clients: Mapping[str, DrafterClient], states: Mapping[str,
                 if name not in dropped and all(p in cache for p in prefixes):
                     answers[name] = [cache[p] for p in prefixes]
             states[rid].absorb(answers)
-
-
-@dataclass(slots=True)
-class FusionCalls:
-    rounds: int = 0
-    """Fusion rounds (trunk positions decided)."""
-    calling_rounds: int = 0
-    """Rounds that waited for at least one drafter (the step's drafting latency)."""
-    calls: int = 0
-    """Drafter calls made (one per drafter per round that needed it)."""
 
 
 async def _fetch_chains(clients: Mapping[str, DrafterClient], batches: Mapping[str, list[ContinueQuery]],
@@ -251,7 +257,7 @@ async def _fetch_chains(clients: Mapping[str, DrafterClient], batches: Mapping[s
     for name, result in results.items():
         queries = batches[name]
         ok[name] = (not isinstance(result, BaseException) and isinstance(result, list) and len(result) == len(queries)
-                    and all(_valid_chains(r, q, vocab_size) for q, r in zip(queries, result)))
+                    and all(is_valid_chains(r, q, vocab_size) for q, r in zip(queries, result)))
         if not ok[name]:
             continue
         for q, chains in zip(queries, result):
@@ -265,66 +271,18 @@ async def _fetch_chains(clients: Mapping[str, DrafterClient], batches: Mapping[s
     return ok
 
 
-def _valid_chains(chains: object, q: ContinueQuery, vocab_size: int) -> bool:
+def is_valid_chains(chains: object, q: ContinueQuery, vocab_size: int) -> bool:
+    """A ``continue_chains`` answer for one query: per prefix, 1..depth well-formed candidate lists."""
     return (isinstance(chains, list) and len(chains) == len(q.prefixes)
-            and all(isinstance(c, list) and 1 <= len(c) <= q.depth and all(_valid_candidates(x, q.k, vocab_size) for x in c)
+            and all(isinstance(c, list) and 1 <= len(c) <= q.depth and all(is_valid_candidates(x, q.k, vocab_size) for x in c)
                     for c in chains))
-
-
-@dataclass(frozen=True, slots=True)
-class SelectedTree:
-    tree: TokenTree
-    owners: tuple[str, ...]
-    """Drafter of each node ("" for the root)."""
-    raw_confidences: tuple[float, ...]
-    """The owner's own probability of each node (root: 1.0)."""
-
-    def node_acceptance(self) -> list[float]:
-        """Cumulative (calibrated) confidence of each draft node: its chance of acceptance."""
-        return self.tree.cumulative_confidences()[1:]
 
 
 def proposals_to_paths(proposals: Sequence[DraftProposal], calibrate: Calibrate | None = None) -> list[FusedPath]:
     paths = []
     for p in proposals:
-        for path, confs in zip(p.paths, p.confidences):
-            cal = tuple(calibrate(p.drafter, c) if calibrate else c for c in confs)
-            paths.append(FusedPath(tuple(path), cal, (p.drafter,) * len(path), tuple(confs)))
+        for index, (path, confs) in enumerate(zip(p.paths, p.confidences)):  # a drafter's first path: its trunk
+            cal = tuple(calibrate(p.drafter, c, depth, index == 0) if calibrate else c
+                        for depth, c in enumerate(confs, start=1))
+            paths.append(FusedPath(tuple(path), cal, (p.drafter,) * len(path), tuple(confs), (index == 0,) * len(path)))
     return paths
-
-
-def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
-               min_confidence: float = 0.0) -> SelectedTree:
-    """TreeSelection: the union of ``paths`` as one tree of at most ``budget`` draft nodes.
-
-    All paths are merged (shared prefixes become one node, keeping the highest confidence),
-    then the ``budget`` draft nodes with the highest cumulative confidence (the product
-    along their path) survive, none below ``min_confidence``. A node's cumulative
-    confidence never exceeds its parent's, so ancestors survive first. A node's owner is
-    the drafter of the first path that reached it (list the fused trunk first)."""
-    full = TokenTree.from_paths(root_token_id, [p.token_ids for p in paths], [p.confidences for p in paths])
-    owner = [""] * full.num_nodes
-    raw = [1.0] * full.num_nodes
-    lookup = {(full.parent_ids[i], full.token_ids[i]): i for i in range(1, full.num_nodes)}
-    for p in paths:
-        node = 0
-        raws = p.raw_confidences or p.confidences
-        for tok, who, r in zip(p.token_ids, p.owners, raws):
-            node = lookup[(node, int(tok))]
-            if not owner[node]:
-                owner[node], raw[node] = who, r
-    cum = full.cumulative_confidences()
-    eligible = [i for i in range(1, full.num_nodes) if cum[i] >= min_confidence]
-    if len(eligible) == full.num_draft_tokens <= budget:
-        return SelectedTree(full, tuple(owner), tuple(raw))
-    # cum[child] <= cum[parent] and parents have smaller indices, so the top-`budget` set by
-    # (-cum, index) — and the set above a threshold — always holds every kept node's ancestors.
-    kept = sorted(sorted(eligible, key=lambda i: (-cum[i], i))[:max(budget, 0)])
-    return SelectedTree(full.select(kept), ("",) + tuple(owner[k] for k in kept), (1.0,) + tuple(raw[k] for k in kept))
-
-
-def merge_proposals(root_token_id: int, proposals: Sequence[DraftProposal], budget: int, *,
-                    min_confidence: float = 0.0) -> tuple[TokenTree, list[str]]:
-    """Union of whole-path proposals under TreeSelection; returns the tree and node owners."""
-    selected = build_tree(root_token_id, proposals_to_paths(proposals), budget, min_confidence=min_confidence)
-    return selected.tree, list(selected.owners)

@@ -14,11 +14,13 @@ from cosine_ray.algo.sampling import logits_to_probs
 from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.drafters.model import ModelDrafter
 from cosine_ray.engine.drafters.ngram import NgramDrafter
-from cosine_ray.engine.local import build_target_stages
+from cosine_ray.engine.build import build_target_stages
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.router import Router, RouterConfig
-from cosine_ray.engine.speculation import LocalDrafterClient
+from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.core import EngineCore
+from cosine_ray.engine.drafters.worker import DrafterWorker
+from cosine_ray.engine.drafting import LocalDrafterClient
 from cosine_ray.engine.target import LocalTargetClient, TargetWorker
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
@@ -33,8 +35,8 @@ CLASSIC = dict(fusion="union", scheduler="fcfs", adaptive=False, drafters_per_re
 plumbing these tests pin down exactly. CoSine's own path is tested in test_cosine_router.py."""
 
 
-def make_router(target, drafters=(), *, eos=(), vocab=VOCAB, **config) -> Router:
-    return Router(RouterConfig(**{**CLASSIC, **config}), target, list(drafters), vocab_size=vocab, eos_token_ids=eos)
+def make_router(target, drafters=(), *, eos=(), vocab=VOCAB, **config) -> EngineCore:
+    return EngineCore(StepConfig(**{**CLASSIC, **config}), target, list(drafters), vocab_size=vocab, eos_token_ids=eos)
 
 
 def run_batch(target, drafters, prompts=PROMPTS, params=SamplingParams(max_tokens=21), **config):
@@ -78,7 +80,7 @@ def test_oracle_drafter_accepts_whole_budget(gamma):
     # feedback: every verify step told the drafter its drafts were all accepted
     assert len(oracle.observed) == 3 * 4
     assert all(fb.num_draft_tokens == fb.num_accepted_tokens == gamma for fb in oracle.observed)
-    assert router.speculation_stats.failures == {}
+    assert router.exporter.drafter_failures() == {}
 
 
 def test_oracle_budget_shrinks_near_max_tokens():
@@ -110,7 +112,7 @@ def test_malformed_proposals_are_dropped_and_counted(kind):
     assert out == reference(target)
     assert all(kind not in f.stats.drafted_by and f.stats.num_draft_tokens == 0 for f in finals)
     assert garbage.num_inputs > 0
-    assert router.speculation_stats.failures == {kind: garbage.num_inputs}
+    assert router.exporter.drafter_failures() == {kind: garbage.num_inputs}
 
 
 @pytest.mark.parametrize("kind", GarbageDrafter.WHOLE_CALL)
@@ -120,7 +122,7 @@ def test_malformed_answers_are_dropped_and_counted(kind):
     router, out, finals = run_batch(target, [garbage], num_speculative_tokens=4)
     assert out == reference(target)
     assert all(f.stats.num_draft_tokens == 0 for f in finals)
-    assert router.speculation_stats.failures == {kind: garbage.num_calls} and garbage.num_calls == 19
+    assert router.exporter.drafter_failures() == {kind: garbage.num_calls} and garbage.num_calls == 19
 
 
 def test_raising_drafter_is_dropped_and_counted():
@@ -132,7 +134,7 @@ def test_raising_drafter_is_dropped_and_counted():
     # (every drafter hears about every verify) failed 20 times, and the three requests finished
     # together, so one release call failed
     assert raising.num_calls == 19
-    assert router.speculation_stats.failures == {"raising": 19 + 20 + 1}
+    assert router.exporter.drafter_failures() == {"raising": 19 + 20 + 1}
 
 
 def test_raising_observe_is_counted_and_harmless():
@@ -140,7 +142,7 @@ def test_raising_observe_is_counted_and_harmless():
     drafter = RaisingDrafter("flaky", on=("observe",))
     router, out, _ = run_batch(target, [drafter, OracleDrafter("oracle", target)], num_speculative_tokens=2)
     assert out == reference(target)
-    assert router.speculation_stats.failures["flaky"] > 0
+    assert router.exporter.drafter_failures()["flaky"] > 0
     assert sorted(drafter.released) == ["r0", "r1", "r2"]
 
 
@@ -154,7 +156,7 @@ def test_hanging_drafter_misses_its_deadline():
     assert time.monotonic() - t0 < 5.0
     assert out == reference(target, max_tokens=6)
     assert all(f.finish_reason == "length" for f in finals)
-    assert router.speculation_stats.failures == {"hanging": hanging.num_calls} and hanging.num_calls == 4
+    assert router.exporter.drafter_failures() == {"hanging": hanging.num_calls} and hanging.num_calls == 4
 
 
 def test_good_drafter_keeps_working_beside_bad_ones():
@@ -168,7 +170,7 @@ def test_good_drafter_keeps_working_beside_bad_ones():
     for f in finals:  # the adversary's nodes compete for the budget, yet the oracle path wins
         assert f.stats.accepted_by == {"oracle": f.stats.num_accepted_tokens}
         assert f.stats.num_accepted_tokens > 0
-    failures = router.speculation_stats.failures
+    failures = router.exporter.drafter_failures()
     assert set(failures) == {"hanging", "raising", "over_budget", "not_a_list"}
 
 
@@ -316,11 +318,11 @@ def test_add_request_validation():
     with pytest.raises(ValueError, match="at least one token"):
         router.add_request("b", [], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError):
-        RouterConfig(max_batch_size=0)
+        StepConfig(max_batch_size=0)
     with pytest.raises(ValueError):
-        RouterConfig(num_speculative_tokens=-1)
+        StepConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError):
-        RouterConfig(drafter_deadline_s=0)
+        StepConfig(drafter_deadline_s=0)
     assert asyncio.run(make_router(TableTarget()).step()) == []
 
 
@@ -415,8 +417,8 @@ def tiny_stages(tiny_checkpoint) -> list[LlamaStage]:
 
 def tiny_router(tiny_stages, drafters, **config):
     worker = TargetWorker(tiny_stages)
-    router = Router(RouterConfig(**config), LocalTargetClient(worker),
-                    [LocalDrafterClient(d) for d in drafters], vocab_size=256)
+    router = EngineCore(StepConfig(**config), LocalTargetClient(worker),
+                    [LocalDrafterClient(DrafterWorker(d)) for d in drafters], vocab_size=256)
     return worker, router
 
 
@@ -519,7 +521,7 @@ def test_target_failure_fails_running_requests_without_hanging():
 
 def test_kv_cap_error_reaches_the_caller(tiny_checkpoint, tiny_stages):
     worker = TargetWorker(tiny_stages, max_kv_tokens=30)
-    router = Router(RouterConfig(num_speculative_tokens=4), LocalTargetClient(worker), [], vocab_size=256)
+    router = EngineCore(StepConfig(num_speculative_tokens=4), LocalTargetClient(worker), [], vocab_size=256)
     loop = EngineLoop(router)
 
     async def go():
@@ -546,7 +548,7 @@ class CheckedModelDrafter(LocalDrafterClient):
 
     async def propose(self, inputs):
         proposals = await super().propose(inputs)
-        model = self.drafter.model
+        model = self.worker.drafter.model
         for item, proposal in zip(inputs, proposals):
             context, expected = list(item.context_token_ids), []
             for _ in range(len(proposal.paths[0]) if proposal.paths else 0):
@@ -579,7 +581,7 @@ class CheckedModelDrafter(LocalDrafterClient):
         return answers
 
     def _check(self, q, prefix, cands):
-        model = self.drafter.model
+        model = self.worker.drafter.model
         cache = model.new_kv_cache()
         cache.allocate("check")
         logits = model.forward(StageBatch.from_chains(["check"], [list(q.context_token_ids) + prefix], [0]), cache)
@@ -592,9 +594,9 @@ class CheckedModelDrafter(LocalDrafterClient):
 def test_model_drafter_stays_in_sync_with_the_context(tiny_checkpoint, tiny_draft_checkpoint, tiny_stages, config):
     drafter = ModelDrafter(LlamaStage(tiny_draft_checkpoint.config, tiny_draft_checkpoint.load_state_dict()),
                            name="draft")
-    checked = CheckedModelDrafter(drafter)
+    checked = CheckedModelDrafter(DrafterWorker(drafter))
     worker = TargetWorker(tiny_stages)
-    router = Router(RouterConfig(num_speculative_tokens=3, **config), LocalTargetClient(worker), [checked],
+    router = EngineCore(StepConfig(num_speculative_tokens=3, **config), LocalTargetClient(worker), [checked],
                     vocab_size=256)
     for i, p in enumerate(tiny_prompts()):
         router.add_request(f"r{i}", p, SamplingParams(max_tokens=20))
@@ -618,8 +620,8 @@ def test_abort_while_step_awaits_drafters():
     async def go():
         outputs = await router.step()  # prefill
         step = asyncio.create_task(router.step())
-        await asyncio.sleep(0.01)  # the step is waiting for the drafter
-        assert router.abort("a")
+        await slow.called.wait()  # the step is waiting for the drafter
+        assert not step.done() and router.abort("a")
         outputs += await step
         while router.has_work:
             outputs += await router.step()
@@ -659,7 +661,7 @@ def test_duplicate_request_id_does_not_hang_the_first_stream():
 def test_abort_in_one_lane_while_another_lane_steps(tiny_stages):
     worker = TargetWorker(tiny_stages)
     slow = HangingDrafter("slow", seconds=0.05)
-    router = Router(RouterConfig(num_speculative_tokens=2, num_lanes=2, drafter_deadline_s=1.0),
+    router = EngineCore(StepConfig(num_speculative_tokens=2, num_lanes=2, drafter_deadline_s=1.0),
                     LocalTargetClient(worker), [slow], vocab_size=256)
     prompts = tiny_prompts()
     router.add_request("a", prompts[0], SamplingParams(max_tokens=10))
@@ -669,9 +671,10 @@ def test_abort_in_one_lane_while_another_lane_steps(tiny_stages):
         await router.step(0)
         await router.step(1)  # both prefilled, one per lane
         assert {rid: r.lane for rid, r in router.running.items()} == {"a": 0, "b": 1}
+        slow.called.clear()
         lane0 = asyncio.create_task(router.step(0))
-        await asyncio.sleep(0.01)  # lane 0 waits for the drafter
-        assert router.abort("a")
+        await slow.called.wait()  # lane 0 waits for the drafter
+        assert not lane0.done() and router.abort("a")
         lane1 = asyncio.create_task(router.step(1))  # releases "a" at its start
         await lane0  # must not score the released request
         await lane1

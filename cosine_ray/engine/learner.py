@@ -1,0 +1,203 @@
+"""Learning from a verified step: one ``StepStats``, read by everything that learns.
+
+Per verified tree:
+
+- **calibration** (``algo.calibration``): each node whose parent was accepted is a verified
+  observation of its owner's raw confidence, per (drafter, domain);
+- **routing** (eq. 1-2, ``algo.routing``): each routed drafter's per-depth answers are scored
+  against what the target committed (bonus included), and folded into the request's M_r and
+  its domain's prior; eq. 3's L_acc is the accepted draft count;
+- **gains** (``engine.economics.GainModel``): the full tree's calibrated curve predicts the
+  request's next step for the batch decision;
+- **drafter feedback**: per drafter, its drafted and accepted counts (``DraftFeedback``);
+- **request stats** (the ``cosine_ray`` block of a response) and the **metrics exporter**.
+
+Per step: the verify forward's shape and time refit the latency model (``CostModel``), and
+the verifier's idle share moves the adaptive drafter participation (``algo.adaptive``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from cosine_ray.algo.adaptive import ParticipationController
+from cosine_ray.algo.calibration import ConfidenceCalibrator, node_levels
+from cosine_ray.algo.guard import SpeculationGuard
+from cosine_ray.algo.routing import routing_score, verification_accuracy
+from cosine_ray.algo.verify import VerifyResult
+from cosine_ray.engine.drafters.base import DraftFeedback, FinishedText
+from cosine_ray.engine.drafting import DrafterClient
+from cosine_ray.engine.economics import CostModel, GainModel
+from cosine_ray.engine.request import Request
+from cosine_ray.engine.routing import DraftRouting
+from cosine_ray.engine.scheduler import StepBatch
+from cosine_ray.engine.speculator import Drafts, DraftTree, Speculator
+from cosine_ray.engine.verifier import VerifiedBatch
+from cosine_ray.metrics.exporter import EngineMetrics
+from cosine_ray.metrics.stats import RequestStepStats, StepStats
+
+
+class Learner:
+    def __init__(self, *, speculator: Speculator, routing: DraftRouting, costs: CostModel, gains: GainModel,
+                 drafters: Sequence[DrafterClient], metrics: EngineMetrics, is_live: Callable[[str], bool],
+                 clock: Callable[[], float], participation: ParticipationController | None = None,
+                 guard: SpeculationGuard | None = None, unit_embeddings: torch.Tensor | None = None) -> None:
+        self.speculator = speculator
+        self.calibrator: ConfidenceCalibrator = speculator.calibrator
+        self.routing = routing
+        self.costs = costs
+        self.gains = gains
+        self.drafters = list(drafters)
+        self.metrics = metrics
+        self.participation = participation
+        self.unit_embeddings = unit_embeddings
+        self.is_live = is_live
+        """False for a request that finished or was aborted while this step was in flight: its
+        state is (being) released, so it teaches nothing."""
+        self.clock = clock
+        self.guard = guard
+
+    async def learn(self, batch: StepBatch, drafts: Drafts, verified: VerifiedBatch) -> StepStats:
+        stats = StepStats(batch_size=len(drafts.trees), verify_s=verified.verify_s,
+                          decision_s=batch.decision_s + drafts.stats.selection_s,
+                          gammas=[t.tree.num_draft_tokens for t in drafts.trees.values()],
+                          drafter_failures=list(drafts.stats.failures),
+                          drafter_round_trips=drafts.stats.calling_rounds)
+        by_id = {r.request_id: r for r in batch.requests}
+        for rid, tree in drafts.trees.items():
+            if tree.route is not None:
+                stats.routed.append(RequestStepStats(
+                    rid, by_id[rid].domain, routed=tuple((d, tree.route.mode_of(d)) for d in tree.route.drafters)))
+        if not verified.lost and verified.outcomes:
+            latency = self.costs.latency
+            stats.verify_predicted_s = latency.predict_llm(verified.context_lens, verified.num_new_tokens)
+            self._observe_level(batch, verified, latency)
+            self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s)
+            for outcome in verified.outcomes:
+                if outcome.result is not None and self.is_live(outcome.request_id):
+                    request = by_id[outcome.request_id]
+                    draft = drafts.trees[request.request_id]
+                    stats.expected_accepted += sum(draft.selected.node_acceptance())
+                    stats.num_accepted += len(outcome.result.accepted_node_ids)
+                    stats.requests.append(self._learn_tree(request, draft, outcome.result))
+            await self._feedback(stats)
+        if self.guard is not None:
+            stats.speculation_level = self.guard.levels[self.guard.current]
+        if self.participation is not None and verified.outcomes:
+            trimmed = 1.0 - stats.total_gamma / drafts.stats.num_drafted_nodes if drafts.stats.num_drafted_nodes else 0.0
+            stats.participation = self.participation.observe(verified.verifier_idle_fraction, trimmed)
+        self.metrics.observe_step(stats)
+        return stats
+
+    def _observe_level(self, batch: StepBatch, verified: VerifiedBatch, latency) -> None:
+        """The guard learns what a step at its level yielded: committed tokens per request over
+        the step's wall time in predicted plain-decode steps of the same shape. Steps with a
+        prefill are skipped (a prompt's cost is not the speculation level's doing)."""
+        if self.guard is None or batch.level is None or any(o.is_prefill for o in verified.outcomes):
+            return
+        plain_s = latency.predict_llm(verified.context_lens, [1] * len(verified.context_lens))
+        step_s = self.clock() - batch.started_at
+        if plain_s > 0 and step_s > 0:
+            tokens = sum(len(o.new_token_ids) for o in verified.outcomes) / len(verified.outcomes)
+            self.guard.observe(batch.level, tokens, step_s / plain_s)
+
+    def _learn_tree(self, request: Request, draft: DraftTree, result: VerifyResult) -> RequestStepStats:
+        tree, owners, raws = draft.tree, draft.selected.owners, draft.selected.raw_confidences
+        accepted = set(result.accepted_node_ids)
+        reachable = {0} | accepted
+        domain = request.domain
+        step = RequestStepStats(request.request_id, domain, tree.num_draft_tokens, len(result.accepted_node_ids))
+        depths = tree.depths()
+        for node in range(1, tree.num_nodes):
+            owner = owners[node]
+            step.drafted_by[owner] = step.drafted_by.get(owner, 0) + 1
+            if node in accepted:
+                step.accepted_by[owner] = step.accepted_by.get(owner, 0) + 1
+            if tree.parent_ids[node] in reachable:  # its confidence is conditional on an accepted parent
+                levels = node_levels(owner, domain, depths[node], draft.selected.is_trunk(node))
+                self.calibrator.observe(levels, raws[node], node in accepted)
+        self._count_fusion(draft, accepted, step)
+        self.gains.observe(request.request_id, draft.full_gains)
+        s = request.stats
+        s.num_verify_steps += 1
+        s.num_draft_tokens += step.num_draft_tokens
+        s.num_accepted_tokens += step.num_accepted_tokens
+        for name, n in step.drafted_by.items():
+            s.drafted_by[name] = s.drafted_by.get(name, 0) + n
+        for name, n in step.accepted_by.items():
+            s.accepted_by[name] = s.accepted_by.get(name, 0) + n
+        if draft.route is not None:
+            self._score_routes(request, draft, result)
+        return step
+
+    def _score_routes(self, request: Request, draft: DraftTree, result: VerifyResult) -> None:
+        """Eq. 1-2 for each routed drafter, folded into M_r; eq. 3's L_acc."""
+        committed = list(result.new_token_ids)  # eq. 1 compares with what the target committed, bonus included
+        # Only positions verification could confirm are scored: the kept tree's depth, plus the
+        # bonus position (with γ = 0 that is the bonus token alone).
+        tree_depths = draft.tree.depths()
+        verified = max(tree_depths) + 1 if tree_depths else 1
+        # c of eq. 2 is the drafter's *calibrated* confidence for this domain: raw retrieval
+        # frequencies are often 1.0 (one matching continuation), and with c = 1 eq. 2 gives 1 for
+        # any d > 0, so a confidently wrong drafter would score like a right one.
+        calibrate = self.speculator.calibration(request.domain)
+        scores = {}
+        for name in draft.route.drafters:
+            answer = draft.answers.get(name, [])[:verified]
+            drafted = [tok for tok, _ in answer]
+            confidences = [calibrate(name, conf, depth) for depth, (_, conf) in enumerate(answer, start=1)]
+            scores[name] = routing_score(confidences, self._accuracy(committed, drafted))
+        # eq. 3's L_acc: drafts accepted; None when none was verified (the mode stays as it was)
+        self.routing.update(request.request_id, scores,
+                            len(result.accepted_token_ids) if draft.tree.num_draft_tokens else None)
+
+    def _accuracy(self, accepted: list[int], drafted: list[int | None]) -> list[float]:
+        if self.unit_embeddings is not None:
+            return verification_accuracy(self.unit_embeddings, accepted, drafted)
+        return [1.0 if tok is not None and i < len(accepted) and tok == accepted[i] else 0.0
+                for i, tok in enumerate(drafted)]
+
+    @staticmethod
+    def _count_fusion(draft: DraftTree, accepted: set[int], step: RequestStepStats) -> None:
+        if not draft.trunk:
+            return
+        tree, owners = draft.tree, draft.selected.owners
+        children = {(tree.parent_ids[i], tree.token_ids[i]): i for i in range(1, tree.num_nodes)}
+        node = 0
+        for tok in draft.trunk:
+            node = children.get((node, tok), -1)
+            if node < 0:
+                break
+            step.fusion_picks[owners[node]] = step.fusion_picks.get(owners[node], 0) + 1
+            if node in accepted:
+                step.fusion_picks_accepted[owners[node]] = step.fusion_picks_accepted.get(owners[node], 0) + 1
+
+    async def learn_from_completed(self, requests: Sequence[Request]) -> None:
+        """Hand the text of requests that finished normally to the drafters that learn from it
+        (live suffix experts): prompt + output, and the domain the request was classified into."""
+        learning = [d for d in self.drafters if getattr(d, "learns", False)]
+        if not requests or not learning:
+            return
+        texts = [FinishedText(r.request_id, r.domain, tuple(r.context_token_ids), len(r.prompt_token_ids))
+                 for r in requests]
+        for d in learning:
+            try:
+                await d.learn(texts)
+            except Exception:
+                self.metrics.drafter_failed(d.name)
+
+    async def _feedback(self, stats: StepStats) -> None:
+        """Each drafter's drafted/accepted counts for the requests it served this step."""
+        per_drafter: Mapping[str, list[DraftFeedback]] = {d.name: [] for d in self.drafters}
+        for r in stats.requests:
+            for name in per_drafter:
+                per_drafter[name].append(DraftFeedback(r.request_id, r.drafted_by.get(name, 0),
+                                                       r.accepted_by.get(name, 0)))
+        for d in self.drafters:
+            if per_drafter[d.name]:
+                try:
+                    await d.observe(per_drafter[d.name])
+                except Exception:
+                    stats.drafter_failures.append(d.name)

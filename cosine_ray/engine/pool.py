@@ -1,0 +1,182 @@
+"""The request pool: waiting and running requests, their lanes, and what a step changes.
+
+::
+
+    add ──▶ waiting ──admit──▶ running[lane] ──advance──▶ finished ──▶ released
+                │                              │   ▲                                 ▲
+                └───────── abort ──────────────┴───┼──── abort ──────────────────────┘
+                                                   └─ target lost: kv_lost → re-prefill
+                                                      (or error after max_restores)
+
+The pool never touches a model or a drafter. Finished and aborted requests are queued for
+release; the step frees their state on the target and the drafters (``take_released``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from cosine_ray.algo.verify import VerifyResult
+from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """What one verify step decided for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    """Accepted draft tokens then the bonus token, or a prefill's first token."""
+    keep: tuple[int, ...]
+    """Slots of this step's new tokens whose KV is kept (root + accepted path, or the whole
+    prefill chain): the KV commit."""
+    result: VerifyResult | None = None
+    """The tree verification (None for a prefill)."""
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.result is None
+
+
+class RequestPool:
+    def __init__(self, *, max_batch_size: int, max_model_len: int, num_lanes: int, vocab_size: int,
+                 eos_token_ids: Sequence[int] = (), max_restores: int = 3,
+                 clock: Callable[[], float]) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.num_lanes = num_lanes
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_restores = max_restores
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self._released: list[str] = []
+        self._completed: list[Request] = []
+        """Requests that finished normally (stop, length) since the last ``take_completed``."""
+        self._pending_outputs: list[RequestOutput] = []
+        """Outputs produced outside a step (requests failed by a lost target)."""
+
+    # ---- requests in ---------------------------------------------------------------------
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot be served (before anything is queued)."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if any(not 0 <= int(t) < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) exceeds the model length {self.max_model_len}")
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check(prompt_token_ids, params)
+        request = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_ids,
+                          arrival_time=self.clock())
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its state on the target and drafters is freed at the next step."""
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                r.finish("abort")
+                self._released.append(request_id)
+                return True
+        request = self.running.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish("abort")
+        self._released.append(request_id)
+        return True
+
+    # ---- lanes and admission ---------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._released or self._pending_outputs)
+
+    def lane_has_work(self, lane: int) -> bool:
+        can_admit = bool(self.waiting) and len(self.running) < self.max_batch_size
+        return (can_admit or bool(self._released) or bool(self._pending_outputs)
+                or any(r.lane == lane for r in self.running.values()))
+
+    def lane(self, lane: int | None) -> list[Request]:
+        """Running requests of ``lane`` (None: all), in admission order."""
+        return [r for r in self.running.values() if lane is None or r.lane == lane]
+
+    def admit(self) -> None:
+        """First come, while the batch has room: each waiting request joins the least loaded
+        lane (S stages get S equal micro-batches). It prefills when the scheduler says so."""
+        while self.waiting and len(self.running) < self.max_batch_size:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.admitted_time = self.clock()
+            loads = [0] * self.num_lanes
+            for r in self.running.values():
+                loads[r.lane] += 1
+            request.lane = loads.index(min(loads))
+            self.running[request.request_id] = request
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.running
+
+    # ---- a step's results --------------------------------------------------------------------
+    def advance(self, outcomes: Iterable[Verified]) -> list[RequestOutput]:
+        """Append each request's verified tokens (stopping at EOS, stop tokens or max_tokens),
+        stream them, and queue finished requests for release. Requests aborted while the step
+        was in flight are skipped; outputs of requests failed meanwhile come first."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for outcome in outcomes:
+            request = self.running.get(outcome.request_id)
+            if request is None:  # aborted (or failed) while this step was in flight
+                continue
+            if outcome.is_prefill:
+                request.kv_lost = False
+            appended = request.append(list(outcome.new_token_ids))
+            outputs.append(RequestOutput(
+                request.request_id, appended, request.is_finished, request.finish_reason,
+                len(request.prompt_token_ids), len(request.output_token_ids), request.stats))
+            if request.is_finished:
+                del self.running[request.request_id]
+                self._released.append(request.request_id)
+                self._completed.append(request)
+        return outputs
+
+    @property
+    def to_release(self) -> tuple[str, ...]:
+        """Finished or aborted requests whose state is not freed yet."""
+        return tuple(self._released)
+
+    @property
+    def num_to_release(self) -> int:
+        return len(self._released)
+
+    def take_completed(self) -> list[Request]:
+        """Requests that finished with stop or length since the last call (drafters learn from them)."""
+        done, self._completed = self._completed, []
+        return done
+
+    def take_released(self) -> list[str]:
+        """Finished or aborted requests whose state on the target and drafters is still held."""
+        ids, self._released = self._released, []
+        return ids
+
+    def target_lost(self, recovered: bool, reason: str) -> None:
+        """The target dropped every request's KV (a stage restarted, or never came back):
+        running requests re-prefill from prompt + committed tokens at their next step (nothing
+        is streamed twice), or fail when it did not come back or they were restored too often."""
+        for request in list(self.running.values()):
+            request.num_restores += 1
+            request.kv_lost = True
+            if recovered and request.num_restores <= self.max_restores:
+                continue
+            request.finish("error")
+            del self.running[request.request_id]
+            self._released.append(request.request_id)
+            self._pending_outputs.append(RequestOutput(
+                request.request_id, [], True, "error", len(request.prompt_token_ids),
+                len(request.output_token_ids), request.stats, error=f"target unavailable: {reason}"))

@@ -1,0 +1,103 @@
+"""Routing each step's decoding requests to drafters (CoSine eq. 1-3, ``algo.routing``).
+
+A request's domain is classified once, on arrival (``algo.domains``), to pick its starting
+prior; from then on its routing vector learns from its own verify steps (the learner feeds
+eq. 1-2 back through ``update``). Each step every decoding request with a draft budget gets
+its k routed drafters (best-scoring first, the tie order fusion uses) plus the *shared*
+drafters, which join every request (``StepConfig.shared_drafters``: the context n-gram
+drafter knows the request's own text better than any domain expert). k is the adaptive
+participation (``algo.adaptive.ParticipationController``) or fixed.
+
+The ablations are chosen once here: ``routing="random"`` draws the k experts uniformly;
+``fusion="single"`` routes exactly one drafter (shared ones compete for that slot too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from cosine_ray.algo.adaptive import ParticipationController
+from cosine_ray.algo.domains import DomainClassifier
+from cosine_ray.algo.routing import ExpertiseRouter, RoutingConfig
+from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.request import Request
+from cosine_ray.engine.scheduler import StepBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    drafters: tuple[str, ...]
+    """Drafters of this request's step: the routed ones best-scoring first, then the shared ones."""
+    mode: str
+    """eq. 3's mode for the routed ones: explore | exploit | random."""
+    num_shared: int = 0
+    """How many of ``drafters`` (at the end) are shared drafters."""
+
+    def mode_of(self, drafter: str) -> str:
+        return "shared" if drafter in self.drafters[len(self.drafters) - self.num_shared:] else self.mode
+
+
+class DraftRouting:
+    def __init__(self, config: StepConfig, drafter_names: Sequence[str], *,
+                 domain_classifier: DomainClassifier | None = None,
+                 participation: ParticipationController | None = None, seed: int | None = 0) -> None:
+        single = config.fusion == "single"
+        shared = set() if single else set(config.shared_drafters)
+        self.shared = tuple(n for n in drafter_names if n in shared)
+        self.router = ExpertiseRouter(
+            [n for n in drafter_names if n not in shared],
+            RoutingConfig(drafters_per_request=config.drafters_per_request,
+                          mode="random" if config.routing == "random" else "expertise"), seed=seed)
+        self.domain_classifier = domain_classifier
+        self.participation = participation
+        """Adaptive k; None: k is fixed (1 with ``fusion="single"``)."""
+        self._fixed_k = 1 if single else config.drafters_per_request
+        self._has_drafters = bool(drafter_names)
+
+    @property
+    def drafters_per_request(self) -> int:
+        return self.participation.current if self.participation is not None else self._fixed_k
+
+    # ---- request lifecycle --------------------------------------------------------------
+    def start(self, request: Request) -> None:
+        """Classify the prompt's domain (its starting prior) and start its routing vector."""
+        if self.domain_classifier is not None:
+            request.domain = self.domain_classifier.classify(request.prompt_token_ids)[0]
+        request.stats.domain = request.domain
+        self.router.start(request.request_id, request.domain)
+
+    def finish(self, request_ids: Sequence[str]) -> dict[str, dict[str, float]]:
+        """Forget finished requests; returns the priors of their domains (for the metrics)."""
+        priors = {}
+        for rid in request_ids:
+            try:
+                domain = self.router.domain_of(rid)
+            except KeyError:
+                continue
+            self.router.finish(rid)
+            priors[domain] = self.router.prior(domain)
+        return priors
+
+    def update(self, request_id: str, scores: Mapping[str, float], accepted_len: int | None) -> None:
+        """Fold one verify step's eq. 2 scores into M_r and the domain priors (the learner)."""
+        self.router.update(request_id, scores, accepted_len)
+
+    # ---- eq. 3 ------------------------------------------------------------------------------
+    def route(self, batch: StepBatch) -> dict[str, Route]:
+        """Drafters for every decoding request with a draft budget (others draft nothing)."""
+        if not self._has_drafters:
+            return {}
+        drafting = [r for r in batch.decodes if batch.budgets[r.request_id] > 0]
+        choices = self.router.choose([r.request_id for r in drafting], k=self.drafters_per_request)
+        routes = {}
+        for r in drafting:
+            choice = choices[r.request_id]
+            scores = self.router.scores(r.request_id)
+            routed = tuple(sorted(choice.drafters, key=lambda n: -scores.get(n, 0.0)))
+            route = Route(routed + self.shared, choice.mode, len(self.shared))
+            routes[r.request_id] = route
+            r.stats.num_routed_steps += 1
+            for name in route.drafters:
+                r.stats.routed_to[name] = r.stats.routed_to.get(name, 0) + 1
+        return routes

@@ -1,0 +1,179 @@
+"""The batch scheduler: which requests run this step, which waiting ones are admitted, and
+the price TreeSelection applies to each drafted tree (CoSine eq. 5-8, Algorithm 2).
+
+One owner for the request pool's scheduling. Per step (one lane's micro-batch):
+
+1. **Admission** into the running batch is first come while it has room, each request into
+   the least loaded lane (``RequestPool.admit``), so S stages get S equal micro-batches.
+2. **Candidates** (``algo.lp_schedule.Candidate``): the lane's requests — decoding ones with
+   their context, KV bytes and *predicted* expected-gain curve (``GainModel``: the calibrated
+   curve of their last tree), and ones that must prefill: an admitted request that holds no KV
+   yet is a *waiting* candidate of eq. 7 (its prefill tokens, and the KV bytes it will hold:
+   prompt + max_tokens, reserved so an admitted request can always finish); a restore after a
+   lost stage is a running one.
+3. **Decision** by the policy chosen at construction: the LP (``LpBatchPolicy``: eq. 5-8
+   solved exactly, ``algo.lp_schedule.schedule_batch``) or first come (``FirstComeBatchPolicy``,
+   the "LP off" ablation). The KV budget M_max (``StepConfig.kv_budget_bytes``) and T_max
+   decide how many prefills one step takes; a deferred prefill waits in its lane.
+4. **Draft budgets** γ_i ≤ min(γ_max, tokens left − 1) for the decoding requests, and for the
+   LP the **price** (λ of eq. 8 and the marginal verify cost): eq. 8 separates per request once
+   the batch is fixed, so TreeSelection picks each γ_i on the drafted tree itself
+   (``algo.tree_selection.TreePrice``) — the same optimum the LP would find with the tree's
+   gains, without waiting for the trees to decide the batch. The guard (``algo.guard``) scales
+   the price per step by a learned speculation level (0 = this step drafts nothing), so
+   speculation never costs more than it measurably gains.
+
+NOTE(scheduler): the paper's order — batch assignment before drafting (Algorithm 2) — needs
+gains before the trees exist; the last tree's curve predicts them. Only the batch decision
+uses the prediction; γ_i uses the real tree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from cosine_ray.algo.guard import SpeculationGuard
+from cosine_ray.algo.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch
+from cosine_ray.algo.tree_selection import TreePrice
+from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.economics import CostModel, GainModel
+from cosine_ray.engine.pool import RequestPool
+from cosine_ray.engine.request import Request
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """What one step runs (one lane's micro-batch)."""
+
+    requests: list[Request]
+    """Scheduled requests, running ones first, then the ones admitted now."""
+    budgets: dict[str, int] = field(default_factory=dict)
+    """Draft-token cap γ_i of each decoding request (0 = no drafting); prefills are absent."""
+    price: TreePrice | None = None
+    """The LP's price for TreeSelection; None for the fixed-cut and fixed-γ policies."""
+    num_steps: dict[str, int] = field(default_factory=dict)
+    """Steps each decoding request has been scheduled for, this one included."""
+    decision_s: float = 0.0
+    """Time this scheduling decision took (the LP solve included)."""
+    level: int | None = None
+    """The guard's speculation level this step runs at (``algo.guard``); None: no guard."""
+    started_at: float = 0.0
+    """Clock at the start of the decision (the step's wall time is measured from here)."""
+
+    @property
+    def prefills(self) -> list[Request]:
+        return [r for r in self.requests if r.request_id not in self.budgets]
+
+    @property
+    def decodes(self) -> list[Request]:
+        return [r for r in self.requests if r.request_id in self.budgets]
+
+    @classmethod
+    def make_empty(cls) -> "StepBatch":
+        return cls([])
+
+
+def needs_prefill(request: Request) -> bool:
+    """No token yet, or its KV was lost (a stage restarted): the whole context goes through."""
+    return not request.output_token_ids or request.kv_lost
+
+
+class BatchPolicy(Protocol):
+    def decide(self, candidates: Sequence[Candidate], costs: CostModel, config: ScheduleConfig) -> Schedule: ...
+
+
+class LpBatchPolicy:
+    """CoSine's batch scheduler (eq. 5-8): the exact MILP of ``algo.lp_schedule``."""
+
+    def decide(self, candidates: Sequence[Candidate], costs: CostModel, config: ScheduleConfig) -> Schedule:
+        return schedule_batch(candidates, costs.latency, config)
+
+
+class FirstComeBatchPolicy:
+    """The "LP off" ablation: first come (running, then arrival), up to the batch size."""
+
+    def decide(self, candidates: Sequence[Candidate], costs: CostModel, config: ScheduleConfig) -> Schedule:
+        return first_come_batch(candidates, config, config.gamma_max)
+
+
+class BatchScheduler:
+    def __init__(self, config: StepConfig, pool: RequestPool, policy: BatchPolicy, costs: CostModel,
+                 gains: GainModel, *, kv_bytes_per_token: int = 0, priced: bool = True,
+                 guard: SpeculationGuard | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.costs = costs
+        self.gains = gains
+        self.kv_bytes_per_token = kv_bytes_per_token
+        """KV bytes one token takes on all stages together (m_i of eq. 7)."""
+        self.priced = priced
+        """Hand the LP's price to TreeSelection (False: the budgets are final)."""
+        self.guard = guard
+        """Speculation level per step (a multiplier on the price; 0 = no drafting)."""
+        self.clock = clock
+        self._last_step: dict[str, float] = {}
+        self._num_steps: dict[str, int] = {}
+        self._holds_kv: set[str] = set()
+        """Requests scheduled at least once: their KV counts against M_max whether they run or not."""
+
+    def schedule(self, lane: int | None) -> StepBatch:
+        start = time.perf_counter()
+        pool, cfg = self.pool, self.config
+        pool.admit()
+        now = self.clock()
+        requests = pool.lane(lane)
+        if not requests:
+            return StepBatch.make_empty()
+        budgets = {r.request_id: self._budget(r) for r in requests if not needs_prefill(r)}
+        candidates = [self._candidate(r, now, budgets.get(r.request_id)) for r in requests]
+        sched_config = ScheduleConfig(max_batch_size=len(requests), gamma_max=cfg.num_speculative_tokens,
+                                      total_gamma_max=cfg.total_gamma_max, t_max_s=cfg.step_time_max_s,
+                                      kv_budget_bytes=cfg.kv_budget_bytes)
+        schedule = self.policy.decide(candidates, self.costs, sched_config)
+        chosen = set(schedule.batch)
+        requests = [r for r in requests if r.request_id in chosen]
+        budgets = {rid: g for rid, g in budgets.items() if rid in chosen}
+        for rid in budgets:
+            self._num_steps[rid] = self._num_steps.get(rid, 0) + 1
+        for r in requests:
+            self._last_step[r.request_id] = now
+            self._holds_kv.add(r.request_id)
+        price, level = None, None
+        if self.priced and budgets:
+            _, _, c_tok, c_attn = self.costs.latency.llm.coefs
+            kappa = 1.0
+            if self.guard is not None:
+                level = self.guard.choose()
+                kappa = self.guard.levels[level]
+                if kappa == 0.0:  # speculation off for this step: nobody drafts
+                    budgets = dict.fromkeys(budgets, 0)
+            price = TreePrice(schedule.lam * kappa, len(requests), c_tok, c_attn)
+        return StepBatch(requests, budgets, price, {rid: self._num_steps[rid] for rid in budgets},
+                         time.perf_counter() - start, level, now)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._last_step.keys() | self._num_steps.keys() | self._holds_kv)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._last_step.pop(rid, None)
+            self._num_steps.pop(rid, None)
+            self._holds_kv.discard(rid)
+
+    def _budget(self, request: Request) -> int:
+        left = request.params.max_tokens - len(request.output_token_ids) - 1
+        return max(min(self.config.num_speculative_tokens, left), 0)
+
+    def _candidate(self, request: Request, now: float, budget: int | None) -> Candidate:
+        rid = request.request_id
+        reserved = (len(request.prompt_token_ids) + request.params.max_tokens) * self.kv_bytes_per_token
+        if budget is None:  # a prefill: an admitted request that holds no KV yet, or a restore
+            since = self._last_step.get(rid, request.arrival_time)
+            return Candidate(rid, 0, reserved, (0.0,), running=rid in self._holds_kv,
+                             waited_s=max(now - since, 0.0), prefill_tokens=request.num_tokens)
+        return Candidate(rid, request.num_tokens, reserved, self.gains.predict(rid, budget), running=True,
+                         waited_s=max(now - self._last_step.get(rid, now), 0.0))

@@ -1,0 +1,216 @@
+"""Draft and select: one token tree per decoding request (CoSine eq. 4 + TreeSelection).
+
+``Speculator.draft(batch, routes)`` asks the routed drafters — one call per drafter per
+round, all its requests at once, each call with a deadline — and returns a ``DraftTree``
+per decoding request whose nodes carry their owner and confidence. Two choices are made
+once, at construction (the ablations are strategies, not branches in the hot path):
+
+- **drafting**: ``FusedDrafting`` (confidence fusion, eq. 4, round by round with chained
+  answers, ``engine.drafting.fuse_drafts``) or ``PathDrafting`` (each routed drafter's whole
+  paths, merged: the union mode, and "fusion off" where routing gives one drafter);
+- **selection**: ``PricedSelection`` (the LP's price: a node is verified when its expected
+  gain pays for its marginal verify time at this batch, ``algo.tree_selection.TreePrice``),
+  ``ConfidenceCutSelection`` (LP off: fixed γ with a fixed cumulative-confidence cut) or
+  ``FixedSelection`` (adaptive off: fixed γ, no cut).
+
+Algorithm 2 then trims the batch to Γ_max (decrement the largest γ_j). Confidences are
+calibrated per drafter, domain, role and depth before fusion and selection
+(``algo.calibration``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence
+
+from cosine_ray.algo.adaptive import expected_gains
+from cosine_ray.algo.calibration import ConfidenceCalibrator, node_levels
+from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
+from cosine_ray.algo.lp_schedule import trim_gammas
+from cosine_ray.algo.tree import TokenTree
+from cosine_ray.algo.tree_selection import SelectedTree, build_tree
+from cosine_ray.engine.drafters.base import DraftInput
+from cosine_ray.engine.drafting import DrafterClient, DraftingStats, fuse_drafts, gather_proposals, proposals_to_paths
+from cosine_ray.engine.request import Request
+from cosine_ray.engine.routing import Route
+from cosine_ray.engine.scheduler import StepBatch
+
+FUSION_MIN_CUMULATIVE = 0.02
+"""With the LP's price, fusion stops growing a trunk (and drops branches) below this
+cumulative confidence: such nodes never pay for their verify slot on any hardware we have."""
+PROBE_EVERY = 8
+"""A request priced at γ = 0 still verifies one draft node every this many steps, so
+calibration keeps measuring its drafters and speculation can come back."""
+
+Answers = dict[str, list[tuple[int | None, float]]]
+"""Per drafter, per depth: its token after the fused prefix and raw confidence (eq. 1-2)."""
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """One request's speculation for this step."""
+
+    selected: SelectedTree
+    route: Route | None = None
+    answers: Answers = field(default_factory=dict)
+    trunk: tuple[int, ...] = ()
+    """The fused trunk's tokens (fusion mode), to count fusion picks."""
+    full_gains: tuple[float, ...] = (0.0,)
+    """Expected-gain curve of everything drafted, before γ_i cut it (predicts the next step)."""
+
+    @property
+    def tree(self) -> TokenTree:
+        return self.selected.tree
+
+
+@dataclass(slots=True)
+class Drafts:
+    """The step's trees (one per decoding request) and how drafting went."""
+
+    trees: dict[str, DraftTree]
+    stats: DraftingStats
+
+    @classmethod
+    def make_empty(cls) -> "Drafts":
+        return cls({}, DraftingStats())
+
+
+@dataclass(slots=True)
+class Drafted:
+    paths: list[FusedPath] = field(default_factory=list)
+    answers: Answers = field(default_factory=dict)
+    trunk: tuple[int, ...] = ()
+
+
+class DraftingStrategy(Protocol):
+    async def draft(self, requests: Sequence[Request], routes: Mapping[str, Route], budgets: Mapping[str, int],
+                    cut: float, calibration: Callable[[str], Calibrate], stats: DraftingStats) -> dict[str, Drafted]: ...
+
+
+class FusedDrafting:
+    """CoSine's confidence fusion (eq. 4): round by round, the most confident token extends
+    the trunk and the others stay as branches (``algo.fusion``)."""
+
+    def __init__(self, clients: Mapping[str, DrafterClient], *, vocab_size: int, deadline_s: float,
+                 is_live: Callable[[str], bool]) -> None:
+        self.clients, self.vocab_size, self.deadline_s, self.is_live = clients, vocab_size, deadline_s, is_live
+
+    async def draft(self, requests, routes, budgets, cut, calibration, stats) -> dict[str, Drafted]:
+        states = {r.request_id: FusionState(routes[r.request_id].drafters, budgets[r.request_id], cut,
+                                            calibration(r.domain)) for r in requests}
+        await fuse_drafts(self.clients, states, {r.request_id: r.context_token_ids for r in requests},
+                          deadline_s=self.deadline_s, vocab_size=self.vocab_size, stats=stats, live=self.is_live)
+        return {rid: Drafted(s.paths(), s.answers, tuple(s.trunk)) for rid, s in states.items()}
+
+
+class PathDrafting:
+    """Each routed drafter proposes whole paths on its own; their union is the tree."""
+
+    def __init__(self, clients: Mapping[str, DrafterClient], *, vocab_size: int, deadline_s: float) -> None:
+        self.clients, self.vocab_size, self.deadline_s = clients, vocab_size, deadline_s
+
+    async def draft(self, requests, routes, budgets, cut, calibration, stats) -> dict[str, Drafted]:
+        batches: dict[str, list[DraftInput]] = {}
+        for r in requests:
+            for name in routes[r.request_id].drafters:
+                batches.setdefault(name, []).append(
+                    DraftInput(r.request_id, tuple(r.context_token_ids), budgets[r.request_id]))
+        proposals = await gather_proposals(self.clients, batches, deadline_s=self.deadline_s,
+                                           vocab_size=self.vocab_size, stats=stats)
+        out = {}
+        for r in requests:
+            props = proposals.get(r.request_id, [])
+            own: Answers = {}
+            for p in props:  # a drafter's first path is its own best guess per depth
+                if p.paths and p.drafter not in own:
+                    own[p.drafter] = list(zip(p.paths[0], p.confidences[0]))
+            out[r.request_id] = Drafted(proposals_to_paths(props, calibration(r.domain)), own)
+        return out
+
+
+class TreePolicy(Protocol):
+    cut: float
+    """Cumulative-confidence floor for fusion and TreeSelection."""
+
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int: ...
+
+
+class PricedSelection:
+    """The LP's γ_i: each node pays its marginal verify time or is left out (eq. 8 per request)."""
+
+    cut = FUSION_MIN_CUMULATIVE
+
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int:
+        rid = request.request_id
+        gamma = batch.price.gamma(request.num_tokens, full.node_acceptance(), batch.budgets[rid])
+        if gamma == 0 and batch.num_steps.get(rid, 0) % PROBE_EVERY == 0:
+            gamma = min(1, full.tree.num_draft_tokens)  # probe: keep measuring the drafters
+        return gamma
+
+
+class ConfidenceCutSelection:
+    """LP off: fixed γ, nodes below a fixed cumulative confidence are not verified."""
+
+    def __init__(self, cut: float) -> None:
+        self.cut = cut
+
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int:
+        return batch.budgets[request.request_id]
+
+
+class FixedSelection:
+    """Adaptive off: verify whatever was drafted, up to the fixed γ."""
+
+    cut = 0.0
+
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int:
+        return batch.budgets[request.request_id]
+
+
+class Speculator:
+    def __init__(self, drafting: DraftingStrategy, selection: TreePolicy, calibrator: ConfidenceCalibrator, *,
+                 total_gamma_max: int) -> None:
+        self.drafting = drafting
+        self.selection = selection
+        self.calibrator = calibrator
+        self.total_gamma_max = total_gamma_max
+
+    def calibration(self, domain: str) -> Calibrate:
+        """Confidence calibration per drafter, domain, role and depth (``algo.calibration``): a
+        retrieval drafter is reliable on its own domain and not elsewhere, whatever its raw
+        confidence says; a branch is accepted less often than a trunk node."""
+        return lambda drafter, confidence, depth=1, is_trunk=True: self.calibrator.calibrate(
+            node_levels(drafter, domain, depth, is_trunk), confidence)
+
+    async def draft(self, batch: StepBatch, routes: Mapping[str, Route]) -> Drafts:
+        """A tree per decoding request (root only where nothing was drafted), and how drafting went."""
+        stats = DraftingStats()
+        decodes = batch.decodes
+        drafting = [r for r in decodes if r.request_id in routes]
+        cut = self.selection.cut
+        drafted = await self.drafting.draft(drafting, routes, batch.budgets, cut, self.calibration, stats) \
+            if drafting else {}
+        start = time.perf_counter()
+        fulls: dict[str, tuple[SelectedTree, list[FusedPath]]] = {}
+        gammas: dict[str, int] = {}
+        for r in decodes:
+            rid = r.request_id
+            paths = drafted[rid].paths if rid in drafted else []
+            full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid], min_confidence=cut)
+            fulls[rid] = (full, paths)
+            gammas[rid] = min(self.selection.gamma(batch, r, full), full.tree.num_draft_tokens) if paths else 0
+        gammas = trim_gammas(gammas, self.total_gamma_max)  # Algorithm 2
+        trees = {}
+        for r in decodes:
+            rid = r.request_id
+            full, paths = fulls[rid]
+            gamma = gammas[rid]
+            selected = full if gamma >= full.tree.num_draft_tokens else \
+                build_tree(full.tree.token_ids[0], paths, gamma, min_confidence=cut)
+            d = drafted.get(rid, Drafted())
+            trees[rid] = DraftTree(selected, routes.get(rid), d.answers, d.trunk,
+                                   expected_gains(full.node_acceptance(), batch.budgets[rid]))
+        stats.selection_s = time.perf_counter() - start
+        stats.num_drafted_nodes = sum(full.tree.num_draft_tokens for full, _ in fulls.values())
+        return Drafts(trees, stats)
