@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 READY_LINE = "serving OpenAI API"
-"""What ``cosine-ray serve`` prints once the app answers (serve/launch.py)."""
+"""What ``cosine-ray serve`` prints once the app answers (cli/serve.py)."""
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ def wait_until_serving(proc: subprocess.Popen, log_path: Path, timeout_s: float)
 
 
 def stop_cli(proc: subprocess.Popen, *, grace_s: float = 90.0) -> int:
-    """SIGINT (the CLI deletes the app, kills the router, shuts Serve down), then SIGKILL."""
+    """SIGINT (the CLI deletes the app, whose engine takes its actors along, and shuts Serve down), then SIGKILL."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:

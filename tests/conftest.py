@@ -47,7 +47,7 @@ def _seeded() -> None:
 # ---- tiny checkpoints ------------------------------------------------------------------------
 
 def _write_tiny(path, **kwargs):
-    from cosine_ray.models.loader import write_tiny_checkpoint
+    from tiny_checkpoint import write_tiny_checkpoint
     defaults = dict(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
                     vocab_size=TINY_VOCAB, init_std=0.2)
     return write_tiny_checkpoint(path, **{**defaults, **kwargs})
@@ -119,7 +119,7 @@ def ray_cluster():
     """The GCS address of the session's local Ray cluster (``runtime.cluster.connect``: 4
     logical CPUs, namespace ``cosine_ray``, OMP_NUM_THREADS=1 in every worker). Actor start is
     slow on small machines (each actor process imports torch), so test modules keep their
-    routers for the whole module."""
+    engines for the whole module."""
     import time
 
     import ray
@@ -134,8 +134,8 @@ def ray_cluster():
               f"({ray.get_runtime_context().gcs_address})", flush=True)
     yield ray.get_runtime_context().gcs_address
     if owner:
-        from cosine_ray.runtime.router_actor import kill_router
+        from ray import serve
         try:
-            kill_router()
+            serve.shutdown()  # the engine deployments take their stage and drafter actors with them
         finally:
             ray.shutdown()

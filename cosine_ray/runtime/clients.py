@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -14,8 +15,9 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, RayActorError
 
-from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
-from cosine_ray.engine.target import ScoreItem, TargetUnavailable, split_logits
+from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
+                                             FinishedText)
+from cosine_ray.engine.target import KVCommit, ScoreItem, TargetUnavailable, split_logits
 from cosine_ray.runtime.cluster import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -27,8 +29,9 @@ async def await_ref(ref: ray.ObjectRef, timeout_s: float) -> Any:
 
 
 class ActorSlot:
-    def __init__(self, name: str, spawn: Callable[[], Any]) -> None:
+    def __init__(self, name: str, spawn: Callable[[], Any], *, namespace: str = NAMESPACE) -> None:
         self.name = name
+        self.namespace = namespace
         self._spawn = spawn
         self.handle = spawn()
         self.num_respawns = 0
@@ -37,7 +40,7 @@ class ActorSlot:
         """After an ActorDiedError that Ray will not repair (killed with no_restart)."""
         if isinstance(exc, ActorDiedError) and not getattr(exc, "preempted", False):
             try:
-                ray.get_actor(self.name, namespace=NAMESPACE)  # still registered: Ray restarts it
+                ray.get_actor(self.name, namespace=self.namespace)  # still registered: Ray restarts it
                 return
             except ValueError:
                 pass
@@ -51,10 +54,12 @@ class RayDrafterClient:
     the actor; until it returns, this drafter sits out the following steps instead of
     queueing more work behind it."""
 
-    def __init__(self, slot: ActorSlot, name: str, *, deadline_s: float) -> None:
+    def __init__(self, slot: ActorSlot, name: str, *, deadline_s: float, learns: bool = False) -> None:
         self.slot = slot
         self.name = name
         self.deadline_s = deadline_s
+        self.learns = learns
+        """The hosted drafter learns from finished requests (``learn`` is sent to it)."""
         self._inflight: ray.ObjectRef | None = None
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
@@ -88,22 +93,32 @@ class RayDrafterClient:
     async def release(self, request_ids: Sequence[str]) -> None:
         self.slot.handle.release.remote(list(request_ids))
 
+    async def learn(self, texts: Sequence[FinishedText]) -> None:
+        self.slot.handle.learn.remote(list(texts))  # fire and forget, like observe
+
 
 class RayTargetClient:
     """TargetClient over the chain of StageActors.
 
     Stage s's output ObjectRef is passed straight to stage s+1: Ray moves the hidden
-    states between the stage actors without a round trip through the router, and the
-    router only awaits the last stage's logits."""
+    states between the stage actors without a round trip through the engine, and the
+    engine only awaits the last stage's logits. A commit travels with the request's next
+    forward (``ScoreItem.commit_previous``): no extra message, and every stage applies it
+    before it writes that request's new keys and values."""
 
     def __init__(self, slots: Sequence[ActorSlot], *, deadline_s: float) -> None:
         self.slots = list(slots)
         self.deadline_s = deadline_s
+        self._pending: dict[str, tuple[int, ...]] = {}
+
+    def commit(self, commits: Sequence[KVCommit]) -> None:
+        for c in commits:
+            self._pending[c.request_id] = c.keep
 
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         if not items:
             return []
-        items = list(items)
+        items = [self._with_commit(it) for it in items]
         ref = None
         for slot in self.slots:
             ref = slot.handle.forward.remote(items, ref)
@@ -117,12 +132,19 @@ class RayTargetClient:
             raise TargetUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}") from exc
         return split_logits(items, logits)
 
+    def _with_commit(self, item: ScoreItem) -> ScoreItem:
+        keep = self._pending.pop(item.request_id, None)  # a prefill (position 0) starts afresh
+        return dataclasses.replace(item, commit_previous=keep) if keep is not None and item.start_position > 0 else item
+
     async def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._pending.pop(rid, None)
         for slot in self.slots:
             slot.handle.release.remote(list(request_ids))
 
     async def recover(self, timeout_s: float) -> bool:
         """Wait until every stage answers, then drop all per-request KV everywhere."""
+        self._pending.clear()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         for slot in self.slots:

@@ -19,7 +19,11 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
 
     A local cluster gets a fixed ``num_cpus`` (default: the machine's cores) so scheduling
     does not depend on what else runs; our actors ask for fractional CPUs and limit their
-    own torch threads instead (see ``placement``).
+    own torch threads instead (see ``placement``). Without an address a *new* local cluster
+    is started (``address="local"``): Ray would otherwise join ``RAY_ADDRESS`` or the cluster
+    the last ``ray start`` recorded in ``<RAY_TMPDIR or /tmp>/ray/ray_current_cluster``, which
+    may be long gone (a head that died without ``ray stop``), and then refuse ``num_cpus``
+    (tests/runtime/test_stale_ray_address.py). To join a cluster, pass its address.
     """
     if ray.is_initialized():
         return
@@ -27,5 +31,5 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, namespace=NAMESPACE,
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, namespace=NAMESPACE,
                  include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)

@@ -1,6 +1,6 @@
-"""Scrape-time metrics that live outside the router process: read them with deadlines.
+"""Scrape-time metrics that live outside the engine process: read them with deadlines.
 
-The router actor holds the one ``MetricsRegistry`` of the deployment (single exporter: it sees
+The engine replica holds the one ``MetricsRegistry`` of the deployment (single exporter: it sees
 every request, drafter call and verify step). Two figures are counted elsewhere and read here
 when ``/metrics`` is scraped:
 
@@ -17,7 +17,7 @@ when ``/metrics`` is scraped:
   deadline (dead or restarting stage) counts one
   ``metrics_collection_failures{source="cosine_ray:stage:i"}``.
 - ``drafter_restarts``: ``ActorSlot.num_respawns`` of each drafter slot (a drafter killed for
-  good and spawned again by the router). Restarts Ray performs by itself (``max_restarts``)
+  good and spawned again by the engine). Restarts Ray performs by itself (``max_restarts``)
   keep the slot's handle and are not counted.
 """
 
@@ -27,7 +27,7 @@ import asyncio
 import contextvars
 from typing import Any, Sequence
 
-from cosine_ray.metrics.registry import MetricsRegistry
+from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.runtime.clients import ActorSlot, await_ref
 
 READ_DEADLINE_S = 30.0
@@ -38,28 +38,27 @@ SCRAPE_WAIT_S = 0.2
 
 def _read_stage_utilisation(host: Any) -> tuple[float, float, str]:
     """Runs inside a stage actor: (busy s, idle s, incarnation)."""
-    busy, idle = host.worker.utilisation()
+    busy, idle = host.utilisation()
     return busy, idle, host.incarnation
 
 
-async def collect_stage_utilisation(metrics: MetricsRegistry, stage_slots: Sequence[ActorSlot],
+async def collect_stage_utilisation(metrics: EngineMetrics, stage_slots: Sequence[ActorSlot],
                                     *, timeout_s: float = READ_DEADLINE_S) -> None:
     readings = await asyncio.gather(
         *(await_ref(slot.handle.__ray_call__.remote(_read_stage_utilisation), timeout_s)
           for slot in stage_slots), return_exceptions=True)
     for index, (slot, reading) in enumerate(zip(stage_slots, readings)):
         if isinstance(reading, BaseException):
-            metrics.inc("cosine_ray:metrics_collection_failures", source=slot.name)
+            metrics.collection_failed(slot.name)
             continue
         busy, idle, incarnation = reading
-        metrics.add_cumulative("cosine_ray:stage_busy_seconds", busy, incarnation, stage=index)
-        metrics.add_cumulative("cosine_ray:stage_idle_seconds", idle, incarnation, stage=index)
+        metrics.stage_utilisation(index, busy, idle, incarnation)
 
 
 class StageUtilisationReader:
     """At most one stage read in flight; a scrape waits ``SCRAPE_WAIT_S`` for it at most."""
 
-    def __init__(self, metrics: MetricsRegistry, stage_slots: Sequence[ActorSlot]) -> None:
+    def __init__(self, metrics: EngineMetrics, stage_slots: Sequence[ActorSlot]) -> None:
         self.metrics = metrics
         self.stage_slots = stage_slots
         self._task: asyncio.Task | None = None
@@ -74,7 +73,7 @@ class StageUtilisationReader:
         await asyncio.wait({self._task}, timeout=wait_s)  # never cancels the read
 
 
-def collect_drafter_restarts(metrics: MetricsRegistry, drafter_slots: Sequence[ActorSlot],
+def collect_drafter_restarts(metrics: EngineMetrics, drafter_slots: Sequence[ActorSlot],
                              drafter_names: Sequence[str]) -> None:
     for slot, name in zip(drafter_slots, drafter_names):
-        metrics.add_cumulative("cosine_ray:drafter_restarts", slot.num_respawns, slot.name, drafter=name)
+        metrics.drafter_restarts(name, slot.num_respawns, slot.name)

@@ -1,4 +1,4 @@
-"""The Ray Serve application: an OpenAI ingress deployment in front of the router actor.
+"""The Ray Serve application: an OpenAI ingress deployment bound to the engine deployment.
 
 ``build_app(args)`` is the Serve *application builder*: ``cosine-ray serve`` calls it, and
 ``serve run cosine_ray.serve.app:build_app`` / ``serve deploy deploy/serve_config.yaml``
@@ -7,13 +7,19 @@ use it directly. ``args`` are the engine config as plain data (see
 ``max_body_bytes``, ``return_spec_stats`` (every completion carries the ``cosine_ray`` stats
 block) and ``metrics_require_key`` (``GET /metrics`` needs the API key too).
 
+Two deployments (the Ray Serve LLM pattern): ``cosine_ray_engine`` (``EngineServer``: the
+request pool and step loop, owner of the stage and drafter actors; one replica) and the
+ingress ``cosine_ray`` (tokenizer + FastAPI app), which gets the engine's
+``DeploymentHandle`` through ``bind``. Serve starts, health-checks, restarts and reconfigures
+both: a ``serve deploy`` (or ``serve.run``) with changed settings replaces the engine, with new
+stages and drafters (``tests/serve/test_redeploy.py``).
+
 Overload and timeouts: ``max_pending_requests`` (default 256) bounds the generations one
-replica holds (running + waiting in the engine); one more gets an OpenAI-shaped 503 +
-``Retry-After`` from the app at once. Serve's own ``max_ongoing_requests`` defaults to that
-plus ``CONTROL_HEADROOM`` (room for /health, /metrics and cheap rejections), so Serve's
-queue (``max_queued_requests``, whose 503 has a plain-text body) is only a backstop.
-``request_timeout_s`` (default 600) bounds one generation: past it the engine request is
-cancelled and the client gets 408.
+ingress replica holds; one more gets an OpenAI-shaped 503 + ``Retry-After`` from the app at
+once. Serve's own ``max_ongoing_requests`` defaults to that plus ``CONTROL_HEADROOM`` (room
+for /health, /metrics and cheap rejections), so Serve's queue (``max_queued_requests``, whose
+503 has a plain-text body) is only a backstop. ``request_timeout_s`` (default 600) bounds one
+generation: past it the engine request is cancelled and the client gets 408.
 """
 
 from __future__ import annotations
@@ -27,30 +33,33 @@ from cosine_ray.engine.config import config_from_dict
 from cosine_ray.serve.openai_app import build_openai_app
 
 INGRESS_ARGS = ("api_key", "max_body_bytes", "max_ongoing_requests", "max_queued_requests",
-                "fresh_router", "return_spec_stats", "metrics_require_key", "max_pending_requests",
-                "request_timeout_s")
+                "return_spec_stats", "metrics_require_key", "max_pending_requests", "request_timeout_s")
 DEFAULT_MAX_PENDING_REQUESTS = 256
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 CONTROL_HEADROOM = 32
+ENGINE_MAX_ONGOING = 100_000
+"""The engine replica takes every generation the ingress replicas admitted (each ingress
+bounds its own with ``max_pending_requests``); queueing is the engine's request pool."""
 
 
 @serve.ingress()
 class OpenAIIngress:
-    """One replica: tokenizer + a client of the (detached, shared) router actor."""
+    """One replica: tokenizer + the engine deployment's handle."""
 
-    def __init__(self, config_data: dict[str, Any], api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20, fresh_router: bool = False,
-                 return_spec_stats: bool = False, metrics_require_key: bool = False,
-                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+    def __init__(self, engine: Any, config_data: dict[str, Any], api_key: str | None = None,
+                 max_body_bytes: int = 1 << 20, return_spec_stats: bool = False,
+                 metrics_require_key: bool = False, max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        from cosine_ray.engine.build import step_config_for
         from cosine_ray.models.loader import resolve_checkpoint
         from cosine_ray.runtime.engine_client import RayEngineClient
-        from cosine_ray.runtime.router_actor import get_or_create_router
 
         config = config_from_dict(config_data)
-        router = get_or_create_router(config, fresh=fresh_router)
-        self.engine = RayEngineClient.from_router(router)
-        self.tokenizer = resolve_checkpoint(config.model).load_tokenizer()
+        checkpoint = resolve_checkpoint(config.model)
+        self.engine = RayEngineClient(engine, model_name=checkpoint.name,
+                                      max_model_len=step_config_for(config, checkpoint).max_model_len,
+                                      vocab_size=checkpoint.config.vocab_size)
+        self.tokenizer = checkpoint.load_tokenizer()
         self.api_key = api_key or os.environ.get("COSINE_RAY_API_KEY") or None
         self.max_body_bytes = max_body_bytes
         self.return_spec_stats = bool(return_spec_stats)
@@ -68,16 +77,22 @@ class OpenAIIngress:
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT, EngineServer
+
     args = dict(args or {})
     ingress = {k: args.pop(k) for k in INGRESS_ARGS if k in args}
     config_from_dict(args)  # validate before anything starts
     max_pending = int(ingress.get("max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS))
     if max_pending < 1 or not float(ingress.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S)) > 0:
         raise ValueError("max_pending_requests must be >= 1 and request_timeout_s > 0")
+    engine = serve.deployment(
+        EngineServer, name=ENGINE_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ENGINE_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0}, health_check_period_s=10, health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=20).bind(args)
     deployment = serve.deployment(
         OpenAIIngress, name="cosine_ray",
         max_ongoing_requests=int(ingress.pop("max_ongoing_requests", max_pending + CONTROL_HEADROOM)),
         max_queued_requests=int(ingress.pop("max_queued_requests", 256)),
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=10, graceful_shutdown_timeout_s=20)
-    return deployment.bind(args, **ingress)
+    return deployment.bind(engine, args, **ingress)

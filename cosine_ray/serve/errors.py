@@ -1,9 +1,8 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``, never a traceback.
 
-Status codes follow /work/shared/guides/reliability.md: 400 invalid request (FastAPI's 422,
-malformed JSON and non-object bodies remapped), 401 bad key, 404 unknown path or model, 405
-wrong method, 413 body too large, 503 + Retry-After engine unavailable, 500 (logged, no
-internals) for anything unexpected.
+Status codes: 400 invalid request (FastAPI's 422, malformed JSON and non-object bodies
+remapped), 401 bad key, 404 unknown path or model, 405 wrong method, 413 body too large, 503 +
+Retry-After engine unavailable, 500 (logged, no internals) for anything unexpected.
 """
 
 from __future__ import annotations
@@ -114,6 +113,9 @@ def describe_validation_error(errors: Sequence[dict[str, Any]]) -> tuple[str, st
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error") or err.get("msg", "")
         return f"request body is not valid JSON: {detail}", None, "invalid_json"
+    if kind == "string_unicode":  # a lone UTF-16 surrogate where pydantic itself reads a str (a key)
+        where = format_loc(loc) if loc else "a key of the request body"
+        return f"{where} is not valid Unicode (lone UTF-16 surrogate)", format_loc(loc) or None, "invalid_value"
     if not loc:
         if kind == "missing":
             return "request body is required: a JSON object", None, "invalid_body"

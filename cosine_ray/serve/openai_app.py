@@ -8,9 +8,13 @@ in-process by tests. Per request:
     strings) → JSON response or SSE chunks ... ``data: [DONE]``
 
 NOTE(serve): every engine iterator is closed on every path (finish, stop string, error, client
-disconnect, cancellation): closing it is what aborts the request in the engine. Streaming waits
+disconnect, cancellation): closing it is what aborts the request in the engine (at a stop
+string the engine is first told the request finished, so it counts as a completion). Streaming waits
 for the first engine output before sending headers, so errors that happen before the first
 token (validation in the engine, overload, a recovering stage) still get a real status code.
+
+This module holds the app and its routes; the per-request machinery (``Admission``,
+``Generation``, ``TextStream``, SSE, disconnects) is in ``cosine_ray.serve.generation``.
 """
 
 from __future__ import annotations
@@ -21,26 +25,24 @@ import json
 import logging
 import time
 import uuid
-import weakref
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
-from cosine_ray.engine.request import RequestStats, SamplingParams
-from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, OVERLOADED_CODE, BodyLimitMiddleware,
-                                     CatchAllMiddleware, EngineUnavailable, HeaderLimitMiddleware,
-                                     InvalidRequest, NotFound, OpenAIError, RequestTimeout, error_payload,
-                                     error_response, install_error_handlers)
+from cosine_ray.engine.request import SamplingParams
+from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, CatchAllMiddleware,
+                                     EngineUnavailable, HeaderLimitMiddleware, InvalidRequest, NotFound,
+                                     OpenAIError, error_payload, error_response, install_error_handlers)
+from cosine_ray.serve.generation import Admission, Generation, SSEResponse, sse, unless_disconnected
 from cosine_ray.serve.metrics_http import METRICS_PATH, HttpCounts, HttpMetricsMiddleware, metrics_response
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                       CompletionChoice, CompletionRequest, CompletionResponse,
-                                      CosineRayStats, ErrorResponse, ModelCard, ModelList, Usage)
+                                      ErrorResponse, ModelCard, ModelList, Usage)
 
 log = logging.getLogger(__name__)
 
@@ -49,221 +51,6 @@ DEFAULT_MAX_TOKENS = 256
 PUBLIC_PATHS = frozenset({"/health", METRICS_PATH})
 """Routes that need no API key (Prometheus scrapes carry none; ``metrics_require_key`` drops
 ``/metrics`` from this set)."""
-T = TypeVar("T")
-
-
-class TextStream:
-    """Token ids → text deltas: decode everything, send the new suffix.
-
-    Holds back a trailing U+FFFD (an incomplete UTF-8 sequence) and, with stop strings, the
-    longest unsent suffix that could still begin a stop string; the text ends before the first
-    stop string. Assumes decode(ids[:n]) is a prefix of decode(ids) once it has no trailing
-    U+FFFD (true for byte-level BPE tokenizers with skip_special_tokens)."""
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.stop = list(stop)
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.num_sent_chars = 0
-        self.is_stopped = False
-
-    def add(self, new_token_ids: Sequence[int], *, is_final: bool) -> str:
-        self.token_ids.extend(new_token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if not is_final:
-            text = text.rstrip("\ufffd")
-        end = len(text)
-        hits = [i for i in (text.find(s, self.num_sent_chars) for s in self.stop) if i >= 0]
-        if hits:
-            end, self.is_stopped = min(hits), True
-        elif not is_final:
-            end -= self._num_held_back(text)
-        self.text = text[:end] if self.is_stopped else text
-        delta = text[self.num_sent_chars:end]
-        self.num_sent_chars = max(self.num_sent_chars, end)
-        return delta
-
-    def _num_held_back(self, text: str) -> int:
-        longest = min(max((len(s) for s in self.stop), default=1) - 1, len(text) - self.num_sent_chars)
-        for k in range(longest, 0, -1):
-            if any(s.startswith(text[-k:]) for s in self.stop):
-                return k
-        return 0
-
-
-class Admission:
-    """Bounded admission: at most ``max_pending`` generation requests in this replica at once
-    (running in the engine or waiting in its queue); one more is rejected at once with 503 +
-    ``Retry-After`` instead of queueing without bound (reliability guide R8).
-
-    ``try_acquire`` is synchronous (no await between the check and the increment), so with
-    N + k concurrent requests exactly k are rejected while the first N are in flight. The
-    slot is released when the request's engine stream is closed (finish, error, disconnect,
-    timeout), via ``Generation.aclose``; ``release`` is idempotent per slot."""
-
-    def __init__(self, max_pending: int | None) -> None:
-        if max_pending is not None and max_pending < 1:
-            raise ValueError("max_pending_requests must be >= 1")
-        self.max_pending = max_pending
-        self.num_pending = 0
-        self.num_rejected = 0
-
-    def try_acquire(self) -> Callable[[], None]:
-        """A release callback, or EngineUnavailable (503) when the replica is full."""
-        if self.max_pending is not None and self.num_pending >= self.max_pending:
-            self.num_rejected += 1
-            raise EngineUnavailable(f"the server is at capacity ({self.max_pending} requests in flight); "
-                                    "retry later", retry_after=1.0, code=OVERLOADED_CODE)
-        self.num_pending += 1
-        is_released = False
-
-        def release() -> None:
-            nonlocal is_released
-            if not is_released:
-                is_released = True
-                self.num_pending -= 1
-
-        return release
-
-
-class Generation:
-    """One engine request seen as text: ``step()`` until ``is_done``; always ``aclose()``."""
-
-    def __init__(self, engine: EngineClient, tokenizer: Any, prompt_token_ids: list[int],
-                 params: SamplingParams, stop: Sequence[str], request_id: str,
-                 on_close: Callable[[], None] | None = None, deadline: float | None = None) -> None:
-        self._on_close = on_close
-        if on_close is not None:  # a Generation dropped without aclose() still frees its slot
-            weakref.finalize(self, on_close)
-        self.deadline = deadline
-        """``time.monotonic()`` by which the request must finish (server-side timeout), or None."""
-        self.outputs = engine.stream(prompt_token_ids, params, request_id)
-        self.text = TextStream(tokenizer, stop)
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.request_id = request_id
-        self.finish_reason: str | None = None
-        self.stats: RequestStats | None = None
-        self.is_done = False
-        self._num_outputs = 0
-
-    async def _next_output(self) -> Any:
-        if self.deadline is None:
-            return await self.outputs.__anext__()
-        remaining = self.deadline - time.monotonic()
-        try:
-            # asyncio.timeout, not wait_for: wait_for runs __anext__ in another task, and a
-            # cancellation arriving meanwhile (client disconnect) leaves that task running the
-            # generator, so the aclose() that aborts the request fails ("already running").
-            async with asyncio.timeout(max(remaining, 0.0)):
-                return await self.outputs.__anext__()
-        except TimeoutError:
-            await self.aclose()  # cancels the engine request: its state is freed at the next step
-            raise RequestTimeout("the request ran past the server's request timeout and was cancelled",
-                                 code="timeout") from None
-
-    async def step(self) -> str:
-        try:
-            out = await self._next_output()
-        except StopAsyncIteration:
-            raise EngineUnavailable("the engine ended the request without finishing it") from None
-        except OpenAIError:
-            raise
-        except Exception as exc:
-            if isinstance(exc, ValueError) and self._num_outputs == 0:  # rejected at submission
-                raise InvalidRequest(str(exc)) from None
-            log.exception("engine error in %s", self.request_id)
-            raise EngineUnavailable("the engine failed while generating; retry") from None
-        self._num_outputs += 1
-        if out.error or (out.finished and out.finish_reason not in ("stop", "length")):
-            log.warning("request %s failed in the engine: %s (%s)", self.request_id, out.error,
-                        out.finish_reason)
-            raise EngineUnavailable("the engine failed while generating; retry")
-        self.stats = out.stats or self.stats
-        delta = self.text.add(out.new_token_ids, is_final=out.finished)
-        if self.text.is_stopped or out.finished:
-            self.finish_reason = "stop" if self.text.is_stopped else out.finish_reason
-            self.is_done = True
-            await self.aclose()
-        return delta
-
-    async def collect(self) -> str:
-        while not self.is_done:
-            await self.step()
-        return self.text.text
-
-    async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            try:
-                await self.outputs.aclose()
-            finally:
-                if self._on_close is not None:
-                    self._on_close()
-
-    def usage(self) -> Usage:
-        n = len(self.text.token_ids)
-        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=n,
-                     total_tokens=self.num_prompt_tokens + n)
-
-    def stats_block(self) -> CosineRayStats:
-        s = self.stats or RequestStats()
-        return CosineRayStats(num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
-                              mean_accepted_length=s.mean_accepted_length, num_verify_steps=s.num_verify_steps,
-                              drafted_by=dict(s.drafted_by), accepted_by=dict(s.accepted_by),
-                              domain=s.domain,
-                              drafters_used=sorted(name for name, n in s.drafted_by.items() if n > 0))
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; cancel it (raising ClientDisconnect) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            t.cancel()  # a no-op on a finished task
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnect()
-    return task.result()
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events that stop on client disconnect and always run ``on_close``."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away (ASGI spec 2.4 servers)
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self._on_close()
-
-
-def sse(data: Any) -> str:
-    body = data if isinstance(data, str) else data.model_dump_json(exclude_none=True)
-    return f"data: {body}\n\n"
 
 
 class ApiKeyMiddleware:
@@ -331,8 +118,12 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template rejects the conversation (e.g. role order)
-            raise InvalidRequest(f"messages do not fit the model's chat template: {exc}",
+        except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
+            raise InvalidRequest(f"messages do not fit the model's chat template: {str(exc).splitlines()[0]}",
+                                 param="messages") from None
+        except Exception:  # the tokenizer failed: say so without its internals
+            log.warning("chat template or tokenizer failed", exc_info=True)
+            raise InvalidRequest("messages could not be tokenized with the model's chat template",
                                  param="messages") from None
         if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]

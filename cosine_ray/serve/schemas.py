@@ -32,6 +32,21 @@ _STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"},
                            "maxItems": MAX_STOP_STRINGS}]}
 
 
+def check_unicode(text: str) -> str:
+    """``text`` if it is valid Unicode; ValueError naming the first lone UTF-16 surrogate.
+
+    JSON may escape a lone surrogate (``"\\ud800"``) although it is no character: such text
+    cannot be encoded to UTF-8, so no tokenizer can take it. The validators below call this
+    on every string that reaches the tokenizer or the stop-string matcher, so the client gets
+    a 400 naming its field instead of a tokenizer error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: lone UTF-16 surrogate U+{ord(text[exc.start]):04X} at "
+                         f"character {exc.start} (a \\uD800-\\uDFFF escape must be half of a pair)") from None
+    return text
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     """Send one more chunk before [DONE] with ``usage`` and no choices."""
@@ -73,6 +88,8 @@ class _SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        for s in stops:
+            check_unicode(s)
         return stops
 
     @property
@@ -112,11 +129,11 @@ class ChatMessage(BaseModel):
     @classmethod
     def _check_content(cls, value: Any) -> str:
         if isinstance(value, str):
-            return value
+            return check_unicode(value)
         if isinstance(value, list) and all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                 for p in value):
-            return "\n".join(p["text"] for p in value)
+            return check_unicode("\n".join(p["text"] for p in value))
         raise ValueError("content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
 
 
@@ -151,7 +168,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, str):
             if not value:
                 raise ValueError("prompt must not be empty")
-            return value
+            return check_unicode(value)
         if isinstance(value, list) and value and all(type(t) is int for t in value):
             return value
         if isinstance(value, list) and not value:

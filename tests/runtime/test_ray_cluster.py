@@ -1,11 +1,14 @@
-"""The Ray runtime on a real local cluster: router actor, pipeline stage actors, drafter actors.
+"""The Ray runtime on a real local cluster: the engine deployment, pipeline stage actors,
+drafter actors.
 
 Tiny random-weight model with SmolLM2's tokenizer (vocab 49152; N(0, 0.2) weights leave no
 near-ties, so greedy outputs must match exactly). One local Ray cluster for the session
-(``ray_cluster``, see conftest.py) and one detached router per pipeline depth S: the router is
-a named actor (``cosine_ray:router:0``), so ``get_or_create_router(fresh=True)`` replaces the
-previous one. Tests run in file order: S=1, S=3, then S=2 for everything else (names, drafter
-and stage faults, cancellation, concurrency). Every wait has a deadline: a hang fails the test.
+(``ray_cluster``, see conftest.py) and one Serve application per pipeline depth S (the engine
+deployment owns its stages and drafters; deploying S=3 after S=1 replaces the engine and its
+actors). The tests talk to the engine through its ``DeploymentHandle`` (``RayEngineClient``,
+what the ingress uses). Tests run in file order: S=1, S=3, then S=2 for everything else
+(names, drafter and stage faults, cancellation, concurrency). Every wait has a deadline: a hang
+fails the test.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cosine_ray.engine.config import EngineConfig, config_from_dict, parse_drafters  # noqa: E402
+from ray import serve  # noqa: E402
+
+from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters  # noqa: E402
 from cosine_ray.engine.local import LocalEngine, encode_prompt  # noqa: E402
 from cosine_ray.engine.request import RequestOutput, SamplingParams  # noqa: E402
-from cosine_ray.engine.router import RouterConfig  # noqa: E402
-from cosine_ray.models.loader import write_tiny_checkpoint  # noqa: E402
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
 from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
-from cosine_ray.runtime.router_actor import ROUTER_NAME, get_or_create_router, kill_router  # noqa: E402
+from engine_app import deploy, engine_call, engine_handle, engine_replicas  # noqa: E402
+from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 
@@ -106,50 +110,53 @@ def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
     return Tiny(ckpt, tok, prompts, refs, long_prompt, long_ref, long_ref3)
 
 
-# ---- routers -----------------------------------------------------------------------------------
+# ---- engines ----------------------------------------------------------------------------------
 
 def engine_config_data(tiny: Tiny, num_stages: int) -> dict[str, Any]:
     return {"model": str(tiny.ckpt.path), "drafters": DRAFTERS[num_stages], "num_stages": num_stages,
-            "router": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_batch_size": 8,
-                       "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE,
-                       "adaptive": False},  # fixed γ: the random tiny model's drafts are verified
-            "cluster": {"stage_deadline_s": 30.0, "drafters_in_router": "none"}}  # every drafter an actor
+            "step": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_batch_size": 8,
+                     "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE,
+                     "adaptive": False},  # fixed γ: the random tiny model's drafts are verified
+            "cluster": {"stage_deadline_s": 30.0, "drafters_in_engine": "none"}}  # every drafter an actor
 
 
-class Routers:
-    """At most one router alive (it is a named detached actor); replaced when S changes."""
+class Engines:
+    """One Serve application at a time; deploying another S replaces the engine."""
 
     def __init__(self, tiny: Tiny) -> None:
         self.tiny = tiny
         self.num_stages: int | None = None
-        self.handle: Any = None
+        self.info: dict[str, Any] = {}
         self.client: RayEngineClient | None = None
 
-    def get(self, num_stages: int) -> tuple[Any, RayEngineClient]:
+    def get(self, num_stages: int) -> tuple[dict[str, Any], RayEngineClient]:
         if self.num_stages != num_stages:
             start = time.perf_counter()
             self.num_stages = None
-            config = config_from_dict(engine_config_data(self.tiny, num_stages))
-            self.handle = get_or_create_router(config, fresh=True, ready_timeout_s=300)
-            self.client = RayEngineClient.from_router(self.handle, token_timeout_s=180.0, call_timeout_s=30.0)
+            self.info = deploy(engine_config_data(self.tiny, num_stages))
+            ENGINE_NAMESPACE["current"] = self.info["namespace"]
+            self.client = RayEngineClient(engine_handle(), model_name=self.info["model"],
+                                          max_model_len=self.info["max_model_len"],
+                                          vocab_size=self.info["vocab_size"], token_timeout_s=180.0,
+                                          call_timeout_s=30.0)
             self.num_stages = num_stages
-            _timed(f"router with {num_stages} stage(s) + drafters [{DRAFTERS[num_stages]}] ready", start)
-        return self.handle, self.client
+            _timed(f"engine with {num_stages} stage(s) + drafters [{DRAFTERS[num_stages]}] ready", start)
+        return self.info, self.client
 
 
 @pytest.fixture(scope="module")
-def routers(ray_cluster, tiny) -> Routers:
-    pool = Routers(tiny)
+def engines(ray_cluster, tiny) -> Engines:
+    pool = Engines(tiny)
     yield pool
     start = time.perf_counter()
-    kill_router()
-    _timed("router killed", start)
+    serve.shutdown()  # the session cluster's next user starts Serve with its own HTTP options
+    _timed("Serve shut down", start)
 
 
 @pytest.fixture
-def router2(routers):
-    """The S=2 router (ngram + self drafters), shared by every fault/concurrency test."""
-    return routers.get(2)
+def engine2(engines):
+    """The S=2 engine (ngram + self drafters), shared by every fault/concurrency test."""
+    return engines.get(2)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -195,7 +202,7 @@ def is_idle(stats: dict[str, Any]) -> bool:
 
 
 async def wait_idle(client: RayEngineClient, timeout_s: float) -> dict[str, Any]:
-    """Poll router.stats() until no state is held anywhere; the last stats if it never is."""
+    """Poll the engine's stats() until no state is held anywhere; the last stats if it never is."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = await client.stats()
@@ -204,13 +211,22 @@ async def wait_idle(client: RayEngineClient, timeout_s: float) -> dict[str, Any]
         await asyncio.sleep(0.1)
 
 
+ENGINE_NAMESPACE: dict[str, str] = {}
+"""The deployed engine's actor namespace (set by ``Engines.get``; read inside event loops too)."""
+
+
+def actor(name: str):
+    """A stage or drafter actor of the running engine (its own namespace)."""
+    return ray.get_actor(name, namespace=ENGINE_NAMESPACE["current"])
+
+
 def wait_actor_back(name: str, old_incarnation: str | None, timeout_s: float = 180.0) -> str:
     """Block until the named actor answers ping with a new incarnation."""
     deadline = time.monotonic() + timeout_s
     last_exc: BaseException | None = None
     while time.monotonic() < deadline:
         try:
-            incarnation = ray.get(ray.get_actor(name, namespace=NAMESPACE).ping.remote(), timeout=10)
+            incarnation = ray.get(actor(name).ping.remote(), timeout=10)
             if incarnation != old_incarnation:
                 return incarnation
         except Exception as exc:  # not registered yet / restarting / starting
@@ -220,7 +236,7 @@ def wait_actor_back(name: str, old_incarnation: str | None, timeout_s: float = 1
 
 
 def ping(name: str) -> str:
-    return ray.get(ray.get_actor(name, namespace=NAMESPACE).ping.remote(), timeout=60)
+    return ray.get(actor(name).ping.remote(), timeout=60)
 
 
 def our_named_actors() -> dict[str, str]:
@@ -231,16 +247,16 @@ def our_named_actors() -> dict[str, str]:
 
 # ---- (a) pipeline depth changes nothing ----------------------------------------------------------
 
-@pytest.mark.parametrize("num_stages", [1, 3, 2])  # 2 last: the tests below reuse its router
-def test_pipeline_matches_local_engine_and_hf_greedy(routers, tiny, num_stages):
-    _, client = routers.get(num_stages)
+@pytest.mark.parametrize("num_stages", [1, 3, 2])  # 2 last: the tests below reuse its engine
+def test_pipeline_matches_local_engine_and_hf_greedy(engines, tiny, num_stages):
+    _, client = engines.get(num_stages)
     prompts, refs = tiny.prompts[:4] + tiny.prompts[-1:], tiny.refs[:4] + tiny.refs[-1:]
 
     start = time.perf_counter()
     local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]),
                                      num_stages=num_stages,
-                                     router=RouterConfig(num_speculative_tokens=GAMMA, max_batch_size=8,
-                                                         min_tree_confidence=MIN_TREE_CONFIDENCE, adaptive=False)),
+                                     step=StepConfig(num_speculative_tokens=GAMMA, max_batch_size=8,
+                                                     min_tree_confidence=MIN_TREE_CONFIDENCE, adaptive=False)),
                         checkpoint=tiny.ckpt)
     local_outs = local.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in local_outs] == refs, "in-process engine differs from HF greedy"
@@ -265,42 +281,39 @@ def test_pipeline_matches_local_engine_and_hf_greedy(routers, tiny, num_stages):
 
 # ---- (b) actor names ---------------------------------------------------------------------------
 
-def test_actor_names_and_namespace(router2):
-    handle, client = router2
-    expected = {ROUTER_NAME, actor_name("stage", 0), actor_name("stage", 1),
-                actor_name("drafter", 0), actor_name("drafter", 1)}
-    assert ROUTER_NAME == "cosine_ray:router:0"
-    assert expected == {"cosine_ray:router:0", "cosine_ray:stage:0", "cosine_ray:stage:1",
-                        "cosine_ray:drafter:0", "cosine_ray:drafter:1"}
-    # the S=3 router's actors were replaced, not left behind (stage:2 is gone)
+def test_actor_names_and_namespace(engine2):
+    info, client = engine2
+    expected = {actor_name("stage", 0), actor_name("stage", 1), actor_name("drafter", 0), actor_name("drafter", 1)}
+    assert expected == {"cosine_ray:stage:0", "cosine_ray:stage:1", "cosine_ray:drafter:0", "cosine_ray:drafter:1"}
+    namespace = info["namespace"]
+    assert namespace == f"{NAMESPACE}.{info['engine_id']}" and NAMESPACE == "cosine_ray"
+    # the S=3 engine's actors went with it (stage:2 is gone); only this engine's remain
     deadline = time.monotonic() + 30
     while (names := our_named_actors()).keys() != expected and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert names == {n: NAMESPACE for n in expected}
-    assert NAMESPACE == "cosine_ray"
-    info = ray.get(handle.describe.remote(), timeout=30)
+    assert names == {n: namespace for n in expected}
+    assert len(engine_replicas()) == 1
     assert info["stages"] == [actor_name("stage", 0), actor_name("stage", 1)]
     assert info["drafters"] == ["ngram", "self"]
-    # the router's handles are the named actors
-    handles = ray.get(handle.actor_handles.remote(), timeout=30)
-    assert set(handles) == expected - {ROUTER_NAME}
+    # the engine's handles are the named actors
+    handles = engine_call("actor_handles")
+    assert set(handles) == expected
     for name, h in handles.items():
         assert ray.get(h.ping.remote(), timeout=30) == ping(name)
-    assert ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id == handle._actor_id
 
 
 # ---- (c) a drafter dies mid-generation -----------------------------------------------------------
 
 @pytest.mark.parametrize("no_restart", [True, False], ids=["killed-for-good", "ray-restarts-it"])
-def test_drafter_killed_mid_generation(router2, tiny, no_restart):
-    handle, client = router2
+def test_drafter_killed_mid_generation(engine2, tiny, no_restart):
+    _, client = engine2
     before = run(client.stats(), 30)
     old = ping(SELF_DRAFTER)
     killed_at: list[int] = []
 
     async def kill_after_two(n: int, out: RequestOutput) -> None:
         if n == 2:
-            ray.kill(ray.get_actor(SELF_DRAFTER, namespace=NAMESPACE), no_restart=no_restart)
+            ray.kill(actor(SELF_DRAFTER), no_restart=no_restart)
             killed_at.append(out.num_output_tokens)
 
     start = time.perf_counter()
@@ -315,7 +328,7 @@ def test_drafter_killed_mid_generation(router2, tiny, no_restart):
           f"respawns={stats['respawns']}", flush=True)
     assert stats["drafter_failures"].get("self", 0) > before["drafter_failures"].get("self", 0)
     respawned = stats["respawns"][SELF_DRAFTER] - before["respawns"][SELF_DRAFTER]
-    if no_restart:  # Ray will not bring it back: the router's slot spawned a new one
+    if no_restart:  # Ray will not bring it back: the engine's slot spawned a new one
         assert respawned == 1
     else:  # Ray restarted it under the same handle
         assert respawned == 0
@@ -345,13 +358,13 @@ def test_drafter_killed_mid_generation(router2, tiny, no_restart):
 
 @pytest.mark.parametrize("stage, no_restart", [(1, False), (0, True)],
                          ids=["ray-restarts-stage1", "stage0-killed-for-good"])
-def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
-    """The stage's KV is gone: Ray restarts it (no_restart=False) or the router's slot spawns a
-    new one (no_restart=True); the router re-prefills every running request from prompt +
+def test_stage_killed_mid_generation_recovers(engine2, tiny, stage, no_restart):
+    """The stage's KV is gone: Ray restarts it (no_restart=False) or the engine's slot spawns a
+    new one (no_restart=True); the engine re-prefills every running request from prompt +
     committed tokens and the text is unchanged. (Had the stage not come back within
     stage_recovery_s, the requests would end cleanly with finish_reason "error".) Two requests
     are in flight, one per lane, so both lanes hit the lost stage."""
-    handle, client = router2
+    _, client = engine2
     name = actor_name("stage", stage)
     old = ping(name)
     before = run(client.stats(), 30)
@@ -360,7 +373,7 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
     async def kill_after_two(n: int, out: RequestOutput) -> None:
         if n == 2 and not killed.is_set():
             killed.set()
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=no_restart)
+            ray.kill(actor(name), no_restart=no_restart)
 
     async def main():
         start = time.perf_counter()
@@ -397,8 +410,8 @@ def test_stage_killed_mid_generation_recovers(router2, tiny, stage, no_restart):
 
 # ---- (e) cancellation frees state ----------------------------------------------------------------
 
-def test_closing_the_stream_early_frees_all_state(router2, tiny):
-    handle, client = router2
+def test_closing_the_stream_early_frees_all_state(engine2, tiny):
+    _, client = engine2
 
     async def close_after_two(n: int, out: RequestOutput) -> bool:
         return n >= 2
@@ -431,10 +444,48 @@ def test_closing_the_stream_early_frees_all_state(router2, tiny):
     assert took <= 5.5
 
 
+def test_finish_then_close_counts_stop_not_abort(engine2, tiny):
+    """What the ingress does when a stop string appears: ``finish`` (an engine call), then
+    close the stream. The engine frees the request and counts it as ``stop``, with latency."""
+    _, client = engine2
+
+    def endings(snapshot: dict) -> dict[str, float]:
+        return {dict(k)["finished_reason"]: v for k, v in snapshot.get("cosine_ray:request_success", {}).items()}
+
+    def e2e_count(snapshot: dict) -> int:
+        return sum(h.count for h in snapshot.get("cosine_ray:e2e_request_latency_seconds", {}).values())
+
+    async def main():
+        before = await client.metrics_snapshot()
+        rid = uuid.uuid4().hex
+
+        async def finish_after_two(n: int, out: RequestOutput) -> bool:
+            if n < 2:
+                return False
+            await client.finish(rid)
+            return True
+
+        res = await collect(client, tiny.long_prompt, LONG_MAX_TOKENS, on_output=finish_after_two, request_id=rid)
+        stats = await wait_idle(client, 5.0)
+        deadline = time.monotonic() + 10
+        while True:  # the engine's generator ends (and counts) once Serve delivers the cancellation
+            after = await client.metrics_snapshot()
+            if sum(endings(after).values()) > sum(endings(before).values()) or time.monotonic() > deadline:
+                return before, after, res, stats
+            await asyncio.sleep(0.1)
+
+    before, after, res, stats = run(main(), 120)
+    assert res.num_outputs == 2 and not res.last.finished
+    assert is_idle(stats), f"state left behind: {stats}"
+    b, a = endings(before), endings(after)
+    assert {r: a.get(r, 0) - b.get(r, 0) for r in set(a) | set(b)} == {"stop": 1, **{r: 0 for r in (set(a) | set(b)) - {"stop"}}}
+    assert e2e_count(after) == e2e_count(before) + 1
+
+
 # ---- (f) concurrency ---------------------------------------------------------------------------
 
-def test_eight_concurrent_requests_complete(router2, tiny):
-    handle, client = router2
+def test_eight_concurrent_requests_complete(engine2, tiny):
+    _, client = engine2
 
     async def main():
         return await asyncio.gather(*(collect(client, p, MAX_TOKENS) for p in tiny.prompts))

@@ -26,9 +26,9 @@ schemathesis = pytest.importorskip("schemathesis")
 from cosine_ray.engine.client import LocalEngineClient  # noqa: E402
 from cosine_ray.engine.config import EngineConfig, parse_drafters  # noqa: E402
 from cosine_ray.engine.local import LocalEngine  # noqa: E402
-from cosine_ray.models.loader import write_tiny_checkpoint  # noqa: E402
 from cosine_ray.serve.openai_app import build_openai_app  # noqa: E402
 
+from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from uvicorn_thread import serve_in_thread  # noqa: E402
 
 EXAMPLES = int(os.environ.get("COSINE_RAY_FUZZ_EXAMPLES", "40"))
@@ -48,8 +48,8 @@ def fuzzed(tmp_path_factory, real_checkpoint):
 
 
 def _is_free(engine: LocalEngine) -> bool:
-    router = engine.router
-    return (not router.running and not router.waiting and engine.target.num_cached_requests() == 0
+    core = engine.core
+    return (not core.running and not core.waiting and engine.target.num_cached_requests() == 0
             and all(d.num_tracked_requests == 0 for d in engine.drafters))
 
 

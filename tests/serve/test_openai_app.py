@@ -17,16 +17,17 @@ import httpx
 import openai
 import pytest
 from starlette.testclient import TestClient
+from tiny_checkpoint import write_tiny_checkpoint
 from uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.client import LocalEngineClient
-from cosine_ray.engine.router import RouterConfig
+from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import RequestOutput, RequestStats, SamplingParams
-from cosine_ray.models.loader import write_tiny_checkpoint
 from cosine_ray.serve.errors import EngineUnavailable
-from cosine_ray.serve.openai_app import TextStream, build_openai_app
+from cosine_ray.serve.generation import TextStream
+from cosine_ray.serve.openai_app import build_openai_app
 
 MODEL = "tiny-smollm2"
 CHAT_TEXT = "Write a haiku about the sea."
@@ -44,8 +45,8 @@ class Served:
         return self.tok.decode(self.refs[name], skip_special_tokens=True)
 
     def is_idle(self) -> bool:
-        router = self.engine.router
-        return not router.running and not router.waiting
+        core = self.engine.core
+        return not core.running and not core.waiting
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def served(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", tokenizer_from=real_checkpoint)
     # the random tiny model's own probabilities are low: verify every draft it makes
     engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self"),
-                                      router=RouterConfig(min_tree_confidence=0.0, adaptive=False)), checkpoint=ck)
+                                      step=StepConfig(min_tree_confidence=0.0, adaptive=False)), checkpoint=ck)
     tok = engine.tokenizer
     prompts = {"chat": encode_prompt(tok, CHAT_TEXT),
                "completion": tok(COMPLETION_TEXT, add_special_tokens=True)["input_ids"]}
@@ -334,6 +335,32 @@ def test_bad_inputs_exact_status_and_param(served):
     r = httpx.post(f"{served.url}/v1/chat/completions", json=chat_body(), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == served.ref_text("chat")
     assert _wait_idle(served)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMP, r'{"prompt": "a\ud800b", "max_tokens": 2}', "prompt"),
+    (COMP, r'{"prompt": ["x\udfff"], "max_tokens": 2, "stream": true}', "prompt"),
+    (COMP, r'{"prompt": "ok", "stop": ["fine", "\udc00"], "max_tokens": 2}', "stop"),
+    (CHAT, r'{"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2}', "messages[0].content"),
+    (CHAT, r'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": '
+           r'[{"type": "text", "text": "\ud83d"}]}], "max_tokens": 2, "stream": true}', "messages[1].content"),
+])
+def test_lone_surrogate_is_a_400_naming_the_field(served, path, body, param):
+    """A lone UTF-16 surrogate escape (valid JSON, no character) is refused before the
+    tokenizer sees it: an OpenAI-shaped 400 of our own naming the field, no tokenizer text."""
+    r = httpx.post(f"{served.url}{path}", content=body.encode(), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"].startswith(f"{param}: not valid Unicode: lone UTF-16 surrogate U+D"), err
+    assert "TextEncodeInput" not in r.text and "Traceback" not in r.text and "template" not in r.text
+    # a surrogate *pair* is one valid character: served normally
+    ok = body.replace(r"\ud800", r"\ud83d\ude00").replace(r"\udfff", r"\ud83d\ude00").replace(
+        r"\udc00", r"\ud83d\ude00").replace(r'"\ud83d"', r'"\ud83d\ude00"')
+    r = httpx.post(f"{served.url}{path}", content=ok.encode(), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, (ok, r.text)
 
 
 def test_openapi_schema_lists_routes(served):

@@ -19,13 +19,13 @@ from typing import Any
 import httpx
 import pytest
 from starlette.testclient import TestClient
+from tiny_checkpoint import write_tiny_checkpoint
 from uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import RequestOutput
-from cosine_ray.engine.router import RouterConfig
-from cosine_ray.models.loader import write_tiny_checkpoint
+from cosine_ray.engine.config import StepConfig
 from cosine_ray.serve import openai_app
 from cosine_ray.serve.errors import OVERLOADED_CODE
 from cosine_ray.serve.metrics_http import METRICS_PATH
@@ -220,8 +220,8 @@ class Served:
         self.url, self.engine = url, engine
 
     def held_state(self) -> dict[str, int]:
-        router = self.engine.router
-        return {"running": len(router.running), "waiting": len(router.waiting),
+        core = self.engine.core
+        return {"running": len(core.running), "waiting": len(core.waiting),
                 "kv_requests": self.engine.target.num_cached_requests(),
                 "drafter_requests": sum(d.num_tracked_requests for d in self.engine.drafters)}
 
@@ -238,7 +238,7 @@ class Served:
 def timed_server(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("timeout") / "tiny", tokenizer_from=real_checkpoint)
     engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram"),
-                                      router=RouterConfig(max_batch_size=2)), checkpoint=ck)
+                                      step=StepConfig(max_batch_size=2)), checkpoint=ck)
     app = build_openai_app(_LocalClient(engine), engine.tokenizer, model_name="tiny",
                            request_timeout_s=TIMEOUT_S, max_pending_requests=8)
     url, stop = serve_in_thread(app)

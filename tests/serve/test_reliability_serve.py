@@ -3,7 +3,7 @@
 One server for the module: the CLI joins the session cluster with a tiny random-weight model
 that has SmolLM2's tokenizer (the claims here are about the serving layer, and a tiny model
 keeps 2 CPU cores responsive under 16 clients), 2 pipeline stages, the n-gram drafter,
-``--max-batch-size 4`` (so requests queue in the router), ``--max-pending-requests 20`` and the
+``--max-batch-size 4`` (so requests queue in the engine), ``--max-pending-requests 20`` and the
 API key from the environment (``COSINE_RAY_API_KEY``). References are transformers' greedy
 decoding of the same tiny checkpoint.
 
@@ -11,7 +11,7 @@ In file order:
 
 * auth from the env var, and a handful of bad inputs through the real proxy (exact status);
 * disconnects (queued, after the first token, mid-stream, non-streaming) free the request's
-  state on the router, every stage's KV and every drafter within 2 s (``RouterHost.stats``);
+  state in the engine, every stage's KV and every drafter within 2 s (``EngineServer.stats``);
 * overload: 20 + 5 concurrent long requests → exactly 5 answered 503 + Retry-After;
   a flood with a 0.5 s client timeout leaves nothing behind;
 * soak: 16 concurrent clients (mixed streaming / non-streaming) for ``--soak-seconds``
@@ -20,9 +20,9 @@ In file order:
   resident memory of every actor flat after warm-up (slope reported, bound asserted);
 * faults under concurrent load, each with a client-side ledger (lost = duplicated = hung = 0):
   a drafter killed (``ray.kill``, then SIGKILL of its process: a hard exit), a stage killed
-  (SIGKILL; Ray restarts it, the router re-prefills), the router killed (``ray.kill`` with
-  restart, then SIGKILL): in-flight requests end with an error within 10 s and new requests
-  succeed once Ray has recreated it.
+  (SIGKILL; Ray restarts it, the engine re-prefills), the engine replica killed (``ray.kill``,
+  then SIGKILL): in-flight requests end with an error within 10 s and new requests succeed
+  once Serve has started a new engine (with new stages and drafters).
 
 The server-side request timeout (408) is tested in-process against a real LocalEngine
 (test_reliability_app.py): a timeout short enough to test here would also cut the soak.
@@ -49,12 +49,12 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cosine_ray.models.loader import write_tiny_checkpoint  # noqa: E402
-from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
-from cosine_ray.runtime.router_actor import ROUTER_NAME  # noqa: E402
+from cosine_ray.runtime.cluster import actor_name  # noqa: E402
 
 from cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
-from test_serve_e2e import force_cleanup, wait_gone  # noqa: E402
+from engine_app import engine_actor, engine_call, engine_handle, engine_replicas, force_cleanup  # noqa: E402
+from test_serve_e2e import wait_gone  # noqa: E402
+from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 
@@ -109,7 +109,7 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint):
     exe = shutil.which("cosine-ray")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
         "serve", "--port", str(port), "--address", ray_cluster, "--model", str(ckpt.path),
-        "--drafters", "ngram", "--drafters-in-router", "none", "--stages", "2", "--max-batch-size", str(MAX_BATCH),
+        "--drafters", "ngram", "--drafters-in-engine", "none", "--stages", "2", "--max-batch-size", str(MAX_BATCH),
         "--max-pending-requests", str(MAX_PENDING), "--request-timeout-s", "300"]
     start = time.perf_counter()
     log = open(log_path, "wb")
@@ -144,12 +144,15 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint):
         assert not left, f"actors still alive after cleanup: {left}"
 
 
-def router():
-    return ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+def engine_replica():
+    """The engine deployment's replica actor (what a fault test kills)."""
+    replicas = engine_replicas()
+    assert len(replicas) == 1, replicas
+    return ray.get_actor(replicas[0], namespace="serve")
 
 
 def stats(timeout_s: float = 30.0) -> dict[str, Any]:
-    return ray.get(router().stats.remote(), timeout=timeout_s)
+    return engine_call("stats", timeout_s=timeout_s)
 
 
 def held(s: dict[str, Any]) -> dict[str, int]:
@@ -165,7 +168,7 @@ def held(s: dict[str, Any]) -> dict[str, int]:
 
 
 def wait_free(timeout_s: float) -> tuple[dict[str, int], float]:
-    """Poll the router's stats until nothing is held; (last state, seconds waited)."""
+    """Poll the engine's stats until nothing is held; (last state, seconds waited)."""
     start = time.monotonic()
     while True:
         state = held(stats())
@@ -350,13 +353,13 @@ async def _open_stream(client: httpx.AsyncClient, i: int, max_tokens: int = LONG
     return cm, await cm.__aenter__()
 
 
-async def _wait_router(predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> dict[str, Any]:
+async def _wait_engine(predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         s = await asyncio.to_thread(stats)
         if predicate(s):
             return s
-        assert time.monotonic() < deadline, f"router never reached the state: {held(s)}"
+        assert time.monotonic() < deadline, f"engine never reached the state: {held(s)}"
         await asyncio.sleep(0.05)
 
 
@@ -367,18 +370,18 @@ async def _measure_free(label: str, results: dict[str, float]) -> None:
     assert took <= FREE_WITHIN_S, f"{label}: state freed only after {took:.2f} s"
 
 
-def test_disconnects_free_state_on_router_stages_and_drafters(server):
+def test_disconnects_free_state_on_engine_stages_and_drafters(server):
     results: dict[str, float] = {}
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
-            # (1) queued: the batch is full of long streams; a 5th request waits in the router
+            # (1) queued: the batch is full of long streams; a 5th request waits in the engine
             opened = await asyncio.gather(*(_open_stream(client, i) for i in range(MAX_BATCH)))
             queued = asyncio.ensure_future(client.post("/v1/completions", json=body(5, max_tokens=LONG_TOKENS)))
-            await _wait_router(lambda s: s["running"] == MAX_BATCH and s["waiting"] == 1)
+            await _wait_engine(lambda s: s["running"] == MAX_BATCH and s["waiting"] == 1)
             queued.cancel()  # the client goes away while its request is queued
             await asyncio.gather(queued, return_exceptions=True)
-            await _wait_router(lambda s: s["waiting"] == 0, FREE_WITHIN_S)
+            await _wait_engine(lambda s: s["waiting"] == 0, FREE_WITHIN_S)
             results["queued (router queue empty)"] = 0.0
             for cm, _ in opened:
                 await cm.__aexit__(None, None, None)
@@ -421,7 +424,7 @@ def test_disconnects_free_state_on_router_stages_and_drafters(server):
 
 def test_overload_rejects_exactly_the_excess_with_retry_after(server):
     """MAX_PENDING + 5 long streams at once: exactly 5 are answered 503 + Retry-After at once
-    while the MAX_PENDING admitted ones stay in flight (4 running, 16 queued in the router)."""
+    while the MAX_PENDING admitted ones stay in flight (4 running, 16 queued in the engine)."""
     excess = 5
     rejected: list[tuple[int, dict, str, float]] = []
     probes: list[tuple[int, float]] = []
@@ -441,13 +444,14 @@ def test_overload_rejects_exactly_the_excess_with_retry_after(server):
         limits = httpx.Limits(max_connections=MAX_PENDING + excess + 5)
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=300, limits=limits) as client:
             tasks = [asyncio.ensure_future(one(client, i)) for i in range(MAX_PENDING + excess)]
-            s = await _wait_router(lambda s: s["running"] + s["waiting"] == MAX_PENDING, 60)
+            s = await _wait_engine(lambda s: s["running"] + s["waiting"] == MAX_PENDING, 60)
             deadline = time.monotonic() + 30
             while len(rejected) < excess and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)  # nothing more is rejected, nothing finishes
-            finished = sum(t.done() for t in tasks)
+            # Every request is accounted for: `excess` rejected and MAX_PENDING held by the engine
+            # (re-read after the rejections). None is left that a later rejection could hit.
             s = held(await asyncio.to_thread(stats))
+            finished = sum(t.done() for t in tasks)
             # while full: one request at a time, the steady-state rejection latency
             for i in range(10):
                 start = time.perf_counter()
@@ -555,27 +559,27 @@ last 90 s of samples, where allocator noise of a few MiB moves the fitted slope 
 ±1 MiB/min, so CI asserts 2 MiB/min (a real per-request leak of even 1 KiB at ~10 requests/s
 would show as ~0.6 MiB/min). --soak-seconds 600 checks 1 MiB/min after a 2-minute warm-up."""
 PYTHON_OBJECTS_BOUND = 2000
-"""Live Python objects the router may hold more, idle after the soak, than under load at the end
-of warm-up (noise: ±300 of ~420,000): a request leaked on the router leaves a dozen objects or
+"""Live Python objects the engine may hold more, idle after the soak, than under load at the end
+of warm-up (noise: ±300 of ~420,000): a request leaked in the engine leaves a dozen objects or
 more (request, token lists, stats), so even one in three of ~600 requests leaked would fail it."""
 MALLOC_IN_USE_BOUND_MIB = 8.0
-"""Bytes in use in the router's C heap, idle after the soak vs under load after warm-up (noise
+"""Bytes in use in the engine's C heap, idle after the soak vs under load after warm-up (noise
 about ±1 MiB): a native per-request leak of 8 KiB over ~1,000 requests would fail it."""
 
 
 def test_soak_sixteen_clients(server, request):
-    """Before the router trimmed its heap (runtime/memory.py) its RSS rose in steps for the
+    """Before the engine trimmed its heap (runtime/memory.py) its RSS rose in steps for the
     first 3.5 minutes (+20 MiB, all in glibc thread arenas, then flat for 400 s and 3,000
     requests) while its C heap in use, Python heap and live-object count stayed flat: a
     3-minute fit of that gave 2.1-4.4 MiB/min. The line is fitted to the second half of the
     run and to private memory (RssAnon: the shared object-store pages a process touches are
-    bounded by the store), and the router's live Python objects and C heap in use, which a
+    bounded by the store), and the engine's live Python objects and C heap in use, which a
     per-request leak would raise, are compared between the end of warm-up and idle."""
     duration = float(request.config.getoption("--soak-seconds"))
     warmup = min(120.0, duration / 2)
     bound = RSS_SLOPE_BOUND_MIB_PER_MIN if duration < 600 else 1.0
-    pids = ray.get(router().actor_pids.remote(), timeout=30)
-    assert set(pids) == {ROUTER_NAME, *STAGES, DRAFTER}, pids
+    pids = engine_call("actor_pids")
+    assert set(pids) == {"engine", *STAGES, DRAFTER}, pids
     counts_before = http_counts(server.url)
     samples: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in pids}
     memory: dict[str, Any] = {}
@@ -591,7 +595,7 @@ def test_soak_sixteen_clients(server, request):
             for name, pid in pids.items():
                 samples[name].append((now, rss_mib(pid)))
             if now >= warmup and "warm" not in memory:
-                memory["warm"] = await router().memory_stats.remote()
+                memory["warm"] = await engine_handle().memory_stats.remote()
                 memory["served_at_warm"] = ledger.summary()["requests"]
             await asyncio.sleep(5.0)
         stop.set()
@@ -602,7 +606,7 @@ def test_soak_sixteen_clients(server, request):
     stopped = time.monotonic()
     state, _ = wait_free(5.0)
     idle_after = time.monotonic() - stopped
-    memory["idle"] = ray.get(router().memory_stats.remote(), timeout=60)
+    memory["idle"] = engine_call("memory_stats", timeout_s=60)
     summary = ledger.summary()
     records = ledger.all()
     tokens = sum(SHORT_TOKENS for r in records if r.status == 200 and r.error is None)
@@ -620,15 +624,15 @@ def test_soak_sixteen_clients(server, request):
     warm, idle = memory["warm"], memory["idle"]
     grown = int(idle["python_objects"] - warm["python_objects"])
     heap_grown = idle.get("malloc_in_use_mib", 0.0) - warm.get("malloc_in_use_mib", 0.0)
-    note(f"  router after warm-up (under load) -> idle after {summary['requests'] - memory['served_at_warm']} more "
+    note(f"  engine after warm-up (under load) -> idle after {summary['requests'] - memory['served_at_warm']} more "
          f"requests: live Python objects {warm['python_objects']:.0f} -> {idle['python_objects']:.0f} ({grown:+d}); "
          f"C heap in use {warm.get('malloc_in_use_mib', float('nan')):.1f} -> "
          f"{idle.get('malloc_in_use_mib', float('nan')):.1f} MiB ({heap_grown:+.2f})")
     assert summary["lost"] == summary["duplicated"] == summary["hung"] == 0, summary
     assert summary["errors"] == 0, [r for r in records if r.error][:5]
     assert summary["requests"] >= SOAK_CLIENTS * 3
-    assert grown < PYTHON_OBJECTS_BOUND, f"the router holds {grown} more Python objects after the soak"
-    assert heap_grown < MALLOC_IN_USE_BOUND_MIB, f"the router's C heap in use grew {heap_grown:.1f} MiB"
+    assert grown < PYTHON_OBJECTS_BOUND, f"the engine holds {grown} more Python objects after the soak"
+    assert heap_grown < MALLOC_IN_USE_BOUND_MIB, f"the engine's C heap in use grew {heap_grown:.1f} MiB"
     problems = check_texts(records, server.refs)
     assert not problems, problems[:10]
     assert not any(state.values()), f"state held 5 s after the load stopped: {state}"
@@ -645,12 +649,12 @@ def test_soak_sixteen_clients(server, request):
 # ---- faults under load ---------------------------------------------------------------------------
 
 def actor_pid(name: str) -> int:
-    return ray.get(router().actor_pids.remote(), timeout=30)[name]
+    return engine_call("actor_pids")[name]
 
 
 def ping_actor(name: str) -> str | None:
     try:
-        return ray.get(ray.get_actor(name, namespace=NAMESPACE).ping.remote(), timeout=5)
+        return ray.get(engine_actor(name).ping.remote(), timeout=5)
     except Exception:
         return None
 
@@ -712,7 +716,7 @@ def test_drafter_killed_under_load_never_fails_a_request(server, how):
 
     def inject() -> None:
         if how == "ray.kill":
-            ray.kill(ray.get_actor(DRAFTER, namespace=NAMESPACE))  # for good: the router's slot respawns it
+            ray.kill(engine_actor(DRAFTER))  # for good: the engine's slot respawns it
         else:
             os.kill(pid, signal.SIGKILL)  # a hard process exit: Ray restarts it (max_restarts)
 
@@ -737,7 +741,7 @@ def test_stage_killed_under_load_recovers_or_fails_cleanly(server):
     pid = actor_pid(name)
 
     def inject() -> None:
-        os.kill(pid, signal.SIGKILL)  # hard exit; Ray restarts it and the router re-prefills
+        os.kill(pid, signal.SIGKILL)  # hard exit; Ray restarts it and the engine re-prefills
 
     run = fault_under_load(server, inject, min_after_s=5.0)
     summary = check_ledger(run, server, f"stage {name} SIGKILL")
@@ -751,22 +755,23 @@ def test_stage_killed_under_load_recovers_or_fails_cleanly(server):
 
 
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
-def test_router_killed_under_load_fails_fast_then_serves(server, how):
-    pid = ray.get(router().actor_pids.remote(), timeout=30)[ROUTER_NAME]
+def test_engine_killed_under_load_fails_fast_then_serves(server, how):
+    pid = engine_call("actor_pids")["engine"]
+    replica = engine_replica()
 
     def inject() -> None:
         if how == "ray.kill":
-            ray.kill(router(), no_restart=False)  # Ray recreates the detached router (max_restarts=-1)
+            ray.kill(replica, no_restart=True)  # Serve notices and starts a new engine replica
         else:
             os.kill(pid, signal.SIGKILL)
 
     run = fault_under_load(server, inject, min_after_s=5.0, settle_s=4.0)
-    summary = check_ledger(run, server, f"router {how}")
+    summary = check_ledger(run, server, f"engine {how}")
     by_cid = {r.cid: r for r in run.ledger.all()}
     in_flight = [by_cid[c] for c in run.in_flight_at_kill if c in by_cid]
     assert in_flight, "no request was in flight at the kill"
     ended = [r.end - run.kill_time for r in in_flight]
-    note(f"router {how}: {len(in_flight)} in flight at the kill ended within {max(ended):.2f} s "
+    note(f"engine {how}: {len(in_flight)} in flight at the kill ended within {max(ended):.2f} s "
          f"({sum(r.error is not None for r in in_flight)} with an error); new requests served "
          f"{run.first_ok_after_kill:.1f} s after the kill")
     assert max(ended) <= 10.0, f"in-flight requests took {max(ended):.1f} s to end (R4: <= 10 s)"

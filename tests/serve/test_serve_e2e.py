@@ -1,11 +1,11 @@
 """End to end: the real ``cosine-ray serve`` CLI on the session's Ray cluster, real model.
 
-The CLI joins the session cluster (``--address``; ``ray_cluster`` in conftest.py), deploys the
-Serve app, creates the detached router with 2 pipeline stages and the ngram + retrieval
-drafters for SmolLM2-135M-Instruct, and serves the OpenAI API. The official ``openai`` client
+The CLI joins the session cluster (``--address``; ``ray_cluster`` in conftest.py) and deploys the
+Serve app: the engine deployment with 2 pipeline stages and the ngram + retrieval drafters for
+SmolLM2-135M-Instruct, and the OpenAI ingress. The official ``openai`` client
 and httpx talk to it over TCP; every text must equal transformers' greedy decoding of the same
 prompt ids (chat-templated via ``encode_prompt``, or plain for /v1/completions). The last test
-stops the CLI with SIGINT and checks that the Serve app, router, stages and drafters are gone;
+stops the CLI with SIGINT and checks that the Serve app, engine, stages and drafters are gone;
 the fixture's teardown also escalates to SIGKILL and cleans up whatever is left.
 """
 
@@ -30,13 +30,14 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
+from cosine_ray.datasets import PACKAGED_PROMPT_DIR  # noqa: E402
 from cosine_ray.engine.local import encode_prompt  # noqa: E402
-from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
-from cosine_ray.runtime.router_actor import ROUTER_NAME  # noqa: E402
+from cosine_ray.runtime.cluster import actor_name  # noqa: E402
+from engine_app import engine_actor, engine_call, engine_replicas, force_cleanup, ingress_replicas, our_actors  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
-PROMPTS_DIR = Path("/work/shared/data/prompts")
+PROMPTS_DIR = PACKAGED_PROMPT_DIR
 MAX_TOKENS = 32
 READY_TIMEOUT_S = 360.0
 REQUEST_TIMEOUT_S = 180.0
@@ -124,34 +125,11 @@ def build_cases(hf, tok) -> tuple[list[Case], list[Case]]:
 
 # ---- the server --------------------------------------------------------------------------------
 
-def our_actors() -> list[tuple[str, str]]:
-    """(namespace, name) of live named actors that belong to cosine_ray or Ray Serve."""
-    return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("cosine_ray:") or a["namespace"] == "serve")
-
-
 def wait_gone(timeout_s: float) -> list[tuple[str, str]]:
     deadline = time.monotonic() + timeout_s
     while (left := our_actors()) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
-
-
-def force_cleanup() -> None:
-    """Whatever a killed CLI left behind in the session cluster."""
-    from ray import serve
-
-    from cosine_ray.runtime.router_actor import kill_router
-    try:
-        serve.shutdown()
-    except Exception as exc:
-        print(f"[serve-e2e] serve.shutdown: {exc!r}")
-    kill_router()
-    for namespace, name in our_actors():
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except Exception:
-            pass
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +139,7 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint, real_hf_model) -> Ser
     exe = shutil.which("cosine-ray")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
         "serve", "--port", str(port), "--address", ray_cluster, "--drafters", "ngram,retrieval",
-        "--drafters-in-router", "retrieval", "--stages", "2"]  # ngram in an actor (killed below), retrieval in the router
+        "--drafters-in-engine", "retrieval", "--stages", "2"]  # ngram in an actor (killed below), retrieval in the engine
     start = time.perf_counter()
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -328,15 +306,15 @@ def test_eight_concurrent_streams_each_end_with_one_done(server):
 
 
 def test_drafter_killed_during_stream_keeps_text(server):
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    before = ray.get(router.stats.remote(), timeout=60)
-    old = ray.get(ray.get_actor(DRAFTER0, namespace=NAMESPACE).ping.remote(), timeout=60)
+    before = engine_call("stats", timeout_s=60)
+    drafter = engine_actor(DRAFTER0)
+    old = ray.get(drafter.ping.remote(), timeout=60)
     case = server.chat[0]
     state = {"killed_at": None}
 
     def kill_on_first_text(out: dict[str, Any]) -> None:
         if state["killed_at"] is None and out["text"]:
-            ray.kill(ray.get_actor(DRAFTER0, namespace=NAMESPACE))  # no_restart=True: the slot respawns it
+            ray.kill(drafter)  # no_restart=True: the engine's slot respawns it
             state["killed_at"] = out["events"]
 
     start = time.perf_counter()
@@ -348,14 +326,14 @@ def test_drafter_killed_during_stream_keeps_text(server):
     assert out["done"] == 1 and out["finish"] == [case.finish_reason]
     check_usage(out["usage"], case)
 
-    # the drafter was respawned by the router's slot and answers again
-    stats = ray.get(router.stats.remote(), timeout=60)
+    # the drafter was respawned by the engine's slot and answers again
+    stats = engine_call("stats", timeout_s=60)
     print(f"[serve-e2e] after the kill: failures={stats['drafter_failures']} respawns={stats['respawns']}")
     assert stats["respawns"][DRAFTER0] == before["respawns"][DRAFTER0] + 1
     deadline = time.monotonic() + 180
     while True:
         try:
-            if ray.get(ray.get_actor(DRAFTER0, namespace=NAMESPACE).ping.remote(), timeout=10) != old:
+            if ray.get(engine_actor(DRAFTER0).ping.remote(), timeout=10) != old:
                 break
         except Exception:
             pass
@@ -395,19 +373,19 @@ def test_bad_requests_get_openai_400s(server, oai):
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
-def test_replaced_ingress_replica_reattaches_to_the_router(server):
-    """Serve replaces a dead ingress replica; the new one must reuse the detached router (and
-    its loaded stages and drafters) instead of replacing it (reliability guide: replacing an
+def test_replaced_ingress_replica_keeps_the_engine(server):
+    """Serve replaces a dead ingress replica; the engine deployment (and its loaded stages and
+    drafters) is untouched, and the new replica talks to it (reliability guide: replacing an
     ingress replica never kills in-flight generation)."""
-    router_id = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id
-    stage0 = ray.get(ray.get_actor(actor_name("stage", 0), namespace=NAMESPACE).ping.remote(), timeout=60)
-    replicas = [n for ns, n in our_actors() if ns == "serve" and n.startswith("SERVE_REPLICA")]
-    assert len(replicas) == 1, replicas
+    engine_before = engine_call("describe", timeout_s=60)["engine_id"]
+    stage0 = ray.get(engine_actor(actor_name("stage", 0)).ping.remote(), timeout=60)
+    replicas = ingress_replicas()
+    assert len(replicas) == 1 and len(engine_replicas()) == 1, our_actors()
     start = time.perf_counter()
     ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
     deadline = time.monotonic() + 300
     while True:
-        new = [n for ns, n in our_actors() if ns == "serve" and n.startswith("SERVE_REPLICA")]
+        new = ingress_replicas()
         try:
             healthy = bool(new) and new != replicas and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         except httpx.HTTPError:
@@ -420,15 +398,15 @@ def test_replaced_ingress_replica_reattaches_to_the_router(server):
     case = server.chat[1]
     out = run(stream_chat(server.url, case, model=server.model))
     assert out["text"] == case.ref_text and out["done"] == 1
-    new_router_id = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)._actor_id
-    new_stage0 = ray.get(ray.get_actor(actor_name("stage", 0), namespace=NAMESPACE).ping.remote(), timeout=60)
-    assert (new_router_id, new_stage0) == (router_id, stage0), \
-        "a replaced ingress replica must re-attach to the running router, not rebuild it"
+    engine_after = engine_call("describe", timeout_s=60)["engine_id"]
+    new_stage0 = ray.get(engine_actor(actor_name("stage", 0)).ping.remote(), timeout=60)
+    assert (engine_after, new_stage0) == (engine_before, stage0), \
+        "a replaced ingress replica must reuse the running engine, not rebuild it"
 
 
 def test_sigint_shuts_down_cleanly(server):
-    """Last: Ctrl-C deletes the Serve app and the router (with its stages and drafters)."""
-    assert ROUTER_NAME in {n for _, n in our_actors()}
+    """Last: Ctrl-C deletes the Serve app: the engine goes, with its stages and drafters."""
+    assert engine_replicas() and any(n.startswith("cosine_ray:stage:") for _, n in our_actors())
     start = time.perf_counter()
     rc = stop_cli(server.proc)
     _timed(f"SIGINT -> CLI exit {rc}", start)

@@ -1,0 +1,39 @@
+"""``cosine-ray``: serve | generate | bench | profile | datastore build.
+
+Bad input (empty prompt, max tokens < 1, negative temperature, unknown drafter, missing
+model path, ...) prints one line ``cosine-ray: error: ...`` and exits with status 2. Each
+command lives in its own module (``add_parser`` + ``run``); they share ``cli.args``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Sequence
+
+from cosine_ray.cli import bench, datastore, generate, profile, serve
+from cosine_ray.cli.args import CliError, Parser
+
+COMMANDS = {"generate": generate, "datastore": datastore, "serve": serve, "bench": bench, "profile": profile}
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="cosine-ray", description="Collaborative speculative inference on a Ray cluster.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for module in COMMANDS.values():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("COSINE_RAY_LOG", "WARNING"))
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command].run(args)
+    except CliError as exc:
+        print(f"cosine-ray: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cosine-ray: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,87 @@
+"""What every ``cosine-ray`` command shares: the one-line user error, the argument groups for
+the engine, CoSine's switches and sampling, and building an engine from them."""
+
+from __future__ import annotations
+
+import argparse
+
+from cosine_ray.engine.config import DEFAULT_DRAFTERS
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise CliError(f"{message} (see `{self.prog} --help`)")
+
+
+DRAFTERS_HELP = "none, or a comma list of ngram, retrieval[:DOMAIN|:FILE.parquet], model:MODEL, self"
+MODEL_HELP = "target model: embedded name, Hugging Face directory or .gguf file"
+
+
+def add_cosine_args(p: argparse.ArgumentParser) -> None:
+    """CoSine's components and their ablation switches (StepConfig fields)."""
+    g = p.add_argument_group("CoSine (ablation switches)")
+    g.add_argument("--routing", choices=("expertise", "random"), default=None,
+                   help="expertise routing (eq. 1-3) or random drafters (routing off)")
+    g.add_argument("--fusion", choices=("confidence", "single", "union"), default=None,
+                   help="confidence fusion (eq. 4), the single best drafter (fusion off), or union of paths")
+    g.add_argument("--scheduler", choices=("lp", "fcfs"), default=None,
+                   help="LP batch scheduler (eq. 5-8) or first-come fixed batches (LP off)")
+    g.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
+                   help="fixed γ and drafter participation (adaptive speculation off)")
+    g.add_argument("--drafters-per-request", type=int, default=None, help="k drafters routed per request (1-3)")
+
+
+def cosine_step_overrides(args: argparse.Namespace) -> dict:
+    """StepConfig fields given on the command line (absent flags are left out)."""
+    names = ("routing", "fusion", "scheduler", "adaptive", "drafters_per_request", "num_speculative_tokens")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = DEFAULT_DRAFTERS) -> None:
+    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    p.add_argument("--drafters", default=drafters_default, help=DRAFTERS_HELP)
+    p.add_argument("--num-speculative-tokens", type=int, default=8,
+                   help="draft-token budget of each request's tree per step (0 = plain decoding)")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages (layer slices) of the target")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_cosine_args(p)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same text, with or without speculation")
+
+
+def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
+    from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+    try:
+        return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
+                            num_stages=args.stages, num_threads=args.threads,
+                            step=StepConfig(max_batch_size=batch_size, **cosine_step_overrides(args)))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from cosine_ray.engine.request import SamplingParams
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def load_engine(config):
+    from cosine_ray.engine.local import LocalEngine
+    try:
+        return LocalEngine(config)
+    except (ValueError, OSError) as exc:  # ModelLoadError is a ValueError
+        raise CliError(str(exc).splitlines()[0]) from None

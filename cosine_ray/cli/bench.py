@@ -1,0 +1,399 @@
+"""``cosine-ray bench``: tokens/s of HF transformers and cosine_ray systems on one workload, in one run.
+
+Workloads (``--workload``, built by ``loadgen/workload.py``, the same requests ``cosine-loadgen``
+sends): ``mixed`` (the prompt sets as they are, equal mix of code / math / instruction / chat),
+``multi-turn`` (MT-bench: turn 2 is sent with turn 1's answer), ``code-edit`` (a function to
+change; the answer repeats most of it) and ``template`` (many users asking the same kind of
+question). Measured conversations come from the second half of each prompt file (held back:
+the first half built the retrieval datastores); ``--warmup-per-domain`` conversations built
+the same way from the first half run before them and are reported apart.
+
+Systems (``--systems``, ``;``-separated): ``hf-greedy`` and ``hf-prompt-lookup`` (HF
+``generate``, single request), and any ``--drafters`` value, optionally with StepConfig
+overrides: ``learning@routing=random`` is the learning drafters with random routing. Every
+cosine_ray system × concurrency (``--concurrency 1,8``) starts from a fresh engine: the
+warm-up traffic, then each measured conversation once, so a learning drafter never sees a
+measured request twice. Every output is compared token by token with HF greedy (fp32: the
+same tokens; with ``hf-greedy`` left out, with the first system's).
+
+``--repeat-probe`` sends the first measured request once more after the measured traffic and
+reports its acceptance (how much of an identical request the drafters take from the first's output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cosine_ray.cli.args import CliError, load_engine
+from cosine_ray.datasets import default_prompt_dir
+
+DEFAULT_PROMPT_DIR = default_prompt_dir()
+"""``$COSINE_RAY_PROMPTS``, else the packaged ``cosine_ray/data/prompts`` (cosine_ray/datasets.py)."""
+
+HF_SYSTEMS = ("hf-greedy", "hf-prompt-lookup")
+DEFAULT_SYSTEMS = "hf-greedy;hf-prompt-lookup;none;ngram;suffix;retrieval;ngram,retrieval;default;learning"
+ABLATIONS = ("routing=random", "fusion=single", "scheduler=fcfs", "adaptive=false")
+"""The CoSine ablations (``SYSTEM@ABLATION``): routing off, fusion off, LP off, adaptive off."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="tokens/s on a workload: HF vs cosine_ray systems")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt-dir", default=str(DEFAULT_PROMPT_DIR),
+                   help="folder with humaneval/gsm8k/alpaca/mtbench .jsonl")
+    p.add_argument("--workload", default="mixed", help="mixed | multi-turn | code-edit | template")
+    p.add_argument("--prompts-per-domain", type=int, default=3,
+                   help="measured conversations per domain (× 4 domains; second half of each file)")
+    p.add_argument("--warmup-per-domain", type=int, default=0,
+                   help="warm-up conversations per domain before the measured ones (first half of each file)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--systems", default=DEFAULT_SYSTEMS,
+                   help="';'-separated: hf-greedy, hf-prompt-lookup, or DRAFTERS[@key=value,...] "
+                        "(StepConfig overrides, e.g. learning@routing=random); 'ablations' after a "
+                        "system adds its four CoSine ablations (e.g. 'learning;ablations')")
+    p.add_argument("--drafter-sets", default=None, help="(old flag) ';'-separated --drafters values; "
+                   "the same as --systems with hf-greedy;hf-prompt-lookup in front")
+    p.add_argument("--concurrency", default="1", help="comma list of concurrent conversations, e.g. 1,8")
+    p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--prompt-lookup-tokens", type=int, default=8, help="HF prompt_lookup_num_tokens")
+    p.add_argument("--repeat-probe", action="store_true",
+                   help="send the first measured request again at the end and report its acceptance")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="bench-results/bench.json")
+
+
+# ---- systems --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    drafters: str = ""
+    step: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name in HF_SYSTEMS
+
+
+def parse_systems(text: str) -> list[System]:
+    """``hf-greedy;none;learning@routing=random;learning;ablations`` → systems (CliError when bad)."""
+    import yaml
+
+    from cosine_ray.engine.config import config_from_dict
+    systems: list[System] = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        if part == "ablations":
+            if not systems or systems[-1].is_hf:
+                raise CliError("'ablations' must follow a cosine_ray system in --systems")
+            base = systems[-1]
+            systems += [parse_systems(f"{base.name}{'@' if '@' not in base.name else ','}{a}")[0] for a in ABLATIONS]
+            continue
+        if part in HF_SYSTEMS:
+            systems.append(System(part))
+            continue
+        drafters, _, overrides = part.partition("@")
+        step: dict[str, Any] = {}
+        for item in filter(None, (o.strip() for o in overrides.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise CliError(f"--systems: {item!r} in {part!r} is not KEY=VALUE")
+            step[key.strip()] = yaml.safe_load(value)
+        try:
+            config_from_dict({"drafters": drafters.strip() or "none", "step": step})
+        except ValueError as exc:
+            raise CliError(f"--systems {part!r}: {str(exc).splitlines()[0]}") from None
+        systems.append(System(part, drafters.strip() or "none", step))
+    if not systems:
+        raise CliError("--systems is empty")
+    names = [s.name for s in systems]
+    if len(set(names)) != len(names):
+        raise CliError(f"--systems names a system twice: {part!r}")
+    return systems
+
+
+# ---- running conversations ----------------------------------------------------------------------
+
+@dataclass
+class Turn:
+    """One request of a conversation as a system answered it."""
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: Any = None
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+async def run_conversations(engine, conversations: list[tuple[str, ...]], params, concurrency: int,
+                            tokenizer) -> list[list[Turn]]:
+    """Every conversation's turns in order (turn k+1 sent with turn k's answer), at most
+    ``concurrency`` conversations at once, through the engine's loop."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(turns: tuple[str, ...]) -> list[Turn]:
+        async with sem:
+            history: list[dict[str, str]] = []
+            out = []
+            for text in turns:
+                history.append({"role": "user", "content": text})
+                result = await engine.loop.generate_all(encode_messages(tokenizer, history), params)
+                out.append(Turn(list(result.new_token_ids), result.finish_reason, result.stats))
+                history.append({"role": "assistant",
+                                "content": tokenizer.decode(result.new_token_ids, skip_special_tokens=True)})
+            return out
+    try:
+        return list(await asyncio.gather(*(one(c) for c in conversations)))
+    finally:
+        await engine.loop.shutdown()
+
+
+def run_hf(model, tokenizer, conversations: list[tuple[str, ...]], max_tokens: int, **kwargs) -> list[list[Turn]]:
+    import torch
+    outs = []
+    for turns in conversations:
+        history: list[dict[str, str]] = []
+        conv = []
+        for text in turns:
+            history.append({"role": "user", "content": text})
+            ids = torch.tensor([encode_messages(tokenizer, history)])
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                     do_sample=False, **kwargs)
+            new = out[0, ids.shape[1]:].tolist()
+            conv.append(Turn(new))
+            history.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
+        outs.append(conv)
+    return outs
+
+
+def same_output(ours: Turn, ref: Turn) -> bool:
+    """Our tokens equal the reference's (which stops at end-of-text or max_tokens like ours)."""
+    n = len(ours.token_ids)
+    return ours.token_ids == ref.token_ids[:n] and (n == len(ref.token_ids) or ours.finish_reason == "stop")
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+def build_conversations(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """(warm-up, measured) WorkItems: the first and second half of each prompt file."""
+    import numpy as np
+
+    from loadgen.workload import WORKLOADS, WorkloadError, build_workload, load_rows
+    if args.workload not in WORKLOADS:
+        raise CliError(f"--workload must be one of {', '.join(WORKLOADS)}, got {args.workload!r}")
+    try:
+        measured_rows = load_rows(Path(args.prompt_dir), "second-half")
+        warm_rows = load_rows(Path(args.prompt_dir), "first-half")
+        mix = {d: 1.0 / len(measured_rows) for d in sorted(measured_rows)}
+        measured = build_workload(args.workload, measured_rows, args.prompts_per_domain * len(mix), mix,
+                                  np.random.default_rng(args.seed), max_tokens=args.max_tokens)
+        warm = build_workload(args.workload, warm_rows, args.warmup_per_domain * len(mix), mix,
+                              np.random.default_rng(args.seed + 1), max_tokens=args.max_tokens) \
+            if args.warmup_per_domain else []
+    except WorkloadError as exc:
+        raise CliError(str(exc)) from None
+    return warm, measured
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cosine_ray.engine.config import config_from_dict
+    from cosine_ray.engine.request import SamplingParams
+    from cosine_ray.models.loader import resolve_checkpoint
+
+    if args.prompts_per_domain < 1 or args.max_tokens < 1 or args.warmup_per_domain < 0:
+        raise CliError("--prompts-per-domain and --max-tokens must be >= 1, --warmup-per-domain >= 0")
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise CliError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
+    if not concurrencies or min(concurrencies) < 1:
+        raise CliError("--concurrency values must be >= 1")
+    text = f"{';'.join(HF_SYSTEMS)};{args.drafter_sets}" if args.drafter_sets else args.systems
+    systems = parse_systems(text)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warm, measured = build_conversations(args)
+    try:
+        checkpoint = resolve_checkpoint(args.model)
+    except (ValueError, OSError) as exc:
+        raise CliError(str(exc).splitlines()[0]) from None
+    tokenizer = checkpoint.load_tokenizer()
+    params = SamplingParams(max_tokens=args.max_tokens)
+    convs = [item.turns for item in measured]
+    warm_convs = [item.turns for item in warm]
+    domains = [item.domain for item in measured]
+
+    rows: list[dict[str, Any]] = []
+    outputs: dict[str, list[list[Turn]]] = {}
+    hf = None
+    for system in [s for s in systems if s.is_hf]:
+        hf = hf or checkpoint.load_hf_model()
+        kwargs = {"prompt_lookup_num_tokens": args.prompt_lookup_tokens} if system.name == "hf-prompt-lookup" else {}
+        run_hf(hf, tokenizer, [("Hello",)], 4, **kwargs)  # first-call costs are not measured
+        start = time.perf_counter()
+        outs = run_hf(hf, tokenizer, convs, args.max_tokens, **kwargs)
+        secs = time.perf_counter() - start
+        outputs[system.name] = outs
+        rows.append({"system": system.name, "concurrency": 1, "tokens": _count(outs), "seconds": secs})
+        print(f"  {system.name}: {rows[-1]['tokens'] / secs:.2f} tok/s", flush=True)
+
+    for system in [s for s in systems if not s.is_hf]:
+        for c in concurrencies:
+            config = config_from_dict({"model": args.model, "drafters": system.drafters,
+                                       "step": {"max_batch_size": max(c, 8),
+                                                "num_speculative_tokens": args.num_speculative_tokens,
+                                                **system.step}})
+            from cosine_ray.engine.local import LocalEngine
+            try:
+                engine = LocalEngine(config, checkpoint=checkpoint)
+            except (ValueError, OSError) as exc:
+                raise CliError(str(exc).splitlines()[0]) from None
+            row: dict[str, Any] = {"system": system.name, "concurrency": c}
+            start = time.perf_counter()
+            warm_outs = asyncio.run(run_conversations(engine, warm_convs or [("Hello",)],
+                                                      params if warm_convs else SamplingParams(max_tokens=4),
+                                                      8, tokenizer))
+            if warm_convs:
+                row["warmup"] = {"tokens": _count(warm_outs), "seconds": time.perf_counter() - start,
+                                 **_spec_figures(warm_outs)}
+            start = time.perf_counter()
+            outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer))
+            secs = time.perf_counter() - start
+            outputs[f"{system.name} c={c}"] = outs
+            row.update(tokens=_count(outs), seconds=secs, **_spec_figures(outs),
+                       routing_shares=_routing_shares(outs, domains),
+                       decision_ms=_decision_ms(engine))
+            if args.repeat_probe:
+                first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer))
+                row["repeat_probe"] = {"first": _spec_figures([outs[0][:1]]), "again": _spec_figures(first),
+                                       "identical": first[0][0].token_ids == outs[0][0].token_ids}
+            row["index_bytes"] = _index_bytes(engine)
+            rows.append(row)
+            print(f"  {system.name} c={c}: {row['tokens'] / secs:.2f} tok/s, mean accepted length "
+                  f"{row['mean_accepted_length']:.2f}", flush=True)
+            del engine
+
+    ref_name = "hf-greedy" if "hf-greedy" in outputs else next(iter(outputs))
+    ref = outputs[ref_name]
+    base = next((r["tokens"] / r["seconds"] for r in rows if r["system"] == "hf-greedy"), None)
+    off = {r["concurrency"]: r["tokens"] / r["seconds"] for r in rows if r["system"] == "none"}
+    for row in rows:
+        key = row["system"] if row["system"] in HF_SYSTEMS else f"{row['system']} c={row['concurrency']}"
+        outs = outputs[key]
+        same = sum(same_output(t, r) for conv, rconv in zip(outs, ref) for t, r in zip(conv, rconv))
+        row["lossless_identical"] = f"{same}/{sum(len(c) for c in outs)}"
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+        if base:
+            row["ratio_vs_hf_greedy"] = row["tokens_per_s"] / base
+        if row["concurrency"] in off:
+            row["ratio_vs_off"] = row["tokens_per_s"] / off[row["concurrency"]]
+
+    report = {
+        "command": "cosine-ray bench", "model": checkpoint.name, "workload": args.workload,
+        "max_tokens": args.max_tokens, "measured_conversations": len(convs),
+        "warmup_conversations": len(warm_convs), "lossless_reference": ref_name,
+        "conversations": [{"domain": i.domain, "source": i.source_id, "turns": len(i.turns),
+                           "prompt": i.turns[0][:80]} for i in measured],
+        "split": "measured: second half of each prompt file; warm-up: first half",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "results": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=float))
+    _print_table(report)
+    print(f"wrote {out}")
+    return 0
+
+
+def _count(outs: list[list[Turn]]) -> int:
+    return sum(len(t.token_ids) for conv in outs for t in conv)
+
+
+def _spec_figures(outs: list[list[Turn]]) -> dict[str, float]:
+    stats = [t.stats for conv in outs for t in conv if t.stats is not None]
+    steps = sum(s.num_verify_steps for s in stats)
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    drafted = sum(s.num_draft_tokens for s in stats)
+    return {"mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0, "verify_steps": steps}
+
+
+def _routing_shares(outs: list[list[Turn]], domains: list[str]) -> dict[str, dict[str, float]]:
+    """Per domain: the share of routed steps that went to each drafter."""
+    shares: dict[str, dict[str, float]] = {}
+    for domain in sorted(set(domains)):
+        routed: dict[str, int] = {}
+        total = 0
+        for conv, d in zip(outs, domains):
+            if d != domain:
+                continue
+            for t in conv:
+                total += t.stats.num_routed_steps
+                for k, v in t.stats.routed_to.items():
+                    routed[k] = routed.get(k, 0) + v
+        if total:
+            shares[domain] = {k: round(v / total, 3) for k, v in sorted(routed.items())}
+    return shares
+
+
+def _decision_ms(engine) -> float:
+    h = engine.core.metrics.get("cosine_ray:scheduler_decision_seconds")
+    return 1e3 * h.sum / h.count if h is not None and h.count else 0.0
+
+
+def _index_bytes(engine) -> int:
+    """Bytes the drafters' suffix indexes hold (global and per-request; 0 for other drafters)."""
+    total = 0
+    for d in engine.drafters:
+        if hasattr(d, "state_size"):
+            size = d.state_size()
+            total += size["global_bytes"] + size["local_bytes"]
+    return total
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    rows = report["results"]
+    print(f"\nworkload {report['workload']}: {report['measured_conversations']} measured conversations "
+          f"({report['warmup_conversations']} warm-up before), {report['max_tokens']} new tokens per turn, greedy")
+    header = (f"{'system':<36} {'c':>3} {'tok/s':>7} {'vs HF':>6} {'vs off':>6} {'acc. len':>8} "
+              f"{'acc. rate':>9} {'identical':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        vs_hf = f"{r['ratio_vs_hf_greedy']:.2f}x" if "ratio_vs_hf_greedy" in r else ""
+        vs_off = f"{r['ratio_vs_off']:.2f}x" if "ratio_vs_off" in r else ""
+        acc = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else ""
+        rate = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
+        print(f"{r['system']:<36} {r['concurrency']:>3} {r['tokens_per_s']:>7.2f} {vs_hf:>6} {vs_off:>6} "
+              f"{acc:>8} {rate:>9} {r['lossless_identical']:>9}")
+    for r in rows:
+        if "repeat_probe" in r:
+            p = r["repeat_probe"]
+            print(f"repeat probe, {r['system']} c={r['concurrency']}: first send mean accepted length "
+                  f"{p['first']['mean_accepted_length']:.2f} (acceptance {p['first']['acceptance_rate']:.2f}), "
+                  f"again {p['again']['mean_accepted_length']:.2f} (acceptance {p['again']['acceptance_rate']:.2f}), "
+                  f"identical text: {p['identical']}")
+    for r in rows:
+        if r.get("routing_shares") and any(len(v) > 1 for v in r["routing_shares"].values()):
+            print(f"routing shares, {r['system']} c={r['concurrency']}: " + "; ".join(
+                f"{d}: " + " ".join(f"{k}={v}" for k, v in sh.items()) for d, sh in r["routing_shares"].items()))

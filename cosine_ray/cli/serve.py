@@ -1,0 +1,360 @@
+"""``cosine-ray serve``: start (or join) Ray, deploy the Serve application, print the URL, run
+until Ctrl-C (which deletes the application: the engine takes its stages and drafters along).
+
+``--config FILE`` takes either an engine config (the keys of ``engine/config.py``, e.g.
+``deploy/engine.yaml``, plus the ingress args such as ``api_key``: the ``args`` of the
+application builder ``cosine_ray.serve.app:build_app``) or a Ray Serve config (top-level ``applications:``, e.g.
+``deploy/serve_config.yaml``): then the one application whose ``import_path`` is
+``cosine_ray.serve.app:build_app`` gives the engine config and the ingress args (``api_key``,
+...), its ``name`` and ``route_prefix``, and the file's ``http_options`` / ``proxy_location``
+give the HTTP settings. Flags override the file; any other Serve setting is reported as
+ignored (``serve run FILE`` applies them). Every user error is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from cosine_ray.cli.args import CliError, add_cosine_args, cosine_step_overrides
+
+DEFAULT_NUM_STAGES = 2
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+APP_IMPORT_PATHS = ("cosine_ray.serve.app:build_app", "cosine_ray.serve.app.build_app")
+"""How a Serve config names our application builder (Serve accepts both spellings)."""
+APP_NAME = "cosine_ray"
+SERVE_KEYS_APPLIED = ("applications", "http_options", "proxy_location")
+APP_KEYS_APPLIED = ("name", "route_prefix", "import_path", "args")
+
+
+def add_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="start the Ray cluster + OpenAI-compatible HTTP server")
+    srv.add_argument("--config", default=None,
+                     help="YAML engine config (the keys of cosine_ray/engine/config.py, e.g. deploy/engine.yaml), "
+                          "or a Ray Serve config file such as deploy/serve_config.yaml (its cosine_ray app's args "
+                          "and http_options); flags override the file")
+    srv.add_argument("--host", default=None, help=f"HTTP host (default {DEFAULT_HOST}, or the Serve config's)")
+    srv.add_argument("--port", type=int, default=None, help=f"HTTP port (default {DEFAULT_PORT}, or the Serve config's)")
+    srv.add_argument("--address", default=None,
+                     help="join this Ray cluster instead of starting one (without it a new local cluster is "
+                          "started, whatever RAY_ADDRESS or a previous `ray start` recorded)")
+    srv.add_argument("--model", default=None)
+    srv.add_argument("--drafters", default=None)
+    srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
+    srv.add_argument("--num-speculative-tokens", type=int, default=None)
+    srv.add_argument("--max-batch-size", type=int, default=None)
+    srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
+                     metavar="KINDS",
+                     help="drafter kinds run inside the engine process (default: ngram,retrieval, table "
+                          "lookups); none = every drafter in an actor of its own")
+    add_cosine_args(srv)
+    srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
+    srv.add_argument("--return-spec-stats", action="store_true",
+                     help="add the `cosine_ray` speculation-stats block to every completion")
+    srv.add_argument("--metrics-require-key", action="store_true",
+                     help="GET /metrics needs the API key too (default: public, like /health)")
+    srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of a locally started Ray cluster")
+    srv.add_argument("--max-pending-requests", type=int, default=None,
+                     help="generations one replica holds at once; one more gets 503 + Retry-After (default 256)")
+    srv.add_argument("--request-timeout-s", type=float, default=None,
+                     help="a generation running longer is cancelled and answered 408 (default 600)")
+
+
+# ---- the config file ------------------------------------------------------------------------
+
+@dataclass
+class ConfigFile:
+    """What ``--config`` contributed: engine config data as written (not yet validated), the
+    ingress args, and (Serve configs) the HTTP settings and application identity."""
+
+    engine: dict[str, Any] = field(default_factory=dict)
+    ingress: dict[str, Any] = field(default_factory=dict)
+    http_options: dict[str, Any] = field(default_factory=dict)
+    proxy_location: str | None = None
+    app_name: str = APP_NAME
+    route_prefix: str = "/"
+    ignored: list[str] = field(default_factory=list)
+    """Serve settings of the file that ``cosine-ray serve`` does not apply."""
+
+
+def read_config_file(path: str) -> ConfigFile:
+    """An engine config or a Ray Serve config (``applications:``), as ``ConfigFile``."""
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise CliError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CliError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return ConfigFile()
+    if not isinstance(data, dict):
+        raise CliError(f"--config {path} must be a mapping of settings")
+    if "applications" not in data:  # the args of build_app: engine config + ingress args
+        engine, ingress = _split_app_args(data)
+        return ConfigFile(engine=engine, ingress=ingress)
+    return _read_serve_config(path, data)
+
+
+def _split_app_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine config data, ingress args) of the application builder's ``args``."""
+    from cosine_ray.serve.app import INGRESS_ARGS
+    return ({k: v for k, v in args.items() if k not in INGRESS_ARGS},
+            {k: v for k, v in args.items() if k in INGRESS_ARGS})
+
+
+def _read_serve_config(path: str, data: dict[str, Any]) -> ConfigFile:
+    apps = data["applications"]
+    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
+        raise CliError(f"--config {path}: `applications` must be a list of applications")
+    ours = [a for a in apps if a.get("import_path") in APP_IMPORT_PATHS]
+    if not ours:
+        found = ", ".join(repr(a.get("import_path")) for a in apps) or "none"
+        raise CliError(f"--config {path}: no application has import_path {APP_IMPORT_PATHS[0]} "
+                       f"(found {found})")
+    if len(ours) > 1:
+        names = ", ".join(repr(a.get("name", "?")) for a in ours)
+        raise CliError(f"--config {path}: {len(ours)} applications ({names}) have import_path "
+                       f"{APP_IMPORT_PATHS[0]}; cosine-ray serve runs one, keep one in the file")
+    (app,) = ours
+    args = app.get("args") or {}
+    http = data.get("http_options") or {}
+    if not isinstance(args, dict) or not isinstance(http, dict):
+        raise CliError(f"--config {path}: the application's `args` and `http_options` must be mappings")
+    engine, ingress = _split_app_args(args)
+    ignored = [k for k in data if k not in SERVE_KEYS_APPLIED]
+    ignored += [f"applications[{app.get('name', APP_NAME)}].{k}" for k in app if k not in APP_KEYS_APPLIED]
+    ignored += [f"{a.get('name', '?')} (another application)" for a in apps if a is not app]
+    return ConfigFile(engine=engine, ingress=ingress, http_options=dict(http), proxy_location=data.get("proxy_location"),
+                      app_name=str(app.get("name", APP_NAME)), route_prefix=str(app.get("route_prefix", "/")),
+                      ignored=ignored)
+
+
+# ---- what to run ----------------------------------------------------------------------------
+
+@dataclass
+class ServePlan:
+    engine: dict[str, Any]
+    """The validated engine config as plain data (``config_to_dict``)."""
+    app_args: dict[str, Any]
+    """What ``build_app`` gets: ``engine`` plus the ingress args."""
+    host: str
+    port: int
+    http_options: dict[str, Any]
+    """For ``serve.start`` (the file's, with ``host`` and ``port`` resolved)."""
+    proxy_location: str | None
+    app_name: str
+    route_prefix: str
+    ignored: list[str]
+
+
+def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str, Any]:
+    """Engine config data from the file (or serve's defaults) plus the flags that override it."""
+    from cosine_ray.engine.config import config_from_dict, config_to_dict
+
+    data = dict(file.engine) if file is not None else {"num_stages": DEFAULT_NUM_STAGES}
+    for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages)):
+        if flag is not None:
+            data[key] = flag
+    if "step" in data and "router" in data:
+        raise ValueError("give the step settings once: 'step' (or its old name 'router'), not both")
+    step = data.pop("step", None) or data.pop("router", None) or {}
+    if not isinstance(step, dict):
+        raise ValueError("'step' and 'cluster' must be mappings")
+    step = {**step, **cosine_step_overrides(args)}
+    if args.max_batch_size is not None:
+        step["max_batch_size"] = args.max_batch_size
+    cluster = data.get("cluster") or {}
+    if not isinstance(cluster, dict):
+        raise ValueError("'step' and 'cluster' must be mappings")
+    cluster = dict(cluster)
+    if args.address:
+        cluster["address"] = args.address
+    if getattr(args, "drafters_in_engine", None) is not None:
+        cluster.pop("drafters_in_router", None)
+        cluster["drafters_in_engine"] = args.drafters_in_engine
+    data["step"], data["cluster"] = step, cluster
+    config = config_from_dict(data)
+    if "num_lanes" not in step:
+        # one micro-batch lane per pipeline stage, so every stage has work (a config file
+        # that sets num_lanes keeps it: `serve run` of the same file must run the same engine)
+        config = dataclasses.replace(config, step=dataclasses.replace(config.step, num_lanes=config.num_stages))
+    return config_to_dict(config)
+
+
+def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str, Any]:
+    """The file's ingress args, overridden by flags (and ``COSINE_RAY_API_KEY`` over the file's
+    key). The env var is read here, in the CLI process: Serve replicas are Ray workers started
+    by the raylet and do not inherit this process's environment."""
+    out = dict(file.ingress) if file is not None else {}
+    api_key = args.api_key or os.environ.get("COSINE_RAY_API_KEY")
+    if api_key:
+        out["api_key"] = api_key
+    if getattr(args, "return_spec_stats", False):
+        out["return_spec_stats"] = True
+    if getattr(args, "metrics_require_key", False):
+        out["metrics_require_key"] = True
+    for name in ("max_pending_requests", "request_timeout_s"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    for name, value in out.items():
+        kind, ok = INGRESS_ARG_CHECKS.get(name, ("", lambda v: True))
+        if not ok(value):
+            flag = f"--{name.replace('_', '-')}" if name in ("max_pending_requests", "request_timeout_s") else name
+            raise CliError(f"{flag} must be {kind}, got {value!r}")
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+INGRESS_ARG_CHECKS = {
+    "api_key": ("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
+    "max_body_bytes": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "max_ongoing_requests": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "max_queued_requests": ("an integer (-1 = no limit)", lambda v: _is_int(v) and v >= -1),
+    "return_spec_stats": ("true or false", lambda v: isinstance(v, bool)),
+    "metrics_require_key": ("true or false", lambda v: isinstance(v, bool)),
+    "max_pending_requests": (">= 1", lambda v: _is_int(v) and v >= 1),
+    "request_timeout_s": ("> 0", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0),
+}
+"""The ingress args (``serve.app.INGRESS_ARGS``) checked before anything starts: a bad value
+would otherwise fail in the replica, which Serve restarts forever."""
+
+
+def serve_plan(args: argparse.Namespace) -> ServePlan:
+    """Everything ``run`` needs, validated; CliError (one line, exit 2) on any user error."""
+    file = read_config_file(args.config) if args.config else None
+    try:
+        engine = _engine_data(args, file)
+        from cosine_ray.models.loader import resolve_checkpoint
+        resolve_checkpoint(engine["model"])  # fail fast with a clear message (and fetch it once)
+    except (ValueError, OSError) as exc:
+        where = f"--config {args.config}: " if args.config else ""
+        raise CliError(where + str(exc).splitlines()[0]) from None
+    http = dict(file.http_options) if file is not None else {}
+    host = args.host if args.host is not None else str(http.get("host", DEFAULT_HOST))
+    port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {port}")
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
+    http.update(host=host, port=port)
+    ingress = _ingress_args(args, file)
+    return ServePlan(engine=engine, app_args={**engine, **ingress}, host=host, port=port, http_options=http,
+                     proxy_location=file.proxy_location if file else None,
+                     app_name=file.app_name if file else APP_NAME, route_prefix=file.route_prefix if file else "/",
+                     ignored=list(file.ignored) if file else [])
+
+
+def serve_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine config data ``cosine-ray serve`` would run (``--config`` plus flags)."""
+    return serve_plan(args).engine
+
+
+def local_cluster_cpus(data: dict[str, Any]) -> int:
+    """Logical CPUs for a locally started cluster: every stage and drafter actor reserves
+    ``num_cpus_per_actor`` and Serve's controller, proxy and replica need room too, so the
+    default set of 2 stages + 5 drafters does not fit a 2-core machine's 2 logical CPUs (the
+    actors would wait forever). Actors run 1 torch thread each, so over-subscribing logical
+    CPUs is what we want; at least the machine's cores."""
+    import math
+
+    from cosine_ray.engine.config import parse_drafters
+
+    per_actor = float((data.get("cluster") or {}).get("num_cpus_per_actor", 0.5))
+    num_actors = int(data.get("num_stages", DEFAULT_NUM_STAGES)) + len(parse_drafters(str(data.get("drafters") or "none")))
+    needed = math.ceil(num_actors * per_actor) + 2
+    return max(needed, os.cpu_count() or 2)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """CliError when this machine cannot listen on host:port (in use, or not our address):
+    checked before a local cluster starts, as Serve's proxy would fail only in its logs."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise CliError(f"--host {host}: {exc.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CliError(f"port {port} on {host} is in use; pick another with --port") from None
+            raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def check_address_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """CliError when ``--address`` names a HOST:PORT (or ray://HOST:PORT) nobody answers on:
+    ray.init would retry such an address for minutes. ``auto`` is left to Ray."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise CliError(f"cannot reach the Ray cluster at {address} ({reason}); start it with "
+                       f"`ray start --head`, or leave out --address for a local cluster") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = serve_plan(args)
+    for what in plan.ignored:
+        print(f"cosine-ray: note: --config {args.config}: ignoring {what} (`serve run` applies it)",
+              file=sys.stderr, flush=True)
+    import ray
+    from ray import serve
+
+    from cosine_ray.runtime.cluster import connect
+    from cosine_ray.serve.app import build_app
+
+    address = plan.engine["cluster"].get("address")
+    if address:
+        check_address_reachable(address)
+    else:
+        check_port_free(plan.host, plan.port)
+    try:
+        connect(address, num_cpus=args.num_cpus or local_cluster_cpus(plan.engine))
+    except (ConnectionError, ValueError, TimeoutError) as exc:
+        if not address:
+            raise
+        raise CliError(f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
+    start = {"http_options": plan.http_options}
+    if plan.proxy_location is not None:
+        start["proxy_location"] = plan.proxy_location
+    try:
+        serve.start(**start)
+    except ValueError as exc:  # pydantic's ValidationError of a bad http_options / proxy_location
+        ray.shutdown()
+        raise CliError(f"--config {args.config}: Serve settings: {str(exc).splitlines()[0]}") from None
+    print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s) and drafters "
+          f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
+    serve.run(build_app(plan.app_args), name=plan.app_name, route_prefix=plan.route_prefix, blocking=False)
+    url = f"http://{plan.host}:{plan.port}{plan.route_prefix.rstrip('/')}"
+    print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
+          f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("cosine_ray: shutting down", file=sys.stderr, flush=True)
+    try:
+        serve.delete(plan.app_name)  # the engine deployment takes its stage and drafter actors with it
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0

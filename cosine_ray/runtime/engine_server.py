@@ -1,0 +1,189 @@
+"""The engine as a Ray Serve deployment: the request pool and step loop, owner of the stages
+and drafters (the Ray Serve LLM pattern: ``LLMServer`` bound into the OpenAI ingress).
+
+``serve.app.build_app`` deploys ``EngineServer`` and binds its handle into the ingress, so
+Serve starts it, health-checks it (``check_health``), restarts it when it dies, and replaces
+it when the application's config changes (a ``serve deploy`` with other engine settings
+starts a new engine and drains the old one). The stage and drafter actors are created by the
+engine replica and owned by it: they die with it (Ray's ownership fate-sharing), so a
+replaced or restarted engine never leaves stages behind.
+
+Actor names: ``cosine_ray:stage:<i>`` and ``cosine_ray:drafter:<i>`` in the engine's own
+namespace ``cosine_ray.<engine id>`` (``describe()["namespace"]``). During a rolling update
+the old and the new engine run side by side for a moment, each with its own set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+import ray
+import torch
+
+from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_config_for
+from cosine_ray.engine.components import cosine_components
+from cosine_ray.engine.config import EngineConfig, config_from_dict
+from cosine_ray.engine.core import EngineCore
+from cosine_ray.engine.drafting import LocalDrafterClient
+from cosine_ray.engine.loop import EngineLoop
+from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.models.loader import resolve_checkpoint
+from cosine_ray.runtime.actors import DrafterActor, StageActor
+from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
+from cosine_ray.runtime.cluster import NAMESPACE, actor_name
+from cosine_ray.runtime.memory import malloc_in_use_bytes, start_heap_trimmer
+from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
+from cosine_ray.runtime.placement import actor_options
+
+log = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "cosine_ray_engine"
+"""Serve deployment name of the engine (the ingress deployment is ``cosine_ray``)."""
+READY_TIMEOUT_S = 900.0
+"""Longest wait for the stages and drafters to load (a first start converts the model)."""
+
+
+class EngineServer:
+    async def __init__(self, config_data: dict[str, Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        torch.set_num_threads(1)
+        config = config_from_dict(config_data)
+        self.config = config
+        self.engine_id = uuid.uuid4().hex[:8]
+        self.namespace = f"{NAMESPACE}.{self.engine_id}"
+        checkpoint = resolve_checkpoint(config.model)
+        tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
+        self.model_name = checkpoint.name
+        self.vocab_size = checkpoint.config.vocab_size
+
+        def spawner(role: str, index: int, cls: Any, *args: Any):
+            options = {**actor_options(role, index, config), "namespace": self.namespace}
+            return lambda: cls.options(**options).remote(config, *args)
+
+        self.stage_slots = [ActorSlot(actor_name("stage", i), spawner("stage", i, StageActor, i),
+                                      namespace=self.namespace) for i in range(config.num_stages)]
+        # Lookup drafters run here (cluster.drafters_in_engine); the others get an actor each,
+        # named by their place in the drafter list.
+        drafters: list[LocalDrafterClient | RayDrafterClient] = [
+            LocalDrafterClient(make_drafter_worker(spec, config)) if spec.kind in config.cluster.drafters_in_engine else
+            RayDrafterClient(ActorSlot(actor_name("drafter", i), spawner("drafter", i, DrafterActor, spec),
+                                       namespace=self.namespace),
+                             spec.name, deadline_s=config.step.drafter_deadline_s, learns=spec.learns)
+            for i, spec in enumerate(config.drafters)]
+        self.local_drafters = [d for d in drafters if isinstance(d, LocalDrafterClient)]
+        self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient)]
+        self.drafter_slots = [d.slot for d in self.actor_drafters]
+        self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
+        step_config = step_config_for(config, checkpoint)
+        self.max_model_len = step_config.max_model_len
+        self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
+                               eos_token_ids=eos_token_ids(checkpoint, tokenizer),
+                               **cosine_components(config, checkpoint, run_profile_if_missing=True))
+        self.loop = EngineLoop(self.core)
+        self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
+        self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held
+        slots = self.stage_slots + self.drafter_slots
+        await asyncio.gather(*(await_ref(s.handle.ping.remote(), ready_timeout_s) for s in slots))
+
+    # ---- Serve hooks --------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Serve's health check: fails (and Serve restarts this engine with fresh stages) only
+        when a lost stage did not come back within ``stage_recovery_s``; a stage being
+        restarted is a recovering engine, not a dead one (``/health`` says so)."""
+        if self.core.target.failed:
+            raise RuntimeError("a pipeline stage was lost and did not come back")
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; a cancelled stream (client gone) aborts it."""
+        async for out in self.loop.generate(prompt_token_ids, params, request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return self.core.abort(request_id)
+
+    async def finish(self, request_id: str) -> bool:
+        """The ingress ends a streaming request as a normal completion (a stop string): its
+        stream's cancellation, which follows, counts as ``stop`` (``EngineLoop.finish``)."""
+        return self.loop.finish(request_id)
+
+    async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> str | None:
+        """None if servable, else the reason (ValueError message)."""
+        try:
+            self.core.check_request(prompt_token_ids, params)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    # ---- status and metrics ------------------------------------------------------------------------
+    async def describe(self) -> dict[str, Any]:
+        return {"model": self.model_name, "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+                "engine_id": self.engine_id, "namespace": self.namespace,
+                "stages": [s.name for s in self.stage_slots], "drafters": [d.name for d in self.core.drafters],
+                "config": {"num_stages": self.config.num_stages,
+                           "num_speculative_tokens": self.config.step.num_speculative_tokens}}
+
+    async def health(self) -> dict[str, Any]:
+        status = {"status": "ok", "running": len(self.core.running), "waiting": len(self.core.waiting)}
+        try:
+            await asyncio.gather(*(await_ref(s.handle.ping.remote(), 5.0) for s in self.stage_slots))
+        except Exception as exc:  # a stage is down or restarting
+            status.update(status="recovering", error=f"{type(exc).__name__}")
+        return status
+
+    async def stats(self) -> dict[str, Any]:
+        """State held per request across the cluster (tests check nothing leaks)."""
+        drafter_state = await asyncio.gather(*(await_ref(s.handle.state_size.remote(), 5.0)
+                                               for s in self.drafter_slots), return_exceptions=True)
+        return {
+            "running": len(self.core.running), "waiting": len(self.core.waiting),
+            "streams": self.loop.num_streams, "to_release": self.core.pool.num_to_release,
+            "kv": await self.target.kv_usage(),
+            "drafters": {**{s.name: (d if isinstance(d, dict) else {"error": type(d).__name__})
+                            for s, d in zip(self.drafter_slots, drafter_state)},
+                         **{f"engine:{c.name}": c.worker.state_size() for c in self.local_drafters}},
+            "drafter_failures": self.core.exporter.drafter_failures(),
+            "respawns": {s.name: s.num_respawns for s in self.stage_slots + self.drafter_slots},
+        }
+
+    async def metrics_snapshot(self, http: tuple[str, dict] | None = None) -> dict[str, Any]:
+        """The deployment's one metrics registry (single exporter), with the figures counted
+        elsewhere read now: drafter respawns, and stage busy/idle (a background read the
+        scrape waits for briefly; see runtime/metrics_scrape.py), and the calling ingress
+        replica's HTTP counts ``http`` = (replica id, cumulative totals)."""
+        if http is not None:
+            self.core.metrics.add_http_totals(*http)
+        await self._stage_reader.refresh()
+        collect_drafter_restarts(self.core.exporter, self.drafter_slots, [d.name for d in self.actor_drafters])
+        return self.loop.metrics_snapshot()
+
+    async def record_http(self, replica: str, totals: dict) -> None:
+        """Cumulative HTTP counts of one ingress replica (every replica pushes here)."""
+        self.core.metrics.add_http_totals(replica, totals)
+
+    async def actor_pids(self, timeout_s: float = 5.0) -> dict[str, int]:
+        """PID of this engine and of every stage and drafter that answers within ``timeout_s``
+        (soak tests read each one's resident memory from /proc)."""
+        slots = self.stage_slots + self.drafter_slots
+        pids = await asyncio.gather(*(await_ref(s.handle.pid.remote(), timeout_s) for s in slots),
+                                    return_exceptions=True)
+        return {"engine": os.getpid(), **{s.name: p for s, p in zip(slots, pids) if isinstance(p, int)}}
+
+    async def memory_stats(self) -> dict[str, float]:
+        """What a leak in this process would grow (the soak test reads it): objects the
+        garbage collector tracks, and bytes in use in glibc's heap (``mallinfo2``; absent on
+        other C libraries). RSS alone also counts freed pages the allocator keeps."""
+        gc.collect()
+        out: dict[str, float] = {"python_objects": len(gc.get_objects())}
+        in_use = malloc_in_use_bytes()
+        if in_use is not None:
+            out["malloc_in_use_mib"] = in_use / 2**20
+        return out
+
+    async def actor_handles(self) -> dict[str, Any]:
+        return {s.name: s.handle for s in self.stage_slots + self.drafter_slots}

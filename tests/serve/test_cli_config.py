@@ -1,0 +1,234 @@
+"""``cosine-ray serve --config``: the shipped deploy/engine.yaml and deploy/serve_config.yaml
+describe exactly what ``cosine-ray serve`` runs without flags; a Ray Serve config is read
+through its cosine_ray application; every bad config is one line and exit status 2 (issue 14,
+item 5: papercuts 1, 2 and 8). No Ray cluster is started here: ``run`` is checked with Ray's
+entry points replaced by recorders."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cosine_ray.cli import build_parser, main
+from cosine_ray.cli import serve as serve_cli
+from cosine_ray.engine.config import ClusterConfig, EngineConfig, StepConfig
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_YAML = REPO / "deploy" / "engine.yaml"
+SERVE_YAML = REPO / "deploy" / "serve_config.yaml"
+
+pytestmark = pytest.mark.real_model  # serve_plan resolves the model (the embedded SmolLM2, cached)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_key(monkeypatch, real_checkpoint):
+    monkeypatch.delenv("COSINE_RAY_API_KEY", raising=False)
+
+
+def plan(*argv: str) -> serve_cli.ServePlan:
+    return serve_cli.serve_plan(build_parser().parse_args(["serve", *argv]))
+
+
+def write(tmp_path: Path, data, name: str = "c.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+def serve_config(args: dict, **top) -> dict:
+    return {"http_options": {"host": "0.0.0.0", "port": 8123}, **top,
+            "applications": [{"name": "cosine_ray", "route_prefix": "/", "import_path": "cosine_ray.serve.app:build_app",
+                              "args": args}]}
+
+
+# ---- the shipped files ------------------------------------------------------------------------
+
+def test_engine_yaml_is_what_serve_runs_without_flags():
+    default = plan()
+    from_file = plan("--config", str(ENGINE_YAML))
+    assert from_file.engine == default.engine
+    assert (from_file.host, from_file.port, from_file.app_args) == (default.host, default.port, default.app_args)
+    assert default.engine["num_stages"] == 2 and default.engine["step"]["num_lanes"] == 2
+    assert default.engine["model"] == "smollm2-135m"
+    # every field of the engine config is written out, each with a comment
+    text = ENGINE_YAML.read_text()
+    data = yaml.safe_load(text)
+    assert set(data) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(data["step"]) == {f.name for f in dataclasses.fields(StepConfig)}
+    assert set(data["cluster"]) == {f.name for f in dataclasses.fields(ClusterConfig)}
+    keyed = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert all("#" in line for line in keyed), [line for line in keyed if "#" not in line]
+    # flags still override the file
+    overridden = plan("--config", str(ENGINE_YAML), "--stages", "3", "--drafters", "ngram")
+    assert overridden.engine["num_stages"] == 3 and overridden.engine["drafters"] == "ngram"
+
+
+def test_an_engine_config_file_takes_the_ingress_args_too(tmp_path):
+    """An engine config file is the application builder's ``args``: ingress args included."""
+    p = plan("--config", write(tmp_path, {"num_stages": 1, "api_key": "k", "metrics_require_key": True}))
+    assert p.engine["num_stages"] == 1 and p.engine["step"]["num_lanes"] == 1 and "api_key" not in p.engine
+    assert (p.app_args["api_key"], p.app_args["metrics_require_key"]) == ("k", True)
+
+
+def test_serve_config_yaml_is_the_same_application_as_serve():
+    default = plan()
+    from_file = plan("--config", str(SERVE_YAML))
+    assert from_file.engine == default.engine
+    assert from_file.app_args == default.app_args  # no ingress args: no key, like serve's default
+    assert (from_file.host, from_file.port) == ("0.0.0.0", 8000)  # the documented difference
+    assert (from_file.app_name, from_file.route_prefix, from_file.ignored) == ("cosine_ray", "/", [])
+    local = plan("--config", str(SERVE_YAML), "--host", "127.0.0.1", "--port", "8200")
+    assert (local.host, local.port) == ("127.0.0.1", 8200) and local.http_options["host"] == "127.0.0.1"
+    # `serve run` builds the engine from the args alone: the same engine config
+    from cosine_ray.engine.config import config_from_dict, config_to_dict
+    from cosine_ray.serve.app import INGRESS_ARGS
+    (app,) = yaml.safe_load(SERVE_YAML.read_text())["applications"]
+    args = {k: v for k, v in app["args"].items() if k not in INGRESS_ARGS}
+    assert config_to_dict(config_from_dict(args)) == default.engine
+
+
+# ---- Serve configs -------------------------------------------------------------------------------
+
+def test_serve_config_gives_engine_ingress_and_http_settings(tmp_path, monkeypatch):
+    path = write(tmp_path, serve_config(
+        {"model": "smollm2-135m", "drafters": "ngram", "num_stages": 1, "api_key": "file-key",
+         "return_spec_stats": True, "max_pending_requests": 7, "step": {"num_lanes": 1}},
+        proxy_location="HeadOnly", logging_config={"encoding": "JSON"}))
+    p = plan("--config", path)
+    assert p.engine["drafters"] == "ngram" and p.engine["num_stages"] == 1 and p.engine["step"]["num_lanes"] == 1
+    assert "api_key" not in p.engine
+    assert {k: p.app_args[k] for k in ("api_key", "return_spec_stats", "max_pending_requests")} == {
+        "api_key": "file-key", "return_spec_stats": True, "max_pending_requests": 7}
+    assert (p.host, p.port, p.proxy_location) == ("0.0.0.0", 8123, "HeadOnly")
+    assert p.ignored == ["logging_config"]
+    # flags beat the file; the env key beats the file's, the --api-key flag beats both
+    monkeypatch.setenv("COSINE_RAY_API_KEY", "env-key")
+    assert plan("--config", path).app_args["api_key"] == "env-key"
+    p = plan("--config", path, "--api-key", "flag-key", "--port", "9001", "--max-pending-requests", "3")
+    assert (p.app_args["api_key"], p.port, p.app_args["max_pending_requests"]) == ("flag-key", 9001, 3)
+
+
+@pytest.mark.parametrize("apps, message", [
+    ([{"name": "other", "import_path": "my.module:app"}],
+     "no application has import_path cosine_ray.serve.app:build_app (found 'my.module:app')"),
+    ([{"name": "a", "import_path": "cosine_ray.serve.app:build_app"},
+      {"name": "b", "import_path": "cosine_ray.serve.app.build_app"}],
+     "2 applications ('a', 'b') have import_path cosine_ray.serve.app:build_app"),
+    ([], "no application has import_path"),
+    ("nope", "`applications` must be a list"),
+])
+def test_serve_config_without_exactly_one_cosine_ray_app_exits_2(tmp_path, capsys, apps, message):
+    path = write(tmp_path, {"applications": apps})
+    assert main(["serve", "--config", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cosine-ray: error: --config ") and message in err[0], err
+
+
+# ---- every bad config: one line, exit 2 ---------------------------------------------------------
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read --config"),                                          # missing file
+    ("DIR", "cannot read --config"),                                         # a directory
+    ("model: [unclosed\n", "is not valid YAML"),
+    ("- a\n- b\n", "must be a mapping of settings"),
+    ("model: smollm2-135m\nbogus_key: 1\n", "unknown key(s) bogus_key"),
+    ("step:\n  bogus_step_key: 1\n", "unknown key(s) bogus_step_key in step"),
+    ("step: 5\n", "'step' and 'cluster' must be mappings"),
+    ("num_stages: zero\n", "--config"),
+    ("drafters: telepathy\n", "unknown drafter 'telepathy'"),
+    ("model: /nonexistent/model/dir\n", "--config"),
+    ("applications:\n  - import_path: cosine_ray.serve.app:build_app\n    args: {bogus: 1}\n",
+     "unknown key(s) bogus"),
+    ("applications:\n  - import_path: cosine_ray.serve.app:build_app\n    args: {max_body_bytes: big}\n",
+     "max_body_bytes must be an integer >= 1"),
+    ("http_options: {port: 70000}\napplications:\n  - import_path: cosine_ray.serve.app:build_app\n",
+     "--port must be in 1..65535"),
+])
+def test_bad_config_is_one_line_and_exit_2(tmp_path, capsys, content, message):
+    if content is None:
+        path = str(tmp_path / "missing.yaml")
+    elif content == "DIR":
+        path = str(tmp_path)
+    else:
+        path = write(tmp_path, content)
+    assert main(["serve", "--config", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cosine-ray: error: ") and message in err[0], err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "0"], "--port must be in 1..65535"),
+    (["--num-cpus", "0"], "--num-cpus must be >= 1"),
+    (["--stages", "0"], "num_stages must be >= 1"),
+    (["--drafters-in-engine", "bogus"], "drafters_in_engine: unknown kind(s) bogus"),
+])
+def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_ray_starts(capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr("cosine_ray.runtime.cluster.connect", lambda *a, **k: started.append(a))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"port {port} on 127.0.0.1 is in use" in err[0], err
+    assert not started
+
+
+def test_an_unreachable_address_is_one_line_and_exit_2(capsys):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot reach the Ray cluster at 127.0.0.1:{port}" in err[0], err
+
+
+# ---- run(): what reaches Ray Serve ----------------------------------------------------------------
+
+def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys):
+    """run() with Ray's entry points recorded: the file's http_options and proxy_location go to
+    serve.start, the app's name and route prefix to serve.run, args + ingress args to build_app."""
+    from ray import serve
+
+    import cosine_ray.runtime.cluster as cluster
+    import cosine_ray.serve.app as app_module
+
+    calls: dict = {}
+    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus=None: calls.setdefault("connect", address))
+    monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.setdefault("start", kw))
+    monkeypatch.setattr(app_module, "build_app", lambda args: ("APP", args))
+    monkeypatch.setattr(serve, "run", lambda app, **kw: calls.setdefault("run", (app, kw)))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.setdefault("delete", name))
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    monkeypatch.setattr("ray.shutdown", lambda: None)
+    # no signal handlers in the test process, and Ctrl-C at once
+    monkeypatch.setattr(serve_cli, "signal", types.SimpleNamespace(signal=lambda *a: None, SIGINT=2, SIGTERM=15))
+    monkeypatch.setattr(serve_cli, "threading", types.SimpleNamespace(
+        Event=lambda: types.SimpleNamespace(wait=lambda: True, set=lambda: None)))
+    path = write(tmp_path, {**serve_config({"drafters": "ngram", "api_key": "k"}, proxy_location="HeadOnly"),
+                            "http_options": {"host": "0.0.0.0", "port": 8123, "request_timeout_s": 30}})
+    data = yaml.safe_load(Path(path).read_text())
+    data["applications"][0].update(name="mine", route_prefix="/llm")
+    Path(path).write_text(yaml.safe_dump(data))
+    assert main(["serve", "--config", path]) == 0
+    assert calls["connect"] is None and calls["port"] == ("0.0.0.0", 8123)
+    assert calls["start"] == {"http_options": {"host": "0.0.0.0", "port": 8123, "request_timeout_s": 30},
+                              "proxy_location": "HeadOnly"}
+    (tag, app_args), kw = calls["run"]
+    assert tag == "APP" and kw == {"name": "mine", "route_prefix": "/llm", "blocking": False}
+    assert app_args["api_key"] == "k" and app_args["drafters"] == "ngram"
+    assert calls["delete"] == "mine"
+    assert "http://0.0.0.0:8123/llm/v1" in capsys.readouterr().out
