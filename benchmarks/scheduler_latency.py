@@ -5,7 +5,7 @@
 For each pool size, random pools (seeded) of running and waiting requests: context 16-2,048
 tokens, per-request acceptance rate α ∈ [0.05, 0.95] and chain gains ``gains[g] = Σ_{k≤g} α^k``
 (γ ≤ 8), waiting requests prefill a 16-512-token prompt, KV budget that admits about half of
-the waiting ones. The latency model is fitted on the DESIGN §8 SmolLM2 figures
+the waiting ones. The latency model is fitted on measured SmolLM2 figures
 (``LatencyModel.default()``). Rows:
 
 - ``schedule_batch``: one full decision (build the arrays, certify or solve with HiGHS);

@@ -1,7 +1,7 @@
 """Serving benchmark (issue: the Ray cluster), one run, same machine, held-back prompts:
 
 * single-request tokens/s through the in-process engine and through HTTP (Ray Serve →
-  router actor → S stage actors), speculation on;
+  engine deployment → S stage actors), speculation on;
 * aggregate tokens/s of 8 concurrent HTTP requests, speculation on and off.
 
     python benchmarks/serving.py [--stages 2] [--max-tokens 64] [--out bench-results/serving.json]
@@ -17,11 +17,13 @@ from pathlib import Path
 
 import httpx
 
-from cosine_ray.bench import DEFAULT_PROMPT_DIR, held_back_prompts
+from cosine_ray.datasets import default_prompt_dir, held_back_prompts
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.router import RouterConfig
+from cosine_ray.engine.config import StepConfig
+
+DEFAULT_PROMPT_DIR = default_prompt_dir()
 
 
 async def _chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> int:
@@ -63,7 +65,7 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
 
     engine = LocalEngine(EngineConfig(drafters=parse_drafters(args.drafters), num_threads=2,
-                                      router=RouterConfig(max_batch_size=args.concurrency)))
+                                      step=StepConfig(max_batch_size=args.concurrency)))
     ids = [encode_prompt(engine.tokenizer, t) for t in prompts]
     engine.generate([ids[0]], SamplingParams(max_tokens=4))
     start = time.perf_counter()
@@ -79,20 +81,17 @@ def main() -> None:
     from ray import serve
 
     from cosine_ray.runtime.cluster import connect
-    from cosine_ray.runtime.router_actor import kill_router
     from cosine_ray.serve.app import build_app
     connect(None)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     base = f"http://127.0.0.1:{args.port}"
     for label, drafters in ((f"http, {args.drafters}", args.drafters), ("http, speculation off", "none")):
-        kill_router()
         serve.run(build_app({"drafters": drafters, "num_stages": args.stages,
-                             "router": {"num_lanes": args.stages, "max_batch_size": args.concurrency}}),
+                             "step": {"num_lanes": args.stages, "max_batch_size": args.concurrency}}),
                   name="cosine_ray", route_prefix="/")
         results[label] = asyncio.run(_http_figures(base, prompts, args.max_tokens, args.concurrency,
                                                    single=True))
         serve.delete("cosine_ray")
-        kill_router()
     serve.shutdown()
 
     out = Path(args.out)

@@ -1,4 +1,4 @@
-"""The ledger: proof that no request was lost or duplicated (reliability.md, "The ledger").
+"""The ledger: proof that no request was lost or duplicated.
 
 Every planned request id gets events in order: ``planned`` → ``sent`` → exactly one terminal
 event (``ok`` | ``failed``), or ``planned`` → ``not_sent`` (the run was aborted or hit

@@ -148,6 +148,16 @@ def speculation() -> dict:
         panel("Drafter participation and speculation on/off",
               [(f"avg({P}drafter_participation)", "drafters per request"),
                (f"min({P}speculation_enabled)", "speculation enabled")], width=8),
+        panel("Economics: predicted / measured",
+              [(f"sum({rate('verify_predicted_seconds_total')}) / sum({rate('verify_seconds_total')})",
+                "verify time (cost model)"),
+               (f"sum({rate('spec_decode_expected_accepted_tokens_total')}) / sum({rate(acc)})",
+                "accepted tokens (gain model)")], width=8,
+              description="1 = the model the scheduler decides with was exact over the window; above 1 it "
+                          "over-predicts."),
+        panel("Speculation level (guard)", [(f"avg({P}speculation_level)", "κ")], width=8,
+              description="Multiplier on the value of an expected accepted token the guard learned from "
+                          "measured goodput; 0 = speculation off."),
         panel("Draft budget γ per request", quantiles("scheduler_gamma", (0.5, 0.9))
               + [(mean("scheduler_gamma"), "mean")], width=8),
         panel("Draft tokens Γ per micro-batch", quantiles("scheduler_total_gamma", (0.5, 0.9))

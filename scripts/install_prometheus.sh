@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Install Debian's `prometheus` server binary for tests/metrics/test_prometheus.py.
+# Install Debian's `prometheus` server binary for tests/metrics/test_prometheus.py:
 #
-# Idempotent: does nothing when `prometheus` is already on PATH. Needs root (apt-get).
+#   sudo bash scripts/install_prometheus.sh
+#
+# .ci/run runs it before the tests; pytest never does (without the binary that test is skipped,
+# naming this command). Idempotent: does nothing when `prometheus` is already on PATH. Needs
+# root (apt-get) and a Debian/Ubuntu system.
 # No system service is started: a temporary /usr/sbin/policy-rc.d forbids invoke-rc.d
 # from starting daemons during the install (the test runs its own prometheus on loopback).
 set -euo pipefail
@@ -10,7 +14,12 @@ if command -v prometheus >/dev/null 2>&1; then
     exit 0
 fi
 if [ "$(id -u)" != "0" ]; then
-    echo "install_prometheus.sh: prometheus is missing and installing it needs root (apt-get)" >&2
+    echo "install_prometheus.sh: prometheus is missing and installing it needs root: sudo bash $0" >&2
+    exit 1
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "install_prometheus.sh: no apt-get here; install prometheus with your package manager" \
+         "or put a release binary (https://prometheus.io/download/) on PATH" >&2
     exit 1
 fi
 

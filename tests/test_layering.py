@@ -1,12 +1,17 @@
-"""Imports only go down (DESIGN §3): algo/, models/ and engine/ never pull in Ray, Ray Serve,
-FastAPI or the Prometheus client. Checked in a fresh interpreter so nothing else in the test
-session has imported them already."""
+"""Imports only go down: algo/, models/ and engine/ never pull in Ray, Ray Serve,
+FastAPI or the Prometheus client (checked in a fresh interpreter so nothing else in the test
+session has imported them already), and no module of the package imports itself back
+through others: the import graph of ``cosine_ray/`` has no cycle."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "cosine_ray"
 
 LAYERS = ("cosine_ray.algo", "cosine_ray.models", "cosine_ray.engine")
 FORBIDDEN = ("ray", "ray.serve", "fastapi", "prometheus_client")
@@ -32,7 +37,7 @@ def test_lower_layers_do_not_import_ray_serve_fastapi_or_prometheus():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     imported = result["imported"]
     # the walk really covered the layers (a broken walk would pass vacuously)
-    for module in ("cosine_ray.algo.verify", "cosine_ray.models.llama", "cosine_ray.engine.router",
+    for module in ("cosine_ray.algo.verify", "cosine_ray.models.llama", "cosine_ray.engine.core",
                    "cosine_ray.engine.drafters.ngram"):
         assert module in imported
     assert result["forbidden"] == [], (
@@ -47,3 +52,90 @@ def test_probe_detects_a_forbidden_import():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["forbidden"] == ["ray"]
+
+
+# ---- no import cycles ---------------------------------------------------------------------------
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports, anywhere in its code (function-level and
+    ``TYPE_CHECKING`` imports included: a lazy import hides a cycle, it does not remove it).
+    ``from package import name`` counts as importing ``package.name`` when that is a module."""
+    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    anchor = anchor[:len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:  # a name inside a module: the module
+                    target = target.rpartition(".")[0]
+                if target and target != name and target.startswith(root.name):
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (iterative DFS, colours white/grey/black)."""
+    colour = {n: 0 for n in graph}
+    for start in sorted(graph):
+        if colour[start]:
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        colour[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(child, 2) == 1:
+                return path[path.index(child):] + [child]
+            elif colour.get(child, 2) == 0:
+                colour[child] = 1
+                stack.append((child, iter(sorted(graph[child]))))
+                path.append(child)
+    return None
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = import_graph()
+    assert len(graph) > 60 and graph["cosine_ray.engine.core"], "premise: the graph covers the package"
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_planted_cycle(tmp_path):
+    """The check can fail: a package whose modules import each other (lazily) is caught."""
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "sub" / "__init__.py").write_text("")
+    (root / "a.py").write_text("from pkg.sub import b\n")
+    (root / "sub" / "b.py").write_text("def f():\n    from pkg import c\n")
+    (root / "c.py").write_text("from .a import x\n")
+    graph = import_graph(root)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.c"] == {"pkg.a"}
+    assert find_cycle(graph) in (["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"],)
+    (root / "c.py").write_text("x = 1\n")
+    assert find_cycle(import_graph(root)) is None

@@ -5,9 +5,10 @@ that the committed manifests pass and that a broken copy fails for the expected 
 
 Layers, from generic to ours:
 
-1. **CRD schema** (``crd_errors``): the KubeRay CRDs' OpenAPI v3 schemas from
-   ``../shared/data/kuberay-crds`` validated with ``jsonschema`` (Draft 4, the dialect OpenAPI
-   3.0 schemas follow). The Kubernetes extensions are handled like this:
+1. **CRD schema** (``crd_errors``): the KubeRay CRDs' OpenAPI v3 schemas in
+   ``tests/deploy/crds`` (copied from KubeRay, see the README.md there) validated with
+   ``jsonschema`` (Draft 4, the dialect OpenAPI 3.0 schemas follow). The Kubernetes
+   extensions are handled like this:
 
    * unknown fields are **errors** (``additionalProperties: false`` is added to every object
      schema that lists ``properties`` and says nothing else): the API server would silently
@@ -56,8 +57,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO / "k8s"
-CRD_DIR = Path(os.environ.get("COSINE_RAY_KUBERAY_CRDS")
-               or (REPO / ".." / "shared" / "data" / "kuberay-crds")).resolve()
+CRD_DIR = Path(os.environ.get("COSINE_RAY_KUBERAY_CRDS") or (Path(__file__).resolve().parent / "crds"))
+"""The KubeRay CRDs in the repository; ``$COSINE_RAY_KUBERAY_CRDS`` checks against another release."""
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
 VARIANTS = ("rayservice", "raycluster", "cpu-dev")
 """Folders under k8s/ that `kubectl apply -k` deploys, each a complete variant."""
@@ -216,8 +217,8 @@ def crd_validator(kind: str) -> tuple[str, Any]:
     """(``group/version`` to use, validator) for a KubeRay kind, from the CRD's storage version."""
     path = CRD_DIR / CRD_FILES[kind]
     if not path.is_file():
-        raise FileNotFoundError(f"KubeRay CRD {path} not found (the repository must sit next to shared/, "
-                                f"or set COSINE_RAY_KUBERAY_CRDS)")
+        raise FileNotFoundError(f"KubeRay CRD {path} not found (tests/deploy/crds ships it; "
+                                f"COSINE_RAY_KUBERAY_CRDS points elsewhere)")
     crd = yaml.safe_load(path.read_text(encoding="utf-8"))
     assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == kind
     version = next(v for v in crd["spec"]["versions"] if v.get("storage"))

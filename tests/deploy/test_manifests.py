@@ -2,9 +2,9 @@
 
 What runs: every YAML parses; every variant (k8s/rayservice, k8s/raycluster, k8s/cpu-dev)
 renders from its kustomization (and matches `kubectl kustomize` where kubectl exists); every
-RayService / RayCluster validates against the KubeRay CRD schemas in
-../shared/data/kuberay-crds plus KubeRay's controller rules (tests/deploy/k8s_checks.py says
-how the OpenAPI extensions are handled); the serveConfigV2 goes through Ray Serve's config
+RayService / RayCluster validates against the KubeRay CRD schemas in tests/deploy/crds
+(KubeRay 1.7 line) plus KubeRay's controller rules (tests/deploy/k8s_checks.py says how the
+OpenAPI extensions are handled); the serveConfigV2 goes through Ray Serve's config
 schema and the app's own builder (`cosine_ray.serve.app.build_app` → `config_from_dict`) and
 equals deploy/serve_config.yaml up to the overrides listed below; the custom resources the
 worker groups advertise are exactly the ones the placement code asks for, in enough units for
@@ -38,10 +38,11 @@ SERVE_OVERRIDES: dict[str, dict[tuple[str, ...], Any]] = {
     # shipped under k8s/ is deploy/serve_config.yaml plus exactly these changes; the manifests'
     # comments list the same overrides.
     "k8s/rayservice/rayservice.yaml": {("device",): "cuda", ("cluster", "use_resources"): True,
-                                       ("cluster", "drafters_in_router"): "none"},
-    "k8s/cpu-dev/rayservice.yaml": {("cluster", "use_resources"): True, ("cluster", "drafters_in_router"): "none"},
+                                       ("cluster", "drafters_in_engine"): "none", ("drafters",): "ngram,retrieval"},
+    "k8s/cpu-dev/rayservice.yaml": {("cluster", "use_resources"): True, ("cluster", "drafters_in_engine"): "none",
+                                    ("drafters",): "ngram,retrieval"},
     "k8s/serve_config.cluster.yaml": {("device",): "cuda", ("cluster", "use_resources"): True,
-                                      ("cluster", "drafters_in_router"): "none"},
+                                      ("cluster", "drafters_in_engine"): "none", ("drafters",): "ngram,retrieval"},
 }
 SERVE_CONFIG_OF_VARIANT = {
     # Where each variant's Serve app comes from: the RayService's own serveConfigV2, or (plain
@@ -259,8 +260,8 @@ def test_removing_serve_config_fails():
 def test_bad_serve_config_fails_through_the_app():
     config = _serve_config(SERVE_CONFIG_OF_VARIANT["rayservice"])
     unknown = copy.deepcopy(config)
-    _app(unknown)["args"]["router"]["no_such_router_option"] = 1
-    assert any("no_such_router_option" in e for e in serve_config_errors(unknown))
+    _app(unknown)["args"]["step"]["no_such_step_option"] = 1
+    assert any("no_such_step_option" in e for e in serve_config_errors(unknown))
     bad_drafter = copy.deepcopy(config)
     _app(bad_drafter)["args"]["drafters"] = "ngram,telepathy"
     assert any("telepathy" in e for e in serve_config_errors(bad_drafter))
@@ -316,7 +317,7 @@ def test_every_actor_fits_on_the_worker_groups(variant):
     doc = _ray_doc(variant)
     engine = _engine_config(_serve_config(SERVE_CONFIG_OF_VARIANT[variant]))
     counts = {"stage": engine.num_stages,
-              "drafter": sum(1 for d in engine.drafters if d.kind not in engine.cluster.drafters_in_router)}
+              "drafter": sum(1 for d in engine.drafters if d.kind not in engine.cluster.drafters_in_engine)}
     assert counts["drafter"] >= 1
     group_of_role = {"stage": k.STAGE_GROUP, "drafter": k.DRAFTER_GROUP}
     advertised_names = set()

@@ -1,0 +1,142 @@
+"""cosine_ray/datasets.py: the packaged prompt sets, their fixed split, and the commands that
+default to them (bench, datastore build; loadgen has its own tests in tests/loadgen)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cosine_ray import datasets
+from cosine_ray.datasets import (DOMAIN_FILES, PACKAGED_PROMPT_DIR, default_prompt_dir, domain_file, domain_prompts,
+                                 first_half, held_back_prompts, read_prompts, second_half, split_point, split_rows)
+
+ROWS = {"code": 164, "math": 1319, "instruction": 175, "chat": 80}
+
+
+def test_packaged_prompt_sets_are_complete():
+    assert PACKAGED_PROMPT_DIR.is_dir()
+    assert sorted(p.name for p in PACKAGED_PROMPT_DIR.glob("*.jsonl")) == sorted(DOMAIN_FILES.values())
+    for domain, name in DOMAIN_FILES.items():
+        rows = read_prompts(PACKAGED_PROMPT_DIR / name)
+        assert len(rows) == ROWS[domain], name
+        assert len({r["id"] for r in rows}) == len(rows), f"{name}: duplicate ids"
+        assert all(r["domain"].split("/")[0] == domain for r in rows), name
+    assert all(len(r["turns"]) == 2 for r in read_prompts(domain_file("chat", PACKAGED_PROMPT_DIR)))
+
+
+def test_licence_notes_ship_with_the_data():
+    notes = (PACKAGED_PROMPT_DIR / "README.md").read_text(encoding="utf-8")
+    for name in DOMAIN_FILES.values():
+        assert f"`{name}`" in notes
+    assert "CC BY-NC 4.0" in notes and "non-commercial" in notes
+
+
+def test_default_dir_is_packaged_unless_overridden(monkeypatch, tmp_path):
+    monkeypatch.delenv("COSINE_RAY_PROMPTS", raising=False)
+    assert default_prompt_dir() == PACKAGED_PROMPT_DIR
+    assert domain_file("math") == PACKAGED_PROMPT_DIR / "gsm8k.jsonl"
+    monkeypatch.setenv("COSINE_RAY_PROMPTS", str(tmp_path))
+    assert default_prompt_dir() == tmp_path
+    assert domain_file("code") == tmp_path / "humaneval.jsonl"
+    with pytest.raises(KeyError, match="no packaged prompt set for domain 'legal'"):
+        domain_file("legal", error=KeyError)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 80, 175])
+def test_split_halves_partition_the_rows(n):
+    rows = list(range(n))
+    first, second = first_half(rows), second_half(rows)
+    assert first + second == rows and len(first) == split_point(n) == (n + 1) // 2
+    assert split_rows(rows, "first-half") == first and split_rows(rows, "second-half") == second
+    assert split_rows(rows, "all") == rows
+
+
+def test_split_rows_rejects_unknown_split():
+    with pytest.raises(KeyError, match="split must be one of first-half, second-half, all"):
+        split_rows([1], "middle", KeyError)
+
+
+def test_held_back_prompts_are_the_second_halves_in_domain_order():
+    got = held_back_prompts(PACKAGED_PROMPT_DIR, 3)
+    assert [d for d, _ in got] == [d for d in DOMAIN_FILES for _ in range(3)]
+    for domain in DOMAIN_FILES:
+        expected = [r["prompt"] for r in domain_prompts(domain, "second-half", PACKAGED_PROMPT_DIR)][:3]
+        assert [p for d, p in got if d == domain] == expected
+    everything = held_back_prompts(PACKAGED_PROMPT_DIR, None)
+    assert len(everything) == sum(n - split_point(n) for n in ROWS.values())
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("", "has no prompts"),
+    ('{"prompt": "a"}\nnot json\n', ":2: not JSON"),
+    ('{"id": 1}\n', ":1: each line needs a non-empty string field 'prompt'"),
+    ('{"prompt": "  "}\n', ":1: each line needs a non-empty string field 'prompt'"),
+])
+def test_read_prompts_errors_are_one_line(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(KeyError, match=message):
+        read_prompts(path, KeyError)
+
+
+def test_datasets_imports_nothing_heavy():
+    code = ("import sys, cosine_ray.datasets; "
+            "print([m for m in ('torch', 'ray', 'numpy', 'transformers') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_bench_reads_the_packaged_prompts():
+    """bench measures on the held-back half and warms up on the other half of each file."""
+    from cosine_ray import cli
+    from cosine_ray.cli import bench
+    assert bench.DEFAULT_PROMPT_DIR == default_prompt_dir()
+    for workload in ("mixed", "template"):
+        args = cli.build_parser().parse_args(["bench", "--workload", workload, "--prompts-per-domain", "2",
+                                              "--warmup-per-domain", "2", "--prompt-dir", str(PACKAGED_PROMPT_DIR)])
+        warm, measured = bench.build_conversations(args)
+        assert len(warm) == len(measured) == 8
+        held = {r["id"] for name in DOMAIN_FILES.values()
+                for r in datasets.second_half(datasets.read_prompts(PACKAGED_PROMPT_DIR / name))}
+        assert all(i.source_id.split("#")[0] in held for i in measured)
+        assert not any(i.source_id.split("#")[0] in held for i in warm)
+
+
+def _datastore_args(argv: list[str]):
+    from cosine_ray import cli
+    from cosine_ray.cli import datastore
+    return datastore, cli.build_parser().parse_args(["datastore", "build", *argv])
+
+
+def test_datastore_build_defaults_to_the_packaged_file_of_its_domain(monkeypatch):
+    monkeypatch.delenv("COSINE_RAY_PROMPTS", raising=False)
+    cli, args = _datastore_args(["--domain", "instruction", "--limit", "3"])
+    rows = cli._datastore_rows(args)
+    assert Path(args.prompts) == PACKAGED_PROMPT_DIR / "alpaca.jsonl"
+    assert rows == domain_prompts("instruction", "first-half", PACKAGED_PROMPT_DIR)[:3]
+    cli, args = _datastore_args(["--domain", "chat"])
+    assert cli._datastore_rows(args) == domain_prompts("chat", "first-half", PACKAGED_PROMPT_DIR)
+
+
+def test_datastore_build_needs_prompts_for_an_unpackaged_domain(capsys):
+    from cosine_ray import cli
+    assert cli.main(["datastore", "build", "--domain", "legal"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["cosine-ray: error: --prompts is required for domain 'legal' "
+                   "(packaged prompt sets: code, math, instruction, chat)"]
+
+
+def test_datastore_build_reads_a_given_file(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(5)))
+    cli, args = _datastore_args(["--domain", "legal", "--prompts", str(path), "--split", "all"])
+    assert [r["prompt"] for r in cli._datastore_rows(args)] == [f"p{i}" for i in range(5)]
+    cli, args = _datastore_args(["--domain", "legal", "--prompts", str(path)])
+    assert [r["prompt"] for r in cli._datastore_rows(args)] == ["p0", "p1", "p2"]
