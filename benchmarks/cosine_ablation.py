@@ -1,20 +1,26 @@
-"""CoSine and its ablations on one mixed-domain workload, in one run (issue 4).
+"""CoSine and its ablations, interleaved in repeated rounds, on one mixed-domain workload.
 
-Workload: held-back prompts (second half of each domain file; the retrieval datastores
-are built from the first half), equal mix of code / math / instruction / chat. For each
-system, in turn, on the same in-process engine build:
+Workload: held-back prompts (second half of each domain file; the retrieval datastores are
+built from the first half), equal mix of code / math / instruction / chat, greedy.
 
-1. warm-up: ``--warmup-per-domain`` prompts per domain at concurrency 8 (routing priors,
-   confidence calibration and the latency model learn online; not measured);
-2. concurrency 1: the measured prompts one at a time → tokens/s;
-3. concurrency 8: the same prompts all submitted at once, 8 running → aggregate tokens/s.
+Every system gets its own in-process engine, built once. For each torch thread setting
+(``--threads``): every engine first runs a warm-up set (``--warmup-per-domain`` other prompts
+at concurrency 8; routing priors, calibration, the cost model and the guard learn online;
+not measured), then ``--rounds`` rounds follow. In each round every concurrency level runs
+every system once, in an order shuffled per round (seeded), so a slow minute of the machine
+hits all systems alike. A run = the measured prompts through ``loop.generate_all`` at that
+concurrency → tokens/s.
 
-Reported per system: mean accepted length (tokens per verify step, bonus included),
-tokens/s at concurrency 1 and 8, and for full CoSine the share of each (true) domain's
-routed steps that went to each drafter. Every output is compared with the speculation-off
-output of the same prompt (greedy, token for token): lossless means identical.
+Reported per (threads, concurrency, system): tokens/s (mean over rounds) and the ratio to
+speculation off — computed per round (same round, paired) then averaged, with the lowest and
+highest round as its band; the noise band of the setting is the spread of speculation off
+itself across rounds ((max − min) / mean). Per system: mean accepted length, mean γ_i, the
+scheduling decision time (LP + TreeSelection, ms per step), and the economics check — verify
+time predicted by the cost model / measured, and draft tokens expected by the gain model /
+accepted. Every output is compared with speculation off's, token for token (lossless).
 
-    python benchmarks/cosine_ablation.py [--prompts-per-domain 4] [--max-tokens 64] [--threads 2]
+    python benchmarks/cosine_ablation.py [--rounds 3] [--concurrency 1,4,8,16] [--threads 1,2]
+        [--prompts-per-domain 4] [--warmup-per-domain 4] [--max-tokens 64] [--systems ...]
 """
 
 from __future__ import annotations
@@ -22,15 +28,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.bench import DEFAULT_PROMPT_DIR, DOMAIN_FILES, read_prompts
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, parse_drafters
+import torch
+
+from cosine_ray.datasets import DOMAIN_FILES, default_prompt_dir, read_prompts
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.router import RouterConfig
 from cosine_ray.models.loader import resolve_checkpoint
 
 SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -41,6 +50,10 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "LP off (first come)": (DEFAULT_DRAFTERS, {"scheduler": "fcfs"}),
     "adaptive off (fixed γ)": (DEFAULT_DRAFTERS, {"adaptive": False}),
 }
+OFF = "speculation off"
+COUNTERS = ("cosine_ray:verify_seconds", "cosine_ray:verify_predicted_seconds",
+            "cosine_ray:spec_decode_expected_accepted_tokens", "cosine_ray:spec_decode_num_accepted_tokens")
+HISTOGRAMS = ("cosine_ray:scheduler_decision_seconds", "cosine_ray:scheduler_gamma")
 
 
 def workload(prompt_dir: Path, warmup: int, measured: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -49,8 +62,7 @@ def workload(prompt_dir: Path, warmup: int, measured: int) -> tuple[list[tuple[s
     for domain, name in DOMAIN_FILES.items():
         rows = read_prompts(prompt_dir / name)
         second = [r["prompt"] for r in rows[(len(rows) + 1) // 2:]]
-        # measured prompts first so a bigger warm-up never changes the measured set
-        meas += [(domain, p) for p in second[:measured]]
+        meas += [(domain, p) for p in second[:measured]]  # measured first: a bigger warm-up never changes them
         warm += [(domain, p) for p in second[measured:measured + warmup]]
     return warm, meas
 
@@ -73,25 +85,84 @@ def run_batch(engine: LocalEngine, prompts: list[list[int]], params: SamplingPar
     return outs, time.perf_counter() - start
 
 
-def _mean(hist) -> float:
-    return hist.sum / hist.count if hist is not None and hist.count else 0.0
+def registry_reading(engine: LocalEngine) -> dict[str, float]:
+    """Totals of the counters and histogram sums/counts the report differences."""
+    m = engine.core.metrics
+    out = {name: m.total(name) for name in COUNTERS}
+    for name in HISTOGRAMS:
+        h = m.get(name)
+        out[name + ":sum"], out[name + ":count"] = (h.sum, h.count) if h is not None else (0.0, 0)
+    return out
 
 
-def _mean_ms(hist) -> float:
-    return 1e3 * _mean(hist)
+def one_run(engine: LocalEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict[str, Any]:
+    before = registry_reading(engine)
+    outs, secs = run_batch(engine, prompts, params, concurrency)
+    after = registry_reading(engine)
+    delta = {k: after[k] - before[k] for k in after}
+    steps = sum(o.stats.num_verify_steps for o in outs)
+    accepted = sum(o.stats.num_accepted_tokens for o in outs)
+    return {"tok_s": sum(len(o.new_token_ids) for o in outs) / secs, "seconds": secs,
+            "texts": [o.new_token_ids for o in outs], "steps": steps, "accepted": accepted,
+            "routed": [(dict(o.stats.routed_to), o.stats.num_routed_steps) for o in outs], **delta}
+
+
+def summarise(runs: list[dict[str, Any]], off_runs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    def total(key: str) -> float:
+        return sum(r[key] for r in runs)
+
+    steps = total("steps")
+    out = {"tok_s": statistics.mean(r["tok_s"] for r in runs),
+           "mean_accepted_length": (total("accepted") + steps) / steps if steps else 0.0,
+           "gamma_mean": total("cosine_ray:scheduler_gamma:sum") / max(total("cosine_ray:scheduler_gamma:count"), 1),
+           "decision_ms": 1e3 * total("cosine_ray:scheduler_decision_seconds:sum")
+           / max(total("cosine_ray:scheduler_decision_seconds:count"), 1),
+           "verify_pred_over_meas": total("cosine_ray:verify_predicted_seconds")
+           / max(total("cosine_ray:verify_seconds"), 1e-12),
+           "accept_expected_over_actual": total("cosine_ray:spec_decode_expected_accepted_tokens")
+           / max(total("cosine_ray:spec_decode_num_accepted_tokens"), 1e-12)}
+    if off_runs is not None:
+        ratios = [r["tok_s"] / o["tok_s"] for r, o in zip(runs, off_runs)]
+        out.update(ratio=statistics.mean(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        out["identical"] = sum(a == b for r, o in zip(runs, off_runs) for a, b in zip(r["texts"], o["texts"]))
+        out["outputs"] = sum(len(r["texts"]) for r in runs)
+    return out
+
+
+def routing_shares(runs: list[dict[str, Any]], domains: list[str]) -> dict[str, dict[str, float]]:
+    shares: dict[str, dict[str, float]] = {}
+    for domain in DOMAIN_FILES:
+        routed: dict[str, int] = {}
+        total = 0
+        for r in runs:
+            for d, (to, n) in zip(domains, r["routed"]):
+                if d == domain:
+                    total += n
+                    for k, v in to.items():
+                        routed[k] = routed.get(k, 0) + v
+        shares[domain] = {k: round(v / total, 3) for k, v in sorted(routed.items())} if total else {}
+    return shares
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompt-dir", default=str(DEFAULT_PROMPT_DIR))
+    ap.add_argument("--prompt-dir", default=str(default_prompt_dir()))
     ap.add_argument("--prompts-per-domain", type=int, default=4)
     ap.add_argument("--warmup-per-domain", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of system names to run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of system names")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-results/cosine_ablation.json")
     args = ap.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    thread_settings = [int(t) for t in args.threads.split(",")]
+    names = [n.strip() for n in args.systems.split(",")]
+    if OFF not in names:
+        names.insert(0, OFF)
 
     checkpoint = resolve_checkpoint(args.model)
     tokenizer = checkpoint.load_tokenizer()
@@ -100,68 +171,73 @@ def main() -> None:
     meas_ids = [encode_prompt(tokenizer, p) for _, p in meas]
     domains = [d for d, _ in meas]
     params = SamplingParams(max_tokens=args.max_tokens)
-    names = [n.strip() for n in args.systems.split(",")]
-    results: dict[str, dict[str, Any]] = {}
-    reference: list[list[int]] | None = None
-    for name in names:
-        drafters, router = SYSTEMS[name]
-        engine = LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(drafters), num_threads=args.threads,
-                                          router=RouterConfig(max_batch_size=8, **router)), checkpoint=checkpoint)
-        if warm_ids:
-            run_batch(engine, warm_ids, params, 8)
-        outs1, secs1 = run_batch(engine, meas_ids, params, 1)
-        outs8, secs8 = run_batch(engine, meas_ids, params, 8)
-        tokens1 = sum(len(o.new_token_ids) for o in outs1)
-        tokens8 = sum(len(o.new_token_ids) for o in outs8)
-        steps = sum(o.stats.num_verify_steps for o in outs1 + outs8)
-        accepted = sum(o.stats.num_accepted_tokens for o in outs1 + outs8)
-        texts = [o.new_token_ids for o in outs1]
-        if reference is None and drafters == "none":
-            reference = texts
-        shares: dict[str, dict[str, float]] = {}
-        for domain in DOMAIN_FILES:
-            routed: dict[str, int] = {}
-            total = 0
-            for d, o in zip(domains + domains, outs1 + outs8):
-                if d == domain:
-                    total += o.stats.num_routed_steps
-                    for k, v in o.stats.routed_to.items():
-                        routed[k] = routed.get(k, 0) + v
-            shares[domain] = {k: v / total for k, v in sorted(routed.items())} if total else {}
-        results[name] = {
-            "tokens_per_s_c1": tokens1 / secs1, "tokens_per_s_c8": tokens8 / secs8,
-            "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
-            "identical_to_spec_off": None if reference is None else
-            sum(a == b for a, b in zip(texts, reference)) + sum(o.new_token_ids == r for o, r in zip(outs8, reference)),
-            "num_outputs": 2 * len(meas_ids),
-            "routing_shares": shares,
-            "participation": engine.router.planner.participation.current,
-            "decision_ms_mean": _mean_ms(engine.router.metrics.get("cosine_ray:scheduler_decision_seconds")),
-            "gamma_mean": _mean(engine.router.metrics.get("cosine_ray:scheduler_gamma")),
-        }
-        print(f"{name:26s} c1 {results[name]['tokens_per_s_c1']:7.2f} tok/s  c8 {results[name]['tokens_per_s_c8']:7.2f} tok/s"
-              f"  mean acc len {results[name]['mean_accepted_length']:.2f}"
-              f"  identical {results[name]['identical_to_spec_off']}/{results[name]['num_outputs']}", flush=True)
-
-    base = results.get("speculation off")
-    print("\n| system | tok/s c=1 | tok/s c=8 | vs spec-off c=1 | vs spec-off c=8 | mean accepted length "
-          "| mean γ_i | decision ms | identical |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, r in results.items():
-        rel1 = f"{r['tokens_per_s_c1'] / base['tokens_per_s_c1']:.2f}×" if base else ""
-        rel8 = f"{r['tokens_per_s_c8'] / base['tokens_per_s_c8']:.2f}×" if base else ""
-        print(f"| {name} | {r['tokens_per_s_c1']:.2f} | {r['tokens_per_s_c8']:.2f} | {rel1} | {rel8} | "
-              f"{r['mean_accepted_length']:.2f} | {r['gamma_mean']:.2f} | {r['decision_ms_mean']:.2f} | "
-              f"{r['identical_to_spec_off']}/{r['num_outputs']} |")
-    for name in ("CoSine (full)", "routing off (random)"):
-        if name in results:
-            print(f"\nrouting shares, {name} (share of each domain's routed steps that included the drafter):")
-            for domain, sh in results[name]["routing_shares"].items():
-                print(f"  {domain:12s} " + "  ".join(f"{k}={v:.2f}" for k, v in sh.items()))
+    engines = {name: LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(SYSTEMS[name][0]),
+                                              step=StepConfig(max_batch_size=16, **SYSTEMS[name][1])),
+                                 checkpoint=checkpoint) for name in names}
+    rng = random.Random(args.seed)
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    for threads in thread_settings:
+        torch.set_num_threads(threads)
+        for name, engine in engines.items():
+            if warm_ids:
+                run_batch(engine, warm_ids, params, 8)
+        runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, n): [] for c in concurrencies for n in names}
+        for r in range(args.rounds):
+            for c in concurrencies:
+                order = names[:]
+                rng.shuffle(order)
+                for name in order:
+                    runs[(c, name)].append(one_run(engines[name], meas_ids, params, c))
+                print(f"threads {threads} round {r + 1} c={c}: " + "  ".join(
+                    f"{n} {runs[(c, n)][-1]['tok_s']:.1f}" for n in names), flush=True)
+        for c in concurrencies:
+            off = runs[(c, OFF)]
+            offs = [o["tok_s"] for o in off]
+            key = f"threads={threads} c={c}"
+            results[key] = {"noise_band": (max(offs) - min(offs)) / statistics.mean(offs),
+                            "systems": {n: summarise(runs[(c, n)], off) for n in names}}
+        results[f"threads={threads} routing shares"] = {
+            n: routing_shares([x for c in concurrencies for x in runs[(c, n)]], domains)
+            for n in names if n in ("CoSine (full)", "routing off (random)")}
+        for n in names:
+            guard = engines[n].core.scheduler.guard
+            if guard is not None:
+                results.setdefault(f"threads={threads} guard", {})[n] = guard.levels[guard.current]
+    elapsed = time.perf_counter() - started
+    print_tables(results, names, thread_settings, concurrencies, args.rounds, elapsed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "elapsed_s": elapsed, "results": results}, indent=2))
     print(f"\nwrote {out}")
+
+
+def print_tables(results: dict[str, Any], names: list[str], thread_settings: list[int], concurrencies: list[int],
+                 rounds: int, elapsed: float) -> None:
+    print(f"\n{rounds} rounds, interleaved, {elapsed / 60:.1f} min")
+    for threads in thread_settings:
+        print(f"\n### {threads} thread(s): tokens/s (ratio to speculation off, round min–max)\n")
+        print("| system | " + " | ".join(f"c={c}" for c in concurrencies) + " | mean acc. length | mean γ_i "
+              "| decision ms | verify pred/meas | accepted exp/actual | identical |")
+        print("| --- |" + " --- |" * (len(concurrencies) + 6))
+        for n in names:
+            cells, last = [], None
+            for c in concurrencies:
+                s = results[f"threads={threads} c={c}"]["systems"][n]
+                cells.append(f"{s['tok_s']:.2f} ({s['ratio']:.2f}× {s['ratio_min']:.2f}–{s['ratio_max']:.2f})")
+                last = s
+            ident = sum(results[f"threads={threads} c={c}"]["systems"][n]["identical"] for c in concurrencies)
+            outs = sum(results[f"threads={threads} c={c}"]["systems"][n]["outputs"] for c in concurrencies)
+            print(f"| {n} | " + " | ".join(cells) + f" | {last['mean_accepted_length']:.2f} | {last['gamma_mean']:.2f} "
+                  f"| {last['decision_ms']:.2f} | {last['verify_pred_over_meas']:.2f} "
+                  f"| {last['accept_expected_over_actual']:.2f} | {ident}/{outs} |")
+        bands = " ".join(f"c={c} ±{results[f'threads={threads} c={c}']['noise_band'] / 2:.1%}" for c in concurrencies)
+        print(f"\nnoise band (speculation off across rounds, half of max−min): {bands}")
+        print(f"guard levels at the end: {results.get(f'threads={threads} guard', {})}")
+        for n, shares in results[f"threads={threads} routing shares"].items():
+            print(f"routing shares, {n}: " + "; ".join(
+                f"{d}: " + " ".join(f"{k}={v}" for k, v in sh.items()) for d, sh in shares.items()))
+    print("\n(mean acc. length … accepted exp/actual: the last concurrency's runs)")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import numpy as np
 from loadgen.arrivals import SCHEDULES, ArrivalConfig, arrival_offsets
 from loadgen.metrics import parse_goodput, parse_percentile_metrics, parse_percentiles
 from loadgen.runner import CHAT_PATH, COMPLETIONS_PATH, RunConfig
-from loadgen.workload import (DEFAULT_DATASET_DIR, SPLITS, WorkItem, WorkloadError, dataset_workload,
+from loadgen.workload import (DEFAULT_DATASET_DIR, SPLITS, WorkItem, WorkloadError, build_workload, dataset_workload,
                               load_rows, parse_domain_mix, random_workload)
 
 PROG = "cosine-loadgen"
@@ -42,9 +42,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=("dataset", "random"), default="dataset")
+    w.add_argument("--workload", choices=("dataset", "code-edit", "template", "random"), default="dataset",
+                   help="dataset: the prompt rows as they are (mixed; --multi-turn for MT-bench conversations); "
+                        "code-edit: requests carrying a function to change; template: many users asking "
+                        "the same kind of question (loadgen/workload.py says how each is built)")
     w.add_argument("--dataset-dir", type=Path, default=DEFAULT_DATASET_DIR,
-                   help="directory of *.jsonl prompt files (id, domain, prompt[, turns])")
+                   help="directory of *.jsonl prompt files (id, domain, prompt[, turns]); default: the "
+                        "prompt sets packaged with cosine_ray (or $COSINE_RAY_PROMPTS)")
     w.add_argument("--split", choices=SPLITS, default="second-half",
                    help="rows of each file to use (default: the second half; the first built the datastores)")
     w.add_argument("--domain-mix", default=None, help="e.g. code=0.25,math=0.25,instruction=0.25,chat=0.25 "
@@ -136,9 +140,15 @@ def build_plan(args: argparse.Namespace) -> tuple[list[tuple[WorkItem, float]], 
             raise UsageError("--multi-turn needs the chat endpoint (history is sent as messages)")
         rows = load_rows(args.dataset_dir, args.split)
         mix = parse_domain_mix(args.domain_mix, list(rows))
-        items = dataset_workload(rows, args.num_prompts, mix, workload_rng, max_tokens=args.max_tokens,
-                                 multi_turn=args.multi_turn)
-        described = {"workload": "dataset", "dataset_dir": str(args.dataset_dir), "split": args.split,
+        if args.workload == "dataset":
+            items = dataset_workload(rows, args.num_prompts, mix, workload_rng, max_tokens=args.max_tokens,
+                                     multi_turn=args.multi_turn)
+        elif args.multi_turn:
+            raise UsageError(f"--multi-turn applies to --workload dataset, not {args.workload}")
+        else:
+            items = build_workload(args.workload, rows, args.num_prompts, mix, workload_rng,
+                                   max_tokens=args.max_tokens)
+        described = {"workload": args.workload, "dataset_dir": str(args.dataset_dir), "split": args.split,
                      "domain_mix": mix, "multi_turn": args.multi_turn, "max_tokens": args.max_tokens}
     try:
         arrivals = ArrivalConfig(args.request_rate, args.burstiness, args.schedule, args.low_rate_fraction,

@@ -13,6 +13,16 @@ Choices, and why:
   runs out) and the whole list is shuffled. All draws come from the caller's numpy Generator.
 - **Multi-turn** (MT-bench): with ``multi_turn`` a row with ``turns`` becomes a conversation;
   the runner sends turn 2 after turn 1's answer, with the history. Otherwise only the first turn.
+- **Code editing** (``code_edit_workload``): each request carries a function from the code
+  prompts (a HumanEval stub: signature and docstring, the "Complete the following Python
+  function." line dropped) and asks for one of ``CODE_EDITS`` (a seeded choice) with the whole
+  function in the answer, so most of the answer repeats code the prompt holds, as in an editor's
+  "change this code" request.
+- **Repeated templates** (``template_workload``): many users asking the same kind of question.
+  Each domain has one fixed instruction template (``TEMPLATES``) wrapped around a question, and
+  the questions of a domain come from a small pool (``pool_size`` rows, default 6) drawn with
+  Zipf popularity (weight 1/rank^``zipf_s``, default 1.2): the popular questions arrive again and
+  again word for word, the rest share the template and the answer format.
 - **Random tokens**: prompt token ids drawn uniformly from ``[low, high)`` with lengths uniform in
   ``len·(1−r) .. len·(1+r)`` (``vllm bench serve`` random dataset semantics); sent to
   /v1/completions as a token-id list, so no tokenizer is needed here. ``high`` must not exceed
@@ -21,15 +31,31 @@ Choices, and why:
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
-DEFAULT_DATASET_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
-"""``../shared/data/prompts`` next to the repository (the project's shared prompt files)."""
+
+def default_dataset_dir() -> Path:
+    """``$COSINE_RAY_PROMPTS``, else the prompt sets packaged with cosine_ray
+    (``cosine_ray/data/prompts``: code, math, instruction, chat; sources and licences in the
+    README.md there). The same rule as ``cosine_ray.datasets.default_prompt_dir``, found without
+    importing cosine_ray (``find_spec`` of a top-level name locates the package, runs nothing)."""
+    env = os.environ.get("COSINE_RAY_PROMPTS")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("cosine_ray")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]).resolve() / "data" / "prompts"
+    return Path(__file__).resolve().parents[1] / "cosine_ray" / "data" / "prompts"  # installed side by side
+
+
+DEFAULT_DATASET_DIR = default_dataset_dir()
 SPLITS = ("second-half", "first-half", "all")
 
 
@@ -189,3 +215,95 @@ def random_workload(num_prompts: int, rng: np.random.Generator, *, input_len: in
     return [WorkItem(f"c{i:05d}", f"random/{i}", "random", (),
                      tuple(int(t) for t in rng.integers(token_low, token_high, size=int(n_in))), int(n_out))
             for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens))]
+
+
+CODE_EDITS = (
+    "add a type hint to every local variable",
+    "rename its parameters to longer, more descriptive names",
+    "add a short comment above every line of its body",
+    "make it raise ValueError when an argument has the wrong type",
+    "add two more examples to its docstring",
+    "write its body without using any loop",
+)
+"""The changes a code-editing request asks for (each keeps most of the function as it is)."""
+
+CODE_EDIT_PROMPT = ("Here is a Python function:\n\n```python\n{code}```\n\nRewrite this function to {edit}. "
+                    "Reply with the complete function, signature and docstring included, in one code block.")
+
+TEMPLATES = {
+    "code": "Write a Python function for the task below. Reply with one code block, then one sentence "
+            "that explains it.\n\nTask:\n{question}",
+    "math": "Solve the problem below step by step. End with a line of the form 'Answer: <number>'.\n\n"
+            "Problem: {question}",
+    "instruction": "Follow the instruction below. Begin your reply with 'Sure, here is' and keep it "
+                   "short.\n\nInstruction: {question}",
+    "chat": "Answer the question below in three short paragraphs.\n\nQuestion: {question}",
+}
+"""One instruction template per domain for the repeated-template workload (``{question}`` = the row)."""
+
+WORKLOADS = ("mixed", "multi-turn", "code-edit", "template")
+"""The text workloads ``build_workload`` makes (``cosine-ray bench --workload``; loadgen's dataset
+workload is ``mixed``/``multi-turn``, plus ``code-edit`` and ``template``)."""
+
+
+def _strip_code_stub(prompt: str) -> str:
+    head = "Complete the following Python function."
+    code = prompt[len(head):] if prompt.startswith(head) else prompt
+    code = code.strip("\n") + "\n"
+    return code
+
+
+def code_edit_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int, rng: np.random.Generator, *,
+                       max_tokens: int, domain: str = "code") -> list[WorkItem]:
+    """``num_prompts`` code-editing requests (module docstring), seeded."""
+    pool = list(rows.get(domain, ()))
+    if not pool:
+        raise WorkloadError(f"the code-edit workload needs {domain!r} prompts; the dataset has "
+                            f"{', '.join(sorted(rows)) or 'none'}")
+    items = []
+    order = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-num_prompts // len(pool)))])
+    for i in range(num_prompts):
+        row = pool[int(order[i])]
+        edit = CODE_EDITS[int(rng.integers(len(CODE_EDITS)))]
+        text = CODE_EDIT_PROMPT.format(code=_strip_code_stub(row.turns[0]), edit=edit)
+        items.append(WorkItem(f"c{i:05d}", f"{row.source_id}#edit", domain, (text,), None, max_tokens))
+    return items
+
+
+def template_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int, mix: Mapping[str, float],
+                      rng: np.random.Generator, *, max_tokens: int, pool_size: int = 6,
+                      zipf_s: float = 1.2) -> list[WorkItem]:
+    """``num_prompts`` repeated-template requests mixed by ``mix`` (module docstring), seeded.
+    The pool of a domain is its first ``pool_size`` rows of the split, so a warm-up set and a
+    measured set built from the two halves never share a question."""
+    if pool_size < 1:
+        raise WorkloadError(f"pool size must be >= 1, got {pool_size}")
+    picked: list[tuple[str, PromptRow]] = []
+    for domain, count in split_counts(num_prompts, mix).items():
+        pool = list(rows[domain])[:pool_size]
+        weights = 1.0 / np.arange(1, len(pool) + 1) ** zipf_s
+        draws = rng.choice(len(pool), size=count, p=weights / weights.sum())
+        template = TEMPLATES.get(domain, "{question}")
+        picked.extend((template.format(question=pool[int(j)].turns[0]), pool[int(j)]) for j in draws)
+    picked = [picked[i] for i in rng.permutation(len(picked))]
+    return [WorkItem(f"c{i:05d}", f"{row.source_id}#template", row.domain, (text,), None, max_tokens)
+            for i, (text, row) in enumerate(picked)]
+
+
+def build_workload(name: str, rows: Mapping[str, Sequence[PromptRow]], num_prompts: int,
+                   mix: Mapping[str, float], rng: np.random.Generator, *, max_tokens: int) -> list[WorkItem]:
+    """One of ``WORKLOADS`` over ``rows`` (one split of the dataset)."""
+    if name == "mixed":
+        return dataset_workload(rows, num_prompts, mix, rng, max_tokens=max_tokens)
+    if name == "multi-turn":
+        multi = {d: [r for r in rs if len(r.turns) > 1] for d, rs in rows.items()}
+        multi = {d: rs for d, rs in multi.items() if rs}
+        if not multi:
+            raise WorkloadError("the multi-turn workload needs rows with 'turns' (MT-bench)")
+        return dataset_workload(multi, num_prompts, {d: 1.0 / len(multi) for d in sorted(multi)}, rng,
+                                max_tokens=max_tokens, multi_turn=True)
+    if name == "code-edit":
+        return code_edit_workload(rows, num_prompts, rng, max_tokens=max_tokens)
+    if name == "template":
+        return template_workload(rows, num_prompts, mix, rng, max_tokens=max_tokens)
+    raise WorkloadError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")

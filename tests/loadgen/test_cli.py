@@ -209,6 +209,24 @@ def test_random_workload_sends_token_ids_to_completions(capsys, tmp_path):
     assert data["config"]["endpoint"] == "/v1/completions" and list(data["summary"]["domains"]) == ["random"]
 
 
+def test_run_defaults_to_the_packaged_held_back_prompts(capsys, tmp_path, monkeypatch):
+    """No --dataset-dir: the prompt sets packaged with cosine_ray, second half of each file."""
+    monkeypatch.delenv("COSINE_RAY_PROMPTS", raising=False)
+    from cosine_ray.datasets import DOMAIN_FILES, PACKAGED_PROMPT_DIR, read_prompts, second_half
+    held_back = {r["prompt"] for name in DOMAIN_FILES.values()
+                 for r in second_half(read_prompts(PACKAGED_PROMPT_DIR / name))}
+    with StubServer(ttft_s=0.0, chunk_s=0.0, num_chunks=1) as stub:
+        rc, out, err = run_cli(capsys, "run", "--base-url", stub.url, "--num-prompts", "8", "--request-rate",
+                               "inf", "--max-tokens", "4", "--seed", "0", "--output-dir", str(tmp_path / "o"),
+                               "--no-progress")
+        bodies = [b for _, b in stub.received]
+    assert rc == 0, err
+    assert len(bodies) == 8 and all(b["messages"][-1]["content"] in held_back for b in bodies)
+    data = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert {d: v["completed"] for d, v in data["summary"]["domains"].items()} == {
+        "code": 2, "math": 2, "instruction": 2, "chat": 2}
+
+
 def test_loadgen_never_imports_cosine_ray_or_ray():
     """loadgen is HTTP only: importing every module pulls in neither cosine_ray nor ray."""
     code = ("import sys, loadgen.cli, loadgen.compare, loadgen.launcher, loadgen.report, loadgen.plots; "

@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from cosine_ray.datasets import PACKAGED_PROMPT_DIR
 from loadgen.cli import main
 from loadgen.launcher import ServerProcess, free_port
 
@@ -25,7 +26,7 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS_DIR = Path("/work/shared/data/prompts")
+PROMPTS_DIR = PACKAGED_PROMPT_DIR
 READY_TIMEOUT_S = 360.0
 
 
@@ -52,7 +53,6 @@ def server(ray_cluster, real_checkpoint, tmp_path_factory):
     assert not left, f"actors left after SIGINT: {left}"
 
 
-@pytest.mark.skipif(not PROMPTS_DIR.is_dir(), reason="shared prompt data not present")
 def test_short_real_run(server, tmp_path, capsys):
     out_dir = tmp_path / "out"
     start = time.perf_counter()
@@ -74,7 +74,9 @@ def test_short_real_run(server, tmp_path, capsys):
     for r in rows:
         assert r["status"] == "ok" and r["num_done_markers"] == 1 and r["output_tokens_source"] == "usage"
         assert 1 <= r["output_tokens"] <= 16 and r["output_text"]
-        assert r["has_stats"] and r["num_verify_steps"] >= 1 and r["num_draft_tokens"] is not None
+        assert r["has_stats"] and r["num_verify_steps"] >= 1
+        assert r["num_draft_tokens"] >= r["num_accepted_tokens"] >= 0
+        assert r["num_draft_tokens"] == sum(dict(r["drafted_by"]).values())  # the block adds up
         # the server's own definition: (accepted + steps) / steps, read back from the block
         assert r["mean_accepted_length"] == pytest.approx((r["num_accepted_tokens"] + r["num_verify_steps"])
                                                           / r["num_verify_steps"])

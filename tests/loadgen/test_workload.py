@@ -10,19 +10,28 @@ import numpy as np
 import pytest
 from loadgen_fixtures import rows, write_dataset
 
-from loadgen.workload import (DEFAULT_DATASET_DIR, WorkloadError, dataset_workload, load_rows,
-                              parse_domain_mix, random_workload, split_counts)
+from cosine_ray.datasets import DOMAIN_FILES, PACKAGED_PROMPT_DIR
+from loadgen.workload import (WorkloadError, dataset_workload, default_dataset_dir,
+                              load_rows, parse_domain_mix, random_workload, split_counts)
 
 
 def rng(seed: int = 0) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-@pytest.mark.skipif(not DEFAULT_DATASET_DIR.is_dir(), reason="shared prompt data not present")
+def test_default_dataset_is_the_packaged_prompt_sets(monkeypatch, tmp_path):
+    """loadgen finds cosine_ray's packaged prompt folder without importing cosine_ray (same rule)."""
+    monkeypatch.delenv("COSINE_RAY_PROMPTS", raising=False)
+    assert default_dataset_dir() == PACKAGED_PROMPT_DIR
+    assert sorted(p.name for p in PACKAGED_PROMPT_DIR.glob("*.jsonl")) == sorted(DOMAIN_FILES.values())
+    monkeypatch.setenv("COSINE_RAY_PROMPTS", str(tmp_path))
+    assert default_dataset_dir() == tmp_path
+
+
 def test_default_split_is_the_second_half_of_every_file():
-    by_domain = load_rows(DEFAULT_DATASET_DIR)
+    by_domain = load_rows(PACKAGED_PROMPT_DIR)
     assert set(by_domain) == {"code", "math", "instruction", "chat"}
-    for path in sorted(DEFAULT_DATASET_DIR.glob("*.jsonl")):
+    for path in sorted(PACKAGED_PROMPT_DIR.glob("*.jsonl")):
         ids = [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
         second = set(ids[(len(ids) + 1) // 2:])
         domain = {"humaneval": "code", "gsm8k": "math", "alpaca": "instruction", "mtbench": "chat"}[path.stem]
@@ -139,3 +148,69 @@ def test_bad_random_options(kw, message):
 def test_paths_are_pathlike(tmp_path):
     write_dataset(tmp_path, {"a": rows("a", ["x"])})
     assert load_rows(str(tmp_path), "all") == load_rows(Path(tmp_path), "all")
+
+
+# ---- repetitive workloads (issue 17): code editing, repeated templates -----------------------------
+
+def test_code_edit_requests_carry_the_function_and_ask_for_all_of_it_back():
+    from loadgen.workload import CODE_EDITS, code_edit_workload
+    by_domain = load_rows(PACKAGED_PROMPT_DIR)
+    items = code_edit_workload(by_domain, 10, rng(3), max_tokens=32)
+    assert len(items) == 10 and {i.domain for i in items} == {"code"}
+    sources = {r.source_id: r.turns[0] for r in by_domain["code"]}
+    for item in items:
+        (text,) = item.turns
+        original = sources[item.source_id.removesuffix("#edit")]
+        code = original.removeprefix("Complete the following Python function.").strip("\n")
+        assert code and code in text  # the whole function travels in the request
+        assert "Complete the following Python function." not in text
+        assert any(edit in text for edit in CODE_EDITS)
+        assert "complete function" in text
+    # seeded: the same seed, the same requests; another seed, other ones
+    assert [i.turns for i in code_edit_workload(by_domain, 10, rng(3), max_tokens=32)] == [i.turns for i in items]
+    assert [i.turns for i in code_edit_workload(by_domain, 10, rng(4), max_tokens=32)] != [i.turns for i in items]
+
+
+def test_code_edit_needs_code_rows(tmp_path):
+    from loadgen.workload import code_edit_workload
+    data = write_dataset(tmp_path, {"math": rows("math", ["1+1?"])})
+    with pytest.raises(WorkloadError, match="code"):
+        code_edit_workload(load_rows(data, "all"), 2, rng(), max_tokens=4)
+
+
+def test_template_traffic_repeats_popular_questions_under_one_template_per_domain():
+    from loadgen.workload import TEMPLATES, template_workload
+    by_domain = load_rows(PACKAGED_PROMPT_DIR)
+    mix = parse_domain_mix(None, list(by_domain))
+    items = template_workload(by_domain, 80, mix, rng(5), max_tokens=16, pool_size=6)
+    assert Counter(i.domain for i in items) == {"code": 20, "math": 20, "instruction": 20, "chat": 20}
+    for domain in by_domain:
+        texts = [i.turns[0] for i in items if i.domain == domain]
+        head = TEMPLATES[domain].split("{question}")[0]
+        assert all(t.startswith(head) for t in texts)
+        pool = {r.turns[0] for r in by_domain[domain][:6]}
+        assert {t[len(head):] for t in texts} <= pool  # questions only from the domain's small pool
+        counts = Counter(texts).most_common()
+        assert counts[0][1] >= 4  # the most popular question arrives again and again (Zipf)
+        assert counts[0][1] > counts[-1][1]
+
+
+def test_warm_up_and_measured_template_pools_never_share_a_question():
+    from loadgen.workload import template_workload
+    first, second = load_rows(PACKAGED_PROMPT_DIR, "first-half"), load_rows(PACKAGED_PROMPT_DIR, "second-half")
+    mix = parse_domain_mix(None, list(first))
+    warm = {i.turns[0] for i in template_workload(first, 40, mix, rng(1), max_tokens=8)}
+    measured = {i.turns[0] for i in template_workload(second, 40, mix, rng(1), max_tokens=8)}
+    assert warm and measured and not warm & measured
+
+
+def test_build_workload_names_every_workload_and_refuses_others():
+    from loadgen.workload import WORKLOADS, build_workload
+    by_domain = load_rows(PACKAGED_PROMPT_DIR)
+    mix = parse_domain_mix(None, list(by_domain))
+    for name in WORKLOADS:
+        items = build_workload(name, by_domain, 8, mix, rng(), max_tokens=8)
+        assert len(items) == 8
+        assert all(i.num_turns == (2 if name == "multi-turn" else 1) for i in items)
+    with pytest.raises(WorkloadError, match="unknown workload"):
+        build_workload("nope", by_domain, 8, mix, rng(), max_tokens=8)
