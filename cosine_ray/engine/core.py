@@ -34,7 +34,7 @@ from cosine_ray.engine.pool import RequestPool
 from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, RequestOutput, SamplingParams
 from cosine_ray.engine.routing import DraftRouting
-from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy
+from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch
 from cosine_ray.engine.speculator import (ConfidenceCutSelection, FixedSelection, FusedDrafting, PathDrafting,
                                           PricedSelection, Speculator)
 from cosine_ray.engine.target import TargetClient
@@ -60,6 +60,8 @@ class EngineCore:
         """Plain counters (cosine_ray.metrics.names); exported at the edge."""
         self.exporter = EngineMetrics(self.metrics)
         self.drafters = list(drafters)
+        self._in_flight: dict[str, int] = {}
+        """Request id → steps (lanes) working on it now."""
         self.pool = RequestPool(max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
                                 num_lanes=config.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                 max_restores=config.max_restores, clock=clock)
@@ -95,14 +97,28 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
         """One iteration for the requests of ``lane`` (None: every running request)."""
-        await self.release(self.pool.take_released())
+        await self.release(self.pool.take_released(in_flight=self._in_flight))
         batch = self.scheduler.schedule(lane)
-        routes = self.routing.route(batch)
-        drafts = await self.speculator.draft(batch, routes)
-        verified = await self.verifier.verify(batch, drafts)
-        self.target.commit(verified.commits)
-        await self.learner.learn(batch, drafts, verified)
-        return self.pool.advance(verified.outcomes)
+        self._hold(batch, +1)
+        try:
+            routes = self.routing.route(batch)
+            drafts = await self.speculator.draft(batch, routes)
+            verified = await self.verifier.verify(batch, drafts)
+            self.target.commit(verified.commits)
+            await self.learner.learn(batch, drafts, verified)
+            return self.pool.advance(verified.outcomes)
+        finally:
+            self._hold(batch, -1)
+
+    def _hold(self, batch: StepBatch, delta: int) -> None:
+        """Count the requests a step works on: another lane's step releases none of them
+        until this one is done with its drafter and stage calls (see ``pool.take_released``)."""
+        for r in batch.requests:
+            n = self._in_flight.get(r.request_id, 0) + delta
+            if n > 0:
+                self._in_flight[r.request_id] = n
+            else:
+                self._in_flight.pop(r.request_id, None)
 
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -160,9 +160,13 @@ class RequestPool:
         done, self._completed = self._completed, []
         return done
 
-    def take_released(self) -> list[str]:
-        """Finished or aborted requests whose state on the target and drafters is still held."""
-        ids, self._released = self._released, []
+    def take_released(self, in_flight: Collection[str] = ()) -> list[str]:
+        """Finished or aborted requests whose state on the target and drafters is still held,
+        except those in ``in_flight`` (a step of another lane still works on them: its drafter
+        or stage calls may not have been sent yet, and a call sent after the release would
+        recreate the state it freed). Those stay queued for a later step."""
+        ids = [rid for rid in self._released if rid not in in_flight]
+        self._released = [rid for rid in self._released if rid in in_flight]
         return ids
 
     def target_lost(self, recovered: bool, reason: str) -> None:
