@@ -270,17 +270,3 @@ def config_to_dict(config: EngineConfig) -> dict[str, Any]:
     out["step"] = {f.name: getattr(config.step, f.name) for f in fields(config.step)}
     out["cluster"] = {f.name: getattr(config.cluster, f.name) for f in fields(config.cluster)}
     return out
-
-
-def load_config_file(path: str) -> EngineConfig:
-    import yaml
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if data is not None and not isinstance(data, dict):
-        raise ValueError(f"config {path} must be a mapping of settings")
-    return config_from_dict(data)
