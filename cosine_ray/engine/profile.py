@@ -43,6 +43,7 @@ from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
 from cosine_ray.engine.target import ScoreItem, TargetWorker
 from cosine_ray.models.loader import cache_root, resolve_checkpoint
+from cosine_ray.models.llama import projection_kernel
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +79,25 @@ def drafter_set_digest(config: EngineConfig) -> str:
 
 
 def profile_path(config: EngineConfig) -> Path:
-    """``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``.
+    """``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>[-k<kernel>].json``.
 
     Everything the measured costs depend on is in the name, so different setups keep their
     own profile instead of overwriting each other's (``cosine-ray serve`` and ``serve run`` of
     another config used to re-profile at every start): the pipeline stages, the torch thread
     count the verify forward runs with (``profile_threads``: a 1-thread engine replica and a
     multi-threaded in-process engine have very different costs) and the drafter set
-    (``drafter_set_digest``). A model given as a path is named by its last component plus a
+    (``drafter_set_digest``), and on CPU the projection kernel (``-konednn`` / ``-kmkl``,
+    ``models.llama.projection_kernel``: their verify costs grow very differently with the
+    tokens of a step). A model given as a path is named by its last component plus a
     short hash of the full path."""
     spec = str(config.model)
+    kernel = projection_kernel(config.device)
+    kernel = f"-k{kernel}" if kernel != "default" else ""
     name = Path(spec).name or spec
     if name != spec:
         name = f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-{config.device}-{config.dtype}-s{config.num_stages}"
-                                             f"-t{profile_threads(config)}-d{drafter_set_digest(config)}")
+                                             f"-t{profile_threads(config)}-d{drafter_set_digest(config)}{kernel}")
     return cache_root() / "profiles" / f"{slug}.json"
 
 

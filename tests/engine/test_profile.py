@@ -12,6 +12,7 @@ from cosine_ray.algo.latency_model import LatencyModel
 from cosine_ray.cli import main
 from cosine_ray.engine import profile
 from cosine_ray.engine.config import EngineConfig, parse_drafters
+from cosine_ray.models.llama import projection_kernel
 
 
 @pytest.fixture()
@@ -53,7 +54,7 @@ def test_profile_json_round_trips_through_the_default_path(tiny_profile, cache):
     config, model = tiny_profile
     path = profile.save_profile(model, profile.profile_path(config))
     assert path.parent == cache / "profiles" and path.name.startswith("tiny-llama-")
-    assert f"-cpu-float32-s1-t1-d{profile.drafter_set_digest(config)}.json" in path.name
+    assert f"-cpu-float32-s1-t1-d{profile.drafter_set_digest(config)}-k{projection_kernel('cpu')}.json" in path.name
     again = LatencyModel.from_json(path.read_text())
     assert again == model
 
@@ -92,6 +93,17 @@ def test_profile_path_keys_the_drafter_set_and_threads(tiny_checkpoint, cache):
     assert profile.profile_path(cfg(threads=None)) == profile.profile_path(cfg(threads=torch.get_num_threads()))
     # `cosine-ray serve` (default drafters) vs a Serve config with `ngram,retrieval`: two files
     assert profile.profile_path(cfg("default", stages=2)) != profile.profile_path(cfg("ngram,retrieval", stages=2))
+
+
+def test_profile_path_keys_the_cpu_projection_kernel(tiny_checkpoint, cache, monkeypatch):
+    """A profile measured with MKL projections is not reused by oneDNN ones (or back)."""
+    config = EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram"), num_threads=1)
+    names = {}
+    for kernel in ("mkl", "onednn"):
+        monkeypatch.setenv("COSINE_RAY_CPU_GEMM", kernel)
+        names[kernel] = profile.profile_path(config).name
+    assert names["mkl"].endswith("-kmkl.json")
+    assert names["onednn"] != names["mkl"]
 
 
 def test_two_setups_keep_their_own_profiles(tiny_profile, cache, monkeypatch):

@@ -8,9 +8,15 @@ import torch
 
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models.config import stage_slices
-from cosine_ray.models.llama import LlamaStage, StageBatch
+from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch, onednn_available
 
 ATOL = 1e-4
+HF_ATOL = {"mkl": 1e-4, "onednn": 3e-4}
+"""Real model vs transformers, per projection kernel (``COSINE_RAY_CPU_GEMM``): the MKL path
+runs the same GEMM transformers runs and stays within 1e-4; oneDNN's kernel sums in another
+order (measured max |Δ| 1.7e-4 on logits spanning −31 to +38 here, ~5e-6 of that range; MKL: 0.0). Token
+identity with HF greedy decoding is checked separately (``test_greedy_equivalence``)."""
+KERNELS = sorted(HF_ATOL)
 VARIANTS = ["qwen2", "mistral", "llama3_rope", "tied"]
 
 
@@ -132,9 +138,13 @@ def test_last_logits_only_and_non_contiguous_logit_rows(tiny_stage):
 
 
 @pytest.mark.real_model
-def test_real_logits_match_hf(real_stage, real_hf_model, real_prompt_ids):
-    ours = fresh_logits(real_stage, real_prompt_ids)
-    torch.testing.assert_close(ours, hf_logits(real_hf_model, real_prompt_ids), atol=ATOL, rtol=0)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_real_logits_match_hf(kernel, monkeypatch, real_checkpoint, real_hf_model, real_prompt_ids):
+    monkeypatch.setenv(CPU_GEMM_ENV, kernel)
+    stage = whole_model(real_checkpoint)
+    assert (stage.lm_head.packed is not None) == (kernel == "onednn" and onednn_available())
+    ours = fresh_logits(stage, real_prompt_ids)
+    torch.testing.assert_close(ours, hf_logits(real_hf_model, real_prompt_ids), atol=HF_ATOL[kernel], rtol=0)
 
 
 # ---- (b) stage-sliced forward: [0,a) + [a,b) + [b,L) chained == whole ----------------------
@@ -164,11 +174,13 @@ def test_tiny_sliced_stages_equal_whole(tiny_checkpoint, tiny_stage, bounds):
 
 
 @pytest.mark.real_model
-def test_real_sliced_stages_match_hf(real_checkpoint, real_hf_model, real_prompt_ids):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_real_sliced_stages_match_hf(kernel, monkeypatch, real_checkpoint, real_hf_model, real_prompt_ids):
+    monkeypatch.setenv(CPU_GEMM_ENV, kernel)
     stages = sliced_stages(real_checkpoint, [(0, 7), (7, 19), (19, 30)])
     caches = [s.new_kv_cache() for s in stages]
     out = run_chain(stages, caches, "r", real_prompt_ids, 0)
-    torch.testing.assert_close(out, hf_logits(real_hf_model, real_prompt_ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, hf_logits(real_hf_model, real_prompt_ids), atol=HF_ATOL[kernel], rtol=0)
 
 
 def test_stage_validation(tiny_checkpoint):
@@ -178,7 +190,7 @@ def test_stage_validation(tiny_checkpoint):
         with pytest.raises(ValueError, match="layer slice"):
             LlamaStage(cfg, state, a, b)
     middle = LlamaStage(cfg, state, 1, 3)
-    assert middle.embed_weight is None and middle.lm_head_t is None
+    assert middle.embed_weight is None and middle.lm_head is None
     with pytest.raises(RuntimeError, match="first stage"):
         middle.embed(torch.tensor([1]))
     with pytest.raises(ValueError, match="num_stages"):
