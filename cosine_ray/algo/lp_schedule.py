@@ -176,45 +176,39 @@ def _solve(prob: _Problem, start: float) -> tuple[_Best | None, str, int]:
     """Relaxation bounds and certificate, then HiGHS per batch size where needed."""
     best: _Best | None = None
     bounds: list[tuple[float, int]] = []
+    # the greedy solutions, each with a lower bound on its objective (and its Γ repair's)
+    found: list[tuple[float, int, np.ndarray, np.ndarray]] = []
     forced_idx = np.flatnonzero(prob.forced)
     free_idx = np.flatnonzero(~prob.forced)
     no_draft = np.zeros(len(prob.ids), dtype=np.int64)
     line_bases = [prob.obj_time + dr * (prob.g > 0) + dt * prob.g for _, dr, dt in prob.lines]  # [n, G+1] each
     rows = np.arange(len(prob.ids))
-    use_relaxation = prob.config.use_relaxation
     for b in prob.b_values:
         lam, k = prob.lam(b), b - len(forced_idx)
         # z = 0 (nobody drafts): per-request value time[i, 0] / b
         v0 = prob.obj_time[:, 0] / b
         sel = np.concatenate([forced_idx, _smallest(v0, free_idx, k)])
         bound_b = prob.c0 / b + float(v0[sel].sum())
-        found = [(sel, no_draft[sel])]
+        found.append((bound_b, len(found), sel, no_draft[sel]))  # exact: gains[0] = 0, no drafter time
         line_bound = -math.inf
         for (d0, _, _), base in zip(prob.lines, line_bases):  # z = 1 under each drafter's time line
             val = base / b - lam * prob.gain
             g_best = np.argmin(val, axis=1)
             v = val[rows, g_best]
             sel = np.concatenate([forced_idx, _smallest(v, free_idx, k)])
-            line_bound = max(line_bound, (prob.c0 + d0) / b + float(v[sel].sum()))
-            found.append((sel, g_best[sel]))
+            value = (prob.c0 + d0) / b + float(v[sel].sum())
+            line_bound = max(line_bound, value)
+            # a solution that drafts costs at least this line's value; one that does not, bound_b
+            found.append((min(value, bound_b), len(found), sel, g_best[sel]))
         bounds.append((min(bound_b, line_bound), b))
-        if use_relaxation:
-            for sel, gam in found:
-                objective, step, reason = prob.evaluate(sel, gam)
-                if reason and gam.sum() > prob.config.total_gamma_max:  # repair Γ with Algorithm 2
-                    order = np.argsort(sel, kind="stable")
-                    sel = sel[order]
-                    gam = np.array(list(trim_gammas(dict(enumerate(gam[order].tolist())),
-                                                    prob.config.total_gamma_max).values()), dtype=np.int64)
-                    objective, step, reason = prob.evaluate(sel, gam)
-                if not reason and (best is None or objective < best[0]):
-                    best = (objective, step, sel, gam)
+    if prob.config.use_relaxation:
+        best = _best_found(prob, found)
     lower = min(bd for bd, _ in bounds)
     if best is not None and best[0] <= lower + 1e-12 * max(1.0, abs(lower)):
         return best, "relaxation", 0
     calls = 0
     for bound_b, b in sorted(bounds):
-        if use_relaxation and best is not None and bound_b >= best[0] - 1e-12 * max(1.0, abs(best[0])):
+        if prob.config.use_relaxation and best is not None and bound_b >= best[0] - 1e-12 * max(1.0, abs(best[0])):
             continue
         remaining = prob.config.time_limit_s - (time.perf_counter() - start)
         if remaining <= 0:
@@ -226,6 +220,27 @@ def _solve(prob: _Problem, start: float) -> tuple[_Best | None, str, int]:
             if not reason and (best is None or objective < best[0]):
                 best = (objective, step, found_b[0], found_b[1])
     return best, "milp", calls
+
+
+def _best_found(prob: _Problem, found: list[tuple[float, int, np.ndarray, np.ndarray]]) -> _Best | None:
+    """The best feasible greedy solution (Γ repaired by Algorithm 2 where Σγ is too large),
+    ties to the earliest found: evaluated in order of their lower bounds, stopping at the first
+    bound above the incumbent, so usually one or two of the 2·b_max evaluations are done."""
+    best: _Best | None = None
+    best_seq = -1
+    for low, seq, sel, gam in sorted(found, key=lambda f: (f[0], f[1])):
+        if best is not None and low > best[0]:
+            break
+        objective, step, reason = prob.evaluate(sel, gam)
+        if reason and gam.sum() > prob.config.total_gamma_max:  # repair Γ with Algorithm 2
+            order = np.argsort(sel, kind="stable")
+            sel = sel[order]
+            gam = np.array(list(trim_gammas(dict(enumerate(gam[order].tolist())),
+                                            prob.config.total_gamma_max).values()), dtype=np.int64)
+            objective, step, reason = prob.evaluate(sel, gam)
+        if not reason and (best is None or objective < best[0] or (objective == best[0] and seq < best_seq)):
+            best, best_seq = (objective, step, sel, gam), seq
+    return best
 
 
 def _dominance(prob: _Problem, b: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
