@@ -91,6 +91,12 @@ Candidates = list[tuple[int, float]]
 """``(token_id, probability)`` continuations, most likely first; ``[]`` when the drafter has none."""
 
 
+def by_count(item: tuple[int, int]) -> int:
+    """Sort key of a ``(token, count)`` pair; Python's sorts and ``max`` are stable, so equal
+    counts keep their input order."""
+    return item[1]
+
+
 @runtime_checkable
 class Drafter(Protocol):
     name: str

@@ -34,6 +34,8 @@ from typing import Any, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cosine_ray.engine.drafters.base import by_count
+
 METADATA_KEY = b"cosine_ray.datastore"
 FORMAT_VERSION = 1
 _INT32_MAX = 2**31 - 1
@@ -109,7 +111,7 @@ class ContinuationIndex:
                         counter[next_token] += 1
         self.max_n = max_n
         self._table: dict[tuple[int, ...], tuple[int, tuple[tuple[int, int], ...]]] = {
-            key: (sum(counter.values()), tuple(sorted(counter.items(), key=_by_count, reverse=True)))
+            key: (sum(counter.values()), tuple(sorted(counter.items(), key=by_count, reverse=True)))
             for key, counter in counts.items()
         }
 
@@ -132,10 +134,6 @@ class ContinuationIndex:
                 denominator = total + smoothing
                 return [(tok, count / denominator) for tok, count in ranked[:k]]
         return []
-
-
-def _by_count(item: tuple[int, int]) -> int:
-    return item[1]
 
 
 class Datastore:

@@ -35,7 +35,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
+                                             by_count)
 
 DraftLookup = Callable[[list[int], int], list[tuple[int, float]]]
 """``lookup(tail_token_ids, k)``: up to k ``(token_id, confidence)`` continuations of the
@@ -179,15 +180,11 @@ def _rank(continuations: dict[int, int], k: int, smoothing: float) -> list[tuple
         return [(tok, count / (count + smoothing))]
     denominator = sum(continuations.values()) + smoothing
     if k == 1:
-        tok, count = max(reversed(continuations.items()), key=_by_count)
+        tok, count = max(reversed(continuations.items()), key=by_count)
         return [(tok, count / denominator)]
-    ranked = sorted(reversed(continuations.items()), key=_by_count, reverse=True)[:k]
+    ranked = sorted(reversed(continuations.items()), key=by_count, reverse=True)[:k]
     # sorted(reverse=True) is stable, so equal counts keep the most-recent-first order.
     return [(tok, count / denominator) for tok, count in ranked]
-
-
-def _by_count(item: tuple[int, int]) -> int:
-    return item[1]
 
 
 class NgramDrafter:

@@ -24,18 +24,8 @@ draft from L is at most ``min(max_spec_tokens, ⌊L · max_spec_factor + max_spe
 tokens and stops where the cumulative probability (product of count ratios) falls below
 ``min_token_prob``; its score is the sum of those cumulative probabilities (the expected
 number of accepted tokens); the best-scoring node of the local and global indexes wins
-(ties: the longer match, then local) and is the step's *anchor*.
-
-NOTE(suffix): drafts walk *down* from the anchor (the occurrences that matched the context
-keep being followed: the suffix tree's path), they never re-match mid-draft. So
-``continue_drafts(prefix)`` answers the children of the anchor's node at ``prefix`` ([] once
-the prefix leaves the tree, passes the length cap or the probability cut), ``continue_chains``
-is the same walk level by level, and ``propose``'s first path is that chain. The anchor and
-every walked node are cached per request until its context or the global index changes,
-so the fusion rounds of one step cost a dictionary lookup each.
-
-Confidences are empirical probabilities in [0, 1]: count of the child / (count of the node's
-occurrences that have a next token + ``count_smoothing``).
+(ties: the longer match, then local) and is the step's *anchor*; drafts walk down the
+implicit suffix tree below it (``suffix_tree``).
 """
 
 from __future__ import annotations
@@ -51,6 +41,7 @@ from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFee
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.drafters.ngram import grow_paths
 from cosine_ray.engine.drafters.suffix_index import SuffixIndex, read_snapshot, write_snapshot
+from cosine_ray.engine.drafters.suffix_tree import Anchor
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,124 +132,13 @@ def _make_index(config: SuffixConfig, *, is_global: bool) -> SuffixIndex:
                        initial_capacity=4096)
 
 
-class _Node:
-    """A node of the implicit suffix tree below an anchor: the occurrences that continue
-    the anchor's match with ``prefix``; ``rows`` are their continuation windows."""
-
-    __slots__ = ("rows", "depth", "cumulative", "_ranked", "_denominator")
-
-    def __init__(self, rows: list[list[int]], depth: int, cumulative: float) -> None:
-        self.rows, self.depth, self.cumulative = rows, depth, cumulative
-        self._ranked: list[tuple[int, int]] | None = None
-        self._denominator = 0.0
-
-    def ranked(self, smoothing: float) -> tuple[list[tuple[int, int]], float]:
-        """``[(token, count)]`` most frequent first (ties: most recent), and the denominator."""
-        if self._ranked is None:
-            counts: dict[int, int] = {}
-            t = self.depth
-            for w in self.rows:  # rows are most recent first: dict order breaks ties
-                tok = w[t]
-                if tok >= 0:
-                    counts[tok] = counts.get(tok, 0) + 1
-            self._ranked = sorted(counts.items(), key=_by_count, reverse=True)
-            self._denominator = sum(counts.values()) + smoothing
-        return self._ranked, self._denominator
-
-
-def _by_count(item: tuple[int, int]) -> int:
-    return item[1]
-
-
-class _Anchor:
-    """The winning match of one request's context: its node and the walked nodes below."""
-
-    __slots__ = ("source", "match_len", "max_len", "score", "_nodes", "_smoothing")
-
-    def __init__(self, source: str, match_len: int, max_len: int, rows: list[list[int]], smoothing: float) -> None:
-        self.source, self.match_len, self.max_len, self.score = source, match_len, max_len, 0.0
-        self._smoothing = smoothing
-        self._nodes: dict[tuple[int, ...], _Node | None] = {(): _Node(rows, 0, 1.0)}
-
-    def node(self, prefix: tuple[int, ...]) -> _Node | None:
-        """The node at ``prefix`` below the anchor (None once the prefix leaves the tree)."""
-        nodes = self._nodes
-        if prefix in nodes:
-            return nodes[prefix]
-        i = len(prefix) - 1
-        while prefix[:i] not in nodes:
-            i -= 1
-        node = nodes[prefix[:i]]
-        while i < len(prefix):
-            node = self._child(node, prefix[i])
-            i += 1
-            nodes[prefix[:i]] = node
-        return node
-
-    def _child(self, node: _Node | None, token: int) -> _Node | None:
-        if node is None or node.depth >= self.max_len:
-            return None
-        ranked, denominator = node.ranked(self._smoothing)
-        count = next((c for tok, c in ranked if tok == token), 0)
-        if count == 0:
-            return None
-        t = node.depth
-        return _Node([w for w in node.rows if w[t] == token], t + 1, node.cumulative * (count / denominator))
-
-    def candidates(self, prefix: tuple[int, ...], k: int, min_token_prob: float) -> Candidates:
-        """Up to k ``(token, probability)`` children of ``prefix``'s node within the cuts."""
-        node = self.node(prefix)
-        if node is None or node.depth >= self.max_len or k <= 0:
-            return []
-        ranked, denominator = node.ranked(self._smoothing)
-        out = []
-        for tok, count in ranked[:k]:
-            prob = count / denominator
-            if node.cumulative * prob < min_token_prob:
-                break
-            out.append((tok, prob))
-        return out
-
-    def greedy_score(self, min_token_prob: float) -> float:
-        """Sum of cumulative probabilities along the most likely path (the paper's score).
-
-        The same walk as ``candidates`` with k=1, inlined: it runs for every match length
-        tried and most of them lose, so it fills no node cache."""
-        rows, smoothing, max_len = self._nodes[()].rows, self._smoothing, self.max_len
-        cumulative, score, t = 1.0, 0.0, 0
-        while t < max_len:
-            if len(rows) == 1:  # one occurrence left: its window, at 1 / (1 + smoothing) a token
-                prob, window = 1.0 / (1.0 + smoothing), rows[0]
-                while t < max_len and window[t] >= 0 and cumulative * prob >= min_token_prob:
-                    cumulative *= prob
-                    score += cumulative
-                    t += 1
-                break
-            counts: dict[int, int] = {}
-            for w in rows:
-                tok = w[t]
-                if tok >= 0:
-                    counts[tok] = counts.get(tok, 0) + 1
-            if not counts:
-                break
-            tok, count = max(counts.items(), key=_by_count)  # first maximum: the most recent
-            cumulative *= count / (sum(counts.values()) + smoothing)
-            if cumulative < min_token_prob:
-                break
-            score += cumulative
-            rows = [w for w in rows if w[t] == tok]
-            t += 1
-        self.score = score
-        return score
-
-
 class _RequestState:
     __slots__ = ("index", "context", "anchor", "anchor_version")
 
     def __init__(self, config: SuffixConfig) -> None:
         self.index = _make_index(config, is_global=False)
         self.context: tuple[int, ...] = ()
-        self.anchor: _Anchor | None = None
+        self.anchor: Anchor | None = None
         self.anchor_version = -1
 
     def update(self, context: tuple[int, ...], config: SuffixConfig) -> None:
@@ -414,7 +294,7 @@ class SuffixDrafter:
                                         max_branches=self.config.max_branches, min_confidence=0.0)
         return DraftProposal(item.request_id, paths, confidences, self.name)
 
-    def _anchor_for(self, request_id: str, context: Sequence[int]) -> _Anchor | None:
+    def _anchor_for(self, request_id: str, context: Sequence[int]) -> Anchor | None:
         state = self._states.get(request_id)
         if state is None:
             state = _RequestState(self.config)
@@ -429,7 +309,7 @@ class SuffixDrafter:
             state.anchor, state.anchor_version = self._best_anchor(state), version
         return state.anchor
 
-    def _best_anchor(self, state: _RequestState) -> _Anchor | None:
+    def _best_anchor(self, state: _RequestState) -> Anchor | None:
         """The best-scoring node over every match length of the local and global indexes."""
         context = state.context
         if not context:
@@ -442,7 +322,7 @@ class SuffixDrafter:
                 best = other
         return best
 
-    def _best_in(self, index: SuffixIndex, tail: Sequence[int], source: str) -> _Anchor | None:
+    def _best_in(self, index: SuffixIndex, tail: Sequence[int], source: str) -> Anchor | None:
         """Every match length, longest first, lazily by key length.
 
         Key length k_j answers the match lengths L in ``[k_j, k_(j+1))`` (the longest key:
@@ -453,7 +333,7 @@ class SuffixDrafter:
         cfg = self.config
         keys = cfg.key_lengths
         pool: dict[int, tuple[int, list[int]]] = {}  # position → (match length, window)
-        best: _Anchor | None = None
+        best: Anchor | None = None
         for level in range(len(keys) - 1, -1, -1):
             top = cfg.max_depth if level == len(keys) - 1 else keys[level + 1] - 1
             if best is not None and cfg.max_draft_len(top) <= best.score:
@@ -472,7 +352,7 @@ class SuffixDrafter:
                 if max_len <= 0 or (best is not None and max_len <= best.score):
                     break
                 rows = [w for _, (n, w) in entries if n >= match_len]
-                anchor = _Anchor(source, match_len, max_len, rows, cfg.count_smoothing)
+                anchor = Anchor(source, match_len, max_len, rows, cfg.count_smoothing)
                 if anchor.greedy_score(cfg.min_token_prob) > (best.score if best is not None else 0.0):
                     best = anchor
         return best
