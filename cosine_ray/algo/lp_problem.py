@@ -175,46 +175,43 @@ class _Problem:
     """The candidates in priority order, as arrays (x[i, g] ↔ ``time[i, g]``, ``gain[i, g]``)."""
 
     def __init__(self, candidates: Sequence[Candidate], model: LatencyModel, config: ScheduleConfig) -> None:
-        n_all = len(candidates)
-        ids_all = [c.request_id for c in candidates]
-        if len(set(ids_all)) != n_all:
+        # built row by row in Python: for the few requests of one step that is faster than
+        # many small NumPy calls (a scheduling decision runs between forwards, on cold caches)
+        order = priority_order(candidates)
+        if len({c.request_id for c in candidates}) != len(candidates):
             raise ValueError("candidate request ids must be unique")
-        cols = np.array([(c.running, c.waited_s, c.kv_bytes, c.context_len, c.prefill_tokens, len(c.gains))
-                         for c in candidates], dtype=np.float64).reshape(n_all, 6)
-        is_running = cols[:, 0] > 0
-        order = np.lexsort((np.array(ids_all, dtype=str), -cols[:, 1], ~is_running))  # = priority_order
         self.config, self.model = config, model
-        self.mem_budget = max(0.0, config.kv_budget_bytes - float(cols[is_running, 2].sum()))
+        self.mem_budget = max(0.0, config.kv_budget_bytes - float(sum(c.kv_bytes for c in candidates if c.running)))
         # a waiting request that alone exceeds the memory left can never be chosen
-        order = order[is_running[order] | (cols[order, 2] <= self.mem_budget)]
-        cols = cols[order]
-        n = len(order)
-        self.ids = [ids_all[i] for i in order]
-        self.running = cols[:, 0] > 0
-        self.waited = cols[:, 1]
-        self.mem = np.where(self.running, 0.0, cols[:, 2])
-        prefill = cols[:, 4]
-        is_prefill = prefill > 0
-        self.gmax = np.minimum(cols[:, 5].astype(np.int64) - 1, config.gamma_max)
-        self.gmax[is_prefill] = 0
-        G = int(self.gmax.max()) if n else 0
+        cands = [c for c in (candidates[i] for i in order) if c.running or c.kv_bytes <= self.mem_budget]
+        n = len(cands)
+        self.ids = [c.request_id for c in cands]
+        self.running = np.array([c.running for c in cands], dtype=bool)
+        self.waited = np.array([c.waited_s for c in cands], dtype=np.float64)
+        self.mem = np.array([0.0 if c.running else float(c.kv_bytes) for c in cands], dtype=np.float64)
+        gmax = [0 if c.prefill_tokens else min(len(c.gains) - 1, config.gamma_max) for c in cands]
+        self.gmax = np.array(gmax, dtype=np.int64)
+        G = max(gmax, default=0)
         g = np.arange(G + 1)
         _, c_req, c_tok, c_attn = model.llm.coefs
-        ctx = cols[:, 3:4].copy()  # [n, 1]
-        new = np.broadcast_to(1.0 + g, (n, G + 1)).copy()  # [n, G+1] new tokens: 1 + γ
-        ctx[is_prefill, 0] = 0.0
-        new[is_prefill, 0] = prefill[is_prefill]
-        self.time = c_req + c_tok * new + c_attn * new * (ctx + new)  # [n, G+1] per-request T_llm share
-        # objective share: a prefill counts as the decode step it turns into (module doc)
-        self.obj_time = self.time.copy()
-        self.obj_time[is_prefill, 0] = c_req + c_tok + c_attn * (prefill[is_prefill] + 1)
-        pad = (0.0,) * (G + 1)
-        self.gain = np.array([(candidates[i].gains + pad)[: G + 1] for i in order],
-                             dtype=np.float64).reshape(n, G + 1)
-        valid = g[None, :] <= self.gmax[:, None]
-        self.time[~valid] = np.inf
-        self.obj_time[~valid] = np.inf
-        self.gain[~valid] = -np.inf
+        inf = math.inf
+        time_rows, obj_rows, gain_rows = [], [], []
+        for c, gm in zip(cands, gmax):
+            if c.prefill_tokens:  # its prefill; in the objective, the decode step it turns into
+                p = float(c.prefill_tokens)
+                time_rows.append([c_req + c_tok * p + c_attn * p * (0.0 + p)] + [inf] * G)
+                obj_rows.append([c_req + c_tok + c_attn * (p + 1)] + [inf] * G)
+            else:  # per-request T_llm share of 1 + γ new tokens
+                ctx = float(c.context_len)
+                row = [c_req + c_tok * k + c_attn * k * (ctx + k) for k in map(float, range(1, gm + 2))]
+                row += [inf] * (G - gm)
+                time_rows.append(row)
+                obj_rows.append(row)
+            gain_rows.append(list(c.gains[: gm + 1]) + [-inf] * (G - gm))
+        self.time = np.array(time_rows, dtype=np.float64).reshape(n, G + 1)  # [n, G+1]
+        self.obj_time = np.array(obj_rows, dtype=np.float64).reshape(n, G + 1) \
+            if any(c.prefill_tokens for c in cands) else self.time  # read only, both
+        self.gain = np.array(gain_rows, dtype=np.float64).reshape(n, G + 1)
         self.g = g
         self.c0 = model.llm.coefs[0]
         # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
@@ -227,9 +224,14 @@ class _Problem:
         if lines and not config.parallel_drafters:
             lines = [tuple(map(sum, zip(*lines)))]
         self.lines = lines or [(0.0, 0.0, 0.0)]
+        line_coefs = np.array(self.lines, dtype=np.float64)  # [L, 3]
+        # per-request time of the z = 1 relaxation under each line: [L, n, G+1]
+        self.line_time = (self.obj_time[None] + line_coefs[:, 1, None, None] * (g > 0)
+                          + line_coefs[:, 2, None, None] * g)
+        self.line_d0 = line_coefs[:, 0]
         self.forced = forced_mask(self.waited, self.mem, config, self.mem_budget)
         self.num_forced = int(self.forced.sum())
-        self.plain_share = float(self.obj_time[:, 0].mean()) if n else 0.0
+        self.plain_share = sum(row[0] for row in obj_rows) / n if n else 0.0
         self.b_values = list(range(max(1, self.num_forced), min(config.max_batch_size, n) + 1))
         if config.lam is not None:
             self.lam_value = config.lam
@@ -251,7 +253,8 @@ class _Problem:
         b = len(sel)
         if b == 0:
             return math.inf, 0.0, "empty batch"
-        t_ssm = self.ssm_time(int((gam > 0).sum()), int(gam.sum()))
+        total_gamma = int(gam.sum())
+        t_ssm = self.ssm_time(int(np.count_nonzero(gam)), total_gamma)
         step = self.c0 + float(self.time[sel, gam].sum()) + t_ssm
         objective = (self.c0 + float(self.obj_time[sel, gam].sum()) + t_ssm) / b \
             - self.lam(b) * float(self.gain[sel, gam].sum())
@@ -260,9 +263,9 @@ class _Problem:
             return objective, step, f"batch of {b} > max_batch_size {cfg.max_batch_size}"
         if np.any(gam > self.gmax[sel]):
             return objective, step, "a γ_i exceeds its cap"
-        if int(gam.sum()) > cfg.total_gamma_max:
-            return objective, step, f"Σγ = {int(gam.sum())} > total_gamma_max {cfg.total_gamma_max}"
-        if float(self.mem[sel].sum()) > self.mem_budget:
+        if total_gamma > cfg.total_gamma_max:
+            return objective, step, f"Σγ = {total_gamma} > total_gamma_max {cfg.total_gamma_max}"
+        if math.isfinite(self.mem_budget) and float(self.mem[sel].sum()) > self.mem_budget:
             return objective, step, "waiting admissions exceed the KV budget"
         if step > cfg.t_max_s:
             return objective, step, f"T_ttl {step:.6f} s > t_max_s {cfg.t_max_s}"
@@ -278,6 +281,8 @@ def forced_mask(waited_s: np.ndarray, waiting_bytes: np.ndarray, config: Schedul
     ``mem_budget`` left by the running ones."""
     forced = np.zeros(len(waited_s), dtype=bool)
     overdue = np.flatnonzero(waited_s >= config.max_wait_s)
+    if not len(overdue):
+        return forced
     overdue = overdue[np.lexsort((overdue, -waited_s[overdue]))]
     used, count = 0.0, 0
     for i in overdue:

@@ -160,49 +160,51 @@ def _relax_tmax(config: ScheduleConfig, b: int) -> ScheduleConfig:
 _Best = tuple[float, float, np.ndarray, np.ndarray]
 
 
-def _smallest(values: np.ndarray, pool: np.ndarray, k: int) -> np.ndarray:
-    """The k entries of ``pool`` with the smallest ``values`` (ties: earliest index), O(n)."""
-    if k <= 0:
-        return pool[:0]
-    if k >= len(pool):
-        return pool
-    v = values[pool]
-    threshold = np.partition(v, k - 1)[k - 1]
-    less = pool[v < threshold]
-    return np.concatenate([less, pool[v == threshold][: k - len(less)]])
+class _Relaxation:
+    """Lower bounds per batch size b, and the greedy solutions with a lower bound on each.
+
+    For each b and each time line (z = 0: nobody drafts; z = 1 under each drafter's line)
+    the problem without its coupling rows separates per request: each takes its best γ, and
+    the b best requests (forced ones first, ties to the earliest) are a sort away. All b and
+    lines at once, as [lines + 1, b, n] arrays; a solution's indices are built only when asked."""
+
+    def __init__(self, prob: _Problem) -> None:
+        bs = np.array(prob.b_values, dtype=np.int64)
+        bf = bs.astype(np.float64)
+        v0 = prob.obj_time[None, :, 0] / bf[:, None]  # [B, n]: z = 0, value time[i, 0] / b
+        val = prob.line_time[:, None] / bf[None, :, None, None] - prob.lam_value * prob.gain  # [L, B, n, G+1]
+        self.g_best = np.argmin(val, axis=3)  # [L, B, n]
+        self.v = np.concatenate([v0[None], val.min(axis=3)])  # [L+1, B, n]
+        self.forced = prob.forced if prob.num_forced else None
+        if self.forced is None:
+            ranked = np.sort(self.v, axis=2)
+        else:  # forced requests first, whatever their value
+            ranked = np.take_along_axis(self.v, self._order(self.v), axis=2)
+        sums = np.cumsum(ranked, axis=2)[:, np.arange(len(bs)), bs - 1]  # [L+1, B]: the b best
+        values = np.concatenate([[prob.c0], prob.c0 + prob.line_d0])[:, None] / bf[None] + sums  # [L+1, B]
+        # a solution that drafts costs at least its line's value; one that does not, values[0]
+        self.lows = np.minimum(values, values[0][None]).T.ravel().tolist()  # index = b·(L+1) + line
+        self.bounds = list(zip(np.minimum(values[0], values[1:].max(axis=0)).tolist(), prob.b_values))
+        self.b_values = prob.b_values
+        self.num_lines = values.shape[0]
+
+    def _order(self, v: np.ndarray) -> np.ndarray:
+        """Indices by value along the last axis, forced ones first, ties to the earliest."""
+        return np.argsort(v if self.forced is None else np.where(self.forced, -np.inf, v), axis=-1, kind="stable")
+
+    def solution(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        bi, j = divmod(index, self.num_lines)
+        sel = self._order(self.v[j, bi])[: self.b_values[bi]]
+        return sel, (np.zeros(len(sel), dtype=np.int64) if j == 0 else self.g_best[j - 1, bi, sel])
 
 
 def _solve(prob: _Problem, start: float) -> tuple[_Best | None, str, int]:
     """Relaxation bounds and certificate, then HiGHS per batch size where needed."""
     best: _Best | None = None
-    bounds: list[tuple[float, int]] = []
-    # the greedy solutions, each with a lower bound on its objective (and its Γ repair's)
-    found: list[tuple[float, int, np.ndarray, np.ndarray]] = []
-    forced_idx = np.flatnonzero(prob.forced)
-    free_idx = np.flatnonzero(~prob.forced)
-    no_draft = np.zeros(len(prob.ids), dtype=np.int64)
-    line_bases = [prob.obj_time + dr * (prob.g > 0) + dt * prob.g for _, dr, dt in prob.lines]  # [n, G+1] each
-    rows = np.arange(len(prob.ids))
-    for b in prob.b_values:
-        lam, k = prob.lam(b), b - len(forced_idx)
-        # z = 0 (nobody drafts): per-request value time[i, 0] / b
-        v0 = prob.obj_time[:, 0] / b
-        sel = np.concatenate([forced_idx, _smallest(v0, free_idx, k)])
-        bound_b = prob.c0 / b + float(v0[sel].sum())
-        found.append((bound_b, len(found), sel, no_draft[sel]))  # exact: gains[0] = 0, no drafter time
-        line_bound = -math.inf
-        for (d0, _, _), base in zip(prob.lines, line_bases):  # z = 1 under each drafter's time line
-            val = base / b - lam * prob.gain
-            g_best = np.argmin(val, axis=1)
-            v = val[rows, g_best]
-            sel = np.concatenate([forced_idx, _smallest(v, free_idx, k)])
-            value = (prob.c0 + d0) / b + float(v[sel].sum())
-            line_bound = max(line_bound, value)
-            # a solution that drafts costs at least this line's value; one that does not, bound_b
-            found.append((min(value, bound_b), len(found), sel, g_best[sel]))
-        bounds.append((min(bound_b, line_bound), b))
+    relaxation = _Relaxation(prob)
+    bounds = relaxation.bounds
     if prob.config.use_relaxation:
-        best = _best_found(prob, found)
+        best = _best_found(prob, relaxation)
     lower = min(bd for bd, _ in bounds)
     if best is not None and best[0] <= lower + 1e-12 * max(1.0, abs(lower)):
         return best, "relaxation", 0
@@ -222,15 +224,17 @@ def _solve(prob: _Problem, start: float) -> tuple[_Best | None, str, int]:
     return best, "milp", calls
 
 
-def _best_found(prob: _Problem, found: list[tuple[float, int, np.ndarray, np.ndarray]]) -> _Best | None:
+def _best_found(prob: _Problem, relaxation: _Relaxation) -> _Best | None:
     """The best feasible greedy solution (Γ repaired by Algorithm 2 where Σγ is too large),
     ties to the earliest found: evaluated in order of their lower bounds, stopping at the first
     bound above the incumbent, so usually one or two of the 2·b_max evaluations are done."""
     best: _Best | None = None
     best_seq = -1
-    for low, seq, sel, gam in sorted(found, key=lambda f: (f[0], f[1])):
-        if best is not None and low > best[0]:
+    lows = relaxation.lows
+    for seq in np.argsort(lows, kind="stable").tolist():
+        if best is not None and lows[seq] > best[0]:
             break
+        sel, gam = relaxation.solution(seq)
         objective, step, reason = prob.evaluate(sel, gam)
         if reason and gam.sum() > prob.config.total_gamma_max:  # repair Γ with Algorithm 2
             order = np.argsort(sel, kind="stable")
