@@ -47,6 +47,20 @@ class SelectedTree:
     def root_only(cls, root_token_id: int) -> "SelectedTree":
         return cls(TokenTree.root_only(root_token_id), ("",), (1.0,))
 
+    def top(self, budget: int, min_confidence: float = 0.0) -> "SelectedTree":
+        """The ``budget`` draft nodes with the highest cumulative confidence, none below
+        ``min_confidence`` (ties: the earlier node). ``cum[child] <= cum[parent]`` and parents
+        have smaller indices, so the kept set always holds every kept node's ancestors; and
+        ``t.top(a).top(b) == t.top(b)`` for b ≤ a (how TreeSelection cuts a tree to γ_i)."""
+        cum = self.tree.cumulative_confidences()
+        eligible = [i for i in range(1, self.tree.num_nodes) if cum[i] >= min_confidence]
+        if len(eligible) == self.tree.num_draft_tokens <= budget:
+            return self
+        kept = sorted(sorted(eligible, key=lambda i: (-cum[i], i))[:max(budget, 0)])
+        return SelectedTree(self.tree.select(kept), ("",) + tuple(self.owners[k] for k in kept),
+                            (1.0,) + tuple(self.raw_confidences[k] for k in kept),
+                            (True,) + tuple(self.is_trunk(k) for k in kept))
+
 
 def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
                min_confidence: float = 0.0) -> SelectedTree:
@@ -69,15 +83,7 @@ def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
             node = lookup[(node, int(tok))]
             if not owner[node]:
                 owner[node], raw[node], trunk[node] = who, r, flag
-    cum = full.cumulative_confidences()
-    eligible = [i for i in range(1, full.num_nodes) if cum[i] >= min_confidence]
-    if len(eligible) == full.num_draft_tokens <= budget:
-        return SelectedTree(full, tuple(owner), tuple(raw), tuple(trunk))
-    # cum[child] <= cum[parent] and parents have smaller indices, so the top-`budget` set by
-    # (-cum, index) — and the set above a threshold — always holds every kept node's ancestors.
-    kept = sorted(sorted(eligible, key=lambda i: (-cum[i], i))[:max(budget, 0)])
-    return SelectedTree(full.select(kept), ("",) + tuple(owner[k] for k in kept), (1.0,) + tuple(raw[k] for k in kept),
-                        (True,) + tuple(trunk[k] for k in kept))
+    return SelectedTree(full, tuple(owner), tuple(raw), tuple(trunk)).top(budget, min_confidence)
 
 
 @dataclass(frozen=True, slots=True)

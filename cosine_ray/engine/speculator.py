@@ -206,8 +206,7 @@ class Speculator:
             rid = r.request_id
             full, paths = fulls[rid]
             gamma = gammas[rid]
-            selected = full if gamma >= full.tree.num_draft_tokens else \
-                build_tree(full.tree.token_ids[0], paths, gamma, min_confidence=cut)
+            selected = full.top(gamma)  # = build_tree(root, paths, gamma, min_confidence=cut)
             d = drafted.get(rid, Drafted())
             trees[rid] = DraftTree(selected, routes.get(rid), d.answers, d.trunk,
                                    expected_gains(full.node_acceptance(), batch.budgets[rid]))

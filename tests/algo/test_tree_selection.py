@@ -42,6 +42,25 @@ def test_threshold_drops_unlikely_nodes():
     assert tree.num_draft_tokens == 0
 
 
+@pytest.mark.parametrize("cut", [0.0, 0.3])
+def test_cutting_a_selected_tree_equals_selecting_with_the_smaller_budget(cut):
+    """TreeSelection cuts the drafted tree to γ_i with ``top`` instead of rebuilding it from
+    the paths: every field must be what a build with budget γ_i gives."""
+    import random
+    rng = random.Random(7)
+    for _ in range(200):
+        props = [DraftProposal("r", [[rng.randrange(6) for _ in range(rng.randint(1, 4))]
+                                     for _ in range(rng.randint(1, 3))], [], name)
+                 for name in ("a", "b")]
+        props = [DraftProposal("r", p.paths, [[rng.choice([0.2, 0.5, 0.9, rng.random()]) for _ in path]
+                                             for path in p.paths], p.drafter) for p in props]
+        paths = proposals_to_paths(props)
+        big = rng.randint(0, 10)
+        full = build_tree(0, paths, big, min_confidence=cut)
+        for small in range(big + 2):
+            assert full.top(small) == build_tree(0, paths, min(small, big), min_confidence=cut)
+
+
 # ---- the LP's price: γ on the drafted tree ------------------------------------------------------
 
 def brute_force_gamma(price, context_len, acceptance, gamma_max):
