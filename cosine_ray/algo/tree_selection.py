@@ -104,7 +104,10 @@ class TreePrice:
     """Seconds per (new token × key) of attention (latency model)."""
 
     def gamma(self, context_len: int, node_acceptance: Sequence[float], gamma_max: int) -> int:
-        gains = expected_gains(node_acceptance, gamma_max)
+        return self.gamma_for(context_len, expected_gains(node_acceptance, gamma_max))
+
+    def gamma_for(self, context_len: int, gains: Sequence[float]) -> int:
+        """``gamma`` on the tree's expected-gain curve (``expected_gains``) when it is at hand."""
         b = max(self.batch_size, 1)
         best, best_value = 0, 0.0
         for g in range(1, len(gains)):

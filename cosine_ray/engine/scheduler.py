@@ -117,6 +117,8 @@ class BatchScheduler:
         self._last_step: dict[str, float] = {}
         self._num_steps: dict[str, int] = {}
         self._holds_kv: set[str] = set()
+        self._configs: dict[int, ScheduleConfig] = {}
+        """ScheduleConfig per lane size (the step config does not change)."""
         """Requests scheduled at least once: their KV counts against M_max whether they run or not."""
 
     def schedule(self, lane: int | None) -> StepBatch:
@@ -129,9 +131,11 @@ class BatchScheduler:
             return StepBatch.make_empty()
         budgets = {r.request_id: self._budget(r) for r in requests if not needs_prefill(r)}
         candidates = [self._candidate(r, now, budgets.get(r.request_id)) for r in requests]
-        sched_config = ScheduleConfig(max_batch_size=len(requests), gamma_max=cfg.num_speculative_tokens,
-                                      total_gamma_max=cfg.total_gamma_max, t_max_s=cfg.step_time_max_s,
-                                      kv_budget_bytes=cfg.kv_budget_bytes)
+        sched_config = self._configs.get(len(requests))
+        if sched_config is None:
+            sched_config = self._configs[len(requests)] = ScheduleConfig(
+                max_batch_size=len(requests), gamma_max=cfg.num_speculative_tokens, total_gamma_max=cfg.total_gamma_max,
+                t_max_s=cfg.step_time_max_s, kv_budget_bytes=cfg.kv_budget_bytes)
         schedule = self.policy.decide(candidates, self.costs, sched_config)
         chosen = set(schedule.batch)
         requests = [r for r in requests if r.request_id in chosen]

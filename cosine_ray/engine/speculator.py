@@ -133,7 +133,8 @@ class TreePolicy(Protocol):
     cut: float
     """Cumulative-confidence floor for fusion and TreeSelection."""
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int: ...
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int: ...
+    """γ_i for ``request`` on its drafted tree ``full`` (``gains``: its expected-gain curve)."""
 
 
 class PricedSelection:
@@ -141,9 +142,9 @@ class PricedSelection:
 
     cut = FUSION_MIN_CUMULATIVE
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int:
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
         rid = request.request_id
-        gamma = batch.price.gamma(request.num_tokens, full.node_acceptance(), batch.budgets[rid])
+        gamma = batch.price.gamma_for(request.num_tokens, gains)
         if gamma == 0 and batch.num_steps.get(rid, 0) % PROBE_EVERY == 0:
             gamma = min(1, full.tree.num_draft_tokens)  # probe: keep measuring the drafters
         return gamma
@@ -155,7 +156,7 @@ class ConfidenceCutSelection:
     def __init__(self, cut: float) -> None:
         self.cut = cut
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int:
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
         return batch.budgets[request.request_id]
 
 
@@ -164,7 +165,7 @@ class FixedSelection:
 
     cut = 0.0
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree) -> int:
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
         return batch.budgets[request.request_id]
 
 
@@ -192,24 +193,23 @@ class Speculator:
         drafted = await self.drafting.draft(drafting, routes, batch.budgets, cut, self.calibration, stats) \
             if drafting else {}
         start = time.perf_counter()
-        fulls: dict[str, tuple[SelectedTree, list[FusedPath]]] = {}
+        fulls: dict[str, tuple[SelectedTree, tuple[float, ...]]] = {}
         gammas: dict[str, int] = {}
         for r in decodes:
             rid = r.request_id
             paths = drafted[rid].paths if rid in drafted else []
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid], min_confidence=cut)
-            fulls[rid] = (full, paths)
-            gammas[rid] = min(self.selection.gamma(batch, r, full), full.tree.num_draft_tokens) if paths else 0
+            gains = expected_gains(full.node_acceptance(), batch.budgets[rid])
+            fulls[rid] = (full, gains)
+            gammas[rid] = min(self.selection.gamma(batch, r, full, gains), full.tree.num_draft_tokens) if paths else 0
         gammas = trim_gammas(gammas, self.total_gamma_max)  # Algorithm 2
         trees = {}
         for r in decodes:
             rid = r.request_id
-            full, paths = fulls[rid]
-            gamma = gammas[rid]
-            selected = full.top(gamma)  # = build_tree(root, paths, gamma, min_confidence=cut)
+            full, gains = fulls[rid]
+            selected = full.top(gammas[rid])  # = build_tree(root, paths, γ_i, min_confidence=cut)
             d = drafted.get(rid, Drafted())
-            trees[rid] = DraftTree(selected, routes.get(rid), d.answers, d.trunk,
-                                   expected_gains(full.node_acceptance(), batch.budgets[rid]))
+            trees[rid] = DraftTree(selected, routes.get(rid), d.answers, d.trunk, gains)
         stats.selection_s = time.perf_counter() - start
         stats.num_drafted_nodes = sum(full.tree.num_draft_tokens for full, _ in fulls.values())
         return Drafts(trees, stats)
