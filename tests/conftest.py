@@ -24,7 +24,7 @@ TINY_VOCAB = 256
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run tests marked slow")
-    parser.addoption("--soak-seconds", type=float, default=300.0,
+    parser.addoption("--soak-seconds", type=float, default=420.0,
                      help="length of the serving soak test (tests/serve/test_reliability_serve.py)")
 
 
