@@ -212,7 +212,6 @@ class _Problem:
         self.obj_time = np.array(obj_rows, dtype=np.float64).reshape(n, G + 1) \
             if any(c.prefill_tokens for c in cands) else self.time  # read only, both
         self.gain = np.array(gain_rows, dtype=np.float64).reshape(n, G + 1)
-        self.g = g
         self.c0 = model.llm.coefs[0]
         # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
         names = list(model.ssm if config.drafters is None else config.drafters)

@@ -117,9 +117,9 @@ class BatchScheduler:
         self._last_step: dict[str, float] = {}
         self._num_steps: dict[str, int] = {}
         self._holds_kv: set[str] = set()
+        """Requests scheduled at least once: their KV counts against M_max whether they run or not."""
         self._configs: dict[int, ScheduleConfig] = {}
         """ScheduleConfig per lane size (the step config does not change)."""
-        """Requests scheduled at least once: their KV counts against M_max whether they run or not."""
 
     def schedule(self, lane: int | None) -> StepBatch:
         start = time.perf_counter()

@@ -133,8 +133,9 @@ class TreePolicy(Protocol):
     cut: float
     """Cumulative-confidence floor for fusion and TreeSelection."""
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int: ...
-    """γ_i for ``request`` on its drafted tree ``full`` (``gains``: its expected-gain curve)."""
+    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
+        """γ_i for ``request`` on its drafted tree ``full`` (``gains``: its expected-gain curve)."""
+        ...
 
 
 class PricedSelection:
