@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -172,11 +173,13 @@ def priority_order(candidates: Sequence[Candidate]) -> list[int]:
 
 
 class _Problem:
-    """The candidates in priority order, as arrays (x[i, g] ↔ ``time[i, g]``, ``gain[i, g]``)."""
+    """The candidates in priority order: rows as Python lists (``time_rows[i][g]`` ↔ x[i, g]),
+    the same as arrays on first use (``time``, ``gain``, ... for the MILP and dominance)."""
 
     def __init__(self, candidates: Sequence[Candidate], model: LatencyModel, config: ScheduleConfig) -> None:
-        # built row by row in Python: for the few requests of one step that is faster than
-        # many small NumPy calls (a scheduling decision runs between forwards, on cold caches)
+        # built row by row in Python, arrays only when a path needs them: for the few requests
+        # of one step that is faster than many small NumPy calls (a scheduling decision runs
+        # between forwards, on caches the forward has just flushed)
         order = priority_order(candidates)
         if len({c.request_id for c in candidates}) != len(candidates):
             raise ValueError("candidate request ids must be unique")
@@ -186,17 +189,16 @@ class _Problem:
         cands = [c for c in (candidates[i] for i in order) if c.running or c.kv_bytes <= self.mem_budget]
         n = len(cands)
         self.ids = [c.request_id for c in cands]
-        self.running = np.array([c.running for c in cands], dtype=bool)
-        self.waited = np.array([c.waited_s for c in cands], dtype=np.float64)
-        self.mem = np.array([0.0 if c.running else float(c.kv_bytes) for c in cands], dtype=np.float64)
-        gmax = [0 if c.prefill_tokens else min(len(c.gains) - 1, config.gamma_max) for c in cands]
-        self.gmax = np.array(gmax, dtype=np.int64)
-        G = max(gmax, default=0)
-        g = np.arange(G + 1)
+        self.running_list = [c.running for c in cands]
+        self.waited_list = [c.waited_s for c in cands]
+        self.mem_list = [0.0 if c.running else float(c.kv_bytes) for c in cands]
+        self.gmax_list = [0 if c.prefill_tokens else min(len(c.gains) - 1, config.gamma_max) for c in cands]
+        G = max(self.gmax_list, default=0)
+        self.num_g = G + 1
         _, c_req, c_tok, c_attn = model.llm.coefs
         inf = math.inf
         time_rows, obj_rows, gain_rows = [], [], []
-        for c, gm in zip(cands, gmax):
+        for c, gm in zip(cands, self.gmax_list):
             if c.prefill_tokens:  # its prefill; in the objective, the decode step it turns into
                 p = float(c.prefill_tokens)
                 time_rows.append([c_req + c_tok * p + c_attn * p * (0.0 + p)] + [inf] * G)
@@ -208,10 +210,8 @@ class _Problem:
                 time_rows.append(row)
                 obj_rows.append(row)
             gain_rows.append(list(c.gains[: gm + 1]) + [-inf] * (G - gm))
-        self.time = np.array(time_rows, dtype=np.float64).reshape(n, G + 1)  # [n, G+1]
-        self.obj_time = np.array(obj_rows, dtype=np.float64).reshape(n, G + 1) \
-            if any(c.prefill_tokens for c in cands) else self.time  # read only, both
-        self.gain = np.array(gain_rows, dtype=np.float64).reshape(n, G + 1)
+        self.time_rows, self.obj_rows, self.gain_rows = time_rows, obj_rows, gain_rows
+        self.has_prefill = any(c.prefill_tokens for c in cands)
         self.c0 = model.llm.coefs[0]
         # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
         names = list(model.ssm if config.drafters is None else config.drafters)
@@ -223,13 +223,12 @@ class _Problem:
         if lines and not config.parallel_drafters:
             lines = [tuple(map(sum, zip(*lines)))]
         self.lines = lines or [(0.0, 0.0, 0.0)]
-        line_coefs = np.array(self.lines, dtype=np.float64)  # [L, 3]
-        # per-request time of the z = 1 relaxation under each line: [L, n, G+1]
-        self.line_time = (self.obj_time[None] + line_coefs[:, 1, None, None] * (g > 0)
-                          + line_coefs[:, 2, None, None] * g)
-        self.line_d0 = line_coefs[:, 0]
-        self.forced = forced_mask(self.waited, self.mem, config, self.mem_budget)
-        self.num_forced = int(self.forced.sum())
+        if any(w >= config.max_wait_s for w in self.waited_list):
+            self.forced_list = forced_mask(self.waited, self.mem, config, self.mem_budget).tolist()
+        else:
+            self.forced_list = [False] * n
+        self.forced_ids = [i for i, f in enumerate(self.forced_list) if f]
+        self.num_forced = len(self.forced_ids)
         self.plain_share = sum(row[0] for row in obj_rows) / n if n else 0.0
         self.b_values = list(range(max(1, self.num_forced), min(config.max_batch_size, n) + 1))
         if config.lam is not None:
@@ -237,6 +236,42 @@ class _Problem:
         else:
             b_ref = max(1, min(config.max_batch_size, n))
             self.lam_value = (self.c0 + b_ref * self.plain_share) / (b_ref * b_ref)
+
+    # ---- the same as arrays, on first use ----------------------------------------------------
+    def _rows(self, rows: list[list[float]]) -> np.ndarray:
+        return np.array(rows, dtype=np.float64).reshape(len(self.ids), self.num_g)
+
+    @cached_property
+    def time(self) -> np.ndarray:  # [n, G+1]: step time share, inf beyond γ caps
+        return self._rows(self.time_rows)
+
+    @cached_property
+    def obj_time(self) -> np.ndarray:  # [n, G+1]: the objective's time share (read only)
+        return self._rows(self.obj_rows) if self.has_prefill else self.time
+
+    @cached_property
+    def gain(self) -> np.ndarray:  # [n, G+1]: -inf beyond γ caps
+        return self._rows(self.gain_rows)
+
+    @cached_property
+    def running(self) -> np.ndarray:
+        return np.array(self.running_list, dtype=bool)
+
+    @cached_property
+    def waited(self) -> np.ndarray:
+        return np.array(self.waited_list, dtype=np.float64)
+
+    @cached_property
+    def mem(self) -> np.ndarray:  # KV bytes of waiting requests, 0 for running ones
+        return np.array(self.mem_list, dtype=np.float64)
+
+    @cached_property
+    def gmax(self) -> np.ndarray:
+        return np.array(self.gmax_list, dtype=np.int64)
+
+    @cached_property
+    def forced(self) -> np.ndarray:
+        return np.array(self.forced_list, dtype=bool).reshape(len(self.ids))
 
     def lam(self, b: int) -> float:
         """λ of eq. 8 (the same for every b; ``b`` is kept for a per-b rule)."""
@@ -247,28 +282,35 @@ class _Problem:
             return 0.0
         return max(d0 + dr * num_drafting + dt * total_gamma for d0, dr, dt in self.lines)
 
-    def evaluate(self, sel: np.ndarray, gam: np.ndarray) -> tuple[float, float, str]:
-        """(objective, T_ttl, violation or "") of indices ``sel`` with draft budgets ``gam``."""
+    def evaluate(self, sel: Sequence[int], gam: Sequence[int]) -> tuple[float, float, str]:
+        """(objective, T_ttl, violation or "") of indices ``sel`` with draft budgets ``gam``
+        (plain Python over the rows; sums exactly rounded, so independent of the order)."""
+        sel = [int(i) for i in sel]
+        gam = [int(g) for g in gam]
         b = len(sel)
         if b == 0:
             return math.inf, 0.0, "empty batch"
-        total_gamma = int(gam.sum())
-        t_ssm = self.ssm_time(int(np.count_nonzero(gam)), total_gamma)
-        step = self.c0 + float(self.time[sel, gam].sum()) + t_ssm
-        objective = (self.c0 + float(self.obj_time[sel, gam].sum()) + t_ssm) / b \
-            - self.lam(b) * float(self.gain[sel, gam].sum())
+        total_gamma = sum(gam)
+        t_ssm = self.ssm_time(sum(1 for g in gam if g), total_gamma)
+        time_rows, obj_rows, gain_rows = self.time_rows, self.obj_rows, self.gain_rows
+        share = math.fsum(time_rows[i][g] for i, g in zip(sel, gam))
+        step = self.c0 + share + t_ssm
+        if self.has_prefill:
+            share = math.fsum(obj_rows[i][g] for i, g in zip(sel, gam))
+        objective = (self.c0 + share + t_ssm) / b - self.lam(b) * math.fsum(gain_rows[i][g] for i, g in zip(sel, gam))
         cfg = self.config
         if b > cfg.max_batch_size:
             return objective, step, f"batch of {b} > max_batch_size {cfg.max_batch_size}"
-        if np.any(gam > self.gmax[sel]):
+        gmax = self.gmax_list
+        if any(g > gmax[i] for i, g in zip(sel, gam)):
             return objective, step, "a γ_i exceeds its cap"
         if total_gamma > cfg.total_gamma_max:
             return objective, step, f"Σγ = {total_gamma} > total_gamma_max {cfg.total_gamma_max}"
-        if math.isfinite(self.mem_budget) and float(self.mem[sel].sum()) > self.mem_budget:
+        if math.isfinite(self.mem_budget) and math.fsum(self.mem_list[i] for i in sel) > self.mem_budget:
             return objective, step, "waiting admissions exceed the KV budget"
         if step > cfg.t_max_s:
             return objective, step, f"T_ttl {step:.6f} s > t_max_s {cfg.t_max_s}"
-        if self.num_forced and not np.all(np.isin(np.flatnonzero(self.forced), sel)):
+        if self.forced_ids and not set(self.forced_ids) <= set(sel):
             return objective, step, "a request that waited max_wait_s is left out"
         return objective, step, ""
 

@@ -66,19 +66,17 @@ def trim_gammas(gamma: Mapping[str, int], total_gamma_max: int) -> dict[str, int
     the loop: every γ above a level L ends at L or L+1, the first r of them at L+1."""
     if total_gamma_max < 0:
         raise ValueError("total_gamma_max must be >= 0")
-    ids = list(gamma)
-    values = np.array([int(gamma[r]) for r in ids], dtype=np.int64)
-    if values.size == 0 or values.sum() <= total_gamma_max:
-        return {r: int(v) for r, v in zip(ids, values)}
-    if np.any(values < 0):
+    out = {r: int(v) for r, v in gamma.items()}
+    values = list(out.values())
+    if sum(values) <= total_gamma_max:
+        return out
+    if any(v < 0 for v in values):
         raise ValueError("γ values must be >= 0")
-    level_sums = [int(np.minimum(values, level).sum()) for level in range(int(values.max()) + 1)]
+    level_sums = [sum(min(v, level) for v in values) for level in range(max(values) + 1)]
     level = max(lv for lv, s in enumerate(level_sums) if s <= total_gamma_max)
     extra = total_gamma_max - level_sums[level]
-    out = np.minimum(values, level)
-    above = np.flatnonzero(values > level)
-    out[above[:extra]] = level + 1
-    return {r: int(v) for r, v in zip(ids, out)}
+    above = [r for r, v in out.items() if v > level][:extra]
+    return {r: (level + 1 if r in above else min(v, level)) for r, v in out.items()}
 
 
 def first_come_batch(candidates: Sequence[Candidate], config: ScheduleConfig, gamma: int, *,
@@ -147,9 +145,8 @@ def schedule_batch(candidates: Sequence[Candidate], model: LatencyModel, config:
     if best is None:
         return Schedule((), {}, 0.0, math.inf, "infeasible", time.perf_counter() - start, solver, calls)
     objective, step, sel, gam = best
-    order = np.argsort(sel, kind="stable")
-    sel, gam = sel[order], gam[order]
-    return Schedule(tuple(prob.ids[i] for i in sel), {prob.ids[i]: int(g) for i, g in zip(sel, gam)},
+    pairs = sorted(zip((int(i) for i in sel), (int(g) for g in gam)))  # priority order
+    return Schedule(tuple(prob.ids[i] for i, _ in pairs), {prob.ids[i]: g for i, g in pairs},
                     step, objective, status, time.perf_counter() - start, solver, calls, lam=prob.lam_value)
 
 
@@ -157,45 +154,61 @@ def _relax_tmax(config: ScheduleConfig, b: int) -> ScheduleConfig:
     return dataclasses.replace(config, max_batch_size=b, t_max_s=math.inf)
 
 
-_Best = tuple[float, float, np.ndarray, np.ndarray]
+_Best = tuple[float, float, Sequence[int], Sequence[int]]
 
 
 class _Relaxation:
     """Lower bounds per batch size b, and the greedy solutions with a lower bound on each.
 
-    For each b and each time line (z = 0: nobody drafts; z = 1 under each drafter's line)
-    the problem without its coupling rows separates per request: each takes its best γ, and
-    the b best requests (forced ones first, ties to the earliest) are a sort away. All b and
-    lines at once, as [lines + 1, b, n] arrays; a solution's indices are built only when asked."""
+    For each b and each time line (z = 0: nobody drafts, γ = 0 only; z = 1 under each
+    drafter's line) the problem without its coupling rows separates per request: each takes
+    its best γ, and the b best requests (forced ones first, ties to the earliest) are a sort
+    away. All b and lines at once, as [lines + 1, B, n, G + 1] arrays; ``v[line][bi][i]`` is
+    request i's relaxed value and ``g_best[line][bi][i]`` its γ. A solution's indices are
+    built only when asked."""
 
     def __init__(self, prob: _Problem) -> None:
-        bs = np.array(prob.b_values, dtype=np.int64)
-        bf = bs.astype(np.float64)
-        v0 = prob.obj_time[None, :, 0] / bf[:, None]  # [B, n]: z = 0, value time[i, 0] / b
-        val = prob.line_time[:, None] / bf[None, :, None, None] - prob.lam_value * prob.gain  # [L, B, n, G+1]
-        self.g_best = np.argmin(val, axis=3)  # [L, B, n]
-        self.v = np.concatenate([v0[None], val.min(axis=3)])  # [L+1, B, n]
-        self.forced = prob.forced if prob.num_forced else None
+        bs = prob.b_values
+        num_b, n, inf = len(bs), len(prob.ids), math.inf
+        self.b_values = bs
+        self.num_lines = len(prob.lines) + 1
+        self.forced = prob.forced_list if prob.num_forced else None
+        # each line's extra time per request at γ = g (line 0: none, and no γ > 0)
+        extras = [[0.0] + [inf] * (prob.num_g - 1)]
+        extras += [[0.0] + [dr + dt * g for g in range(1, prob.num_g)] for _, dr, dt in prob.lines]
+        per_b = np.array(extras, dtype=np.float64)[:, None, None, :] + prob.obj_time  # [L+1, 1, n, G+1]
+        per_b = per_b / np.array(bs, dtype=np.float64).reshape(1, num_b, 1, 1)  # [L+1, B, n, G+1]
+        gain = prob.gain if prob.lam_value > 0 else np.maximum(prob.gain, 0.0)  # λ = 0: no 0·(-inf)
+        val = per_b - prob.lam_value * gain
+        g_best = np.argmin(val, axis=3)  # [L+1, B, n]
+        v = val.min(axis=3)
         if self.forced is None:
-            ranked = np.sort(self.v, axis=2)
-        else:  # forced requests first, whatever their value
-            ranked = np.take_along_axis(self.v, self._order(self.v), axis=2)
-        sums = np.cumsum(ranked, axis=2)[:, np.arange(len(bs)), bs - 1]  # [L+1, B]: the b best
-        values = np.concatenate([[prob.c0], prob.c0 + prob.line_d0])[:, None] / bf[None] + sums  # [L+1, B]
-        # a solution that drafts costs at least its line's value; one that does not, values[0]
-        self.lows = np.minimum(values, values[0][None]).T.ravel().tolist()  # index = b·(L+1) + line
-        self.bounds = list(zip(np.minimum(values[0], values[1:].max(axis=0)).tolist(), prob.b_values))
-        self.b_values = prob.b_values
-        self.num_lines = values.shape[0]
+            ranked = np.sort(v, axis=2)
+        else:  # forced requests first (in priority order), then by value
+            ranked = np.take_along_axis(v, np.argsort(np.where(prob.forced, -inf, v), axis=2, kind="stable"), axis=2)
+        b0 = bs[0]
+        sums = np.cumsum(ranked, axis=2)[:, np.arange(num_b), np.arange(b0 - 1, b0 - 1 + num_b)].tolist()  # [L+1, B]
+        self.v, self.g_best = v.tolist(), g_best.tolist()
+        # values[line][bi]: the b best, plus the fixed time; a solution that drafts costs at
+        # least its line's value, one that does not values[0] (plain Python from here: a
+        # decision runs between forwards, on caches the forward has just flushed, where each
+        # NumPy call costs ~10 µs)
+        fixed = [prob.c0] + [prob.c0 + d0 for d0, _, _ in prob.lines]
+        values = [[fixed[j] / b + sums[j][bi] for bi, b in enumerate(bs)] for j in range(self.num_lines)]
+        plain = values[0]
+        self.lows = [min(values[j][bi], plain[bi]) for bi in range(num_b) for j in range(self.num_lines)]
+        """Lower bound of each greedy solution, index = bi·(lines + 1) + line."""
+        self.bounds = [(min(plain[bi], max(values[j][bi] for j in range(1, self.num_lines))), b)
+                       for bi, b in enumerate(bs)]
+        """(lower bound of the optimum with b requests, b)."""
 
-    def _order(self, v: np.ndarray) -> np.ndarray:
-        """Indices by value along the last axis, forced ones first, ties to the earliest."""
-        return np.argsort(v if self.forced is None else np.where(self.forced, -np.inf, v), axis=-1, kind="stable")
-
-    def solution(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def solution(self, index: int) -> tuple[list[int], list[int]]:
         bi, j = divmod(index, self.num_lines)
-        sel = self._order(self.v[j, bi])[: self.b_values[bi]]
-        return sel, (np.zeros(len(sel), dtype=np.int64) if j == 0 else self.g_best[j - 1, bi, sel])
+        v_row, forced = self.v[j][bi], self.forced
+        key = v_row.__getitem__ if forced is None else (lambda i: -math.inf if forced[i] else v_row[i])
+        sel = sorted(range(len(v_row)), key=key)[: self.b_values[bi]]  # stable: ties to the earliest
+        g_row = self.g_best[j][bi]
+        return sel, [g_row[i] for i in sel]
 
 
 def _solve(prob: _Problem, start: float) -> tuple[_Best | None, str, int]:
@@ -231,16 +244,15 @@ def _best_found(prob: _Problem, relaxation: _Relaxation) -> _Best | None:
     best: _Best | None = None
     best_seq = -1
     lows = relaxation.lows
-    for seq in np.argsort(lows, kind="stable").tolist():
+    for seq in sorted(range(len(lows)), key=lows.__getitem__):  # stable
         if best is not None and lows[seq] > best[0]:
             break
         sel, gam = relaxation.solution(seq)
         objective, step, reason = prob.evaluate(sel, gam)
-        if reason and gam.sum() > prob.config.total_gamma_max:  # repair Γ with Algorithm 2
-            order = np.argsort(sel, kind="stable")
-            sel = sel[order]
-            gam = np.array(list(trim_gammas(dict(enumerate(gam[order].tolist())),
-                                            prob.config.total_gamma_max).values()), dtype=np.int64)
+        if reason and sum(gam) > prob.config.total_gamma_max:  # repair Γ with Algorithm 2
+            pairs = sorted(zip(sel, gam))
+            sel = [i for i, _ in pairs]
+            gam = list(trim_gammas(dict(enumerate(g for _, g in pairs)), prob.config.total_gamma_max).values())
             objective, step, reason = prob.evaluate(sel, gam)
         if not reason and (best is None or objective < best[0] or (objective == best[0] and seq < best_seq)):
             best, best_seq = (objective, step, sel, gam), seq
