@@ -53,13 +53,15 @@ class SelectedTree:
         have smaller indices, so the kept set always holds every kept node's ancestors; and
         ``t.top(a).top(b) == t.top(b)`` for b ≤ a (how TreeSelection cuts a tree to γ_i)."""
         cum = self.tree.cumulative_confidences()
-        eligible = [i for i in range(1, self.tree.num_nodes) if cum[i] >= min_confidence]
-        if len(eligible) == self.tree.num_draft_tokens <= budget:
+        eligible = [i for i in range(1, len(cum)) if cum[i] >= min_confidence]
+        if len(eligible) == len(cum) - 1 <= budget:
             return self
-        kept = sorted(sorted(eligible, key=lambda i: (-cum[i], i))[:max(budget, 0)])
-        return SelectedTree(self.tree.select(kept), ("",) + tuple(self.owners[k] for k in kept),
-                            (1.0,) + tuple(self.raw_confidences[k] for k in kept),
-                            (True,) + tuple(self.is_trunk(k) for k in kept))
+        # stable: among equal confidences the earlier node first (reverse keeps stability)
+        kept = sorted(sorted(eligible, key=cum.__getitem__, reverse=True)[:max(budget, 0)])
+        owners, raw, flags = self.owners, self.raw_confidences, self.trunk_flags
+        return SelectedTree(self.tree.select(kept), ("",) + tuple(owners[k] for k in kept),
+                            (1.0,) + tuple(raw[k] for k in kept),
+                            (True,) + (tuple(flags[k] for k in kept) if flags else (True,) * len(kept)))
 
 
 def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
@@ -70,20 +72,34 @@ def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
     then the ``budget`` draft nodes with the highest cumulative confidence (the product
     along their path) survive, none below ``min_confidence``. A node's owner is the drafter
     of the first path that reached it (list the fused trunk first)."""
-    full = TokenTree.from_paths(root_token_id, [p.token_ids for p in paths], [p.confidences for p in paths])
-    owner = [""] * full.num_nodes
-    raw = [1.0] * full.num_nodes
-    trunk = [True] * full.num_nodes
-    lookup = {(full.parent_ids[i], full.token_ids[i]): i for i in range(1, full.num_nodes)}
-    for p in paths:
+    tokens, parents, confs = [int(root_token_id)], [-1], [1.0]
+    owner, raw, trunk = [""], [1.0], [True]
+    child: dict[tuple[int, int], int] = {}
+    for p in paths:  # one pass: merge (as ``TokenTree.from_paths``) and note each node's owner
         node = 0
-        raws = p.raw_confidences or p.confidences
+        confidences, owners = p.confidences, p.owners
+        raws = p.raw_confidences or confidences
         flags = p.trunk_flags or (True,) * len(p.token_ids)
-        for tok, who, r, flag in zip(p.token_ids, p.owners, raws, flags):
-            node = lookup[(node, int(tok))]
-            if not owner[node]:
-                owner[node], raw[node], trunk[node] = who, r, flag
-    return SelectedTree(full, tuple(owner), tuple(raw), tuple(trunk)).top(budget, min_confidence)
+        owned = min(len(owners), len(raws), len(flags))
+        for d, tok in enumerate(p.token_ids):
+            tok, conf = int(tok), float(confidences[d])
+            nxt = child.get((node, tok))
+            if nxt is None:
+                nxt = child[(node, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                confs.append(conf)
+                owner.append("")
+                raw.append(1.0)
+                trunk.append(True)
+            elif conf > confs[nxt]:
+                confs[nxt] = conf
+            if d < owned and not owner[nxt]:
+                owner[nxt], raw[nxt], trunk[nxt] = owners[d], raws[d], flags[d]
+            node = nxt
+    union = SelectedTree(TokenTree(tuple(tokens), tuple(parents), tuple(confs)), tuple(owner), tuple(raw),
+                         tuple(trunk))
+    return union.top(budget, min_confidence)
 
 
 @dataclass(frozen=True, slots=True)

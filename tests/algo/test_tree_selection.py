@@ -42,6 +42,35 @@ def test_threshold_drops_unlikely_nodes():
     assert tree.num_draft_tokens == 0
 
 
+def test_union_is_the_merged_tree_with_the_first_owner_of_each_node():
+    """build_tree merges in one pass: the same tree as ``TokenTree.from_paths`` (shared
+    prefixes merged, highest confidence kept), each node owned by the first path reaching it."""
+    import random
+
+    from cosine_ray.algo.fusion import FusedPath
+    from cosine_ray.algo.tree import TokenTree
+    rng = random.Random(11)
+    for _ in range(300):
+        paths = []
+        for _ in range(rng.randint(0, 4)):
+            n = rng.randint(0, 5)
+            paths.append(FusedPath(tuple(rng.randrange(3) for _ in range(n)),
+                                   tuple(rng.choice([0.5, 1.0, rng.random()]) for _ in range(n)),
+                                   tuple(rng.choice("ab") for _ in range(n)),
+                                   tuple(rng.random() for _ in range(n)) if rng.random() < 0.5 else (),
+                                   tuple(rng.random() < 0.5 for _ in range(n)) if rng.random() < 0.5 else ()))
+        got = build_tree(9, paths, budget=100)
+        assert got.tree == TokenTree.from_paths(9, [p.token_ids for p in paths], [p.confidences for p in paths])
+        first: dict[tuple[int, ...], tuple[str, float, bool]] = {}
+        for p in paths:
+            raws = p.raw_confidences or p.confidences
+            for d in range(len(p.token_ids)):
+                first.setdefault(p.token_ids[:d + 1], (p.owners[d], raws[d], p.trunk_flags[d] if p.trunk_flags else True))
+        for node in range(1, got.tree.num_nodes):
+            prefix = tuple(got.tree.token_ids[k] for k in got.tree.path_to(node)[1:])
+            assert (got.owners[node], got.raw_confidences[node], got.is_trunk(node)) == first[prefix]
+
+
 @pytest.mark.parametrize("cut", [0.0, 0.3])
 def test_cutting_a_selected_tree_equals_selecting_with_the_smaller_budget(cut):
     """TreeSelection cuts the drafted tree to γ_i with ``top`` instead of rebuilding it from
