@@ -67,13 +67,27 @@ class TokenTree:
         path gave it. ``max_nodes`` counts draft nodes (root excluded): paths are inserted in
         order and a node that would exceed the budget is dropped with its subtree.
         """
+        return cls.merge_paths(root_token_id, paths, confidences, max_nodes)[0]
+
+    @classmethod
+    def merge_paths(
+        cls,
+        root_token_id: int,
+        paths: Sequence[Sequence[int]],
+        confidences: Sequence[Sequence[float]] | None = None,
+        max_nodes: int | None = None,
+    ) -> tuple["TokenTree", list[list[int]]]:
+        """``from_paths``, and for each path the node of each of its tokens (up to where the
+        budget cut it), so callers can attach per-token data without walking the tree again."""
         token_ids = [int(root_token_id)]
         parent_ids = [-1]
         confs = [1.0]
+        nodes: list[list[int]] = []
         child_index: dict[tuple[int, int], int] = {}
         budget = float("inf") if max_nodes is None else max_nodes
         for p, path in enumerate(paths):
             node = 0
+            path_nodes: list[int] = []
             for d, tok in enumerate(path):
                 tok = int(tok)
                 conf = 1.0 if confidences is None else float(confidences[p][d])
@@ -90,7 +104,9 @@ class TokenTree:
                 else:
                     confs[child] = max(confs[child], conf)
                 node = child
-        return cls(tuple(token_ids), tuple(parent_ids), tuple(confs))
+                path_nodes.append(node)
+            nodes.append(path_nodes)
+        return cls(tuple(token_ids), tuple(parent_ids), tuple(confs)), nodes
 
     @classmethod
     def chain(cls, root_token_id: int, draft_token_ids: Sequence[int],

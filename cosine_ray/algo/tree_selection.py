@@ -72,33 +72,17 @@ def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
     then the ``budget`` draft nodes with the highest cumulative confidence (the product
     along their path) survive, none below ``min_confidence``. A node's owner is the drafter
     of the first path that reached it (list the fused trunk first)."""
-    tokens, parents, confs = [int(root_token_id)], [-1], [1.0]
-    owner, raw, trunk = [""], [1.0], [True]
-    child: dict[tuple[int, int], int] = {}
-    for p in paths:  # one pass: merge (as ``TokenTree.from_paths``) and note each node's owner
-        node = 0
-        confidences, owners = p.confidences, p.owners
-        raws = p.raw_confidences or confidences
+    full, nodes = TokenTree.merge_paths(root_token_id, [p.token_ids for p in paths], [p.confidences for p in paths])
+    owner = [""] * full.num_nodes
+    raw = [1.0] * full.num_nodes
+    trunk = [True] * full.num_nodes
+    for p, path_nodes in zip(paths, nodes):
+        raws = p.raw_confidences or p.confidences
         flags = p.trunk_flags or (True,) * len(p.token_ids)
-        owned = min(len(owners), len(raws), len(flags))
-        for d, tok in enumerate(p.token_ids):
-            tok, conf = int(tok), float(confidences[d])
-            nxt = child.get((node, tok))
-            if nxt is None:
-                nxt = child[(node, tok)] = len(tokens)
-                tokens.append(tok)
-                parents.append(node)
-                confs.append(conf)
-                owner.append("")
-                raw.append(1.0)
-                trunk.append(True)
-            elif conf > confs[nxt]:
-                confs[nxt] = conf
-            if d < owned and not owner[nxt]:
-                owner[nxt], raw[nxt], trunk[nxt] = owners[d], raws[d], flags[d]
-            node = nxt
-    union = SelectedTree(TokenTree(tuple(tokens), tuple(parents), tuple(confs)), tuple(owner), tuple(raw),
-                         tuple(trunk))
+        for node, who, r, flag in zip(path_nodes, p.owners, raws, flags):
+            if not owner[node]:
+                owner[node], raw[node], trunk[node] = who, r, flag
+    union = SelectedTree(full, tuple(owner), tuple(raw), tuple(trunk))
     return union.top(budget, min_confidence)
 
 
