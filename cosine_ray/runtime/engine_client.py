@@ -2,7 +2,10 @@
 
 Tokens stream back through a Serve streaming call. Every wait has a deadline: an engine that
 dies or stops producing tokens ends the stream with an error output (the ingress turns it
-into a 503), never a hang. Closing the stream early (client disconnect) cancels the call,
+into a 503), never a hang. The engine's first item is ``ACCEPTED`` (a live replica runs the
+call), awaited for ``call_timeout_s`` only: a call Serve holds because no engine replica is up
+(one was just killed, a new one is starting) gets its 503 within seconds, not after
+``token_timeout_s``. Closing the stream early (client disconnect) cancels the call,
 which Serve propagates into the engine's generator: the request is aborted there and its
 state freed on every stage and drafter. No call here blocks the event loop (no ``ray.get``).
 """
@@ -18,6 +21,9 @@ from cosine_ray.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
+ACCEPTED = "accepted"
+"""The first item of ``EngineServer.generate``'s stream: the call reached a live engine replica."""
+
 
 class RayEngineClient:
     def __init__(self, handle: Any, *, model_name: str, max_model_len: int, vocab_size: int,
@@ -31,8 +37,9 @@ class RayEngineClient:
         """Longest wait for the next output (covers a stage restart and re-prefill)."""
         self.call_timeout_s = call_timeout_s
         """Deadline of the unary calls (check_request, finish, health, ...: milliseconds when the
-        engine is up). While no engine replica is up, Serve holds a call until one is, so this is
-        also how long a new request waits for a restarting engine before its 503."""
+        engine is up) and of a stream's ``ACCEPTED``. While no engine replica is up, Serve holds a
+        call until one is, so this is also how long a request waits for a restarting engine
+        before its 503."""
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         response = getattr(self.handle, method).remote(*args)
@@ -46,18 +53,26 @@ class RayEngineClient:
                      request_id: str) -> AsyncIterator[RequestOutput]:
         gen = self.handle.options(stream=True).generate.remote(list(prompt_token_ids), params, request_id)
         finished = False
+        accepted = False
         try:
             while not finished:
                 try:
-                    out = await asyncio.wait_for(gen.__anext__(), timeout=self.token_timeout_s)
+                    out = await asyncio.wait_for(gen.__anext__(),
+                                                 timeout=self.token_timeout_s if accepted else self.call_timeout_s)
+                    if not accepted:
+                        if out != ACCEPTED:
+                            raise RuntimeError(f"the engine's stream began with {out!r}, not {ACCEPTED!r}")
+                        accepted = True
+                        continue
                 except StopAsyncIteration:
                     break
                 except (asyncio.TimeoutError, Exception) as exc:
                     if isinstance(exc, asyncio.CancelledError):
                         raise
                     log.warning("request %s lost its engine: %r", request_id, exc)
-                    yield RequestOutput(request_id, [], True, "error", error=f"engine unavailable: {type(exc).__name__}")
+                    gen.cancel()  # a call Serve still holds must never start on the next replica
                     finished = True
+                    yield RequestOutput(request_id, [], True, "error", error=f"engine unavailable: {type(exc).__name__}")
                     return
                 finished = out.finished
                 yield out

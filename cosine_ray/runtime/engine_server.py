@@ -35,6 +35,7 @@ from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.runtime.actors import DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
+from cosine_ray.runtime.engine_client import ACCEPTED
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.memory import malloc_in_use_bytes, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
@@ -99,8 +100,9 @@ class EngineServer:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; a cancelled stream (client gone) aborts it."""
+                       request_id: str) -> AsyncIterator[RequestOutput | str]:
+        """``ACCEPTED``, then the request's outputs; a cancelled stream (client gone) aborts it."""
+        yield ACCEPTED  # RayEngineClient.stream: a call that reached no live replica ends in seconds
         async for out in self.loop.generate(prompt_token_ids, params, request_id):
             yield out
 
