@@ -786,3 +786,43 @@ def test_engine_killed_under_load_fails_fast_then_serves(server, how):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == server.refs[0]
     state, _ = wait_free(10.0)
     assert not any(state.values()), state
+
+
+def test_a_call_made_while_no_engine_replica_is_up_ends_within_seconds(server):
+    """R4 with the kill landing between a request's checks and its generate call (CI saw it
+    once, under load): Serve holds a call while no engine replica is RUNNING, so it waited for
+    the new replica (15-21 s after the kill here) before the engine's ACCEPTED bounded that wait."""
+    from ray import serve
+
+    from cosine_ray.engine.request import SamplingParams
+    from cosine_ray.runtime.engine_client import RayEngineClient
+    from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT
+
+    ray.kill(engine_replica(), no_restart=True)
+    start = time.monotonic()
+    while True:
+        states = serve.status().applications["cosine_ray"].deployments[ENGINE_DEPLOYMENT].replica_states
+        if not states.get("RUNNING"):
+            break
+        assert time.monotonic() - start < 30, f"Serve still counts a running engine replica: {states}"
+        time.sleep(0.05)
+    client = RayEngineClient(engine_handle(), model_name="m", max_model_len=512, vocab_size=49152)
+
+    async def call() -> tuple[list[Any], float]:
+        began = time.monotonic()
+        outs = [o async for o in client.stream([1, 2, 3], SamplingParams(max_tokens=4), uuid.uuid4().hex)]
+        return outs, time.monotonic() - began
+
+    outs, waited = asyncio.run(call())
+    note(f"a call made {time.monotonic() - start - waited:.2f} s after the kill, while no engine replica "
+         f"ran: ended in {waited:.2f} s ({outs[-1].finish_reason}, error {outs[-1].error!r})")
+    assert outs and outs[-1].finished
+    # The client's call deadline (5 s), not the new replica's start (without ACCEPTED: 10.9 s here)
+    assert waited <= client.call_timeout_s + 2.0, f"the call waited {waited:.1f} s for a new engine replica"
+    while (r := httpx.post(f"{server.url}/v1/completions", json=body(0), headers=AUTH, timeout=60)).status_code != 200:
+        assert r.status_code == 503, r.text
+        assert time.monotonic() - start < 180, "the engine did not come back"
+        time.sleep(0.5)
+    assert r.json()["choices"][0]["text"] == server.refs[0]
+    state, _ = wait_free(10.0)
+    assert not any(state.values()), state
