@@ -35,8 +35,8 @@ from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.runtime.actors import DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
-from cosine_ray.runtime.engine_client import ACCEPTED
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
+from cosine_ray.runtime.engine_client import ACCEPTED
 from cosine_ray.runtime.memory import malloc_in_use_bytes, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import actor_options

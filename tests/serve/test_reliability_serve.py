@@ -49,10 +49,15 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from ray import serve  # noqa: E402
+
+from cosine_ray.engine.request import SamplingParams  # noqa: E402
 from cosine_ray.runtime.cluster import actor_name  # noqa: E402
+from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
+from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT  # noqa: E402
 
 from cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
-from engine_app import engine_actor, engine_call, engine_handle, engine_replicas, force_cleanup  # noqa: E402
+from engine_app import APP_NAME, engine_actor, engine_call, engine_handle, engine_replicas, force_cleanup  # noqa: E402
 from test_serve_e2e import wait_gone  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
@@ -792,16 +797,10 @@ def test_a_call_made_while_no_engine_replica_is_up_ends_within_seconds(server):
     """R4 with the kill landing between a request's checks and its generate call (CI saw it
     once, under load): Serve holds a call while no engine replica is RUNNING, so it waited for
     the new replica (15-21 s after the kill here) before the engine's ACCEPTED bounded that wait."""
-    from ray import serve
-
-    from cosine_ray.engine.request import SamplingParams
-    from cosine_ray.runtime.engine_client import RayEngineClient
-    from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT
-
     ray.kill(engine_replica(), no_restart=True)
     start = time.monotonic()
     while True:
-        states = serve.status().applications["cosine_ray"].deployments[ENGINE_DEPLOYMENT].replica_states
+        states = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT].replica_states
         if not states.get("RUNNING"):
             break
         assert time.monotonic() - start < 30, f"Serve still counts a running engine replica: {states}"
