@@ -8,6 +8,9 @@ yields on this machine:
 
 - **levels** κ (``LEVELS``): a multiplier on the price's λ — 0 is speculation off (no drafting
   at all), 1 is the price as the models say, 0.5 / 1.5 trust the gains less / more;
+- **operating goodput** G (``operating_goodput``): the current level's goodput, at least 1. The
+  scheduler divides λ by it, so a token is valued at the time per token where the step runs
+  (see ``engine.scheduler``); the levels then correct what the models still get wrong;
 - **yield of a step**: committed tokens per request, divided by the step's wall time measured
   in *plain-decode steps of the same shape* (the cost model's prediction of a γ = 0 step for
   these requests and contexts). A step without speculation yields about 1; normalising by the
@@ -74,6 +77,15 @@ class SpeculationGuard:
     def goodput(self, level: int) -> float | None:
         """Yield per normalised second of a level, or None before any step ran at it."""
         return self._yield[level] / self._time[level] if self._time[level] > 0 else None
+
+    def operating_goodput(self) -> float:
+        """Goodput of the current level, at least 1 (1 until it has ``min_steps`` steps): how
+        many plain-decode steps' worth of tokens a step yields at the operating point. The
+        scheduler divides the LP's λ by it (see ``engine.scheduler``)."""
+        g = self.goodput(self.current)
+        if g is None or self._steps[self.current] < self.min_steps:
+            return 1.0
+        return max(g, 1.0)
 
     def observe(self, level: int, tokens_per_request: float, plain_steps: float) -> None:
         """One step at ``level``: committed tokens per request, and its wall time in units of a

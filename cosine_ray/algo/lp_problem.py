@@ -151,7 +151,8 @@ class Schedule:
     """HiGHS calls made for this decision."""
     lam: float = math.nan
     """λ of eq. 8 this decision used (seconds per expected accepted token); TreeSelection
-    prices the drafted trees with it (``algo.tree_selection.TreePrice``)."""
+    prices the drafted trees with it, divided by the measured goodput and times the guard's
+    level (``engine.scheduler``, ``algo.tree_selection.TreePrice``)."""
 
 
 @dataclass(frozen=True, slots=True)

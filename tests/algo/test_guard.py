@@ -85,3 +85,19 @@ def test_goodput_is_none_until_a_level_ran_and_bad_observations_are_ignored():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         SpeculationGuard(**kwargs)
+
+
+def test_operating_goodput_is_the_current_levels_once_it_has_enough_steps_and_never_below_one():
+    guard = SpeculationGuard(explore_share=0.0)
+    assert guard.operating_goodput() == 1.0  # nothing measured: the LP's λ as it is
+    for _ in range(5):
+        guard.observe(guard.current, 1.8, 1.2)
+    assert guard.operating_goodput() == 1.0  # fewer than min_steps (decayed) steps: not yet trusted
+    for _ in range(40):
+        guard.observe(guard.current, 1.8, 1.2)
+    assert guard.operating_goodput() == pytest.approx(1.5)
+    assert guard.operating_goodput() == pytest.approx(guard.goodput(guard.current))
+    slow = SpeculationGuard(explore_share=0.0)
+    for _ in range(40):
+        slow.observe(slow.current, 0.9, 1.2)  # speculation losing: λ is never raised above the LP's
+    assert slow.operating_goodput() == 1.0

@@ -167,6 +167,35 @@ def test_speculation_stays_on_when_drafts_are_right():
     assert router.metrics.get("cosine_ray:speculation_enabled") == 1.0
 
 
+def test_the_price_is_the_lps_lambda_over_the_measured_goodput_times_the_guards_level():
+    """Tokens are worth the time per token at the operating point, not at plain decoding: once
+    the guard has measured a goodput G > 1 for its level, TreeSelection prices at λ_LP·κ / G."""
+    target = TableTarget()
+    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    scheduler, guard = router.scheduler, router.scheduler.guard
+    seen, decide, schedule = [], scheduler.policy.decide, scheduler.schedule
+    lp_lams = []
+
+    def spy_decide(*args, **kwargs):
+        out = decide(*args, **kwargs)
+        lp_lams.append(out.lam)
+        return out
+
+    def spy_schedule(lane):
+        g = guard.operating_goodput()
+        batch = schedule(lane)
+        if batch.price is not None:
+            seen.append((batch.price.lam, lp_lams[-1], guard.levels[batch.level], g))
+        return batch
+
+    scheduler.policy.decide, scheduler.schedule = spy_decide, spy_schedule
+    tokens, _ = run(router, prompts_for(0, 3), max_tokens=150)
+    assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 150) for p in prompts_for(0, 3)]
+    assert all(lam == pytest.approx(lp * kappa / g) for lam, lp, kappa, g in seen)
+    # λ_LP as it is until the level has enough steps; then G of an oracle (the fake target is fast)
+    assert seen[0][3] == 1.0 and max(g for *_, g in seen) > 1.5
+
+
 @pytest.mark.parametrize("config", [
     {}, {"routing": "random"}, {"fusion": "single"}, {"fusion": "union"}, {"scheduler": "fcfs"},
     {"adaptive": False}, {"adaptive": False, "scheduler": "fcfs", "fusion": "single", "routing": "random"},
