@@ -23,9 +23,9 @@ because branches are few (about one node in ten) and differ from trunk nodes mor
 do: with the domain first, a branch key of one domain had too few observations to leave its
 trunk-dominated parent. Measured on the held-back workload (default drafters, c=8, 2 threads,
 branch nodes whose parent was accepted): predicted 0.31, accepted 0.12 with the domain first;
-predicted 0.35, accepted 0.29 with the role first (trunk nodes 0.63 / 0.65 and 0.64 / 0.64). Each level shrinks
-towards the level above it by ``prior_strength`` pseudo-observations, the coarsest towards the
-raw confidence::
+predicted 0.35, accepted 0.29 with the role first (trunk nodes 0.63 / 0.65 and 0.64 / 0.64).
+Each level shrinks towards the level above it by ``prior_strength`` pseudo-observations, the
+coarsest towards the raw confidence::
 
     value_0 = c
     value_k = (accepted_k,b + s·value_{k-1}) / (verified_k,b + s)     (b = c's bin)
