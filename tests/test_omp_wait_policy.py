@@ -1,5 +1,6 @@
 """Importing cosine_ray makes OpenMP threads wait passively unless the user chose (README
-"Threads on a busy machine"): busy-waiting threads collapse a forward when a core is shared."""
+"Threads on a busy machine"): busy-waiting threads collapse a forward when a core is shared.
+It also bounds oneDNN's per-shape caches (README "oneDNN's shape caches")."""
 
 import os
 import subprocess
@@ -16,5 +17,20 @@ def test_passive_wait_is_the_default_and_a_user_choice_is_kept(given, expected):
     if given is not None:
         env["OMP_WAIT_POLICY"] = given
     out = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == expected
+
+
+CACHES = "import cosine_ray, os, torch; print(os.environ.get('LRU_CACHE_CAPACITY'), os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))"
+
+
+@pytest.mark.parametrize("given, expected", [(None, "64 64"), ("1024", "1024 1024")])
+def test_onednn_shape_caches_are_bounded_by_default_and_a_user_choice_is_kept(given, expected):
+    """oneDNN's two per-shape caches grew the engine's heap ~0.8 MiB per request with their
+    default 1024 entries (cosine_ray/__init__.py); importing cosine_ray bounds them at 64."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    if given is not None:
+        env["LRU_CACHE_CAPACITY"] = env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
+    out = subprocess.run([sys.executable, "-c", CACHES], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == expected
