@@ -66,7 +66,8 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
         return RetrievalDrafter(load_datastore(spec, target.name, config.datastore_dir),
                                 RetrievalConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "suffix":
-        return build_suffix_drafter(spec, target.name, config.datastore_dir)
+        return build_suffix_drafter(spec, target.name, config.datastore_dir,
+                                    max_indexed_tokens=config.suffix_index_tokens)
     if spec.kind == "self":
         return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
                             name="self")
@@ -90,20 +91,23 @@ def build_stage(config: EngineConfig, stage_index: int) -> LlamaStage:
                       dtype=getattr(torch, config.dtype), device=config.device)
 
 
-def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str | None = None) -> SuffixDrafter:
+def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str | None = None, *,
+                         max_indexed_tokens: int | None = None) -> SuffixDrafter:
     """``suffix``: one index over every domain (with a per-request index too), seeded from all
     packaged datastores; ``suffix:DOMAIN``: a live expert of one domain, seeded from its
     datastore, learning only from that domain's finished requests (no per-request index: the
     shared n-gram drafter covers the request's own text); ``suffix:FILE.parquet``: a snapshot
     a server saved (``SuffixDrafter.save``). Confidences stay raw frequencies: calibration
-    rescales them per domain, role and depth."""
+    rescales them per domain, role and depth. ``max_indexed_tokens`` bounds each global index
+    (``EngineConfig.suffix_index_tokens``; None: ``SuffixConfig``'s default)."""
+    caps = {} if max_indexed_tokens is None else {"max_indexed_tokens": max_indexed_tokens}
     if spec.source.endswith(".parquet"):
-        return SuffixDrafter.load(spec.source, SuffixConfig(), name=spec.name)
+        return SuffixDrafter.load(spec.source, SuffixConfig(**caps), name=spec.name)
     domains = [spec.source] if spec.source else [d for d in DOMAINS
                                                 if datastore_path(model_name, d, datastore_dir).is_file()]
     stores = [Datastore.load(datastore_path(model_name, d, datastore_dir)) for d in domains
               if datastore_path(model_name, d, datastore_dir).is_file()]
-    config = SuffixConfig(use_local=not spec.source)
+    config = SuffixConfig(use_local=not spec.source, **caps)
     return SuffixDrafter.from_datastore(stores, config, name=spec.name, domain=spec.source or None)
 
 

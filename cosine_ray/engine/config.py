@@ -213,11 +213,18 @@ class EngineConfig:
     """torch intra-op threads for this process; None leaves torch's default."""
     datastore_dir: str | None = None
     """Where default retrieval datastores live; None = the packaged ones."""
+    suffix_index_tokens: int = 1_000_000
+    """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
+    evicted first. About 40 B a token (measured by ``benchmarks/learning_soak.py``), so the
+    default bounds one drafter at ~40 MB; the ``learning`` set has one per domain."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
+        if isinstance(self.suffix_index_tokens, bool) or not isinstance(self.suffix_index_tokens, int) \
+                or self.suffix_index_tokens < 1:
+            raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
 

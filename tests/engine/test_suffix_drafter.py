@@ -526,3 +526,26 @@ def test_is_a_drafter_with_name():
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SuffixConfig(**kwargs)
+
+
+def test_the_engine_config_caps_every_suffix_index():
+    """``EngineConfig.suffix_index_tokens`` reaches every suffix drafter the engine builds: the
+    packaged seeds (11-24 k tokens per domain) are cut to the cap, oldest rows first."""
+    import types
+
+    from cosine_ray.engine.build import build_drafter
+    from cosine_ray.engine.config import EngineConfig, parse_drafters
+
+    target = types.SimpleNamespace(name="smollm2-135m")
+    specs = parse_drafters("suffix,suffix:code,suffix:chat")
+
+    def sizes(config):
+        return [build_drafter(s, target=target, target_state={}, target_tokenizer=None,
+                              config=config).state_size()["global_tokens"] for s in specs]
+
+    uncapped, capped = sizes(EngineConfig()), sizes(EngineConfig(suffix_index_tokens=5_000))
+    assert all(n > 5_000 for n in uncapped), uncapped
+    assert all(0 < n <= 5_000 for n in capped), capped
+    for bad in (0, -1, 2.5, True, "many"):
+        with pytest.raises(ValueError, match="suffix_index_tokens must be an integer >= 1"):
+            EngineConfig(suffix_index_tokens=bad)

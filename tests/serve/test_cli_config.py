@@ -141,6 +141,7 @@ def test_serve_config_without_exactly_one_cosine_ray_app_exits_2(tmp_path, capsy
     ("step: 5\n", "'step' and 'cluster' must be mappings"),
     ("num_stages: zero\n", "--config"),
     ("drafters: telepathy\n", "unknown drafter 'telepathy'"),
+    ("suffix_index_tokens: 0\n", "suffix_index_tokens must be an integer >= 1"),
     ("model: /nonexistent/model/dir\n", "--config"),
     ("applications:\n  - import_path: cosine_ray.serve.app:build_app\n    args: {bogus: 1}\n",
      "unknown key(s) bogus"),
