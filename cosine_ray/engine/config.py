@@ -215,8 +215,8 @@ class EngineConfig:
     """Where default retrieval datastores live; None = the packaged ones."""
     suffix_index_tokens: int = 1_000_000
     """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
-    evicted first. About 40 B a token (measured by ``benchmarks/learning_soak.py``), so the
-    default bounds one drafter at ~40 MB; the ``learning`` set has one per domain."""
+    evicted first. 53-65 B a token at 11-25 k tokens (``benchmarks/learning_soak.py``), so the
+    default bounds one drafter at roughly 60 MB; the ``learning`` set has one per domain."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
