@@ -87,7 +87,8 @@ async def soak(engine: LocalEngine, prompts: list[list[int]], params: SamplingPa
         samples.append({"t": t, "tokens": counter["tokens"], "steps": counter["steps"],
                         "accepted": counter["accepted"], "requests": counter["requests"], "errors": counter["errors"],
                         "tok_s": (counter["tokens"] - last["tokens"]) / dt,
-                        "mean_accepted_length": (counter["accepted"] - last["accepted"] + steps) / steps if steps else 0.0,
+                        "mean_accepted_length":
+                            (counter["accepted"] - last["accepted"] + steps) / steps if steps else 0.0,
                         "rss_mib": rss_mib(), "heap_in_use_mib": (malloc_in_use_bytes() or 0) / 2**20,
                         "python_objects": len(gc.get_objects()), "indexes": index_sizes(engine)})
 
@@ -172,7 +173,8 @@ def main() -> None:
     for s in samples:
         print(f"| {s['t']:.0f} | {s['requests']} | {s['tok_s']:.1f} | {s['mean_accepted_length']:.2f} | "
               f"{s['rss_mib']:.1f} | {s['heap_in_use_mib']:.1f} | {s['python_objects']} | " + " | ".join(
-                  f"{s['indexes'][n]['global_tokens']} / {(s['indexes'][n]['global_bytes'] + s['indexes'][n]['local_bytes']) / 1024:.0f}"
+                  f"{s['indexes'][n]['global_tokens']} / "
+                  f"{(s['indexes'][n]['global_bytes'] + s['indexes'][n]['local_bytes']) / 1024:.0f}"
                   for n in names) + " |")
     half = [s for s in samples[:-1] if s["t"] >= args.seconds / 2]  # the last one is after the drain
     rss_slope = slope_per_min([(s["t"], s["rss_mib"]) for s in half])

@@ -15,8 +15,9 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), 1024 entries each by default. A server sees a new
 # shape with every prompt length and batch, so with the defaults its C heap grew ~0.8 MiB per
 # request for the first thousand-odd shapes (measured: 114 requests at c=8 in 60 s, heap in use
-# +88 MiB after warm-up; the soak tests' "RSS creep"). 64 entries each hold the shapes a decode
-# step repeats: +6 MiB over the same run, then flat, at the same speed (106-114 requests).
+# +88 MiB after warm-up; very likely the slow RSS creep the serving soak test saw). 64 entries
+# each hold the shapes a decode step repeats: +6 MiB over the same run, and flat over a 3-minute
+# soak (benchmarks/learning_soak.py), at the same speed (106-114 requests).
 # Both are read when oneDNN first builds a kernel, so setting them here, before any forward,
 # is enough; a value the user set is kept.
 _os.environ.setdefault("LRU_CACHE_CAPACITY", "64")

@@ -21,7 +21,8 @@ def test_passive_wait_is_the_default_and_a_user_choice_is_kept(given, expected):
     assert out.stdout.strip() == expected
 
 
-CACHES = "import cosine_ray, os, torch; print(os.environ.get('LRU_CACHE_CAPACITY'), os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))"
+CACHES = ("import cosine_ray, os, torch; "
+          "print(os.environ.get('LRU_CACHE_CAPACITY'), os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))")
 
 
 @pytest.mark.parametrize("given, expected", [(None, "64 64"), ("1024", "1024 1024")])
