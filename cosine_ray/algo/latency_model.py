@@ -8,14 +8,28 @@ both terms are *measured* (docs/algorithms.md). This module fits them to samples
 **T_llm, varlen form (what we fit and what the scheduler uses).** Our target forward has no
 padding: request i contributes ``n_i`` new tokens (``1 + γ_i`` tree nodes at a decode step,
 the prompt at a prefill) on top of ``l_i`` cached ones, and attention scores each new token
-against its ``l_i + n_i`` keys (``LlamaStage.forward`` runs one masked SDPA per request). So::
+against its ``l_i + n_i`` keys (``LlamaStage.forward`` runs one masked SDPA per request). With
+``N = Σ n_i`` the step's new tokens::
 
-    T_llm = c0 + c_req·b + c_tok·Σ n_i + c_attn·Σ n_i·(l_i + n_i)
+    T_llm = c0 + c_req·b + c_tok·N + c_knee·max(N − K, 0) + c_attn·Σ n_i·(l_i + n_i)
 
 ``c_tok`` is the weight-bound per-token work (GEMMs), ``c_attn`` the per-key attention work,
 ``c_req`` the per-request cost of the per-request attention call (30 layers × one SDPA call on
 SmolLM2; non-negative least squares sets it to 0 if the data do not need it). The brief's
 ``c_attn·Σ l_i(1+γ_i)`` is the same term without the small intra-tree part ``n_i²``.
+
+**The knee K** (``knee_tokens``) makes the token cost convex, a roofline: while the GEMMs are
+bound by reading the weights, another row costs little; past K rows they are bound by compute
+and each token costs ``c_tok + c_knee``. Measured on a 2-core CPU (SmolLM2-135M, 2 threads,
+context 200): 1 → 9 tokens of one request cost 54 → 58 ms (~0.45 ms a token), 16 → 144 tokens
+of 16 requests 115 → 368 ms (~2 ms a token); one straight line priced every token at 1.6 ms,
+3-4× too much for one request and too little under load. K is chosen from ``KNEE_CANDIDATES``
+by the fit itself (the one with the least weighted relative squared error, kept only if it
+beats no knee by ``KNEE_MIN_GAIN``), so a machine with a straight curve keeps c_knee = 0, and
+a GPU, whose knee lies at hundreds of tokens, finds its own. Because the knee couples the
+requests of a step (a token's price depends on the step's other tokens), the scheduler prices
+draft nodes at the local slope (``token_slope``, ``algo.tree_selection.TreePrice``) and the LP
+uses the tangent at its reference batch (``tangent``).
 
 **T_llm, the paper's form** ``T_llm(b, l, Γ)`` with ``l`` the longest context of the batch:
 ``n_tok = b + Γ`` and every new token attends to at most ``l + 1 + γ_max`` keys, so
@@ -41,8 +55,17 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-SCHEMA_VERSION = 1
-LLM_TERMS = ("c0", "c_req", "c_tok", "c_attn")
+SCHEMA_VERSION = 2
+"""2 added the knee (``c_knee``, ``knee_tokens``); a version-1 profile still loads, with no knee
+(c_knee = 0, exactly its old linear model) until the engine's first refit finds one."""
+LLM_TERMS = ("c0", "c_req", "c_tok", "c_knee", "c_attn")
+KNEE_CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+"""K values the fit tries (tokens in one forward)."""
+KNEE_MIN_GAIN = 0.05
+"""A knee is kept only when it lowers the weighted relative squared error by this share (one
+more coefficient always fits noise a little better)."""
+KNEE_MIN_SIDE = 3
+"""A candidate K needs this many samples on each side (N ≤ K and N > K) to be tried."""
 SSM_TERMS = ("c0", "c_req", "c_tok")
 
 
@@ -66,8 +89,8 @@ class LlmSample:
         if not (math.isfinite(self.seconds) and self.seconds > 0):
             raise ValueError(f"seconds must be a positive number, got {self.seconds!r}")
 
-    def features(self) -> tuple[float, float, float, float]:
-        return llm_features(self.context_lens, self.num_new_tokens)
+    def features(self, knee_tokens: int = 0) -> tuple[float, float, float, float, float]:
+        return llm_features(self.context_lens, self.num_new_tokens, knee_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +111,14 @@ class SsmSample:
             raise ValueError(f"seconds must be a positive number, got {self.seconds!r}")
 
 
-def llm_features(context_lens: Sequence[int], num_new_tokens: Sequence[int]) -> tuple[float, float, float, float]:
-    """(1, b, Σ n_i, Σ n_i·(l_i + n_i)): the regressors of T_llm."""
+def llm_features(context_lens: Sequence[int], num_new_tokens: Sequence[int],
+                 knee_tokens: int = 0) -> tuple[float, float, float, float, float]:
+    """(1, b, N, max(N − K, 0), Σ n_i·(l_i + n_i)) with N = Σ n_i: the regressors of T_llm
+    (K = ``knee_tokens``; 0 = no knee, the fourth regressor is 0)."""
     b = len(num_new_tokens)
     n_tok = sum(num_new_tokens)
     attn = sum(n * (l + n) for l, n in zip(context_lens, num_new_tokens))
-    return 1.0, float(b), float(n_tok), float(attn)
+    return 1.0, float(b), float(n_tok), float(max(n_tok - knee_tokens, 0) if knee_tokens > 0 else 0), float(attn)
 
 
 # ---- one linear fit ---------------------------------------------------------------------------
@@ -105,6 +130,8 @@ class LinearFit:
     r2: float
     max_rel_error: float
     num_samples: int
+    rel_sse: float = field(default=0.0, compare=False)
+    """Σ w·((pred − y) / y)²: what the fit minimised (to compare fits of other regressors)."""
 
     def predict(self, features: Sequence[float]) -> float:
         return float(sum(c * f for c, f in zip(self.coefs, features)))
@@ -119,13 +146,14 @@ class LinearFit:
             raise ValueError("need at least one sample with one row of features each")
         w = np.ones_like(y) if weights is None else np.sqrt(np.asarray(weights, dtype=np.float64))  # [num_samples]
         scale = np.maximum(np.abs(a).max(axis=0), 1e-300)  # column scaling for conditioning
-        x, _ = nnls((a / scale) * (w / y)[:, None], w)
+        x, rnorm = nnls((a / scale) * (w / y)[:, None], w)
         x = x / scale
         pred = a @ x
         ss_res = float(((pred - y) ** 2).sum())
         ss_tot = float(((y - y.mean()) ** 2).sum())
         r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-        return cls(tuple(float(v) for v in x), r2, float(np.max(np.abs(pred - y) / y)), int(len(y)))
+        return cls(tuple(float(v) for v in x), r2, float(np.max(np.abs(pred - y) / y)), int(len(y)),
+                   float(rnorm) ** 2)
 
     def to_dict(self, names: Sequence[str]) -> dict[str, Any]:
         return {"coefs": dict(zip(names, self.coefs)), "r2": self.r2,
@@ -158,7 +186,7 @@ def _is_number(v: Any) -> bool:
 @dataclass(frozen=True, slots=True)
 class LatencyModel:
     llm: LinearFit
-    """T_llm over (1, b, Σ n_i, Σ n_i (l_i + n_i)) — see the module docstring."""
+    """T_llm over (1, b, N, max(N − K, 0), Σ n_i (l_i + n_i)) — see the module docstring."""
     ssm: Mapping[str, LinearFit]
     """drafter name -> T_ssm over (1, b, Γ)."""
     model_name: str = "unknown"
@@ -167,8 +195,31 @@ class LatencyModel:
     num_stages: int = 1
     num_threads: int | None = None
     """torch intra-op threads during the measurement (None: torch's default)."""
+    knee_tokens: int = 0
+    """K: new tokens per forward beyond which each costs ``c_knee`` more (0 = no knee)."""
     llm_samples: tuple[LlmSample, ...] = field(default=(), repr=False)
     ssm_samples: tuple[SsmSample, ...] = field(default=(), repr=False)
+
+    # -- the T_llm terms by name ----------------------------------------------------------
+    @property
+    def c0(self) -> float:
+        return self.llm.coefs[0]
+
+    @property
+    def c_req(self) -> float:
+        return self.llm.coefs[1]
+
+    @property
+    def c_tok(self) -> float:
+        return self.llm.coefs[2]
+
+    @property
+    def c_knee(self) -> float:
+        return self.llm.coefs[3]
+
+    @property
+    def c_attn(self) -> float:
+        return self.llm.coefs[4]
 
     # -- prediction ------------------------------------------------------------------------
     def predict_llm(self, context_lens: Sequence[int], num_new_tokens: Sequence[int]) -> float:
@@ -177,21 +228,31 @@ class LatencyModel:
             raise ValueError("context_lens and num_new_tokens must have the same length")
         if not num_new_tokens:
             return 0.0
-        return self.llm.predict(llm_features(context_lens, num_new_tokens))
+        return self.llm.predict(llm_features(context_lens, num_new_tokens, self.knee_tokens))
 
-    def request_llm_seconds(self, context_len: int, num_new_tokens: int) -> float:
-        """One request's share of T_llm (everything but c0): what adding it to a batch costs."""
-        _, c_req, c_tok, c_attn = self.llm.coefs
-        return c_req + c_tok * num_new_tokens + c_attn * num_new_tokens * (context_len + num_new_tokens)
+    def token_seconds(self, num_tokens: float) -> float:
+        """The token terms of T_llm for N new tokens: ``c_tok·N + c_knee·max(N − K, 0)`` (convex)."""
+        knee = self.c_knee * max(num_tokens - self.knee_tokens, 0) if self.knee_tokens > 0 else 0.0
+        return self.c_tok * num_tokens + knee
+
+    def token_slope(self, num_tokens: float) -> float:
+        """What the next token costs in a forward that already has ``num_tokens`` new ones."""
+        return self.token_seconds(num_tokens + 1) - self.token_seconds(num_tokens)
+
+    def tangent(self, num_tokens: float) -> tuple[float, float]:
+        """(c0', c_tok'): the straight line that touches the token terms at ``num_tokens`` with the
+        next token's slope, as an intercept and a per-token cost. ``c0' + c_req·b + c_tok'·N +
+        c_attn·…`` equals T_llm at N = ``num_tokens`` and never exceeds it elsewhere (convexity)."""
+        slope = self.token_slope(num_tokens)
+        return self.c0 + self.token_seconds(num_tokens) - slope * num_tokens, slope
 
     def predict_llm_paper(self, b: int, l: int, total_gamma: int, gamma_max: int) -> float:
         """The paper's T_llm(b, l, Γ): b + Γ new tokens, each over at most l + 1 + γ_max keys.
         An upper bound of ``predict_llm`` for any batch with max context l and per-request γ ≤ γ_max."""
         if b <= 0:
             return 0.0
-        c0, c_req, c_tok, c_attn = self.llm.coefs
         n_tok = b + total_gamma
-        return c0 + c_req * b + c_tok * n_tok + c_attn * n_tok * (l + 1 + gamma_max)
+        return self.c0 + self.c_req * b + self.token_seconds(n_tok) + self.c_attn * n_tok * (l + 1 + gamma_max)
 
     def predict_ssm(self, drafter: str, num_requests: int, num_draft_tokens: int) -> float:
         """One drafter's ``propose`` for b requests with total budget Γ (0 when nothing drafts)."""
@@ -224,16 +285,19 @@ class LatencyModel:
             model_name: str = "unknown", device: str = "cpu", dtype: str = "float32",
             num_stages: int = 1, num_threads: int | None = None,
             llm_weights: Sequence[float] | None = None) -> "LatencyModel":
-        """``llm_weights``: one per LLM sample (e.g. recent live steps over the start-up profile)."""
+        """``llm_weights``: one per LLM sample (e.g. recent live steps over the start-up profile).
+        T_llm is fitted without a knee and with each ``KNEE_CANDIDATES`` K that has
+        ``KNEE_MIN_SIDE`` samples on either side; the best K is kept when it beats no knee by
+        ``KNEE_MIN_GAIN`` (module docstring)."""
         if not llm_samples:
             raise ValueError("need at least one target-forward sample to fit T_llm")
-        llm = LinearFit.fit([s.features() for s in llm_samples], [s.seconds for s in llm_samples], llm_weights)
+        knee, llm = fit_llm(llm_samples, llm_weights)
         ssm: dict[str, LinearFit] = {}
         for name in sorted({s.drafter for s in ssm_samples}):
             rows = [s for s in ssm_samples if s.drafter == name]
             ssm[name] = LinearFit.fit([(1.0, s.num_requests, s.num_draft_tokens) for s in rows],
                                       [s.seconds for s in rows])
-        return cls(llm, ssm, model_name, device, dtype, num_stages, num_threads,
+        return cls(llm, ssm, model_name, device, dtype, num_stages, num_threads, knee,
                    tuple(llm_samples), tuple(ssm_samples))
 
     @classmethod
@@ -256,6 +320,7 @@ class LatencyModel:
             "schema_version": SCHEMA_VERSION,
             "model": self.model_name, "device": self.device, "dtype": self.dtype,
             "num_stages": self.num_stages, "num_threads": self.num_threads,
+            "knee_tokens": self.knee_tokens,
             "llm": self.llm.to_dict(LLM_TERMS),
             "ssm": {name: fit.to_dict(SSM_TERMS) for name, fit in self.ssm.items()},
             "samples": {
@@ -284,9 +349,16 @@ class LatencyModel:
         if not isinstance(data, dict):
             raise ValueError("latency profile must be a JSON object")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in (1, SCHEMA_VERSION) or isinstance(version, bool):
             raise ValueError(f"latency profile schema_version is {version!r}, this build reads "
-                             f"{SCHEMA_VERSION}; re-run `cosine-ray profile`")
+                             f"1 and {SCHEMA_VERSION}; re-run `cosine-ray profile`")
+        if version == 1:  # no knee yet: the same linear model, c_knee = 0
+            llm_v1 = data.get("llm")
+            if isinstance(llm_v1, dict) and isinstance(llm_v1.get("coefs"), dict) and "c_knee" not in llm_v1["coefs"]:
+                data = {**data, "knee_tokens": 0, "llm": {**llm_v1, "coefs": {**llm_v1["coefs"], "c_knee": 0.0}}}
+        knee = data.get("knee_tokens")
+        if not isinstance(knee, int) or isinstance(knee, bool) or knee < 0:
+            raise ValueError("latency profile field 'knee_tokens' must be an integer >= 0")
         for key in ("model", "device", "dtype"):
             if not isinstance(data.get(key), str):
                 raise ValueError(f"latency profile field {key!r} must be a string")
@@ -311,5 +383,23 @@ class LatencyModel:
                                 for s in samples.get("ssm", []))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"latency profile has a malformed sample: {exc}") from None
-        return cls(llm, ssm, data["model"], data["device"], data["dtype"], data["num_stages"], threads,
+        return cls(llm, ssm, data["model"], data["device"], data["dtype"], data["num_stages"], threads, knee,
                    llm_samples, ssm_samples)
+
+
+def fit_llm(samples: Sequence[LlmSample], weights: Sequence[float] | None = None) -> tuple[int, LinearFit]:
+    """(K, fit) of T_llm: no knee, or the candidate K that fits best (``LatencyModel.fit``)."""
+    seconds = [s.seconds for s in samples]
+    best_knee, best = 0, LinearFit.fit([s.features() for s in samples], seconds, weights)
+    tokens = sorted(sum(s.num_new_tokens) for s in samples)
+    if len(tokens) < 2 * KNEE_MIN_SIDE:
+        return best_knee, best
+    low, high = tokens[KNEE_MIN_SIDE - 1], tokens[-KNEE_MIN_SIDE]  # K in [low, high): enough on each side
+    threshold = best.rel_sse * (1.0 - KNEE_MIN_GAIN)
+    for knee in KNEE_CANDIDATES:
+        if not low <= knee < high:
+            continue
+        fit = LinearFit.fit([s.features(knee) for s in samples], seconds, weights)
+        if fit.rel_sse < threshold and fit.coefs[3] > 0:
+            best_knee, best, threshold = knee, fit, fit.rel_sse
+    return best_knee, best

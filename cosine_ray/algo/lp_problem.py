@@ -7,7 +7,8 @@ Paper → code (the CoSine paper §4.3; docs/algorithms.md)::
 
     b_i ∈ {0,1}        x[i, g] ∈ {0,1} one-hot over g = 0..G_i, b_i = Σ_g x[i, g]
     γ_i ≥ 1            γ_i = Σ_g g·x[i, g] ≥ 0: γ_i = 0 turns speculation off for request i
-    l = max l_i        varlen cost: each request adds its own T_llm share (latency_model)
+    l = max l_i        varlen cost: each request adds its own T_llm share (latency_model), the
+                       token terms linearised at the reference batch (their tangent)
     Γ ≤ Γ_max          Σ_i γ_i ≤ total_gamma_max
     T_ttl ≤ T_max      T_ttl = c0 + Σ_i share_i(γ_i) + T_ssm(b_draft, Γ) ≤ t_max_s
     Σ b_i m_i ≤ M_max  Σ_{waiting, selected} m_i ≤ max(0, M_max − Σ_{running} m_i)
@@ -196,7 +197,12 @@ class _Problem:
         self.gmax_list = [0 if c.prefill_tokens else min(len(c.gains) - 1, config.gamma_max) for c in cands]
         G = max(self.gmax_list, default=0)
         self.num_g = G + 1
-        _, c_req, c_tok, c_attn = model.llm.coefs
+        # the token terms are convex (the latency model's knee) and couple the requests; the LP
+        # keeps one share per request by using their tangent at its reference batch: the b_ref
+        # requests of λ's plain step, each with its root (or its prompt)
+        b_ref = max(1, min(config.max_batch_size, n))
+        c0, c_tok = model.tangent(sum(c.prefill_tokens or 1 for c in cands[:b_ref]))
+        c_req, c_attn = model.c_req, model.c_attn
         inf = math.inf
         time_rows, obj_rows, gain_rows = [], [], []
         for c, gm in zip(cands, self.gmax_list):
@@ -213,7 +219,7 @@ class _Problem:
             gain_rows.append(list(c.gains[: gm + 1]) + [-inf] * (G - gm))
         self.time_rows, self.obj_rows, self.gain_rows = time_rows, obj_rows, gain_rows
         self.has_prefill = any(c.prefill_tokens for c in cands)
-        self.c0 = model.llm.coefs[0]
+        self.c0 = c0
         # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
         names = list(model.ssm if config.drafters is None else config.drafters)
         unknown = [name for name in names if name not in model.ssm]
@@ -235,7 +241,6 @@ class _Problem:
         if config.lam is not None:
             self.lam_value = config.lam
         else:
-            b_ref = max(1, min(config.max_batch_size, n))
             self.lam_value = (self.c0 + b_ref * self.plain_share) / (b_ref * b_ref)
 
     # ---- the same as arrays, on first use ----------------------------------------------------

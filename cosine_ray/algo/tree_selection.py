@@ -8,14 +8,19 @@ Selection keeps the ``budget`` nodes with the highest such chance, none below a 
 cumulative confidence never exceeds its parent's, so ancestors always survive first.
 
 How γ_i is chosen is the scheduler's business (``TreePrice``): eq. 8's objective
-``T_ttl/b − λ·Σ gains_i(γ_i)`` separates per request once the batch is fixed, so with the
-tree in hand each request takes the γ that minimises ``share_i(γ)/b − λ·gains_i(γ)``, where
-``share_i`` is its part of the verify time (``LatencyModel.request_llm_seconds``) and
-``gains_i(γ)`` the expected accepted tokens of its best γ nodes (``expected_gains``).
+``T_ttl/b − λ·Σ gains_i(γ_i)`` is minimised over the γ_i of the whole batch once the trees are
+in hand, where ``gains_i(γ)`` is the expected accepted tokens of request i's best γ nodes
+(``expected_gains``, concave) and T_ttl's verify part is convex in the γ_i: each request's
+attention grows with its own nodes, and the token terms ``c_tok·N + c_knee·max(N − K, 0)``
+with the step's total N (``LatencyModel.token_seconds``). Concave gains against a convex
+cost: taking nodes one at a time, always the one whose gain best pays for its own attention,
+while that beats the token slope at the current N, reaches the optimum (``gammas_for``).
+Without a knee the batch separates per request, as it did before the knee was fitted.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -90,9 +95,9 @@ def build_tree(root_token_id: int, paths: Sequence[FusedPath], budget: int, *,
 class TreePrice:
     """The scheduler's exchange rate between verify time and expected accepted tokens.
 
-    ``gamma`` solves one request's part of eq. 8 for a fixed batch of ``batch_size``:
-    ``argmin_g  (c_req + c_tok·(1+g) + c_attn·(1+g)·(l+1+g)) / b  −  lam · gains(g)``.
-    The constant terms do not change the argmin, so a node is verified exactly when its
+    ``gammas_for`` solves eq. 8 for a fixed batch of ``batch_size``: minimise over the γ_i
+    ``(Σ_i c_attn·(1+γ_i)·(l_i+1+γ_i) + token_seconds(base_tokens + Σ_i γ_i)) / b − lam·Σ_i gains_i(γ_i)``
+    (the terms that do not move with γ dropped), so a node is verified exactly when its
     expected gain pays for its marginal verify time at this batch."""
 
     lam: float
@@ -102,18 +107,50 @@ class TreePrice:
     """Seconds per new token of the verify forward (latency model)."""
     c_attn: float
     """Seconds per (new token × key) of attention (latency model)."""
+    c_knee: float = 0.0
+    """Extra seconds per new token beyond ``knee_tokens`` in the forward (latency model)."""
+    knee_tokens: int = 0
+    """K of the latency model (0 = no knee)."""
+    base_tokens: int = 0
+    """New tokens the step verifies before any draft node: each decoding request's root and
+    the prompts of the prefills that share its forward."""
+
+    def token_seconds(self, num_tokens: int) -> float:
+        knee = self.c_knee * max(num_tokens - self.knee_tokens, 0) if self.knee_tokens > 0 else 0.0
+        return self.c_tok * num_tokens + knee
 
     def gamma(self, context_len: int, node_acceptance: Sequence[float], gamma_max: int) -> int:
         return self.gamma_for(context_len, expected_gains(node_acceptance, gamma_max))
 
     def gamma_for(self, context_len: int, gains: Sequence[float]) -> int:
-        """``gamma`` on the tree's expected-gain curve (``expected_gains``) when it is at hand."""
+        """One request's γ on its expected-gain curve (``expected_gains``)."""
+        return self.gammas_for([(context_len, gains)])[0]
+
+    def gammas_for(self, requests: Sequence[tuple[int, Sequence[float]]]) -> list[int]:
+        """γ_i per (context length, expected-gain curve), jointly: greedy on marginal values,
+        exact for concave gains against convex costs (module docstring). Ties keep the smaller
+        tree, and among requests the earlier one."""
         b = max(self.batch_size, 1)
-        best, best_value = 0, 0.0
-        for g in range(1, len(gains)):
-            n = 1 + g
-            marginal = (self.c_tok * g + self.c_attn * (n * (context_len + 1 + g) - (context_len + 1))) / b
-            value = marginal - self.lam * gains[g]
-            if value < best_value:  # ties keep the smaller tree
-                best, best_value = g, value
-        return best
+        lam, c_attn = self.lam, self.c_attn
+        gammas = [0] * len(requests)
+
+        def value(i: int) -> float:  # the next node's gain less its own attention, per step share
+            ctx, gains = requests[i]
+            g = gammas[i]
+            attn = (2 + g) * (ctx + 2 + g) - (1 + g) * (ctx + 1 + g)
+            return lam * (gains[g + 1] - gains[g]) - c_attn * attn / b
+
+        heap = [(-value(i), i) for i, (_, gains) in enumerate(requests) if len(gains) > 1]
+        heapq.heapify(heap)
+        num_tokens = self.base_tokens
+        while heap:
+            neg, i = heap[0]
+            if -neg - (self.token_seconds(num_tokens + 1) - self.token_seconds(num_tokens)) / b <= 0:
+                break  # the best node left does not pay, and the next tokens only cost more
+            gammas[i] += 1
+            num_tokens += 1
+            if gammas[i] + 1 < len(requests[i][1]):
+                heapq.heapreplace(heap, (-value(i), i))
+            else:
+                heapq.heappop(heap)
+        return gammas

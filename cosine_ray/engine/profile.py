@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from cosine_ray.algo.latency_model import LatencyModel, LlmSample, SsmSample
+from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig
@@ -240,8 +240,8 @@ def format_table(model: LatencyModel) -> str:
         pred = model.predict_ssm(s.drafter, s.num_requests, s.num_draft_tokens)
         what = f"{s.drafter} b={s.num_requests} Γ={s.num_draft_tokens}"
         lines.append(f"{what:<28} {s.seconds * 1e3:>12.3f} {pred * 1e3:>13.3f} {(pred / s.seconds - 1):>7.1%}")
-    names = ("c0", "c_req", "c_tok", "c_attn")
-    lines.append("T_llm = " + " + ".join(f"{n} {c * 1e3:.4g} ms" for n, c in zip(names, model.llm.coefs))
+    lines.append("T_llm = " + " + ".join(f"{n} {c * 1e3:.4g} ms" for n, c in zip(LLM_TERMS, model.llm.coefs))
+                 + f", knee at {model.knee_tokens or 'none'} tokens"
                  + f"  (R² {model.llm.r2:.3f}, max error {model.llm.max_rel_error:.1%})")
     for name, fit in model.ssm.items():
         lines.append(f"T_ssm[{name}] = " + " + ".join(f"{n} {c * 1e3:.4g} ms" for n, c in

@@ -19,7 +19,9 @@ One owner for the request pool's scheduling. Per step (one lane's micro-batch):
    LP the **price** (λ of eq. 8 and the marginal verify cost): eq. 8 separates per request once
    the batch is fixed, so TreeSelection picks each γ_i on the drafted tree itself
    (``algo.tree_selection.TreePrice``) — the same optimum the LP would find with the tree's
-   gains, without waiting for the trees to decide the batch. The LP's λ = T0/b² values an
+   gains, without waiting for the trees to decide the batch. The price carries the latency
+   model's convex token cost (its knee) and the step's tokens before drafting, so a node pays
+   the slope at the step's real size: cheap while the forward is below the knee, dear above. The LP's λ = T0/b² values an
    accepted token at the time per token of *plain* decoding (its first-order expansion around
    γ = 0); where speculation already pays, a token is worth only the time per token at the
    operating point, T/(b + A) = (T0/b)/G, G being the measured goodput of the guard's level
@@ -155,7 +157,7 @@ class BatchScheduler:
             self._holds_kv.add(r.request_id)
         price, level = None, None
         if self.priced and budgets:
-            _, _, c_tok, c_attn = self.costs.latency.llm.coefs
+            latency = self.costs.latency
             lam, kappa = schedule.lam, 1.0
             if self.guard is not None:
                 lam /= self.guard.operating_goodput()
@@ -163,7 +165,9 @@ class BatchScheduler:
                 kappa = self.guard.levels[level]
                 if kappa == 0.0:  # speculation off for this step: nobody drafts
                     budgets = dict.fromkeys(budgets, 0)
-            price = TreePrice(lam * kappa, len(requests), c_tok, c_attn)
+            base_tokens = sum(1 if r.request_id in budgets else r.num_tokens for r in requests)
+            price = TreePrice(lam * kappa, len(requests), latency.c_tok, latency.c_attn, latency.c_knee,
+                              latency.knee_tokens, base_tokens)
         return StepBatch(requests, budgets, price, {rid: self._num_steps[rid] for rid in budgets},
                          time.perf_counter() - start, level, now)
 

@@ -133,22 +133,22 @@ class TreePolicy(Protocol):
     cut: float
     """Cumulative-confidence floor for fusion and TreeSelection."""
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
-        """γ_i for ``request`` on its drafted tree ``full`` (``gains``: its expected-gain curve)."""
+    def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:
+        """γ_i per (request, its drafted tree, that tree's expected-gain curve), in order."""
         ...
 
 
 class PricedSelection:
-    """The LP's γ_i: each node pays its marginal verify time or is left out (eq. 8 per request)."""
+    """The LP's γ_i: each node pays its marginal verify time at this step or is left out (eq. 8)."""
 
     cut = FUSION_MIN_CUMULATIVE
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
-        rid = request.request_id
-        gamma = batch.price.gamma_for(request.num_tokens, gains)
-        if gamma == 0 and batch.num_steps.get(rid, 0) % PROBE_EVERY == 0:
-            gamma = min(1, full.tree.num_draft_tokens)  # probe: keep measuring the drafters
-        return gamma
+    def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:
+        gammas = batch.price.gammas_for([(request.num_tokens, gains) for request, _, gains in trees])
+        for k, (request, full, _) in enumerate(trees):
+            if gammas[k] == 0 and batch.num_steps.get(request.request_id, 0) % PROBE_EVERY == 0:
+                gammas[k] = min(1, full.tree.num_draft_tokens)  # probe: keep measuring the drafters
+        return gammas
 
 
 class ConfidenceCutSelection:
@@ -157,8 +157,8 @@ class ConfidenceCutSelection:
     def __init__(self, cut: float) -> None:
         self.cut = cut
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
-        return batch.budgets[request.request_id]
+    def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:
+        return [batch.budgets[request.request_id] for request, _, _ in trees]
 
 
 class FixedSelection:
@@ -166,8 +166,8 @@ class FixedSelection:
 
     cut = 0.0
 
-    def gamma(self, batch: StepBatch, request: Request, full: SelectedTree, gains: tuple[float, ...]) -> int:
-        return batch.budgets[request.request_id]
+    def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:
+        return [batch.budgets[request.request_id] for request, _, _ in trees]
 
 
 class Speculator:
@@ -195,14 +195,14 @@ class Speculator:
             if drafting else {}
         start = time.perf_counter()
         fulls: dict[str, tuple[SelectedTree, tuple[float, ...]]] = {}
-        gammas: dict[str, int] = {}
         for r in decodes:
             rid = r.request_id
             paths = drafted[rid].paths if rid in drafted else []
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid], min_confidence=cut)
-            gains = expected_gains(full.node_acceptance(), batch.budgets[rid])
-            fulls[rid] = (full, gains)
-            gammas[rid] = min(self.selection.gamma(batch, r, full, gains), full.tree.num_draft_tokens) if paths else 0
+            fulls[rid] = (full, expected_gains(full.node_acceptance(), batch.budgets[rid]))
+        chosen = self.selection.gammas(batch, [(r, *fulls[r.request_id]) for r in decodes]) if decodes else []
+        gammas = {r.request_id: min(g, fulls[r.request_id][0].tree.num_draft_tokens)
+                  if r.request_id in drafted and drafted[r.request_id].paths else 0 for r, g in zip(decodes, chosen)}
         gammas = trim_gammas(gammas, self.total_gamma_max)  # Algorithm 2
         trees = {}
         for r in decodes:

@@ -17,9 +17,11 @@ from cosine_ray.algo.lp_schedule import (Candidate, ScheduleConfig, evaluate_sch
                                          schedule_batch, trim_gammas)
 
 
-def make_model(llm=(0.05, 0.0, 0.01, 0.0), ssm=None) -> LatencyModel:
+def make_model(llm=(0.05, 0.0, 0.01, 0.0), ssm=None, *, knee_tokens=0, c_knee=0.0) -> LatencyModel:
+    """``llm``: (c0, c_req, c_tok, c_attn); the knee apart (none by default)."""
     fits = {name: LinearFit(tuple(c), 1.0, 0.0, 1) for name, c in (ssm or {}).items()}
-    return LatencyModel(LinearFit(tuple(llm), 1.0, 0.0, 1), fits)
+    c0, c_req, c_tok, c_attn = llm
+    return LatencyModel(LinearFit((c0, c_req, c_tok, c_knee, c_attn), 1.0, 0.0, 1), fits, knee_tokens=knee_tokens)
 
 
 TWO_DRAFTERS = make_model((0.05, 0.002, 0.004, 2e-6),
@@ -308,3 +310,18 @@ def test_hitting_the_time_limit_falls_back():
     cands = [cand(f"r{i}", gains=(0, 0.9, 1.7)) for i in range(3)]
     s = schedule_batch(cands, make_model(), ScheduleConfig(use_relaxation=False, time_limit_s=1e-9))
     assert s.status == "fallback" and s.solver == "fcfs" and len(s.batch) == 3
+
+
+def test_the_lp_prices_tokens_at_the_tangent_of_a_knee_at_its_reference_batch():
+    """Past the knee every token costs c_tok + c_knee: the same batch drafts less, and the
+    plain step it predicts is the model's own T_llm at that batch."""
+    cands = [cand(f"r{i}", gains=(0, 0.7, 1.2, 1.5, 1.7)) for i in range(8)]
+    straight = make_model((0.05, 0.002, 0.0005, 0.0))
+    convex = make_model((0.05, 0.002, 0.0005, 0.0), knee_tokens=4, c_knee=0.003)
+    config = config_(max_batch_size=8, gamma_max=4, total_gamma_max=32)
+    cheap, dear = schedule_batch(cands, straight, config), schedule_batch(cands, convex, config)
+    assert len(cheap.batch) == len(dear.batch) == 8
+    assert sum(dear.gamma.values()) < sum(cheap.gamma.values()), (dear.gamma, cheap.gamma)
+    plain = {c.request_id: 0 for c in cands}
+    step = evaluate_schedule(cands, plain, convex, config).predicted_step_s
+    assert step == pytest.approx(convex.predict_llm([c.context_len for c in cands], [1] * 8))

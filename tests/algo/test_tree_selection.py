@@ -1,6 +1,9 @@
 """TreeSelection: union of drafters' paths, best nodes by cumulative confidence, and the LP's
 price deciding γ on a drafted tree."""
 
+import itertools
+import random
+
 import pytest
 
 from cosine_ray.algo.adaptive import expected_gains
@@ -122,3 +125,40 @@ def test_price_verifies_more_when_verify_time_is_cheaper():
     assert gammas == sorted(gammas) and gammas[0] < gammas[-1], gammas
     assert TreePrice(0.0, 1, 1e-3, 0.0).gamma(100, acceptance, 8) == 0  # tokens worth nothing: no drafts
     assert TreePrice(10.0, 1, 1e-3, 0.0).gamma(100, acceptance, 8) == 8  # worth far more than a token: all
+
+
+def batch_objective(price, requests, gammas):
+    """Eq. 8's γ-dependent terms for one batch: attention and token terms per step share,
+    less the price of the expected accepted tokens."""
+    b = max(price.batch_size, 1)
+    attn = sum((1 + g) * (ctx + 1 + g) for (ctx, _), g in zip(requests, gammas))
+    tokens = price.token_seconds(price.base_tokens + sum(gammas))
+    return (price.c_attn * attn + tokens) / b - price.lam * sum(gains[g] for (_, gains), g in zip(requests, gammas))
+
+
+@pytest.mark.parametrize("knee, base", [(0, 3), (4, 3), (6, 3), (16, 12), (16, 20)])
+@pytest.mark.parametrize("lam", [5e-4, 2e-3, 1e-2])
+def test_joint_price_reaches_the_brute_force_optimum_of_the_batch(knee, base, lam):
+    """With a knee a token's price depends on the batch's other nodes; the greedy allocation
+    still finds the best joint γ (concave gains, convex cost)."""
+    rng = random.Random(knee * 1000 + base + int(lam * 1e5))
+    requests = []
+    for ctx in (30, 200, 700):
+        acceptance = sorted((rng.random() for _ in range(5)), reverse=True)
+        requests.append((ctx, expected_gains(acceptance, 5)))
+    price = TreePrice(lam, 3, c_tok=4e-4, c_attn=1e-6, c_knee=2e-3, knee_tokens=knee, base_tokens=base)
+    got = price.gammas_for(requests)
+    best = min(itertools.product(range(6), repeat=3), key=lambda gs: batch_objective(price, requests, gs))
+    assert batch_objective(price, requests, got) == pytest.approx(batch_objective(price, requests, best), abs=1e-12)
+
+
+def test_past_the_knee_the_batch_drafts_less_than_each_request_would_alone():
+    acceptance = [0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    requests = [(100, expected_gains(acceptance, 8))] * 4
+    cheap = TreePrice(1e-3, 4, c_tok=3e-4, c_attn=0.0, c_knee=0.0, knee_tokens=0, base_tokens=4)
+    convex = TreePrice(1e-3, 4, c_tok=3e-4, c_attn=0.0, c_knee=2e-3, knee_tokens=12, base_tokens=4)
+    alone = cheap.gammas_for(requests)
+    joint = convex.gammas_for(requests)
+    assert sum(alone) == 32  # every node pays at the cheap slope
+    # beyond 12 tokens in the step a node costs 2.3 ms / 4 = λ·0.575: only nodes likelier than that
+    assert joint == [5, 5, 5, 5], joint
