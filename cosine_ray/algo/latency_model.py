@@ -118,7 +118,17 @@ def llm_features(context_lens: Sequence[int], num_new_tokens: Sequence[int],
     b = len(num_new_tokens)
     n_tok = sum(num_new_tokens)
     attn = sum(n * (l + n) for l, n in zip(context_lens, num_new_tokens))
-    return 1.0, float(b), float(n_tok), float(max(n_tok - knee_tokens, 0) if knee_tokens > 0 else 0), float(attn)
+    return 1.0, float(b), float(n_tok), float(knee_excess(n_tok, knee_tokens)), float(attn)
+
+
+def knee_excess(num_tokens: float, knee_tokens: int) -> float:
+    """max(N − K, 0): the tokens past the knee (0 without one)."""
+    return max(num_tokens - knee_tokens, 0) if knee_tokens > 0 else 0
+
+
+def token_seconds(num_tokens: float, c_tok: float, c_knee: float, knee_tokens: int) -> float:
+    """The token terms of T_llm for N new tokens: ``c_tok·N + c_knee·max(N − K, 0)`` (convex)."""
+    return c_tok * num_tokens + c_knee * knee_excess(num_tokens, knee_tokens)
 
 
 # ---- one linear fit ---------------------------------------------------------------------------
@@ -231,9 +241,8 @@ class LatencyModel:
         return self.llm.predict(llm_features(context_lens, num_new_tokens, self.knee_tokens))
 
     def token_seconds(self, num_tokens: float) -> float:
-        """The token terms of T_llm for N new tokens: ``c_tok·N + c_knee·max(N − K, 0)`` (convex)."""
-        knee = self.c_knee * max(num_tokens - self.knee_tokens, 0) if self.knee_tokens > 0 else 0.0
-        return self.c_tok * num_tokens + knee
+        """The token terms of T_llm for N new tokens (``token_seconds``)."""
+        return token_seconds(num_tokens, self.c_tok, self.c_knee, self.knee_tokens)
 
     def token_slope(self, num_tokens: float) -> float:
         """What the next token costs in a forward that already has ``num_tokens`` new ones."""
@@ -390,16 +399,20 @@ class LatencyModel:
 def fit_llm(samples: Sequence[LlmSample], weights: Sequence[float] | None = None) -> tuple[int, LinearFit]:
     """(K, fit) of T_llm: no knee, or the candidate K that fits best (``LatencyModel.fit``)."""
     seconds = [s.seconds for s in samples]
-    best_knee, best = 0, LinearFit.fit([s.features() for s in samples], seconds, weights)
-    tokens = sorted(sum(s.num_new_tokens) for s in samples)
-    if len(tokens) < 2 * KNEE_MIN_SIDE:
+    rows = [list(s.features()) for s in samples]  # the knee column (3) is 0 here, filled per K below
+    best_knee, best = 0, LinearFit.fit(rows, seconds, weights)
+    tokens = [row[2] for row in rows]
+    ordered = sorted(tokens)
+    if len(ordered) < 2 * KNEE_MIN_SIDE:
         return best_knee, best
-    low, high = tokens[KNEE_MIN_SIDE - 1], tokens[-KNEE_MIN_SIDE]  # K in [low, high): enough on each side
+    low, high = ordered[KNEE_MIN_SIDE - 1], ordered[-KNEE_MIN_SIDE]  # K in [low, high): enough on each side
     threshold = best.rel_sse * (1.0 - KNEE_MIN_GAIN)
     for knee in KNEE_CANDIDATES:
         if not low <= knee < high:
             continue
-        fit = LinearFit.fit([s.features(knee) for s in samples], seconds, weights)
+        for row, n_tok in zip(rows, tokens):
+            row[3] = float(knee_excess(n_tok, knee))
+        fit = LinearFit.fit(rows, seconds, weights)
         if fit.rel_sse < threshold and fit.coefs[3] > 0:
             best_knee, best, threshold = knee, fit, fit.rel_sse
     return best_knee, best

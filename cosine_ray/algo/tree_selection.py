@@ -26,6 +26,7 @@ from typing import Sequence
 
 from cosine_ray.algo.adaptive import expected_gains
 from cosine_ray.algo.fusion import FusedPath
+from cosine_ray.algo.latency_model import token_seconds
 from cosine_ray.algo.tree import TokenTree
 
 
@@ -116,8 +117,7 @@ class TreePrice:
     the prompts of the prefills that share its forward."""
 
     def token_seconds(self, num_tokens: int) -> float:
-        knee = self.c_knee * max(num_tokens - self.knee_tokens, 0) if self.knee_tokens > 0 else 0.0
-        return self.c_tok * num_tokens + knee
+        return token_seconds(num_tokens, self.c_tok, self.c_knee, self.knee_tokens)
 
     def gamma(self, context_len: int, node_acceptance: Sequence[float], gamma_max: int) -> int:
         return self.gamma_for(context_len, expected_gains(node_acceptance, gamma_max))

@@ -16,14 +16,14 @@ One owner for the request pool's scheduling. Per step (one lane's micro-batch):
    the "LP off" ablation). The KV budget M_max (``StepConfig.kv_budget_bytes``) and T_max
    decide how many prefills one step takes; a deferred prefill waits in its lane.
 4. **Draft budgets** γ_i ≤ min(γ_max, tokens left − 1) for the decoding requests, and for the
-   LP the **price** (λ of eq. 8 and the marginal verify cost): eq. 8 separates per request once
-   the batch is fixed, so TreeSelection picks each γ_i on the drafted tree itself
-   (``algo.tree_selection.TreePrice``) — the same optimum the LP would find with the tree's
+   LP the **price** (λ of eq. 8 and the marginal verify cost): once the batch is fixed,
+   TreeSelection picks the γ_i on the drafted trees themselves
+   (``algo.tree_selection.TreePrice``) — the same optimum the LP would find with the trees'
    gains, without waiting for the trees to decide the batch. The price carries the latency
    model's convex token cost (its knee) and the step's tokens before drafting, so a node pays
-   the slope at the step's real size: cheap while the forward is below the knee, dear above. The LP's λ = T0/b² values an
-   accepted token at the time per token of *plain* decoding (its first-order expansion around
-   γ = 0); where speculation already pays, a token is worth only the time per token at the
+   the slope at the step's real size: cheap while the forward is below the knee, dear above.
+   The LP's λ = T0/b² values an accepted token at the time per token of *plain* decoding (its
+   first-order expansion around γ = 0); where speculation already pays, a token is worth only the time per token at the
    operating point, T/(b + A) = (T0/b)/G, G being the measured goodput of the guard's level
    (tokens per plain-step unit of time, ``SpeculationGuard.operating_goodput``, never below 1).
    So the price is λ/G: a node is drafted when it lowers time per token where the step really

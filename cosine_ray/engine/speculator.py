@@ -201,8 +201,8 @@ class Speculator:
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid], min_confidence=cut)
             fulls[rid] = (full, expected_gains(full.node_acceptance(), batch.budgets[rid]))
         chosen = self.selection.gammas(batch, [(r, *fulls[r.request_id]) for r in decodes]) if decodes else []
-        gammas = {r.request_id: min(g, fulls[r.request_id][0].tree.num_draft_tokens)
-                  if r.request_id in drafted and drafted[r.request_id].paths else 0 for r, g in zip(decodes, chosen)}
+        # no more than was drafted (a request with no paths has a root-only tree: γ = 0)
+        gammas = {r.request_id: min(g, fulls[r.request_id][0].tree.num_draft_tokens) for r, g in zip(decodes, chosen)}
         gammas = trim_gammas(gammas, self.total_gamma_max)  # Algorithm 2
         trees = {}
         for r in decodes:
