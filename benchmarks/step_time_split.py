@@ -5,10 +5,11 @@ never explores or moves), run the held-back workload of ``cosine_ablation.py`` a
 concurrency, interleaved in shuffled rounds. Every engine step is timed (the whole
 ``EngineCore.step``) and classed as a *prefill step* (a prompt in it) or a *decode step*. Per
 level the table gives the run's wall time, the prefill steps' time, and the decode steps'
-count, time, tokens/s and mean number of requests; then the guard's own measure on the same
-steps — committed tokens per request over the step's time in predicted plain-decode steps of
-the same shape, Σ over decode steps — next to the end-to-end ratio, so one run shows how far
-the measure the guard acts on is from what a user gets.
+count, time, tokens/s and mean number of requests; then the guard's own measure, from the
+observations the engine hands it (``Learner._observe_level``: committed tokens per request
+over the step's time in predicted plain-decode steps of the same shape, decode steps only),
+summed undecayed over the run, next to the end-to-end ratio: one run shows how far the measure
+the guard acts on is from what a user gets.
 
     python benchmarks/step_time_split.py [--threads 1] [--concurrency 8,16] [--levels 0,1]
         [--rounds 2] [--prompts-per-domain 4] [--warmup-per-domain 4] [--max-tokens 64]
@@ -37,39 +38,63 @@ from cosine_ray.engine.request import SamplingParams  # noqa: E402
 from cosine_ray.models.loader import resolve_checkpoint  # noqa: E402
 
 
-Row = tuple[bool, int, int, float, float]
-"""One engine step: has a prompt in it, requests, tokens committed, seconds, seconds of a
-predicted plain-decode step of the same shape."""
+Row = tuple[bool, int, int, float]
+"""One engine step: has a prompt in it, requests, tokens committed, seconds."""
 
 
-def held_engine(checkpoint, level: int, record: Callable[[Row], None]) -> LocalEngine:
-    """A full-CoSine engine whose guard stays at ``LEVELS[level]``, every step recorded."""
+class Run:
+    """What one (level, concurrency) setting recorded over its rounds."""
+
+    def __init__(self) -> None:
+        self.steps: list[Row] = []
+        self.seen_by_guard: list[tuple[float, float]] = []
+        """The guard's own observations: (tokens per request, time in plain-decode steps)."""
+        self.seconds: list[float] = []
+
+
+class _RecordingGuard(SpeculationGuard):
+    """The guard as it runs, its observations also handed to ``seen`` (the run in progress)."""
+
+    seen: Callable[[float, float], None] = staticmethod(lambda tokens, plain_steps: None)
+
+    def observe(self, level: int, tokens_per_request: float, plain_steps: float) -> None:
+        self.seen(tokens_per_request, plain_steps)
+        super().observe(level, tokens_per_request, plain_steps)
+
+
+def held_engine(checkpoint, level: int, current: Callable[[], Run | None]) -> LocalEngine:
+    """A full-CoSine engine whose guard stays at ``LEVELS[level]``; every step, and what the
+    guard observes, recorded into ``current()`` (None: not recorded, as in warm-up)."""
     engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(DEFAULT_DRAFTERS),
                                       step=StepConfig(max_batch_size=16)), checkpoint=checkpoint)
     core = engine.core
-    guard = SpeculationGuard(start=level, explore_share=0.0)  # no exploring: nothing to move to
+    guard = _RecordingGuard(start=level, explore_share=0.0)  # no exploring: nothing to move to
+
+    def seen(tokens: float, plain_steps: float) -> None:
+        if (run := current()) is not None:
+            run.seen_by_guard.append((tokens, plain_steps))
+
+    guard.seen = seen
     core.scheduler.guard = core.learner.guard = guard
-    seen: dict[str, object] = {}
+    last: list = []  # the step's verified batch
     verify, step = core.verifier.verify, core.step
 
-    async def timed_verify(batch, drafts):
-        seen["verified"] = out = await verify(batch, drafts)
+    async def capturing_verify(batch, drafts):
+        last.append(out := await verify(batch, drafts))
         return out
 
     async def timed_step(lane=None):
-        seen.clear()
+        last.clear()
         start = time.perf_counter()
         out = await step(lane)
-        verified = seen.get("verified")
-        if verified is not None and verified.outcomes:
-            latency = core.learner.costs.latency
-            plain = latency.predict_llm(verified.context_lens, [1] * len(verified.context_lens))
-            record((any(o.is_prefill for o in verified.outcomes), len(verified.outcomes),
-                               sum(len(o.new_token_ids) for o in verified.outcomes),
-                               time.perf_counter() - start, plain))
+        run = current()
+        if run is not None and last and last[0].outcomes:
+            outcomes = last[0].outcomes
+            run.steps.append((any(o.is_prefill for o in outcomes), len(outcomes),
+                              sum(len(o.new_token_ids) for o in outcomes), time.perf_counter() - start))
         return out
 
-    core.verifier.verify, core.step = timed_verify, timed_step
+    core.verifier.verify, core.step = capturing_verify, timed_step
     return engine
 
 
@@ -99,22 +124,21 @@ def main() -> None:
     warm_ids = [encode_prompt(tokenizer, p) for _, p in warm]
     measured_ids = [encode_prompt(tokenizer, p) for _, p in measured]
     params = SamplingParams(max_tokens=args.max_tokens)
-    steps: dict[tuple[int, int], list[Row]] = {(lvl, c): [] for lvl in levels for c in concurrencies}
-    current: dict[int, list[Row]] = {}  # level → the rows of its run in progress (none in warm-up)
-    engines = {lvl: held_engine(checkpoint, lvl, lambda row, lvl=lvl: current.get(lvl, []).append(row))
-               for lvl in levels}
+    runs = {(lvl, c): Run() for lvl in levels for c in concurrencies}
+    current: dict[int, Run] = {}  # level → its run in progress (none in warm-up)
+    engines = {lvl: held_engine(checkpoint, lvl, lambda lvl=lvl: current.get(lvl)) for lvl in levels}
     for engine in engines.values():
         ablation.run_batch(engine, warm_ids, params, 8)
-    runs: dict[tuple[int, int], list[float]] = {(lvl, c): [] for lvl in levels for c in concurrencies}
     rng = random.Random(args.seed)
     for _ in range(args.rounds):
         for c in concurrencies:
             order = list(levels)
             rng.shuffle(order)
             for lvl in order:
-                current[lvl] = steps[(lvl, c)]
+                current[lvl] = runs[(lvl, c)]
                 _, seconds = ablation.run_batch(engines[lvl], measured_ids, params, c)
-                runs[(lvl, c)].append(seconds)
+                runs[(lvl, c)].seconds.append(seconds)
+                del current[lvl]
 
     print(f"{args.threads} thread(s), {len(measured_ids)} prompts × {args.max_tokens} tokens, {args.rounds} rounds\n")
     print("| c | level κ | run s | prefill steps s | decode steps: count, s, tok/s, mean requests "
@@ -123,19 +147,18 @@ def main() -> None:
     for c in concurrencies:
         base_secs, base_goodput = None, None
         for lvl in levels:
-            rows = steps[(lvl, c)]
-            decode = [r for r in rows if not r[0]]
-            run_s = sum(runs[(lvl, c)])
-            prefill_s = sum(r[3] for r in rows if r[0])
+            run = runs[(lvl, c)]
+            decode = [r for r in run.steps if not r[0]]
+            run_s = sum(run.seconds)
+            prefill_s = sum(r[3] for r in run.steps if r[0])
             dec_s, dec_tok = sum(r[3] for r in decode), sum(r[2] for r in decode)
-            # the guard's measure: Σ tokens per request / Σ time in plain-step units
-            goodput = sum(r[2] / r[1] for r in decode) / sum(r[3] / r[4] for r in decode)
+            # the guard's goodput, undecayed: Σ tokens per request / Σ time in plain-step units
+            goodput = sum(t for t, _ in run.seen_by_guard) / sum(p for _, p in run.seen_by_guard)
             if base_secs is None:
                 base_secs, base_goodput = run_s, goodput
             print(f"| {c} | {LEVELS[lvl]:g} | {run_s:.2f} | {prefill_s:.2f} | {len(decode)}, {dec_s:.2f}, "
                   f"{dec_tok / dec_s:.1f}, {statistics.mean(r[1] for r in decode):.1f} "
                   f"| {base_secs / run_s:.3f}× | {goodput / base_goodput:.3f}× |")
-
 
 if __name__ == "__main__":
     main()
