@@ -1,4 +1,4 @@
-"""Imports only go down: algo/, models/ and engine/ never pull in Ray, Ray Serve,
+"""Imports only go down: algo/, models/, engine/ and sim/ never pull in Ray, Ray Serve,
 FastAPI or the Prometheus client (checked in a fresh interpreter so nothing else in the test
 session has imported them already), and no module of the package imports itself back
 through others: the import graph of ``cosine_ray/`` has no cycle."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cosine_ray"
 
-LAYERS = ("cosine_ray.algo", "cosine_ray.models", "cosine_ray.engine")
+LAYERS = ("cosine_ray.algo", "cosine_ray.models", "cosine_ray.engine", "cosine_ray.sim")
 FORBIDDEN = ("ray", "ray.serve", "fastapi", "prometheus_client")
 
 PROBE = """

@@ -1,0 +1,211 @@
+"""The scenario file of ``cosine-ray simulate``: a deployment and a workload, in YAML or JSON.
+
+Checked against ``SCHEMA`` (JSON Schema, ``jsonschema``), then against itself (names that must
+exist). ``cosine-ray simulate --schema`` prints the schema; ``docs/simulator.md`` explains every
+key with an example, and ``deploy/sim/`` has the scenarios the validation and the report run::
+
+    name: cpu-1-stage                # free text
+    seed: 0
+    engine: {step: {...}}            # the engine's own config keys (deploy/engine.yaml `step`)
+    target: {hidden_size: 576, vocab_size: 49152, activation_bytes: 4, kv_bytes_per_token: 92160,
+             returns: logits}        # shapes that size the transfers; logits | ids
+    latency:                         # named cost models of the whole target on a device
+      cpu: {profile: profiles/cpu-t1.json}         # `cosine-ray profile` output (path: from this file)
+      a100-70b: {roofline: {...}, source: "datasheet ..."}
+      fast: {linear: {c0_ms: 1.0, c_tok_ms: 0.1}, source: "..."}
+    devices: [router, cpu0]          # FIFO servers (one job at a time)
+    router: {device: router, step_overhead_ms: 0.6}
+    stages: [{device: cpu0, latency: cpu, layers: 1.0}]
+    links: {router_stage: {bandwidth_mbps: 10000, latency_ms: 0.1}, stage_stage: {...}, router_drafter: {...}}
+    drafters:
+      - {name: ngram, device: router, latency: {c0_ms: 0.05, c_tok_ms: 0.01},
+         acceptance: {default: {by_depth: [0.5, 0.6, 0.6], coverage: 0.7}}, correlation: 0.5, sharpness: 0.3}
+    workload:                        # cosine-loadgen's arrival processes and domain mixes
+      num_requests: 200              # or duration_s
+      arrival: {request_rate: 4.0, burstiness: 1.0, schedule: constant}
+      max_concurrency: 8             # closed loop on top of the arrivals (null: open loop)
+      domains: {code: 1, math: 1}
+      input_len: 200
+      output_len: 64
+      range_ratio: 0.2
+      requests: [{domain: code, input_len: 120, output_len: 64, arrival_s: 0.0}]   # explicit list instead
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_NUM = {"type": "number", "minimum": 0}
+_POS = {"type": "number", "exclusiveMinimum": 0}
+_LINK = {"type": "object", "additionalProperties": False,
+         "properties": {"bandwidth_mbps": _POS, "latency_ms": _NUM}}
+_ACCEPT = {"type": "object", "additionalProperties": False, "required": ["by_depth"],
+           "properties": {"by_depth": {"type": "array", "minItems": 1, "maxItems": 256,
+                                       "items": {"type": "number", "minimum": 0, "maximum": 1}},
+                          "coverage": {"type": "number", "minimum": 0, "maximum": 1}}}
+_COSTS = {"type": "object", "additionalProperties": False,
+          "properties": {"c0_ms": _NUM, "c_req_ms": _NUM, "c_tok_ms": _NUM}}
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "cosine-ray simulate scenario",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["latency", "stages", "workload"],
+    "properties": {
+        "name": {"type": "string"},
+        "seed": {"type": "integer", "minimum": 0},
+        "engine": {"type": "object", "additionalProperties": False, "properties": {
+            "step": {"type": "object", "description": "StepConfig keys (deploy/engine.yaml `step`)"}}},
+        "target": {"type": "object", "additionalProperties": False, "properties": {
+            "hidden_size": {"type": "integer", "minimum": 1},
+            "vocab_size": {"type": "integer", "minimum": 2},
+            "activation_bytes": {"type": "integer", "minimum": 1},
+            "kv_bytes_per_token": {"type": "integer", "minimum": 0},
+            "returns": {"enum": ["logits", "ids"]}}},
+        "latency": {"type": "object", "minProperties": 1, "additionalProperties": {
+            "type": "object", "additionalProperties": False,
+            "properties": {
+                "source": {"type": "string"},
+                "profile": {"type": "string"},
+                "linear": {"type": "object", "additionalProperties": False, "properties": {
+                    "c0_ms": _NUM, "c_req_ms": _NUM, "c_tok_ms": _NUM, "c_knee_ms": _NUM,
+                    "knee_tokens": {"type": "integer", "minimum": 0}, "c_attn_us": _NUM}},
+                "roofline": {"type": "object", "additionalProperties": False,
+                             "required": ["params_billions", "memory_bandwidth_gbs", "tflops"],
+                             "properties": {"params_billions": _POS, "bytes_per_param": _POS,
+                                            "memory_bandwidth_gbs": _POS, "tflops": _POS,
+                                            "bandwidth_efficiency": {"type": "number", "exclusiveMinimum": 0,
+                                                                     "maximum": 1},
+                                            "compute_efficiency": {"type": "number", "exclusiveMinimum": 0,
+                                                                   "maximum": 1},
+                                            "kv_bytes_per_token": _NUM, "overhead_ms": _NUM}}},
+            "oneOf": [{"required": ["profile"]}, {"required": ["linear"]}, {"required": ["roofline"]}]}},
+        "devices": {"type": "array", "items": {"type": "string", "minLength": 1}, "uniqueItems": True},
+        "router": {"type": "object", "additionalProperties": False, "properties": {
+            "device": {"type": "string"}, "step_overhead_ms": _NUM}},
+        "stages": {"type": "array", "minItems": 1, "maxItems": 128, "items": {
+            "type": "object", "additionalProperties": False, "required": ["device", "latency"],
+            "properties": {"device": {"type": "string"}, "latency": {"type": "string"}, "layers": _POS}}},
+        "links": {"type": "object", "additionalProperties": False, "properties": {
+            "router_stage": _LINK, "stage_stage": _LINK, "router_drafter": _LINK}},
+        "drafters": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False, "required": ["name", "acceptance"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "device": {"type": "string"},
+                "latency": {"oneOf": [_COSTS, {"type": "object", "additionalProperties": False,
+                                               "required": ["profile"],
+                                               "properties": {"profile": {"type": "string"},
+                                                              "drafter": {"type": "string"}}}]},
+                "acceptance": {"type": "object", "required": ["default"], "additionalProperties": _ACCEPT},
+                "correlation": {"type": "number", "minimum": 0, "maximum": 1},
+                "sharpness": {"type": "number", "minimum": 0, "maximum": 1}}}},
+        "workload": {"type": "object", "additionalProperties": False, "properties": {
+            "num_requests": {"type": "integer", "minimum": 1},
+            "duration_s": _POS,
+            "arrival": {"type": "object", "additionalProperties": False, "properties": {
+                "request_rate": {"oneOf": [_POS, {"const": "inf"}]},
+                "burstiness": _POS, "schedule": {"enum": ["constant", "low", "high", "fluctuating"]},
+                "low_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "period_s": _POS}},
+            "max_concurrency": {"type": ["integer", "null"], "minimum": 1},
+            "domains": {"type": "object", "minProperties": 1, "additionalProperties": _NUM},
+            "input_len": {"type": "integer", "minimum": 1},
+            "output_len": {"type": "integer", "minimum": 1},
+            "range_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            "requests": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["input_len", "output_len"],
+                "properties": {"domain": {"type": "string"}, "input_len": {"type": "integer", "minimum": 1},
+                               "output_len": {"type": "integer", "minimum": 1}, "arrival_s": _NUM}}}}},
+    },
+}
+
+
+class ScenarioError(ValueError):
+    """A bad scenario file: the message names the key."""
+
+
+@dataclass(slots=True)
+class Scenario:
+    data: dict[str, Any]
+    base_dir: Path = field(default_factory=Path.cwd)
+    """Relative profile paths are read from here (the scenario file's folder)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    @property
+    def workload(self) -> dict[str, Any]:
+        return self.data["workload"]
+
+    @property
+    def seed(self) -> int:
+        return int(self.data.get("seed", 0))
+
+
+def validate(data: Any) -> None:
+    """Raise ScenarioError with the first problem (its key path), or return."""
+    import jsonschema
+
+    if not isinstance(data, dict):
+        raise ScenarioError("the scenario must be a mapping")
+    errors = sorted(jsonschema.Draft202012Validator(SCHEMA).iter_errors(data), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        where = ".".join(str(p) for p in e.absolute_path) or "the scenario"
+        raise ScenarioError(f"{where}: {e.message}")
+    devices = set(data.get("devices", ())) | {"router"}
+    latency = data["latency"]
+    router = data.get("router", {}).get("device", "router")
+    if router not in devices:
+        raise ScenarioError(f"router.device: unknown device {router!r} (devices: {', '.join(sorted(devices))})")
+    for i, st in enumerate(data["stages"]):
+        if st["device"] not in devices:
+            raise ScenarioError(f"stages.{i}.device: unknown device {st['device']!r}")
+        if st["latency"] not in latency:
+            raise ScenarioError(f"stages.{i}.latency: unknown latency model {st['latency']!r}")
+    names = [d["name"] for d in data.get("drafters", ())]
+    if len(set(names)) != len(names):
+        raise ScenarioError("drafters: two drafters share a name")
+    for i, d in enumerate(data.get("drafters", ())):
+        if d.get("device", "router") not in devices:
+            raise ScenarioError(f"drafters.{i}.device: unknown device {d['device']!r}")
+        prof = (d.get("latency") or {}).get("profile")
+        if prof is not None and "profile" not in latency.get(prof, {}):
+            raise ScenarioError(f"drafters.{i}.latency.profile: {prof!r} is not a measured profile in `latency`")
+    w = data["workload"]
+    if ("requests" in w) == ("num_requests" in w or "duration_s" in w):
+        raise ScenarioError("workload: give either `requests` or `num_requests`/`duration_s`")
+    if "requests" not in w and "num_requests" in w and "duration_s" in w:
+        raise ScenarioError("workload: give `num_requests` or `duration_s`, not both")
+    if "domains" in w and not sum(w["domains"].values()) > 0:
+        raise ScenarioError("workload.domains: the weights must sum to more than 0")
+    rate = w.get("arrival", {}).get("request_rate", "inf")
+    if "duration_s" in w and rate == "inf":
+        raise ScenarioError("workload.duration_s needs a finite arrival.request_rate")
+    if w.get("arrival", {}).get("schedule", "constant") != "constant" and rate == "inf":
+        raise ScenarioError("workload.arrival.schedule needs a finite request_rate (the peak rate)")
+
+
+def load(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScenarioError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path} is not YAML/JSON: {str(exc).splitlines()[0]}") from None
+    validate(data)
+    return Scenario(data, path.resolve().parent)
+
+
+def request_rate(value: Any) -> float:
+    return math.inf if value in ("inf", None) else float(value)
