@@ -29,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from cosine_ray.sim.runner import simulate  # noqa: E402
-from cosine_ray.sim.scenario import Scenario, load, validate  # noqa: E402
+from cosine_ray.sim.scenario import Scenario, load, set_key, validate  # noqa: E402
 
 SYSTEMS = {
     "CoSine (full)": {},
@@ -41,16 +41,13 @@ SYSTEMS = {
 }
 
 
-def variant(base: Scenario, step: dict | None = None, **changes) -> Scenario:
+def variant(base: Scenario, step: dict | None = None, changes: dict | None = None) -> Scenario:
+    """``base`` with StepConfig overrides and dotted-path keys changed (``sim.scenario.set_key``)."""
     data = copy.deepcopy(base.data)
     if step:
         data.setdefault("engine", {}).setdefault("step", {}).update(step)
-    for path, value in changes.items():
-        node = data
-        keys = path.split("__")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
+    for path, value in (changes or {}).items():
+        set_key(data, path, value)
     validate(data)
     return Scenario(data, base.base_dir)
 
@@ -104,28 +101,29 @@ def main(argv=None) -> int:
         return s
 
     for name, step in SYSTEMS.items():
-        data["rates"][name] = [point(f"{name} @ {r}/s", variant(base, step, workload__arrival__request_rate=r))
+        data["rates"][name] = [point(f"{name} @ {r}/s", variant(base, step, {"workload.arrival.request_rate": r}))
                                for r in rates]
     drafters = base.data.get("drafters", [])
     for n in sorted({max(1, len(drafters) // 4), max(1, len(drafters) // 2), len(drafters)}):
-        data["drafters"][n] = point(f"{n} drafters", variant(base, None, drafters=balanced(drafters, n),
-                                                             workload__arrival__request_rate=args.rate))
+        data["drafters"][n] = point(f"{n} drafters", variant(base, None, {"drafters": balanced(drafters, n),
+                                                                   "workload.arrival.request_rate": args.rate}))
     for mbps in (10, 100, 1000, 10000):
         data["links"][f"router_drafter {mbps} Mbps"] = point(
-            f"router_drafter {mbps} Mbps", variant(base, None, links__router_drafter__bandwidth_mbps=mbps,
-                                                   workload__arrival__request_rate=args.rate))
+            f"router_drafter {mbps} Mbps", variant(base, None, {"links.router_drafter.bandwidth_mbps": mbps,
+                                                    "workload.arrival.request_rate": args.rate}))
     for mbps in (1000, 10000, 100000):
         for returns in ("logits", "ids"):
             data["links"][f"router_stage {mbps} Mbps, {returns}"] = point(
                 f"router_stage {mbps} Mbps {returns}",
-                variant(base, None, links__router_stage__bandwidth_mbps=mbps, target__returns=returns,
-                        workload__arrival__request_rate=args.rate))
+                variant(base, None, {"links.router_stage.bandwidth_mbps": mbps, "target.returns": returns,
+                                     "workload.arrival.request_rate": args.rate}))
     stage = base.data["stages"][0]
     for depth in (1, 2, 4, 8):
         stages = [{"device": f"depth-gpu{i}", "latency": stage["latency"], "layers": 1.0 / depth} for i in range(depth)]
         devices = sorted(set(base.data.get("devices", [])) | {s["device"] for s in stages})
         data["depth"][depth] = point(f"{depth} stages", variant(
-            base, {"num_lanes": depth}, stages=stages, devices=devices, workload__arrival__request_rate=args.rate))
+            base, {"num_lanes": depth}, {"stages": stages, "devices": devices,
+                                         "workload.arrival.request_rate": args.rate}))
     data["wall_s"] = time.perf_counter() - started
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
     write_plots(data, rates, out)

@@ -125,13 +125,13 @@ def run_real(engine: LocalEngine, prompts: list[list[int]], concurrency: int, ma
     return rows
 
 
-def figures(rows: list[dict], starts: list[float], ends: list[float]) -> dict[str, float]:
+def figures(rows: list[dict]) -> dict[str, float]:
     tokens = sum(len(r["tokens"]) for r in rows)
     steps = sum(r["steps"] for r in rows)
     committed = sum(r["accepted"] for r in rows) + steps  # the engine's convention: bonus included
     return {"ttft_ms": 1e3 * statistics.fmean(r["ttft"] for r in rows),
             "tpot_ms": 1e3 * statistics.fmean(r["tpot"] for r in rows if len(r["tokens"]) > 1),
-            "throughput": tokens / (max(ends) - min(starts)),
+            "throughput": tokens / (max(r["end"] for r in rows) - min(r["start"] for r in rows)),
             "accepted": committed / steps if steps else 0.0}
 
 
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
                 if mode == "on" and not acceptance:
                     acceptance, correlation = measure_acceptance(engine, prompts, outputs, domains,
                                                                  config.step.num_speculative_tokens)
-                real = figures(rows, [r["start"] for r in rows], [r["end"] for r in rows])
+                real = figures(rows)
                 reqs = [SimRequest(f"r{i:06d}", d, len(p), len(r["tokens"]), 0.0)
                         for i, (d, p, r) in enumerate(zip(domains, prompts, rows))]
                 scn = scenario_for(config, profile_path(config), acceptance if mode == "on" else {}, correlation,

@@ -197,6 +197,12 @@ def dataset_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int, 
             for i, row in enumerate(picked)]
 
 
+def spread_lengths(mean: int, range_ratio: float, size: int, rng: np.random.Generator) -> np.ndarray:
+    """``size`` lengths uniform in [mean·(1 − r), mean·(1 + r)] (vllm's ``--random-range-ratio``), each ≥ 1."""
+    lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    return rng.integers(lo, hi + 1, size=size)
+
+
 def random_workload(num_prompts: int, rng: np.random.Generator, *, input_len: int, output_len: int,
                     range_ratio: float = 0.0, token_low: int = 1000, token_high: int = 20000) -> list[WorkItem]:
     """Random token-id prompts (see module docstring)."""
@@ -207,11 +213,8 @@ def random_workload(num_prompts: int, rng: np.random.Generator, *, input_len: in
     if not 0 <= token_low < token_high:
         raise WorkloadError(f"--random-token-range must satisfy 0 <= LOW < HIGH, got {token_low},{token_high}")
 
-    def lengths(mean: int) -> np.ndarray:
-        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
-        return rng.integers(lo, hi + 1, size=num_prompts)
-
-    in_lens, out_lens = lengths(input_len), lengths(output_len)
+    in_lens = spread_lengths(input_len, range_ratio, num_prompts, rng)
+    out_lens = spread_lengths(output_len, range_ratio, num_prompts, rng)
     return [WorkItem(f"c{i:05d}", f"random/{i}", "random", (),
                      tuple(int(t) for t in rng.integers(token_low, token_high, size=int(n_in))), int(n_out))
             for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens))]

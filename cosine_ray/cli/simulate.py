@@ -52,35 +52,20 @@ def add_parser(sub) -> None:
 
 
 def apply_override(data: dict, assignment: str) -> None:
+    """``--set KEY.PATH=VALUE``: the value parsed as YAML, then ``sim.scenario.set_key``."""
+    from cosine_ray.sim.scenario import ScenarioError, set_key
+
     path, sep, value = assignment.partition("=")
-    keys = [k for k in path.strip().split(".") if k]
-    if not sep or not keys:
+    if not sep or not path.strip(".").strip():
         raise CliError(f"--set expects KEY.PATH=VALUE, got {assignment!r}")
     try:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
         raise CliError(f"--set {path}: the value is not YAML: {value!r}") from None
-    node = data
-    for i, k in enumerate(keys[:-1]):
-        if isinstance(node, list):
-            try:
-                node = node[int(k)]
-            except (ValueError, IndexError):
-                raise CliError(f"--set {path}: {'.'.join(keys[:i + 1])} is not an index of the list") from None
-            continue
-        nxt = node.setdefault(k, {})
-        if not isinstance(nxt, (dict, list)):
-            raise CliError(f"--set {path}: {'.'.join(keys[:i + 1])} is not a mapping")
-        node = nxt
-    if isinstance(node, list):
-        try:
-            node[int(keys[-1])] = parsed
-        except (ValueError, IndexError):
-            raise CliError(f"--set {path}: {keys[-1]} is not an index of the list") from None
-    elif parsed is None:  # KEY=null removes the key (switch num_requests to duration_s, say)
-        node.pop(keys[-1], None)
-    else:
-        node[keys[-1]] = parsed
+    try:
+        set_key(data, path, parsed)
+    except ScenarioError as exc:
+        raise CliError(f"--set {path}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from cosine_ray.sim.scenario import Scenario, ScenarioError, request_rate
 from cosine_ray.sim.world import (Acceptance, DomainOfPrompt, DrafterModel, Oracle, SimDrafter, SimDrafterClient,
                                   SimStage, SimTarget, TargetShape, _mix)
 from loadgen.arrivals import ArrivalConfig, arrival_offsets
-from loadgen.workload import split_counts
+from loadgen.workload import split_counts, spread_lengths
 
 SIM_VOCAB = 4096
 """Vocabulary of the oracle's tokens (the engine's vocab in the simulation; transfer sizes use
@@ -118,15 +118,11 @@ def build_requests(scenario: Scenario) -> list[SimRequest]:
     counts = split_counts(len(offsets), {d: v / total for d, v in mix.items() if v > 0})
     domains = [d for d, c in counts.items() for _ in range(c)]
     domains = [domains[i] for i in rng.permutation(len(domains))]
-    ratio = w.get("range_ratio", 0.0)
-
-    def lengths(mean: int) -> np.ndarray:
-        lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
-        return rng.integers(lo, hi + 1, size=len(offsets))
-
     if not len(offsets):
         raise ScenarioError("workload: no request arrives (duration_s too short for the rate?)")
-    ins, outs = lengths(w.get("input_len", 128)), lengths(w.get("output_len", 64))
+    ratio = w.get("range_ratio", 0.0)
+    ins = spread_lengths(w.get("input_len", 128), ratio, len(offsets), rng)
+    outs = spread_lengths(w.get("output_len", 64), ratio, len(offsets), rng)
     return [SimRequest(f"r{i:06d}", d, int(n), int(m), float(t))
             for i, (d, n, m, t) in enumerate(zip(domains, ins, outs, offsets))]
 
@@ -152,15 +148,15 @@ class Deployment:
                 profiles[name] = prof
         stage_specs = data["stages"]
         num = len(stage_specs)
+        self.links = [link("router_stage", "link:router->stage0"), link("router_stage", "link:stage->router")]
+        self.links += [link("stage_stage", f"link:stage{i}->stage{i + 1}") for i in range(num - 1)]
         self.stages = [SimStage(self.devices[s["device"]], costs[s["latency"]], s.get("layers", 1.0 / num),
-                                link("stage_stage", f"link:stage{i}->stage{i + 1}") if i < num - 1 else None)
-                       for i, s in enumerate(stage_specs)]
+                                self.links[2 + i] if i < num - 1 else None) for i, s in enumerate(stage_specs)]
         t = data.get("target", {})
         shape = TargetShape(t.get("hidden_size", 576), t.get("vocab_size", 49152), t.get("activation_bytes", 4),
                             t.get("returns", "logits"))
         router = data.get("router", {})
         self.router = self.devices[router.get("device", "router")]
-        self.links = [link("router_stage", "link:router->stage0"), link("router_stage", "link:stage->router")]
         self.target = SimTarget(self.oracle, self.stages, shape=shape, router=self.router,
                                 step_overhead_s=router.get("step_overhead_ms", 0.0) / 1e3,
                                 link_in=self.links[0], link_back=self.links[1])
@@ -177,8 +173,8 @@ class Deployment:
                 link("router_drafter", f"link:router<->{d['name']}")
             self.links.append(lk)
             self.drafters.append(SimDrafterClient(SimDrafter(model, self.oracle), self.devices[device], lk))
-        only = {p for s in stage_specs for p in [s["latency"]]}
-        profile = profiles[next(iter(only))] if len(only) == 1 and next(iter(only)) in profiles else None
+        used = {s["latency"] for s in stage_specs}
+        profile = profiles.get(used.pop()) if len(used) == 1 else None
         self.latency_model = engine_model([(s.cost, s.layers) for s in self.stages], drafter_costs, profile=profile)
         self.kv_bytes_per_token = int(t.get("kv_bytes_per_token", 0))
         self.classifier = DomainOfPrompt(domains)
@@ -186,9 +182,6 @@ class Deployment:
     def busy(self) -> dict[str, float]:
         out = {f"device:{name}": r.busy_s for name, r in self.devices.items()}
         out.update({lk.name: lk.wire.busy_s for lk in self.links if lk.wire.busy_s})
-        for s in self.stages:
-            if s.link_out is not None and s.link_out.wire.busy_s:
-                out[s.link_out.name] = s.link_out.wire.busy_s
         return out
 
 

@@ -207,5 +207,38 @@ def load(path: str | Path) -> Scenario:
     return Scenario(data, path.resolve().parent)
 
 
+def set_key(data: dict, path: str, value: Any) -> None:
+    """Set ``a.b.0.c`` (mapping keys and list indices) to ``value``, making mappings on the way;
+    ``None`` removes the key (switch ``num_requests`` to ``duration_s``, say). ScenarioError when
+    a part of the path is not a mapping or not an index of its list."""
+    keys = [k for k in path.strip().split(".") if k]
+    if not keys:
+        raise ScenarioError("an empty key path")
+    node: Any = data
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        where = ".".join(keys[:i + 1])
+        if isinstance(node, list):
+            try:
+                index = int(k)
+                node[index]
+            except (ValueError, IndexError):
+                raise ScenarioError(f"{where} is not an index of the list") from None
+            if last:
+                node[index] = value
+            else:
+                node = node[index]
+            continue
+        if not isinstance(node, dict):
+            raise ScenarioError(f"{'.'.join(keys[:i])} is not a mapping")
+        if last:
+            if value is None:
+                node.pop(k, None)
+            else:
+                node[k] = value
+        else:
+            node = node.setdefault(k, {})
+
+
 def request_rate(value: Any) -> float:
     return math.inf if value in ("inf", None) else float(value)
