@@ -23,7 +23,8 @@ JSON Schema and docs/simulator.md explains every key. Top-level keys:
                 c_attn_us}} or {roofline: {params_billions, memory_bandwidth_gbs, tflops, ...}},
                 each with a `source`
   devices       names of FIFO servers (`router` always exists)
-  router        {device, step_overhead_ms}: the router's host and its per-step decision time
+  router        {device, step_overhead_ms, step_overhead_per_request_ms}: the router's host and
+                its decision time per step (a constant plus a term per request in the batch)
   stages        [{device, latency, layers}]: the target's pipeline stages in order
   links         router_stage, stage_stage, router_drafter: {bandwidth_mbps, latency_ms}
   drafters      [{name, device, latency: {c0_ms, c_req_ms, c_tok_ms} | {profile, drafter},

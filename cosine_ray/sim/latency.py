@@ -26,6 +26,7 @@ the simulator charges.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -36,10 +37,25 @@ PROFILE_GRID = ((1, 2, 4, 8, 16, 32), (0, 2, 4, 8, 16), (32, 128, 512, 1024))
 """(batch sizes, γ, context lengths) of the samples a formula is fitted from."""
 
 
+def _shape(context_lens: Sequence[int], new_tokens: Sequence[int]) -> tuple[float, float, float, bool]:
+    """Where a forward sits on a profile's grid: (log2 b, log2 new tokens a request,
+    log2 context, prefill?)."""
+    b = len(new_tokens)
+    return (math.log2(b), math.log2(sum(new_tokens) / b), math.log2(1 + sum(context_lens) / b),
+            max(context_lens) == 0)
+
+
 @dataclass(frozen=True, slots=True)
 class TargetCost:
     """T_llm of the whole target on one device: ``c0 + c_req·b + c_tok·N + c_knee·max(N−K, 0)
-    + c_attn·Σ n_i(l_i+n_i)`` (seconds; the engine's regressors, ``algo.latency_model``)."""
+    + c_attn·Σ n_i(l_i+n_i)`` (seconds; the engine's regressors, ``algo.latency_model``).
+
+    From a measured profile it also keeps ``corrections``: each sample's measured / fitted
+    ratio at its place on the grid (``_shape``). A forward is charged the formula times the
+    inverse-square-distance mean of those ratios (prefills with prefills, decodes with
+    decodes), so the simulator charges exactly what was measured at a grid point and what the
+    fit says far from one. On a CPU a one-token decode runs other kernels than a five-token
+    one and is *slower* (44 vs 38 ms here); a five-term fit cannot bend that way."""
 
     c0: float
     c_req: float
@@ -48,18 +64,38 @@ class TargetCost:
     knee_tokens: int
     c_attn: float
     source: str
+    corrections: tuple[tuple[tuple[float, float, float, bool], float], ...] = ()
 
     def seconds(self, context_lens: Sequence[int], new_tokens: Sequence[int]) -> float:
         if not new_tokens:
             return 0.0
         n = sum(new_tokens)
         keys = sum(k * (l + k) for l, k in zip(context_lens, new_tokens))
-        return (self.c0 + self.c_req * len(new_tokens) + self.c_tok * n
-                + self.c_knee * knee_excess(n, self.knee_tokens) + self.c_attn * keys)
+        fitted = (self.c0 + self.c_req * len(new_tokens) + self.c_tok * n
+                  + self.c_knee * knee_excess(n, self.knee_tokens) + self.c_attn * keys)
+        return fitted * self.correction(context_lens, new_tokens) if self.corrections else fitted
+
+    def correction(self, context_lens: Sequence[int], new_tokens: Sequence[int]) -> float:
+        at = _shape(context_lens, new_tokens)
+        num = den = 0.0
+        for where, ratio in self.corrections:
+            if where[3] != at[3]:
+                continue
+            d2 = (where[0] - at[0]) ** 2 + (where[1] - at[1]) ** 2 + 0.25 * (where[2] - at[2]) ** 2
+            if d2 < 1e-12:
+                return ratio
+            num += ratio / d2
+            den += 1.0 / d2
+        return num / den if den else 1.0
 
     @classmethod
     def from_model(cls, model: LatencyModel, source: str) -> "TargetCost":
-        return cls(model.c0, model.c_req, model.c_tok, model.c_knee, model.knee_tokens, model.c_attn, source)
+        bare = cls(model.c0, model.c_req, model.c_tok, model.c_knee, model.knee_tokens, model.c_attn, source)
+        corrections = tuple((_shape(s.context_lens, s.num_new_tokens),
+                             s.seconds / bare.seconds(s.context_lens, s.num_new_tokens))
+                            for s in model.llm_samples)
+        return cls(*(getattr(bare, f) for f in ("c0", "c_req", "c_tok", "c_knee", "knee_tokens", "c_attn",
+                                                 "source")), corrections)
 
 
 @dataclass(frozen=True, slots=True)

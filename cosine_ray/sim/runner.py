@@ -69,6 +69,8 @@ class SimResult:
     """Device/link name → busy seconds."""
     forwards: int
     drafter_calls: dict[str, int]
+    decode: tuple[int, int, float] = (0, 0, 0.0)
+    """Forwards without a prefill: (how many, tokens scored, stage seconds)."""
 
     def summary(self) -> dict[str, Any]:
         rs = self.requests
@@ -90,6 +92,8 @@ class SimResult:
             # verify step, bonus included; the first token of each request comes from its prefill
             "utilisation": {k: v / self.makespan_s for k, v in self.resources.items()} if self.makespan_s else {},
             "forwards": self.forwards,
+            "decode_tokens_per_forward": self.decode[1] / self.decode[0] if self.decode[0] else 0.0,
+            "decode_forward_ms": 1e3 * self.decode[2] / self.decode[0] if self.decode[0] else 0.0,
             "drafter_calls": self.drafter_calls,
             "wall_s": self.wall_s,
         }
@@ -159,6 +163,7 @@ class Deployment:
         self.router = self.devices[router.get("device", "router")]
         self.target = SimTarget(self.oracle, self.stages, shape=shape, router=self.router,
                                 step_overhead_s=router.get("step_overhead_ms", 0.0) / 1e3,
+                                overhead_per_request_s=router.get("step_overhead_per_request_ms", 0.0) / 1e3,
                                 link_in=self.links[0], link_back=self.links[1])
         self.drafters: list[SimDrafterClient] = []
         drafter_costs = {}
@@ -244,7 +249,8 @@ async def _simulate(scenario: Scenario, requests: list[SimRequest]) -> SimResult
     end = max((r.start_s + r.e2e_s for r in results), default=t0)
     begin = min((r.request.arrival_s for r in results), default=t0)
     return SimResult(sorted(results, key=lambda r: r.request.request_id), end - begin, time.perf_counter() - wall,
-                     world.busy(), world.target.forwards, {d.name: d.calls for d in world.drafters})
+                     world.busy(), world.target.forwards, {d.name: d.calls for d in world.drafters},
+                     (world.target.decode_forwards, world.target.decode_tokens, world.target.decode_seconds))
 
 
 def simulate(scenario: Scenario, requests: list[SimRequest] | None = None) -> SimResult:

@@ -88,7 +88,7 @@ SCHEMA: dict[str, Any] = {
             "oneOf": [{"required": ["profile"]}, {"required": ["linear"]}, {"required": ["roofline"]}]}},
         "devices": {"type": "array", "items": {"type": "string", "minLength": 1}, "uniqueItems": True},
         "router": {"type": "object", "additionalProperties": False, "properties": {
-            "device": {"type": "string"}, "step_overhead_ms": _NUM}},
+            "device": {"type": "string"}, "step_overhead_ms": _NUM, "step_overhead_per_request_ms": _NUM}},
         "stages": {"type": "array", "minItems": 1, "maxItems": 128, "items": {
             "type": "object", "additionalProperties": False, "required": ["device", "latency"],
             "properties": {"device": {"type": "string"}, "latency": {"type": "string"}, "layers": _POS}}},

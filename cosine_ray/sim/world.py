@@ -9,7 +9,8 @@ router, fusion, tree selection, verifier and learner on the virtual clock (``sim
   the root matches the oracle gets the oracle's next token, any other node some other token.
   The engine's real verifier accepts exactly the matching prefix, so every simulated output
   equals the oracle's text — the simulator's own lossless check.
-- **A forward's time**: the router's per-step overhead on its device, token ids to the first
+- **A forward's time**: the router's host time on its device (a constant per step plus a
+  term per request in the batch), token ids to the first
   stage over the router link, each stage's share of T_llm on its device (a FIFO ``Resource``:
   lanes pipeline through the stages as on real actors), hidden states between stages
   (``N × hidden × activation bytes`` over the stage link), and the last stage's answer back
@@ -115,15 +116,22 @@ class SimTarget:
     """``TargetClient`` over simulated stages (see the module docstring)."""
 
     def __init__(self, oracle: Oracle, stages: Sequence[SimStage], *, shape: TargetShape, router: Resource,
-                 step_overhead_s: float, link_in: Link, link_back: Link) -> None:
+                 step_overhead_s: float, link_in: Link, link_back: Link,
+                 overhead_per_request_s: float = 0.0) -> None:
         self.oracle = oracle
         self.stages = list(stages)
         self.shape = shape
         self.router = router
         self.step_overhead_s = step_overhead_s
+        self.overhead_per_request_s = overhead_per_request_s
         self.link_in = link_in
         self.link_back = link_back
         self.forwards = 0
+        self.decode_forwards = 0
+        self.decode_tokens = 0
+        self.decode_seconds = 0.0
+        """Forwards without a prefill in them: how many, their scored tokens and their stage time
+        (``benchmarks/sim_validation.py`` compares them with a real run's)."""
 
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         if not items:
@@ -131,15 +139,22 @@ class SimTarget:
         new_tokens = [len(it.token_ids) for it in items]
         context = [it.start_position for it in items]
         rows = sum(n if it.all_logits else 1 for it, n in zip(items, new_tokens))
-        await self.router.use(self.step_overhead_s)
+        await self.router.use(self.step_overhead_s + self.overhead_per_request_s * len(items))
         await self.link_in.send(8 * sum(new_tokens) + 64 * len(items))  # ids + parents, item headers
+        decode = all(it.parent_ids is not None for it in items)
         for stage in self.stages:
-            await stage.device.use(stage.layers * stage.cost.seconds(context, new_tokens))
+            cost = stage.layers * stage.cost.seconds(context, new_tokens)
+            if decode:
+                self.decode_seconds += cost
+            await stage.device.use(cost)
             if stage.link_out is not None:
                 await stage.link_out.send(sum(new_tokens) * self.shape.hidden_size * self.shape.activation_bytes)
         per_row = 4 * self.shape.vocab_size if self.shape.returns == "logits" else 8
         await self.link_back.send(rows * per_row)
         self.forwards += 1
+        if decode:
+            self.decode_forwards += 1
+            self.decode_tokens += sum(new_tokens)
         return [self._logits(it) for it in items]
 
     def _logits(self, item: ScoreItem) -> torch.Tensor:
@@ -264,6 +279,24 @@ class SimDrafter:
         pass
 
 
+DRAFTER_CALLS = ("propose", "continue_drafts", "continue_chains")
+
+
+def call_size(method: str, queries: Sequence[DraftInput] | Sequence[ContinueQuery]) -> tuple[int, int, int]:
+    """(requests, tokens asked, context tokens sent) of one drafter call: what its T_ssm and
+    its link are charged for (``benchmarks/sim_validation.py`` fits T_ssm to real calls sized
+    the same way)."""
+    if method == "propose":
+        tokens = sum(q.max_draft_tokens for q in queries)
+    elif method == "continue_drafts":
+        tokens = sum(len(q.prefixes) for q in queries)
+    elif method == "continue_chains":
+        tokens = sum(len(q.prefixes) * q.depth for q in queries)
+    else:
+        raise ValueError(f"not a drafter call: {method!r}")
+    return len(queries), tokens, sum(len(q.context_token_ids) for q in queries)
+
+
 @dataclass(slots=True)
 class SimDrafterClient:
     """``DrafterClient`` for one simulated drafter: each call crosses the link, waits for the
@@ -279,25 +312,23 @@ class SimDrafterClient:
     def __post_init__(self) -> None:
         self.name = self.drafter.name
 
-    async def _charge(self, num_requests: int, num_tokens: int, context_tokens: int) -> None:
+    async def _charge(self, method: str, queries: Sequence[DraftInput] | Sequence[ContinueQuery]) -> None:
+        num_requests, num_tokens, context_tokens = call_size(method, queries)
         self.calls += 1
         await self.link.send(8 * context_tokens + 32 * num_requests)
         await self.device.use(self.drafter.model.cost.seconds(num_requests, num_tokens))
         await self.link.send(16 * num_tokens + 16 * num_requests)
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
-        await self._charge(len(inputs), sum(i.max_draft_tokens for i in inputs),
-                           sum(len(i.context_token_ids) for i in inputs))
+        await self._charge("propose", inputs)
         return self.drafter.propose(inputs)
 
     async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
-        await self._charge(len(queries), sum(len(q.prefixes) for q in queries),
-                           sum(len(q.context_token_ids) for q in queries))
+        await self._charge("continue_drafts", queries)
         return self.drafter.continue_drafts(queries)
 
     async def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
-        await self._charge(len(queries), sum(len(q.prefixes) * q.depth for q in queries),
-                           sum(len(q.context_token_ids) for q in queries))
+        await self._charge("continue_chains", queries)
         return self.drafter.continue_chains(queries)
 
     async def observe(self, feedback: Sequence[DraftFeedback]) -> None:

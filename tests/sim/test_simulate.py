@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from cosine_ray.cli import main as cli_main
-from cosine_ray.sim.latency import DrafterCost, target_cost
+from cosine_ray.algo.latency_model import LatencyModel, LlmSample
+from cosine_ray.sim.latency import DrafterCost, TargetCost, target_cost
 from cosine_ray.sim.runner import SimResult, simulate
 from cosine_ray.sim.scenario import Scenario, ScenarioError, load, validate
 from cosine_ray.sim.world import Acceptance, DrafterModel, Oracle, SimDrafter
@@ -171,6 +172,20 @@ def test_one_request_closed_form_with_every_linear_term_links_and_overhead():
     assert r.tpot_s * 1e3 == pytest.approx(per_forward + c_tok, abs=1e-9)
 
 
+def test_router_overhead_per_request_is_charged_per_request_in_the_batch():
+    """Two requests of equal lengths arrive together and share every forward: each step costs
+    c0 + the router's constant + its term per request, twice."""
+    c0, overhead, per_request = 10.0, 1.0, 0.5
+    data = one_request(c0, output_len=6, router={"device": "router", "step_overhead_ms": overhead,
+                                                  "step_overhead_per_request_ms": per_request})
+    data["workload"]["requests"] *= 2
+    result = simulate(Scenario(data))
+    assert result.forwards == 6
+    for r in result.requests:
+        assert r.ttft_s * 1e3 == pytest.approx(c0 + overhead + 2 * per_request, abs=1e-9)
+        assert r.tpot_s * 1e3 == pytest.approx(c0 + overhead + 2 * per_request, abs=1e-9)
+
+
 def test_logits_return_costs_a_vocab_row_on_the_router_link():
     """One decode step with a 100 Mbps router link: ids in (8 B a token + 64 B a header), one
     row back: 4·vocab bytes of fp32 logits or 8 bytes of id."""
@@ -302,6 +317,33 @@ def test_roofline_kv_reads_and_defaults():
     for ctx, new in (([0], [1]), ([1000], [1]), ([500, 2000], [4, 1])):
         assert cost.seconds(ctx, new) == pytest.approx(_roofline_formula(full, ctx, new), rel=1e-9)
     assert cost.seconds([1000], [1]) - cost.seconds([0], [1]) == pytest.approx(1000 * 4096 / (100e9 * 0.7))
+
+
+def test_a_profile_is_charged_what_it_measured_at_its_grid_points():
+    """A CPU-like profile whose one-token decode is slower than a five-token one (no five-term
+    fit bends that way): the simulator charges every measured sample exactly, prefills and
+    decodes are corrected separately, and between grid points the charge lies between its
+    neighbours' ratios times the fit."""
+    samples = []
+    for ctx in (64, 256):
+        samples.append(LlmSample((0,), (ctx,), 2.5e-3 * ctx))
+        for b in (1, 4, 8):
+            for g in (0, 4, 8):
+                bump = 6e-3 if g == 0 else 0.0  # the single-token kernel penalty
+                samples.append(LlmSample((ctx,) * b, (1 + g,) * b, 0.035 + bump + 1.2e-3 * b * (1 + g)))
+    model = LatencyModel.fit(samples)
+    cost = TargetCost.from_model(model, "measured")
+    for smp in samples:
+        assert cost.seconds(smp.context_lens, smp.num_new_tokens) == pytest.approx(smp.seconds, rel=1e-9)
+        assert abs(model.predict_llm(smp.context_lens, smp.num_new_tokens) / smp.seconds - 1) < 0.5
+    one, five = cost.seconds([100], [1]), cost.seconds([100], [5])
+    assert one > five  # the measured shape, which the fit alone gets backwards
+    assert model.predict_llm([100], [1]) < model.predict_llm([100], [5])
+    ratios = [s.seconds / model.predict_llm(s.context_lens, s.num_new_tokens) for s in samples
+              if max(s.context_lens) > 0]  # the decodes'
+    assert max(ratios) - min(ratios) > 0.05
+    mid = cost.seconds([100, 100], [3, 3]) / model.predict_llm([100, 100], [3, 3])
+    assert min(ratios) - 1e-9 <= mid <= max(ratios) + 1e-9
 
 
 # ---- scenario validation -----------------------------------------------------------------------------
