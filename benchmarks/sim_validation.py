@@ -142,9 +142,7 @@ class Recorder:
         clipped at 5× the median step (a one-off stall, e.g. the first step after a warm-up on
         other lengths, otherwise decides the slope)."""
         cap = 5 * statistics.median(h for _, h in self.host)
-        ys = [min(h, cap) for _, h in self.host]
-        fit = LinearFit.fit([(1.0, b) for b, _ in self.host], ys,
-                            weights=[y * y for y in ys])  # absolute, not relative, residuals
+        fit = fit_absolute([(1.0, b) for b, _ in self.host], [min(h, cap) for _, h in self.host])
         return 1e3 * fit.coefs[0], 1e3 * fit.coefs[1]
 
     def host_ms(self) -> tuple[float, float]:
@@ -156,8 +154,7 @@ class Recorder:
         """Each drafter's T_ssm = c0 + c_req·b + c_tok·Γ fitted to its real calls (ms)."""
         out = {}
         for name, calls in self.calls.items():
-            fit = LinearFit.fit([(1.0, b, g) for b, g, _ in calls], [max(s, 1e-7) for _, _, s in calls],
-                                weights=[max(s, 1e-7) ** 2 for _, _, s in calls])
+            fit = fit_absolute([(1.0, b, g) for b, g, _ in calls], [max(s, 1e-7) for _, _, s in calls])
             out[name] = {k: round(1e3 * c, 5) for k, c in zip(("c0_ms", "c_req_ms", "c_tok_ms"), fit.coefs)}
         return out
 
@@ -171,6 +168,13 @@ class Recorder:
         rows = [(sum(new), s) for _, new, s, decode in self.forwards if decode]
         n = max(len(rows), 1)
         return sum(t for t, _ in rows) / n, 1e3 * sum(s for _, s in rows) / n
+
+
+def fit_absolute(rows: list[tuple[float, ...]], seconds: list[float]) -> LinearFit:
+    """Non-negative least squares on *absolute* residuals: ``LinearFit.fit`` minimises relative
+    ones, weighted by y² they become absolute, so the fit matches total time (what the
+    simulator adds up), not the typical call."""
+    return LinearFit.fit(rows, seconds, weights=[y * y for y in seconds])
 
 
 def run_real(engine: LocalEngine, prompts: list[list[int]], concurrency: int, max_tokens: int):
@@ -322,7 +326,7 @@ def scenario_for(config: EngineConfig, profile: Path, calib: dict, requests: lis
                  hidden: int, vocab: int) -> Scenario:
     s = config.num_stages
     data = {
-        "name": f"validation-s{s}-{'spec' if calib['acceptance'] else 'off'}-c{concurrency}",
+        "name": f"validation-s{s}-{'spec' if calib['skills'] else 'off'}-c{concurrency}",
         "engine": {"step": {"max_batch_size": config.step.max_batch_size,
                             "num_speculative_tokens": config.step.num_speculative_tokens}},
         "target": {"hidden_size": hidden, "vocab_size": vocab},
@@ -334,7 +338,7 @@ def scenario_for(config: EngineConfig, profile: Path, calib: dict, requests: lis
         "drafters": [{"name": name, "device": "cpu0", "latency": calib["drafter_ms"][name],
                       "acceptance": skill["acceptance"], "sharpness": skill["sharpness"],
                       "correlation": calib["correlation"]}
-                     for name, skill in calib["acceptance"].items()],
+                     for name, skill in calib["skills"].items()],
         "workload": {"requests": [{"domain": r.domain, "input_len": r.input_len, "output_len": r.output_len}
                                   for r in requests], "max_concurrency": concurrency},
     }
@@ -349,13 +353,13 @@ def calibrate(engine: LocalEngine, recorder: Recorder, config: EngineConfig, pro
     acceptance and correlation on the steps the engine took."""
     recorder.reset()
     rows = run_real(engine, prompts, concurrency, max_tokens)
-    acceptance, correlation = ({}, 0.0)
+    skills, correlation = ({}, 0.0)
     if config.drafters:
-        acceptance, correlation = measure_acceptance(recorder, prompts, [r["tokens"] for r in rows], domains,
+        skills, correlation = measure_acceptance(recorder, prompts, [r["tokens"] for r in rows], domains,
                                                      config.step.num_speculative_tokens)
     host = recorder.host_fit()
     return {"host_ms": [round(v, 4) for v in host], "drafter_ms": recorder.drafter_costs(),
-            "acceptance": acceptance, "correlation": correlation,
+            "skills": skills, "correlation": correlation,
             "profile_ratio": round(recorder.profile_ratio(load_profile(profile_path(config))), 3)}
 
 

@@ -25,6 +25,7 @@ the simulator charges.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -94,8 +95,7 @@ class TargetCost:
         corrections = tuple((_shape(s.context_lens, s.num_new_tokens),
                              s.seconds / bare.seconds(s.context_lens, s.num_new_tokens))
                             for s in model.llm_samples)
-        return cls(*(getattr(bare, f) for f in ("c0", "c_req", "c_tok", "c_knee", "knee_tokens", "c_attn",
-                                                 "source")), corrections)
+        return dataclasses.replace(bare, corrections=corrections)
 
 
 @dataclass(frozen=True, slots=True)
