@@ -33,11 +33,16 @@ def add_cosine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-adaptive", dest="adaptive", action="store_false", default=None,
                    help="fixed γ and drafter participation (adaptive speculation off)")
     g.add_argument("--drafters-per-request", type=int, default=None, help="k drafters routed per request (1-3)")
+    g.add_argument("--pipeline-mode", choices=("lanes", "pipedec"), default=None,
+                   help="lanes: verify whole trees in micro-batches; pipedec: a request alone in the pool "
+                        "runs PipeDec's timestep loop (every stage on another layer of one prediction tree)")
+    g.add_argument("--pipedec-width", type=int, default=None, help="PipeDec: tree nodes per layer at most (4)")
 
 
 def cosine_step_overrides(args: argparse.Namespace) -> dict:
     """StepConfig fields given on the command line (absent flags are left out)."""
-    names = ("routing", "fusion", "scheduler", "adaptive", "drafters_per_request", "num_speculative_tokens")
+    names = ("routing", "fusion", "scheduler", "adaptive", "drafters_per_request", "num_speculative_tokens",
+             "pipeline_mode", "pipedec_width")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -119,6 +119,9 @@ def format_summary(name: str, s: dict) -> str:
              f"  latency      mean {s['e2e_mean_s']:.3f} s",
              f"  accepted     {s['mean_accepted_length']:.2f} tokens per verify step",
              "  busy         " + busy_line(s["utilisation"])]
+    if s.get("pipedec_timesteps"):
+        lines.insert(-1, f"  PipeDec      {s['pipedec_timesteps']} timesteps, {s['pipedec_tokens_per_timestep']:.2f} "
+                         f"tokens per timestep, hit rate {s['pipedec_hit_rate']:.2f}")
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ domain's datastore and keeps learning from the requests of its domain the server
 ROUTING_MODES = ("expertise", "random")
 FUSION_MODES = ("confidence", "single", "union")
 SCHEDULERS = ("lp", "fcfs")
+PIPELINE_MODES = ("lanes", "pipedec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,17 @@ class StepConfig:
     """Micro-batches in flight at once: running requests are split into this many lanes,
     each stepped by its own coroutine, so with S pipeline stages stage s can work on lane
     n while stage s+1 works on lane n-1. 1 for the in-process engine."""
+    pipeline_mode: str = "lanes"
+    """lanes: every step verifies whole speculation trees (micro-batches in lanes) | pipedec:
+    a request alone in the pool runs PipeDec's timestep loop instead (``engine.pipedec``:
+    every stage works on another layer of one growing prediction tree; the request goes back
+    to lanes when another request arrives)."""
+    pipedec_width: int = 4
+    """PipeDec: nodes per tree layer at most (the children with the highest cumulative
+    confidence)."""
+    pipedec_depth: int = 0
+    """PipeDec: tree layers below the root at most (0: the number of stages, what one hit per
+    timestep can use)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -83,6 +95,10 @@ class StepConfig:
             raise ValueError("drafter_deadline_s must be > 0")
         if self.num_lanes < 1:
             raise ValueError("num_lanes must be >= 1")
+        if self.pipeline_mode not in PIPELINE_MODES:
+            raise ValueError(f"pipeline_mode {self.pipeline_mode!r}: use one of {', '.join(PIPELINE_MODES)}")
+        if self.pipedec_width < 1 or self.pipedec_depth < 0:
+            raise ValueError("pipedec_width must be >= 1 and pipedec_depth >= 0")
         if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):
             raise ValueError("shared_drafters must be a list of drafter names")
         object.__setattr__(self, "shared_drafters", tuple(self.shared_drafters))

@@ -30,11 +30,12 @@ from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.drafting import DrafterClient
 from cosine_ray.engine.economics import CostModel, GainModel
 from cosine_ray.engine.learner import Learner
-from cosine_ray.engine.pool import RequestPool
+from cosine_ray.engine.pipedec import PipeDec
+from cosine_ray.engine.pool import RequestPool, Verified
 from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, RequestOutput, SamplingParams
 from cosine_ray.engine.routing import DraftRouting
-from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch
+from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch, needs_prefill
 from cosine_ray.engine.speculator import (ConfidenceCutSelection, FixedSelection, FusedDrafting, PathDrafting,
                                           PricedSelection, Speculator)
 from cosine_ray.engine.target import TargetClient
@@ -93,11 +94,24 @@ class EngineCore:
                                clock=clock, participation=participation, guard=guard,
                                unit_embeddings=unit_embeddings)
         self.exporter.participation(self.routing.drafters_per_request)
+        self.pipedec: PipeDec | None = None
+        if config.pipeline_mode == "pipedec":
+            if not self.target.supports_pipedec:
+                raise ValueError("pipeline_mode 'pipedec' needs a target client with PipeDec timesteps")
+            self.pipedec = PipeDec(self.target, clients, width=config.pipedec_width,
+                                   max_depth=config.pipedec_depth or None, vocab_size=vocab_size,
+                                   deadline_s=config.drafter_deadline_s)
 
     # ---- the step ---------------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
         """One iteration for the requests of ``lane`` (None: every running request)."""
         await self.release(self.pool.take_released(in_flight=self._in_flight))
+        if self.pipedec is not None:
+            solo = self._solo(lane)
+            if solo is not None:
+                return await self._pipedec_step(solo)
+            if self.pipedec.session is not None:  # another request came: back to lanes
+                await self.pipedec.leave(keep_kv=self._keeps_kv(self.pipedec.session.request_id))
         batch = self.scheduler.schedule(lane)
         self._hold(batch, +1)
         try:
@@ -109,6 +123,35 @@ class EngineCore:
             return self.pool.advance(verified.outcomes)
         finally:
             self._hold(batch, -1)
+
+    # ---- PipeDec: a request alone in the pool --------------------------------------------------
+    def _solo(self, lane: int | None) -> Request | None:
+        """The one running request, if nothing else runs or waits and it is decoding."""
+        if self.pool.waiting or len(self.pool.running) != 1 or not self.drafters:
+            return None
+        request = next(iter(self.pool.running.values()))
+        if (lane is not None and request.lane != lane) or needs_prefill(request) \
+                or not self.pool.is_live(request.request_id):
+            return None
+        return request
+
+    def _keeps_kv(self, request_id: str) -> bool:
+        request = self.pool.running.get(request_id)
+        return request is not None and not request.kv_lost
+
+    async def _pipedec_step(self, request: Request) -> list[RequestOutput]:
+        batch = StepBatch([request], {request.request_id: self.config.pipedec_width})
+        self._hold(batch, +1)
+        try:
+            tokens = await self.pipedec.step(request, lambda: self.routing.route(batch)[request.request_id].drafters)
+        finally:
+            self._hold(batch, -1)
+        if not tokens:  # none yet (the pipeline fills), or a stage was lost (the request re-prefills)
+            return self.pool.advance([])
+        outputs = self.pool.advance([Verified(request.request_id, tokens, ())])
+        if request.request_id not in self.pool.running:  # finished: its KV is freed with it
+            await self.pipedec.leave(keep_kv=False)
+        return outputs
 
     def _hold(self, batch: StepBatch, delta: int) -> None:
         """Count the requests a step works on: another lane's step releases none of them

@@ -147,7 +147,7 @@ async def continue_via_propose(client: DrafterClient, queries: Sequence[Continue
     return out
 
 
-async def _call_all(clients: Mapping[str, DrafterClient], batches: Mapping[str, list], method: str,
+async def call_drafters(clients: Mapping[str, DrafterClient], batches: Mapping[str, list], method: str,
                     deadline_s: float) -> dict[str, object]:
     """One call per drafter (its batch), concurrently, each with its own deadline."""
     names = [n for n, batch in batches.items() if batch and n in clients]
@@ -172,7 +172,7 @@ async def gather_proposals(clients: Mapping[str, DrafterClient], batches: Mappin
     Returns request id → valid, non-empty proposals; a late, failing or malformed drafter
     contributes nothing."""
     per_request: dict[str, list[DraftProposal]] = {}
-    results = await _call_all(clients, {n: list(b) for n, b in batches.items()}, "propose", deadline_s)
+    results = await call_drafters(clients, {n: list(b) for n, b in batches.items()}, "propose", deadline_s)
     for name, result in results.items():
         inputs = batches[name]
         if isinstance(result, BaseException) or not isinstance(result, list) or len(result) != len(inputs):
@@ -247,8 +247,8 @@ async def _fetch_chains(clients: Mapping[str, DrafterClient], batches: Mapping[s
     Returns drafter → whether its answer was well formed (else nothing of it is stored)."""
     chained = {n: b for n, b in batches.items() if hasattr(clients.get(n), "continue_chains")}
     results, plain = await asyncio.gather(
-        _call_all(clients, chained, "continue_chains", deadline_s),
-        _call_all(clients, {n: b for n, b in batches.items() if n not in chained}, "continue_drafts", deadline_s))
+        call_drafters(clients, chained, "continue_chains", deadline_s),
+        call_drafters(clients, {n: b for n, b in batches.items() if n not in chained}, "continue_drafts", deadline_s))
     for name, result in plain.items():  # one position per prefix: a chain of one
         if isinstance(result, list):
             plain[name] = [[[c] for c in r] if isinstance(r, list) else r for r in result]

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cosine_ray.engine.target import KVCommit, ScoreItem, TargetClient, TargetUnavailable
+from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem, TargetClient, TargetUnavailable
 
 
 class RecoveringTarget:
@@ -42,6 +42,27 @@ class RecoveringTarget:
             await self._recover(str(exc), epoch)
             return None
         return logits if epoch == self.epoch else None
+
+    async def timestep(self, items: Sequence[LayerItem | None]) -> tuple[bool, torch.Tensor | None]:
+        """A PipeDec timestep (``engine.target.PipelineTarget``): (False, None) when the KV was
+        lost (recovered as for ``score``), else (True, the last stage's logits or None)."""
+        epoch = self.epoch
+        try:
+            logits = await self.inner.timestep(items)
+        except TargetUnavailable as exc:
+            await self._recover(str(exc), epoch)
+            return False, None
+        return epoch == self.epoch, logits
+
+    @property
+    def supports_pipedec(self) -> bool:
+        return all(hasattr(self.inner, m) for m in ("timestep", "prune", "settle"))
+
+    async def prune(self, request_id: str, per_stage) -> None:
+        await self.inner.prune(request_id, per_stage)
+
+    async def settle(self, request_id: str) -> None:
+        await self.inner.settle(request_id)
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         self.inner.commit(commits)

@@ -61,6 +61,12 @@ class RequestStats:
     """Steps in which the request was routed to drafters at all."""
     domain: str = "other"
     """The request's domain (``Request.domain``), copied here by the engine loop for clients."""
+    pipedec_timesteps: int = 0
+    """Timesteps this request ran in PipeDec mode (``engine.pipedec``)."""
+    pipedec_tokens: int = 0
+    """Tokens committed by those timesteps (one per timestep once the root reaches the last stage)."""
+    pipedec_hits: int = 0
+    """Of those tokens, the ones already in the prediction tree (a miss restarts the tree)."""
 
     @property
     def mean_accepted_length(self) -> float:

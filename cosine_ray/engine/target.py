@@ -111,8 +111,56 @@ def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
                              f"router expects {it.start_position}")
 
 
+@dataclass(frozen=True, slots=True)
+class LayerItem:
+    """One PipeDec tree layer for one stage (``engine.pipedec``): the stage first prunes its
+    speculative level (``keep``, of which the first ``num_committed`` become committed), then
+    appends these nodes to it. Each node attends to the committed tokens, the speculative
+    slots in its ``ancestors`` and itself."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """The nodes' tokens (only the first stage embeds them)."""
+    positions: tuple[int, ...]
+    ancestors: tuple[tuple[int, ...], ...]
+    """Per node: the speculative slots (after the prune) of its uncommitted ancestors."""
+    rows: tuple[int, ...] | None = None
+    """Rows of the previous stage's output these nodes are (None: all of them, in order)."""
+    keep: tuple[int, ...] | None = None
+    """Prune first: speculative slots to keep, in order; None: no change."""
+    num_committed: int = 0
+
+    def stage_batch(self, num_speculative: int) -> StageBatch:
+        n = len(self.token_ids)
+        mask = torch.zeros(n, num_speculative + n, dtype=torch.bool)
+        for i, slots in enumerate(self.ancestors):
+            mask[i, list(slots)] = True
+            mask[i, num_speculative + i] = True
+        return StageBatch([self.request_id], [n], torch.tensor(self.positions, dtype=torch.long), [mask],
+                          token_ids=torch.tensor(self.token_ids, dtype=torch.long), extend=True)
+
+
 class TargetUnavailable(RuntimeError):
     """A stage died, hung past its deadline or lost its KV: the router re-prefills."""
+
+
+class PipelineTarget(Protocol):
+    """What PipeDec needs of the target besides ``TargetClient``: a timestep in which every
+    stage works on its own layer at once (``items[s]`` for stage s, None = idle), stage s
+    reading stage s-1's output of the previous timestep. Returns the last stage's logits
+    when it worked."""
+
+    num_stages: int
+
+    async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None: ...
+
+    async def prune(self, request_id: str, per_stage: Sequence[tuple[tuple[int, ...], int] | None]) -> None:
+        """Prune each stage's tree level (keep, num_committed) and forget held outputs."""
+        ...
+
+    async def settle(self, request_id: str) -> None:
+        """Apply the request's pending ``commit`` on every stage now."""
+        ...
 
 
 class TargetClient(Protocol):
@@ -163,6 +211,24 @@ class StageWorker:
         finally:
             self.busy_s += self.clock() - self._busy_since
             self._busy_since = None
+
+    def forward_layer(self, item: LayerItem, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """PipeDec: prune this request's tree level, then append one layer of it (hidden
+        states out, or on the last stage the layer's logits)."""
+        self._busy_since = self.clock()
+        try:
+            self.prune(item.request_id, item.keep, item.num_committed)
+            if hidden is not None and item.rows is not None:
+                hidden = hidden[list(item.rows)]
+            batch = item.stage_batch(self.cache.num_speculative(item.request_id))
+            return self.stage.forward(batch, self.cache, hidden)
+        finally:
+            self.busy_s += self.clock() - self._busy_since
+            self._busy_since = None
+
+    def prune(self, request_id: str, keep: Sequence[int] | None, num_committed: int) -> None:
+        if keep is not None:
+            self.cache.keep(request_id, keep, num_committed)
 
     def utilisation(self) -> tuple[float, float]:
         """(busy, idle) seconds since this stage was built; a forward in progress counts as
@@ -218,10 +284,31 @@ class TargetWorker:
 
 
 class LocalTargetClient:
-    """TargetClient over an in-process TargetWorker."""
+    """TargetClient over an in-process TargetWorker (and ``PipelineTarget``: the stages of a
+    PipeDec timestep run one after another here)."""
 
     def __init__(self, worker: TargetWorker) -> None:
         self.worker = worker
+        self._outputs: list[torch.Tensor | None] = [None] * len(worker.stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.worker.stages)
+
+    async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None:
+        outputs = [stage.forward_layer(item, self._outputs[s - 1] if s else None) if item is not None else None
+                   for s, (stage, item) in enumerate(zip(self.worker.stages, items))]
+        self._outputs = outputs
+        return outputs[-1]
+
+    async def prune(self, request_id: str, per_stage: Sequence[tuple[tuple[int, ...], int] | None]) -> None:
+        for stage, p in zip(self.worker.stages, per_stage):
+            if p is not None:
+                stage.prune(request_id, *p)
+        self._outputs = [None] * len(self._outputs)
+
+    async def settle(self, request_id: str) -> None:
+        """Nothing is pending here: ``commit`` applies at once."""
 
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         return self.worker.score(items)

@@ -125,18 +125,23 @@ class Verifier:
                              seconds, idle)
 
     def _first_token(self, request: Request, logits: torch.Tensor, *, position: int) -> int:
-        """First token after prefill (at ``position``, the prefilled length): the target's own
-        choice, argmax or the keyed sample."""
-        if request.params.is_greedy:
-            return int(logits[0].argmax())
-        return int(sample_keyed(self._probs(request, logits), seed=request.seed, positions=[position])[0])
+        """First token after prefill (at ``position``, the prefilled length)."""
+        return target_token(request, logits, position=position)
 
     def _accept(self, request: Request, tree: TokenTree, logits: torch.Tensor, *, root_position: int) -> VerifyResult:
         if request.params.is_greedy:
             return verify_greedy(tree, logits)
-        return verify_keyed(tree, self._probs(request, logits), seed=request.seed, root_position=root_position)
+        return verify_keyed(tree, _probs(request, logits), seed=request.seed, root_position=root_position)
 
-    @staticmethod
-    def _probs(request: Request, logits: torch.Tensor) -> torch.Tensor:
-        params = request.params
-        return logits_to_probs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+
+def _probs(request: Request, logits: torch.Tensor) -> torch.Tensor:
+    params = request.params
+    return logits_to_probs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+
+
+def target_token(request: Request, logits: torch.Tensor, *, position: int) -> int:
+    """The target's own token at absolute ``position`` from the logits [1, vocab] of the token
+    before it: argmax, or the keyed sample (what plain sampling with the request's seed draws)."""
+    if request.params.is_greedy:
+        return int(logits[0].argmax())
+    return int(sample_keyed(_probs(request, logits), seed=request.seed, positions=[position])[0])

@@ -13,6 +13,11 @@ After verification, ``commit(keep)`` compacts the kept speculative slots (the ac
 path, in depth order) onto the end of the committed level and drops the rest (PipeDec
 §3.4's two-level cache). ``rollback(n)`` drops the last n committed tokens (a drafter that
 ran ahead, or a test). Keys are stored after RoPE, so moving a slot never changes it.
+
+PipeDec (``engine.pipedec``) grows the speculative level a tree layer at a time instead:
+``extend(n)`` appends n slots after the ones already there, and ``keep(slots, num_committed)``
+prunes the level to ``slots`` of which the first ``num_committed`` join the
+committed level (a hit commits the old root and keeps the new root's subtree).
 """
 
 from __future__ import annotations
@@ -85,14 +90,32 @@ class KVCache:
             total = self.num_tokens() - entry.num_speculative + num_new_tokens
             if total > self.max_tokens:
                 raise MemoryError(f"KV cache full: {total} tokens > max_tokens={self.max_tokens}")
-        capacity = entry.buffer.shape[3]
-        if needed > capacity:
-            new_capacity = max(needed, 2 * capacity)
-            grown = self._new_buffer(new_capacity)
-            grown[:, :, :, :start] = entry.buffer[:, :, :, :start]
-            entry.buffer = grown
+        self._grow(entry, needed, start)
         entry.num_speculative = num_new_tokens
         return start
+
+    @torch.inference_mode()
+    def extend(self, request_id: str, num_new_tokens: int) -> int:
+        """Append ``num_new_tokens`` slots to the speculative level (PipeDec's next tree layer);
+        returns the first new slot."""
+        entry = self._entries[request_id]
+        start = entry.committed_length + entry.num_speculative
+        if self.max_tokens is not None and self.num_tokens() + num_new_tokens > self.max_tokens:
+            raise MemoryError(f"KV cache full: {self.num_tokens() + num_new_tokens} tokens > "
+                              f"max_tokens={self.max_tokens}")
+        self._grow(entry, start + num_new_tokens, start)
+        entry.num_speculative += num_new_tokens
+        return start
+
+    def _grow(self, entry: _Entry, needed: int, used: int) -> None:
+        capacity = entry.buffer.shape[3]
+        if needed > capacity:
+            grown = self._new_buffer(max(needed, 2 * capacity))
+            grown[:, :, :, :used] = entry.buffer[:, :, :, :used]
+            entry.buffer = grown
+
+    def num_speculative(self, request_id: str) -> int:
+        return self._entries[request_id].num_speculative
 
     @torch.inference_mode()
     def write(self, request_id: str, layer: int, start: int,
@@ -116,18 +139,28 @@ class KVCache:
         ``keep=None`` keeps the whole level (prefill, or a chain accepted in full).
         """
         entry = self._entries[request_id]
-        start = entry.committed_length
         if keep is None:
             entry.committed_length += entry.num_speculative
+            entry.num_speculative = 0
         else:
-            keep = list(keep)
-            if any(not 0 <= k < entry.num_speculative for k in keep):
-                raise IndexError(f"keep {keep} outside the speculative level of {entry.num_speculative}")
-            if keep != list(range(len(keep))):  # already in place when the kept slots lead
-                index = torch.tensor(keep, dtype=torch.long, device=self.device) + start
-                entry.buffer[:, :, :, start:start + len(keep)] = entry.buffer[:, :, :, index]
-            entry.committed_length += len(keep)
-        entry.num_speculative = 0
+            self.keep(request_id, list(keep), len(keep))
+
+    @torch.inference_mode()
+    def keep(self, request_id: str, slots: Sequence[int], num_committed: int) -> None:
+        """Keep speculative slots ``slots`` (in this order) and drop the rest of the level; the
+        first ``num_committed`` of them join the committed level, the others stay speculative."""
+        entry = self._entries[request_id]
+        start = entry.committed_length
+        slots = list(slots)
+        if any(not 0 <= k < entry.num_speculative for k in slots):
+            raise IndexError(f"keep {slots} outside the speculative level of {entry.num_speculative}")
+        if not 0 <= num_committed <= len(slots):
+            raise ValueError(f"cannot commit {num_committed} of {len(slots)} kept slots")
+        if slots != list(range(len(slots))):  # already in place when the kept slots lead
+            index = torch.tensor(slots, dtype=torch.long, device=self.device) + start
+            entry.buffer[:, :, :, start:start + len(slots)] = entry.buffer[:, :, :, index]
+        entry.committed_length += num_committed
+        entry.num_speculative = len(slots) - num_committed
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` committed tokens (and any speculative level)."""

@@ -38,9 +38,13 @@ class StageBatch:
     """Tokens per request in this step (flattened in request order)."""
     positions: torch.Tensor  # [num_tokens] int64, absolute RoPE positions
     tree_masks: list[torch.Tensor | None]
-    """Per request: [n_i, n_i] bool ancestor mask of its tree, or None for a causal chain."""
+    """Per request: [n_i, n_i] bool ancestor mask of its tree, or None for a causal chain
+    (with ``extend``: [n_i, speculative slots + n_i])."""
     logit_indices: torch.Tensor | None = None  # [num_logits] rows that need logits; None = all
     token_ids: torch.Tensor | None = None  # [num_tokens] int64, used by the first stage
+    extend: bool = False
+    """Append the new tokens to the speculative level instead of replacing it (PipeDec's
+    layer-by-layer tree: the masks then also cover the slots already there)."""
 
     @property
     def num_tokens(self) -> int:
@@ -254,7 +258,7 @@ class LlamaStage:
         starts, masks = [], []
         offset = 0
         for rid, n, tree_mask in zip(batch.request_ids, batch.num_new_tokens, batch.tree_masks):
-            slot = kv_cache.reserve(rid, n)
+            slot = kv_cache.extend(rid, n) if batch.extend else kv_cache.reserve(rid, n)
             starts.append((offset, slot))
             offset += n
             masks.append(self._attention_mask(slot, n, tree_mask))
@@ -293,14 +297,17 @@ class LlamaStage:
 
     def _attention_mask(self, slot: int, n: int, tree_mask: torch.Tensor | None):
         """Mask of n new tokens over slots [0, slot + n): ``None`` (attend to all, n == 1),
-        ``"causal"`` (fresh chain), or a bool tensor [n, slot + n]."""
+        ``"causal"`` (fresh chain), or a bool tensor [n, slot + n]. A ``tree_mask`` [n, w]
+        covers the last w slots (the new tokens, or with ``StageBatch.extend`` the whole
+        speculative level and them); every earlier slot is committed and visible."""
         if tree_mask is None:
             if n == 1:
                 return None
             if slot == 0:
                 return "causal"
             tree_mask = torch.ones(n, n, dtype=torch.bool).tril_()
-        assert tree_mask.shape == (n, n), f"tree mask {tuple(tree_mask.shape)} for {n} tokens"
+        width = tree_mask.shape[1]
+        assert tree_mask.shape[0] == n and n <= width <= slot + n, f"tree mask {tuple(tree_mask.shape)} for {n} tokens"
         mask = torch.ones(n, slot + n, dtype=torch.bool)
-        mask[:, slot:] = tree_mask
+        mask[:, slot + n - width:] = tree_mask
         return mask.to(self.device)

@@ -17,7 +17,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.target import KVCommit, ScoreItem, TargetUnavailable, split_logits
+from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem, TargetUnavailable, split_logits
 from cosine_ray.runtime.cluster import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class RayTargetClient:
         self.slots = list(slots)
         self.deadline_s = deadline_s
         self._pending: dict[str, tuple[int, ...]] = {}
+        self._layer_refs: list[ray.ObjectRef | None] = [None] * len(self.slots)
+        """PipeDec: each stage's output of the last timestep (the next stage's input)."""
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         for c in commits:
@@ -122,15 +124,46 @@ class RayTargetClient:
         ref = None
         for slot in self.slots:
             ref = slot.handle.forward.remote(items, ref)
+        return split_logits(items, await self._await(asyncio.wrap_future(ref.future())))
+
+    async def _await(self, work: Any) -> Any:
+        """Await stage results with the chain's deadline; a lost stage is TargetUnavailable."""
         try:
-            logits = await await_ref(ref, self.deadline_s)
+            return await asyncio.wait_for(work, timeout=self.deadline_s)
         except asyncio.TimeoutError as exc:
             raise TargetUnavailable(f"stage chain missed its {self.deadline_s:.0f} s deadline") from exc
         except (RayActorError, ray.exceptions.RayTaskError) as exc:
             for slot in self.slots:
                 slot.respawn_if_dead(exc)
             raise TargetUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}") from exc
-        return split_logits(items, logits)
+
+    # ---- PipeDec (engine.target.PipelineTarget) ----------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.slots)
+
+    async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None:
+        """Every stage with a layer starts at once; stage s gets stage s-1's output of the
+        previous timestep as an ObjectRef (Ray moves it actor to actor)."""
+        refs = [slot.handle.forward_layer.remote(item, self._layer_refs[s - 1] if s else None)
+                if item is not None else None
+                for s, (slot, item) in enumerate(zip(self.slots, items))]
+        self._layer_refs = refs
+        live = [asyncio.wrap_future(r.future()) for r in refs if r is not None]
+        results = await self._await(asyncio.gather(*live))
+        return results[-1] if refs[-1] is not None else None
+
+    async def prune(self, request_id: str, per_stage: Sequence[tuple[tuple[int, ...], int] | None]) -> None:
+        for slot, p in zip(self.slots, per_stage):  # ordered before this caller's next call to the stage
+            if p is not None:
+                slot.handle.prune.remote(request_id, *p)
+        self._layer_refs = [None] * len(self.slots)
+
+    async def settle(self, request_id: str) -> None:
+        keep = self._pending.pop(request_id, None)
+        if keep is not None:
+            for slot in self.slots:
+                slot.handle.commit.remote([KVCommit(request_id, keep)])
 
     def _with_commit(self, item: ScoreItem) -> ScoreItem:
         keep = self._pending.pop(item.request_id, None)  # a prefill (position 0) starts afresh

@@ -49,6 +49,17 @@ READY_TIMEOUT_S = 900.0
 """Longest wait for the stages and drafters to load (a first start converts the model)."""
 
 
+def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
+    """One ``StageActor`` per pipeline stage, named ``cosine_ray:stage:<i>`` in ``namespace``
+    (the engine's own; benchmarks and tests that build an ``EngineCore`` over stage actors
+    without Serve pass a fresh one)."""
+    def spawn(i: int):
+        options = {**actor_options("stage", i, config), "namespace": namespace}
+        return lambda: StageActor.options(**options).remote(config, i)
+
+    return [ActorSlot(actor_name("stage", i), spawn(i), namespace=namespace) for i in range(config.num_stages)]
+
+
 class EngineServer:
     async def __init__(self, config_data: dict[str, Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         torch.set_num_threads(1)
@@ -65,8 +76,7 @@ class EngineServer:
             options = {**actor_options(role, index, config), "namespace": self.namespace}
             return lambda: cls.options(**options).remote(config, *args)
 
-        self.stage_slots = [ActorSlot(actor_name("stage", i), spawner("stage", i, StageActor, i),
-                                      namespace=self.namespace) for i in range(config.num_stages)]
+        self.stage_slots = stage_slots(config, self.namespace)
         # Lookup drafters run here (cluster.drafters_in_engine); the others get an actor each,
         # named by their place in the drafter list.
         drafters: list[LocalDrafterClient | RayDrafterClient] = [

@@ -58,6 +58,8 @@ class RequestResult:
     accepted_length: float
     verify_steps: int
     routed_to: dict[str, int] = field(default_factory=dict)
+    pipedec: tuple[int, int, int] = (0, 0, 0)
+    """PipeDec timesteps, the tokens they committed, and the hits among them."""
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class SimResult:
         steps = sum(r.verify_steps for r in rs)
         committed = sum(r.accepted_length * r.verify_steps for r in rs)  # accepted + bonus tokens
         tpots = [r.tpot_s for r in rs if r.num_tokens > 1]
+        pipedec = [sum(r.pipedec[i] for r in rs) for i in range(3)]
         return {
             "requests": len(rs),
             "output_tokens": tokens,
@@ -95,6 +98,9 @@ class SimResult:
             "decode_tokens_per_forward": self.decode[1] / self.decode[0] if self.decode[0] else 0.0,
             "decode_forward_ms": 1e3 * self.decode[2] / self.decode[0] if self.decode[0] else 0.0,
             "drafter_calls": self.drafter_calls,
+            "pipedec_timesteps": pipedec[0],
+            "pipedec_tokens_per_timestep": pipedec[1] / pipedec[0] if pipedec[0] else 0.0,
+            "pipedec_hit_rate": pipedec[2] / pipedec[1] if pipedec[1] else 0.0,
             "wall_s": self.wall_s,
         }
 
@@ -238,7 +244,9 @@ async def _simulate(scenario: Scenario, requests: list[SimRequest]) -> SimResult
         results.append(RequestResult(req, start, first - start, (last - first) / (n - 1) if n > 1 else 0.0,
                                      last - start, n, stats.mean_accepted_length if stats else 0.0,
                                      stats.num_verify_steps if stats else 0,
-                                     dict(stats.routed_to) if stats else {}))
+                                     dict(stats.routed_to) if stats else {},
+                                     (stats.pipedec_timesteps, stats.pipedec_tokens, stats.pipedec_hits) if stats
+                                     else (0, 0, 0)))
 
     wall = time.perf_counter()
     t0 = clock()

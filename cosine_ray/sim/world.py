@@ -27,6 +27,7 @@ router, fusion, tree selection, verifier and learner on the virtual clock (``sim
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -35,7 +36,7 @@ import torch
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.target import KVCommit, ScoreItem
+from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem
 from cosine_ray.sim.clock import Link, Resource
 from cosine_ray.sim.latency import DrafterCost, TargetCost
 
@@ -174,6 +175,46 @@ class SimTarget:
             position = root + depth[i] + 1
             out[i, oracle.token(rid, position) if on_path[i] else oracle.other(rid, position, i)] = 1.0
         return out
+
+    # ---- PipeDec (engine.target.PipelineTarget) -----------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None:
+        """Every stage with a layer works at once on its device: stage 0 gets the layer's ids
+        from the router, stage s the hidden states stage s-1 produced last timestep over the
+        stage link; the last stage's rows go back. Its logits are the oracle's next token at
+        each row (PipeDec's last stage only ever scores the tree's root, which is on the path)."""
+        await self.router.use(self.step_overhead_s + self.overhead_per_request_s)
+        last = len(self.stages) - 1
+        per_row = 4 * self.shape.vocab_size if self.shape.returns == "logits" else 8
+
+        async def run(s: int, item: LayerItem) -> None:
+            stage, n = self.stages[s], len(item.token_ids)
+            if s == 0:
+                await self.link_in.send(8 * n + 64)
+            else:
+                await self.stages[s - 1].link_out.send(n * self.shape.hidden_size * self.shape.activation_bytes)
+            await stage.device.use(stage.layers * stage.cost.seconds([item.positions[0]], [n]))
+            if s == last:
+                await self.link_back.send(n * per_row)
+
+        await asyncio.gather(*(run(s, it) for s, it in enumerate(items) if it is not None))
+        self.forwards += 1
+        item = items[last]
+        if item is None:
+            return None
+        out = torch.zeros(len(item.token_ids), self.oracle.vocab_size)
+        for i, position in enumerate(item.positions):
+            out[i, self.oracle.token(item.request_id, position + 1)] = 1.0
+        return out
+
+    async def prune(self, request_id: str, per_stage) -> None:
+        pass  # no KV here (the oracle is the text)
+
+    async def settle(self, request_id: str) -> None:
+        pass
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         pass  # the oracle has no KV to keep; the stages' memory is the engine's KV accounting

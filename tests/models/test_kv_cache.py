@@ -97,6 +97,50 @@ def test_commit_keep_compacts_path_and_drops_rest():
     assert_contents(cache, "a", [1, 2, 10, 12, 14, 20, 21, 32, 30])
 
 
+def extend_level(cache: KVCache, rid: str, tokens: list[int]) -> int:
+    """extend + write every layer, as a PipeDec layer forward does; returns the first new slot."""
+    slot = cache.extend(rid, len(tokens))
+    for layer in range(LAYERS):
+        kv = [token_kv(t, layer) for t in tokens]
+        cache.write(rid, layer, slot, torch.stack([k for k, _ in kv], 1), torch.stack([v for _, v in kv], 1))
+    return slot
+
+
+def test_extend_grows_the_level_and_keep_commits_a_prefix_of_the_kept_slots():
+    """PipeDec's two-level cache: layers appended one at a time; a hit commits the old root and
+    keeps the new root's subtree speculative; a miss commits the old root and drops the rest."""
+    cache = make_cache(initial_capacity=4)  # growth while extending keeps everything
+    cache.allocate("a")
+    write_level(cache, "a", [1, 2])
+    cache.commit("a")
+    assert extend_level(cache, "a", [10]) == 2  # the root
+    assert extend_level(cache, "a", [20, 21]) == 3  # its children
+    assert extend_level(cache, "a", [30, 31, 32]) == 5  # grandchildren (capacity 4 -> grown)
+    assert cache.num_speculative("a") == 6 and cache.num_tokens() == 8
+    cache.keep("a", [0, 2, 4, 5], num_committed=1)  # hit on 21: commit 10, keep 21, 31, 32
+    assert cache.committed_length("a") == 3 and cache.num_speculative("a") == 3
+    assert extend_level(cache, "a", [40]) == 6  # appended after the kept level
+    cache.keep("a", [0], num_committed=1)  # miss: commit 21, drop the rest
+    assert_contents(cache, "a", [1, 2, 10, 21])
+    assert cache.num_speculative("a") == 0 and cache.num_tokens() == 4
+    with pytest.raises(ValueError, match="cannot commit 2 of 1"):
+        extend_level(cache, "a", [50])
+        cache.keep("a", [0], num_committed=2)
+    with pytest.raises(IndexError):
+        cache.keep("a", [3], num_committed=0)
+
+
+def test_extend_respects_max_tokens():
+    cache = make_cache(max_tokens=4)
+    cache.allocate("a")
+    write_level(cache, "a", [1, 2])
+    cache.commit("a")
+    extend_level(cache, "a", [3])
+    extend_level(cache, "a", [4])
+    with pytest.raises(MemoryError, match="KV cache full"):
+        cache.extend("a", 1)
+
+
 def test_commit_keep_out_of_range():
     cache = make_cache()
     cache.allocate("a")

@@ -1,0 +1,139 @@
+"""Single-request speed of the pipeline modes on stage actors of a real local Ray cluster (issue 19).
+
+One engine per system, built the way the Serve deployment builds it (``EngineCore`` over a
+``RayTargetClient`` with one ``StageActor`` per stage, lookup drafters in the engine
+process), running the same held-back prompts one at a time (a request alone in the pool,
+PipeDec's case). Systems:
+
+- ``S=1 plain`` / ``S=1 lanes``: one stage, speculation off / CoSine's trees;
+- ``S=N plain``: plain pipeline parallelism (what PipeDec's paper compares with);
+- ``S=N lanes``: CoSine's trees, the stages working one after another on each tree;
+- ``S=N pipedec wW``: PipeDec's timestep loop with W nodes per tree layer.
+
+Prints tok/s, the ratio to ``S=1 lanes`` and to ``S=N lanes``, tokens per target call
+(lanes: per verify step; PipeDec: per timestep), PipeDec's hit rate (share of its tokens
+that were already in the prediction tree: a miss restarts the tree, S timesteps to refill) and whether every output
+is identical to the first system's. Stage actors get ``--threads`` torch threads each; the
+engine process runs one thread.
+
+    python benchmarks/pipeline_modes.py --stages 2 --widths 1,2,4 --prompts-per-domain 2 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+import ray
+import torch
+
+from cosine_ray.datasets import held_back_prompts
+from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_config_for
+from cosine_ray.engine.components import cosine_components
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, config_from_dict
+from cosine_ray.engine.core import EngineCore
+from cosine_ray.engine.drafting import LocalDrafterClient
+from cosine_ray.engine.local import encode_prompt
+from cosine_ray.engine.loop import EngineLoop
+from cosine_ray.engine.request import SamplingParams
+from cosine_ray.models.loader import resolve_checkpoint
+from cosine_ray.runtime.clients import RayTargetClient, await_ref
+from cosine_ray.runtime.engine_server import stage_slots
+
+
+async def run_system(name: str, config_data: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+    config = config_from_dict(config_data)
+    checkpoint = resolve_checkpoint(config.model)
+    tokenizer = checkpoint.load_tokenizer()
+    slots = stage_slots(config, f"bench.{uuid.uuid4().hex[:6]}")
+    await asyncio.gather(*(await_ref(s.handle.ping.remote(), 600) for s in slots))
+    drafters = [LocalDrafterClient(make_drafter_worker(spec, config)) for spec in config.drafters]
+    core = EngineCore(step_config_for(config, checkpoint), RayTargetClient(slots, deadline_s=120.0), drafters,
+                      vocab_size=checkpoint.config.vocab_size, eos_token_ids=eos_token_ids(checkpoint, tokenizer),
+                      **cosine_components(config, checkpoint))
+    loop = EngineLoop(core)
+    params = SamplingParams(max_tokens=max_tokens)
+    try:
+        await loop.generate_all(prompts[0], SamplingParams(max_tokens=8))  # warm-up
+        outputs, elapsed = [], 0.0
+        for ids in prompts:
+            start = time.perf_counter()
+            out = await loop.generate_all(ids, params)
+            elapsed += time.perf_counter() - start
+            outputs.append(out)
+    finally:
+        await loop.shutdown()
+        for s in slots:
+            ray.kill(s.handle, no_restart=True)
+    tokens = sum(len(o.new_token_ids) for o in outputs)
+    timesteps = sum(o.stats.pipedec_timesteps for o in outputs)
+    steps = sum(o.stats.num_verify_steps for o in outputs)
+    calls = timesteps or steps or tokens
+    return {"system": name, "tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+            "tokens_per_call": tokens / calls if calls else 0.0,
+            "hit_rate": sum(o.stats.pipedec_hits for o in outputs) / max(1, sum(o.stats.pipedec_tokens for o in outputs))
+            if timesteps else None,
+            "outputs": [list(o.new_token_ids) for o in outputs]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--widths", default="1,2,4", help="PipeDec nodes per tree layer, comma list")
+    p.add_argument("--depths", default="0", help="PipeDec tree layers below the root, comma list (0: S)")
+    p.add_argument("--prompts-per-domain", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stage actor")
+    p.add_argument("--drafters", default=DEFAULT_DRAFTERS)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default="bench-results/pipeline_modes.json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    checkpoint = resolve_checkpoint(args.model)
+    tokenizer = checkpoint.load_tokenizer()
+    prompts = [encode_prompt(tokenizer, t) for _, t in held_back_prompts(None, args.prompts_per_domain)]
+    S = args.stages
+    base = {"model": args.model, "drafters": args.drafters,
+            "cluster": {"threads_per_actor": args.threads, "num_cpus_per_actor": 0}}
+    systems = [("S=1 plain", {**base, "drafters": "none", "num_stages": 1}),
+               ("S=1 lanes", {**base, "num_stages": 1})]
+    if S > 1:
+        systems += [(f"S={S} plain", {**base, "drafters": "none", "num_stages": S, "step": {"num_lanes": S}}),
+                    (f"S={S} lanes", {**base, "num_stages": S, "step": {"num_lanes": S}})]
+    for depth in (int(d) for d in args.depths.split(",")):
+        for width in (int(w) for w in args.widths.split(",")):
+            label = f"S={S} pipedec w{width}" + (f" d{depth}" if depth else "")
+            systems.append((label, {**base, "num_stages": S, "step": {
+                "num_lanes": S, "pipeline_mode": "pipedec", "pipedec_width": width, "pipedec_depth": depth}}))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    results = []
+    try:
+        for name, data in systems:
+            r = asyncio.run(run_system(name, data, prompts, args.max_tokens))
+            results.append(r)
+            print(f"{name:<22} {r['tok_s']:7.2f} tok/s", flush=True)
+    finally:
+        ray.shutdown()
+    ref = {r["system"]: r for r in results}
+    one, lanes = ref["S=1 lanes"]["tok_s"], ref[f"S={S} lanes"]["tok_s"]
+    first = results[0]["outputs"]
+    print(f"\n{len(prompts)} held-back prompts, {args.max_tokens} tokens, one request at a time, "
+          f"{args.threads} thread(s) per stage actor, drafters {args.drafters}")
+    print(f"| system | tok/s | × S=1 lanes | × S={S} lanes | tokens per target call | PipeDec hit rate | identical |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
+        same = sum(a == b for a, b in zip(r["outputs"], first))
+        print(f"| {r['system']} | {r['tok_s']:.2f} | {r['tok_s'] / one:.2f}× | {r['tok_s'] / lanes:.2f}× | "
+              f"{r['tokens_per_call']:.2f} | {hit} | {same}/{len(first)} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

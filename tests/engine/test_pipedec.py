@@ -1,0 +1,226 @@
+"""PipeDec mode (``--pipeline-mode pipedec``, ``engine.pipedec``): the prediction tree's
+bookkeeping, and losslessness through the in-process engine for S = 1, 2, 3 stages.
+
+Tiny random model (no near-ties: exact comparison with HF greedy) for every drafter path: the
+target drafting for itself (every timestep a hit), the n-gram drafter (mostly misses), a
+drafter that fails mid-request, requests arriving while one runs alone (the engine leaves
+PipeDec and comes back), seeded sampling (the same text as plain sampling with that seed,
+for every seed: the distribution is the target's). One real-model check (SmolLM2-135M).
+The Ray stage actors' path is in tests/runtime/test_pipedec_ray.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.local import LocalEngine, encode_prompt
+from cosine_ray.engine.pipedec import PipeDecSession
+from cosine_ray.engine.request import Request, SamplingParams
+
+MAX_TOKENS = 30
+
+
+def make_engine(ckpt, drafters: str, num_stages: int, **step) -> LocalEngine:
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages,
+                                    step=StepConfig(pipeline_mode="pipedec", **step)), checkpoint=ckpt)
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          num_beams=1, temperature=None, top_p=None, top_k=None,
+                          pad_token_id=hf.generation_config.pad_token_id or 0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 20)] + [list(range(10, 22)) * 3]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint, prompts) -> list[list[int]]:
+    hf = tiny_checkpoint.load_hf_model()
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    assert all(len(r) == MAX_TOKENS for r in refs)
+    return refs
+
+
+def generate_alone(engine: LocalEngine, prompts, params) -> list:
+    """One request at a time: each runs alone in the pool (PipeDec's case)."""
+    return [engine.generate([p], params)[0] for p in prompts]
+
+
+# ---- the tree's bookkeeping ---------------------------------------------------------------------
+
+def test_session_layers_prunes_and_commits():
+    """Two stages; the root (token 4 at position 3) gets children 7 and 8, 8 a child 9. Each
+    stage's prune lists its committed old roots first, then its live nodes, as slots of its
+    own speculative level; every node attends to its live ancestors' slots."""
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=10))
+    request.output_token_ids = [4]
+    s = PipeDecSession(request, num_stages=2, drafters=("d",))
+    root = s.root
+    t1 = s.layer_items()
+    assert t1[1] is None and t1[0].token_ids == (4,) and t1[0].positions == (3,) and t1[0].ancestors == ((),)
+    assert t1[0].keep is None
+    c7 = s._add(7, root, 4, 0.9)
+    c8 = s._add(8, root, 4, 0.5)
+    t2 = s.layer_items()  # stage 0: the children; stage 1: the root
+    assert t2[0].token_ids == (7, 8) and t2[0].ancestors == ((0,), (0,)) and t2[0].positions == (4, 4)
+    assert t2[1].token_ids == (4,) and t2[1].rows is None and t2[1].ancestors == ((),)
+    g9 = s._add(9, c8, 5, 0.4)
+    assert s.path(g9) == (8, 9) and s.ancestors(g9) == [c8, root]
+
+    assert s.accept(8) is True  # the root's logits said 8: a hit, the tree is 8's subtree
+    assert s.root == c8 and set(s.nodes) == {c8, g9}
+    t3 = s.layer_items()
+    # stage 0 held [4, 7, 8]: commit 4, keep 8; then 9 attends to 8 (now slot 0)
+    assert (t3[0].keep, t3[0].num_committed) == ((0, 2), 1)
+    assert t3[0].token_ids == (9,) and t3[0].ancestors == ((0,),)
+    # stage 1 held [4]: commit it; its input rows are [7, 8] of which 8 survives
+    assert (t3[1].keep, t3[1].num_committed) == ((0,), 1)
+    assert t3[1].token_ids == (8,) and t3[1].rows == (1,) and t3[1].ancestors == ((),)
+
+    assert s.accept(5) is False  # 8's logits said 5: a miss, the tree restarts from 5
+    assert [n.token for n in s.nodes.values()] == [5] and s.nodes[s.root].position == 5
+    t4 = s.layer_items()
+    assert t4[0].token_ids == (5,) and (t4[0].keep, t4[0].num_committed) == ((0,), 1)  # commit 8, drop 9
+    assert t4[1] is None  # 9 was pruned: stage 1 idles (and syncs later)
+    assert s.leave() == [((), 0), ((0,), 1)]  # stage 0 drops the root 5; stage 1 commits 8
+    assert s.committed == []
+    _ = c7
+
+
+# ---- lossless, in-process -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_self_drafting_hits_every_timestep_and_equals_hf_greedy(tiny_checkpoint, prompts, reference, num_stages):
+    """The target drafting for itself is always right: with width 1 the tree is a chain of
+    its first choices, so after the pipeline fills every timestep commits a token (the hit
+    path: prune to the child's subtree, commit old roots). (Wider, a deep node on the path
+    may lose its slot in the layer to a sibling's child with a higher cumulative confidence.)"""
+    engine = make_engine(tiny_checkpoint, "self", num_stages, pipedec_width=1)
+    outs = generate_alone(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.new_token_ids for o in outs] == reference
+    for o in outs:
+        assert o.stats.num_verify_steps == 0  # every token came from PipeDec
+        # the first token is the prefill's; every later one was in the tree (drafted while the
+        # root went through the stages), and only the first S-1 timesteps commit nothing
+        assert o.stats.pipedec_hits == MAX_TOKENS - 1
+        assert o.stats.pipedec_timesteps == (MAX_TOKENS - 1) + (num_stages - 1)
+    assert engine.target.num_cached_requests() == 0
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_ngram_drafting_misses_and_equals_hf_greedy(tiny_checkpoint, prompts, reference, num_stages):
+    """Mostly misses (the miss path: restart from the target's token) and some hits on the
+    repetitive prompt; width 2, depth 2."""
+    engine = make_engine(tiny_checkpoint, "ngram", num_stages, pipedec_width=2, pipedec_depth=2)
+    outs = generate_alone(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.new_token_ids for o in outs] == reference
+    timesteps = sum(o.stats.pipedec_timesteps for o in outs)
+    hits = sum(o.stats.pipedec_hits for o in outs)
+    assert 0 < hits < sum(MAX_TOKENS - 1 for _ in outs) <= timesteps
+    assert engine.target.num_cached_requests() == 0
+
+
+class FlakyClient:
+    """Wraps a drafter client; every call after the first ``good`` ones raises."""
+
+    def __init__(self, inner, good: int) -> None:
+        self.inner, self.good, self.calls = inner, good, 0
+        self.name, self.learns = inner.name, inner.learns
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def continue_drafts(self, queries):
+        self.calls += 1
+        if self.calls > self.good:
+            raise RuntimeError("drafter lost")
+        return await self.inner.continue_drafts(queries)
+
+
+def test_a_drafter_failing_mid_request_changes_nothing(tiny_checkpoint, prompts, reference):
+    engine = make_engine(tiny_checkpoint, "self,ngram", 2)
+    flaky = FlakyClient(engine.core.pipedec.clients["self"], good=6)
+    engine.core.pipedec.clients["self"] = flaky
+    outs = generate_alone(engine, prompts[:2], SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.new_token_ids for o in outs] == reference[:2]
+    assert flaky.calls > flaky.good and "self" in engine.core.pipedec.drafter_failures
+    assert outs[0].stats.pipedec_hits >= 5  # the drafter was right while it lived
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_requests_arriving_while_one_runs_alone(tiny_checkpoint, prompts, reference, num_stages):
+    """The first request starts alone (PipeDec); the others arrive mid-request: the engine
+    leaves PipeDec (every stage keeps only what was committed), runs lanes, and the last one
+    left comes back to PipeDec. Text unchanged, nothing left in the KV caches."""
+    engine = make_engine(tiny_checkpoint, "self,ngram", num_stages, num_speculative_tokens=4,
+                         min_tree_confidence=0.0, adaptive=False)
+
+    async def main():
+        async def one(i, prompt):
+            await asyncio.sleep(0.05 * i)
+            tokens, last = [], None
+            async for out in engine.stream(prompt, SamplingParams(max_tokens=MAX_TOKENS + 10 * (i == 0))):
+                tokens += out.new_token_ids
+                last = out
+            return tokens, last.stats
+
+        try:
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            await engine.loop.shutdown()
+
+    results = asyncio.run(main())
+    hf = tiny_checkpoint.load_hf_model()
+    assert results[0][0] == hf_greedy(hf, prompts[0], MAX_TOKENS + 10)
+    assert [r[0] for r in results[1:]] == reference[1:]
+    stats = [s for _, s in results]
+    assert stats[0].pipedec_timesteps > 0 and stats[0].num_verify_steps > 0  # both modes ran
+    assert sum(s.pipedec_timesteps for s in stats[1:]) + stats[0].pipedec_timesteps > 0
+    assert engine.target.num_cached_requests() == 0 and engine.core.pipedec.session is None
+
+
+def test_seeded_sampling_is_plain_sampling(tiny_checkpoint, prompts):
+    """A seeded request's text is exactly what plain sampling (no drafters, no PipeDec) draws
+    with that seed, for every seed: PipeDec samples the target's distribution."""
+    plain = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("none")),
+                        checkpoint=tiny_checkpoint)
+    engine = make_engine(tiny_checkpoint, "self,ngram", 2)
+    for seed in range(6):
+        params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=seed)
+        want = [o.new_token_ids for o in generate_alone(plain, prompts[:2], params)]
+        outs = generate_alone(engine, prompts[:2], params)
+        assert [o.new_token_ids for o in outs] == want, f"seed {seed}"
+        assert all(o.stats.pipedec_timesteps > 0 for o in outs)
+
+
+def test_pipedec_needs_a_pipeline_target():
+    with pytest.raises(ValueError, match="pipeline_mode"):
+        StepConfig(pipeline_mode="tree")
+    with pytest.raises(ValueError, match="pipedec_width"):
+        StepConfig(pipedec_width=0)
+
+
+@pytest.mark.real_model
+def test_real_model_pipedec_equals_hf_greedy(real_checkpoint, real_hf_model):
+    """SmolLM2-135M, S = 2, the default drafters: token-identical to HF greedy (fp32)."""
+    tokenizer = real_checkpoint.load_tokenizer()
+    texts = ["Write a Python function that returns the factorial of n.", "What is 17 times 23?"]
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    engine = LocalEngine(EngineConfig(num_stages=2, step=StepConfig(pipeline_mode="pipedec")),
+                         checkpoint=real_checkpoint)
+    outs = generate_alone(engine, prompts, SamplingParams(max_tokens=40))
+    refs = [hf_greedy(real_hf_model, p, 40) for p in prompts]
+    for o, ref in zip(outs, refs):
+        assert o.new_token_ids == ref[:len(o.new_token_ids)] and (len(o.new_token_ids) == 40 or o.finish_reason == "stop")
+    assert sum(o.stats.pipedec_hits for o in outs) > 0
