@@ -110,8 +110,11 @@ class EngineCore:
             solo = self._solo(lane)
             if solo is not None:
                 return await self._pipedec_step(solo)
-            if self.pipedec.session is not None:  # another request came: back to lanes
-                await self.pipedec.leave(keep_kv=self._keeps_kv(self.pipedec.session.request_id))
+            session = self.pipedec.session
+            if session is not None and (lane is None or lane == session.lane):
+                # another request came: back to lanes. Only the session's own lane leaves it, so a
+                # step of another lane never prunes the tree while a timestep is in flight.
+                await self.pipedec.leave(keep_kv=self._keeps_kv(session.request_id))
         batch = self.scheduler.schedule(lane)
         self._hold(batch, +1)
         try:

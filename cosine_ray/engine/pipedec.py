@@ -60,6 +60,8 @@ class PipeDecSession:
 
     def __init__(self, request: Request, num_stages: int, drafters: Sequence[str]) -> None:
         self.request_id = request.request_id
+        self.lane = request.lane
+        """The engine lane whose steps run this session's timesteps (only it may end it)."""
         self.drafters = tuple(drafters)
         self.nodes: dict[int, _Node] = {}
         """The live tree (committed and pruned nodes are removed)."""

@@ -158,13 +158,14 @@ def test_a_drafter_failing_mid_request_changes_nothing(tiny_checkpoint, prompts,
     assert outs[0].stats.pipedec_hits >= 5  # the drafter was right while it lived
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
-def test_requests_arriving_while_one_runs_alone(tiny_checkpoint, prompts, reference, num_stages):
+@pytest.mark.parametrize("num_stages, num_lanes", [(2, 1), (3, 1), (2, 2), (3, 3)])
+def test_requests_arriving_while_one_runs_alone(tiny_checkpoint, prompts, reference, num_stages, num_lanes):
     """The first request starts alone (PipeDec); the others arrive mid-request: the engine
     leaves PipeDec (every stage keeps only what was committed), runs lanes, and the last one
-    left comes back to PipeDec. Text unchanged, nothing left in the KV caches."""
+    left comes back to PipeDec. With several lanes, another lane's steps run while a timestep
+    is in flight and must not end the session under it. Text unchanged, no KV left."""
     engine = make_engine(tiny_checkpoint, "self,ngram", num_stages, num_speculative_tokens=4,
-                         min_tree_confidence=0.0, adaptive=False)
+                         min_tree_confidence=0.0, adaptive=False, num_lanes=num_lanes)
 
     async def main():
         async def one(i, prompt):
@@ -190,13 +191,15 @@ def test_requests_arriving_while_one_runs_alone(tiny_checkpoint, prompts, refere
     assert engine.target.num_cached_requests() == 0 and engine.core.pipedec.session is None
 
 
-def test_seeded_sampling_is_plain_sampling(tiny_checkpoint, prompts):
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_seeded_sampling_is_plain_sampling(tiny_checkpoint, prompts, num_stages):
     """A seeded request's text is exactly what plain sampling (no drafters, no PipeDec) draws
-    with that seed, for every seed: PipeDec samples the target's distribution."""
+    with that seed, for every seed: PipeDec samples the target's distribution (the keyed
+    Gumbel race of ``algo.sampling``, whose distribution tests are in tests/algo)."""
     plain = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("none")),
                         checkpoint=tiny_checkpoint)
-    engine = make_engine(tiny_checkpoint, "self,ngram", 2)
-    for seed in range(6):
+    engine = make_engine(tiny_checkpoint, "self,ngram", num_stages)
+    for seed in range(4):
         params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=seed)
         want = [o.new_token_ids for o in generate_alone(plain, prompts[:2], params)]
         outs = generate_alone(engine, prompts[:2], params)

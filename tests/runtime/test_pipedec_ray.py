@@ -110,6 +110,37 @@ def test_pipedec_on_stage_actors_equals_hf_greedy(ray_cluster, tiny_checkpoint, 
     assert kv == [{"requests": 0, "tokens": 0}] * num_stages
 
 
+def test_a_second_request_ends_the_session_between_timesteps(ray_cluster, tiny_checkpoint, hf, prompts):
+    """Two lanes: the first request runs alone in PipeDec on its lane; a second arrives on the
+    other lane, whose steps (its prefill) run while the first lane's timesteps are in flight.
+    Only the session's own lane ends it, between timesteps; both texts are HF greedy."""
+    async def main():
+        engine = await StageEngine(tiny_checkpoint, 2).start()
+        try:
+            second: list[asyncio.Task] = []
+
+            async def first():
+                tokens, last = [], None
+                async for out in engine.loop.generate(prompts[2], SamplingParams(max_tokens=LONG_MAX_TOKENS)):
+                    tokens += out.new_token_ids
+                    last = out
+                    if len(tokens) == 10:
+                        second.append(asyncio.ensure_future(
+                            engine.loop.generate_all(prompts[0], SamplingParams(max_tokens=MAX_TOKENS))))
+                return tokens, last
+
+            a = await first()
+            return a, await second[0], await engine.kv_usage()
+        finally:
+            await engine.close()
+
+    (tokens, last), other, kv = run(main(), 300)
+    assert tokens == hf_greedy(hf, prompts[2], LONG_MAX_TOKENS) and last.error is None
+    assert other.new_token_ids == hf_greedy(hf, prompts[0], MAX_TOKENS)
+    assert last.stats.pipedec_timesteps > 0 and last.stats.num_verify_steps > 0  # both modes ran
+    assert kv == [{"requests": 0, "tokens": 0}] * 2
+
+
 def test_stage_killed_mid_pipedec_request_recovers(ray_cluster, tiny_checkpoint, hf, prompts):
     """Stage 1 dies after a few PipeDec timesteps: the timestep fails, the engine waits for
     Ray to restart the stage, drops every request's KV, re-prefills (lanes), and the request
