@@ -8,7 +8,9 @@ PipeDec's case). Systems:
 - ``S=1 plain`` / ``S=1 lanes``: one stage, speculation off / CoSine's trees;
 - ``S=N plain``: plain pipeline parallelism (what PipeDec's paper compares with);
 - ``S=N lanes``: CoSine's trees, the stages working one after another on each tree;
-- ``S=N pipedec wW``: PipeDec's timestep loop with W nodes per tree layer.
+- ``S=N pipedec wW``: PipeDec's timestep loop with W nodes per tree layer (guard off);
+- ``S=N pipedec+guard wW``: the same with its mode guard (the default): it measures the
+  request in PipeDec and in lanes and keeps the faster (``engine.pipedec.ModeGuard``).
 
 Prints tok/s, the ratio to ``S=1 lanes`` and to ``S=N lanes``, tokens per target call
 (lanes: per verify step; PipeDec: per timestep), PipeDec's hit rate (share of its tokens
@@ -72,7 +74,7 @@ async def run_system(name: str, config_data: dict, prompts: list[list[int]], max
     tokens = sum(len(o.new_token_ids) for o in outputs)
     timesteps = sum(o.stats.pipedec_timesteps for o in outputs)
     steps = sum(o.stats.num_verify_steps for o in outputs)
-    calls = timesteps or steps or tokens
+    calls = (timesteps + steps) or tokens  # PipeDec timesteps and lanes verify steps (the guard runs both)
     return {"system": name, "tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
             "tokens_per_call": tokens / calls if calls else 0.0,
             "hit_rate": sum(o.stats.pipedec_hits for o in outputs) / max(1, sum(o.stats.pipedec_tokens for o in outputs))
@@ -85,6 +87,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--widths", default="1,2,4", help="PipeDec nodes per tree layer, comma list")
     p.add_argument("--depths", default="0", help="PipeDec tree layers below the root, comma list (0: S)")
+    p.add_argument("--guard-width", type=int, default=4,
+                   help="also run PipeDec with its mode guard at this width (0: no)")
     p.add_argument("--prompts-per-domain", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage actor")
@@ -108,7 +112,11 @@ def main() -> None:
         for width in (int(w) for w in args.widths.split(",")):
             label = f"S={S} pipedec w{width}" + (f" d{depth}" if depth else "")
             systems.append((label, {**base, "num_stages": S, "step": {
-                "num_lanes": S, "pipeline_mode": "pipedec", "pipedec_width": width, "pipedec_depth": depth}}))
+                "num_lanes": S, "pipeline_mode": "pipedec", "pipedec_width": width, "pipedec_depth": depth,
+                "pipedec_guard": False}}))
+    if args.guard_width:
+        systems.append((f"S={S} pipedec+guard w{args.guard_width}", {**base, "num_stages": S, "step": {
+            "num_lanes": S, "pipeline_mode": "pipedec", "pipedec_width": args.guard_width}}))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     results = []
     try:

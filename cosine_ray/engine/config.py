@@ -85,6 +85,9 @@ class StepConfig:
     pipedec_depth: int = 0
     """PipeDec: tree layers below the root at most (0: the number of stages, what one hit per
     timestep can use)."""
+    pipedec_guard: bool = True
+    """PipeDec: measure a request alone in PipeDec and in lanes and keep the faster mode,
+    probing the other now and then (``engine.pipedec.ModeGuard``); False: always PipeDec."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

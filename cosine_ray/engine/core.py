@@ -10,6 +10,10 @@ NOTE(lead): each line of ``step`` is one call to the owner of that job::
     learn     Learner          one StepStats → calibration, routing, gains, latency, metrics
     advance   RequestPool      append tokens, stream them, finish
 
+With ``pipeline_mode="pipedec"`` a request alone in the pool runs PipeDec's timestep loop
+instead (``engine.pipedec``: one layer of a prediction tree per stage), while the mode guard
+measures it faster than lanes here; the step then is one timestep.
+
 The core never touches a model or an actor: the target and drafters are behind
 ``TargetClient`` and ``DrafterClient``, so the same loop drives in-process workers and Ray
 actors. A lost stage is handled by ``RecoveringTarget`` (the step just verifies nothing);
@@ -30,7 +34,7 @@ from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.drafting import DrafterClient
 from cosine_ray.engine.economics import CostModel, GainModel
 from cosine_ray.engine.learner import Learner
-from cosine_ray.engine.pipedec import PipeDec
+from cosine_ray.engine.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.pool import RequestPool, Verified
 from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, RequestOutput, SamplingParams
@@ -101,20 +105,30 @@ class EngineCore:
             self.pipedec = PipeDec(self.target, clients, width=config.pipedec_width,
                                    max_depth=config.pipedec_depth or None, vocab_size=vocab_size,
                                    deadline_s=config.drafter_deadline_s)
+        self.mode_guard = ModeGuard() if self.pipedec is not None and config.pipedec_guard else None
 
     # ---- the step ---------------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
         """One iteration for the requests of ``lane`` (None: every running request)."""
         await self.release(self.pool.take_released(in_flight=self._in_flight))
+        solo = None
         if self.pipedec is not None:
             solo = self._solo(lane)
-            if solo is not None:
+            if solo is not None and (self.mode_guard is None or self.mode_guard.current == "pipedec"):
                 return await self._pipedec_step(solo)
             session = self.pipedec.session
             if session is not None and (lane is None or lane == session.lane):
-                # another request came: back to lanes. Only the session's own lane leaves it, so a
-                # step of another lane never prunes the tree while a timestep is in flight.
+                # another request came (or the guard chose lanes): back to lanes. Only the session's
+                # own lane leaves it, so a step of another lane never prunes the tree mid-timestep.
                 await self.pipedec.leave(keep_kv=self._keeps_kv(session.request_id))
+        if solo is not None:  # the guard measures a request alone in lanes too
+            started, before = self.clock(), solo.num_tokens
+            outputs = await self._lanes_step(lane)
+            self.mode_guard.record("lanes", solo.num_tokens - before, self.clock() - started)
+            return outputs
+        return await self._lanes_step(lane)
+
+    async def _lanes_step(self, lane: int | None) -> list[RequestOutput]:
         batch = self.scheduler.schedule(lane)
         self._hold(batch, +1)
         try:
@@ -145,10 +159,13 @@ class EngineCore:
     async def _pipedec_step(self, request: Request) -> list[RequestOutput]:
         batch = StepBatch([request], {request.request_id: self.config.pipedec_width})
         self._hold(batch, +1)
+        started = self.clock()
         try:
             tokens = await self.pipedec.step(request, lambda: self.routing.route(batch)[request.request_id].drafters)
         finally:
             self._hold(batch, -1)
+        if self.mode_guard is not None and tokens is not None:
+            self.mode_guard.record("pipedec", len(tokens), self.clock() - started)
         if not tokens:  # none yet (the pipeline fills), or a stage was lost (the request re-prefills)
             return self.pool.advance([])
         outputs = self.pool.advance([Verified(request.request_id, tokens, ())])

@@ -175,6 +175,48 @@ class PipeDecSession:
         return [n for n, node in self.nodes.items() if node.position == deepest and not node.expanded]
 
 
+class ModeGuard:
+    """For a request alone in the pool: PipeDec or lanes, whichever commits tokens faster on
+    this deployment. PipeDec pays with many stages and a drafter whose layers catch the
+    target's token; with two stages on a CPU it does not (README, "Pipeline modes"), and no
+    formula knows which case a deployment is in. So the guard measures: it runs each mode for
+    ``window_tokens`` tokens (PipeDec first), keeps the faster one, and every
+    ``reprobe_tokens`` tokens runs the other for one window again (a request's text, the
+    drafters' accuracy and the machine's load change). Rates are tokens per second of wall
+    time of the solo request's steps, a switch's refill included; each window's rate is
+    averaged with the mode's earlier ones (weight 1/2)."""
+
+    MODES = ("pipedec", "lanes")
+
+    def __init__(self, *, window_tokens: int = 32, reprobe_tokens: int = 512) -> None:
+        self.window_tokens = window_tokens
+        self.reprobe_tokens = reprobe_tokens
+        self.rates: dict[str, float | None] = {m: None for m in self.MODES}
+        self.current = "pipedec"
+        self._tokens = 0
+        self._seconds = 0.0
+        self._since_probe = 0
+
+    def record(self, mode: str, tokens: int, seconds: float) -> None:
+        """A solo step in ``mode`` committed ``tokens`` in ``seconds``."""
+        if mode != self.current:
+            return
+        self._tokens += tokens
+        self._seconds += seconds
+        self._since_probe += tokens
+        if self._tokens < self.window_tokens or self._seconds <= 0:
+            return
+        rate = self._tokens / self._seconds
+        old = self.rates[mode]
+        self.rates[mode] = rate if old is None else 0.5 * (old + rate)
+        self._tokens, self._seconds = 0, 0.0
+        other = self.MODES[1 - self.MODES.index(mode)]
+        if self.rates[other] is None or self._since_probe >= self.reprobe_tokens:
+            self.current, self._since_probe = other, 0  # explore, or probe the other again
+        else:
+            self.current = max(self.MODES, key=lambda m: self.rates[m] or 0.0)
+
+
 class PipeDec:
     """The engine's PipeDec mode: one session at a time (``EngineCore.step`` decides when)."""
 

@@ -18,13 +18,15 @@ import torch
 
 from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
-from cosine_ray.engine.pipedec import PipeDecSession
+from cosine_ray.engine.pipedec import ModeGuard, PipeDecSession
 from cosine_ray.engine.request import Request, SamplingParams
 
 MAX_TOKENS = 30
 
 
 def make_engine(ckpt, drafters: str, num_stages: int, **step) -> LocalEngine:
+    """PipeDec without the mode guard unless asked (the tests below are about PipeDec itself)."""
+    step = {"pipedec_guard": False, **step}
     return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages,
                                     step=StepConfig(pipeline_mode="pipedec", **step)), checkpoint=ckpt)
 
@@ -205,6 +207,39 @@ def test_seeded_sampling_is_plain_sampling(tiny_checkpoint, prompts, num_stages)
         outs = generate_alone(engine, prompts[:2], params)
         assert [o.new_token_ids for o in outs] == want, f"seed {seed}"
         assert all(o.stats.pipedec_timesteps > 0 for o in outs)
+
+
+def test_mode_guard_explores_keeps_the_faster_and_probes_again():
+    guard = ModeGuard(window_tokens=10, reprobe_tokens=40)
+    assert guard.current == "pipedec"
+    guard.record("lanes", 50, 1.0)  # not the current mode: ignored
+    guard.record("pipedec", 6, 1.0)
+    assert guard.current == "pipedec" and guard.rates["pipedec"] is None  # window not full yet
+    guard.record("pipedec", 4, 1.0)  # 10 tokens in 2 s: 5 tok/s, then lanes is explored
+    assert guard.rates["pipedec"] == 5.0 and guard.current == "lanes"
+    guard.record("lanes", 10, 1.0)  # 10 tok/s: lanes is faster and stays
+    assert guard.rates["lanes"] == 10.0 and guard.current == "lanes"
+    for _ in range(2):
+        guard.record("lanes", 10, 1.0)
+    assert guard.current == "lanes"
+    guard.record("lanes", 10, 1.0)  # 40 tokens since the last probe: PipeDec once more
+    assert guard.current == "pipedec"
+    guard.record("pipedec", 10, 0.5)  # 20 tok/s now: averaged with the old 5 -> 12.5 > 10
+    assert guard.rates["pipedec"] == 12.5 and guard.current == "pipedec"
+
+
+def test_engine_with_the_guard_runs_both_modes_and_stays_lossless(tiny_checkpoint, prompts):
+    """The guard (on by default) tries PipeDec, then lanes, then keeps one: a long request
+    runs in both modes, switching between them, and its text is HF greedy."""
+    hf = tiny_checkpoint.load_hf_model()
+    engine = make_engine(tiny_checkpoint, "self,ngram", 2, pipedec_guard=True, num_speculative_tokens=4,
+                         min_tree_confidence=0.0, adaptive=False)
+    out = engine.generate([prompts[3]], SamplingParams(max_tokens=120))[0]
+    assert out.new_token_ids == hf_greedy(hf, prompts[3], 120)
+    assert out.stats.pipedec_tokens >= 32 and out.stats.num_verify_steps > 0
+    guard = engine.core.mode_guard
+    assert guard.rates["pipedec"] is not None and guard.rates["lanes"] is not None
+    assert engine.target.num_cached_requests() == 0
 
 
 def test_pipedec_needs_a_pipeline_target():

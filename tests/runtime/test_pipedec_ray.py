@@ -56,7 +56,7 @@ class StageEngine:
     def __init__(self, ckpt, num_stages: int, drafters: str = "self,ngram") -> None:
         self.config = config_from_dict({
             "model": str(ckpt.path), "drafters": drafters, "num_stages": num_stages,
-            "step": {"pipeline_mode": "pipedec", "pipedec_width": 2, "num_lanes": num_stages,
+            "step": {"pipeline_mode": "pipedec", "pipedec_width": 2, "num_lanes": num_stages, "pipedec_guard": False,
                      "stage_recovery_s": 120.0},
             "cluster": {"num_cpus_per_actor": 0, "stage_deadline_s": 30.0}})
         self.slots = stage_slots(self.config, f"test.pipedec.{uuid.uuid4().hex[:6]}")
