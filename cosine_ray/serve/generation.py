@@ -217,7 +217,9 @@ class Generation:
                               mean_accepted_length=s.mean_accepted_length, num_verify_steps=s.num_verify_steps,
                               drafted_by=dict(s.drafted_by), accepted_by=dict(s.accepted_by),
                               domain=s.domain,
-                              drafters_used=sorted(name for name, n in s.drafted_by.items() if n > 0))
+                              drafters_used=sorted(name for name, n in s.drafted_by.items() if n > 0),
+                              pipedec_timesteps=s.pipedec_timesteps, pipedec_tokens=s.pipedec_tokens,
+                              pipedec_hits=s.pipedec_hits)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

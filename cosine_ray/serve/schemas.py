@@ -210,6 +210,11 @@ class CosineRayStats(BaseModel):
     """The domain the router classified the prompt into (code, math, instruction, chat, other)."""
     drafters_used: list[str]
     """Drafters that put at least one token into this request's verified trees (sorted)."""
+    pipedec_timesteps: int = 0
+    """Timesteps the request ran in PipeDec mode (``pipeline_mode: pipedec``, alone in the pool)."""
+    pipedec_tokens: int = 0
+    """Tokens those timesteps committed; ``pipedec_hits`` of them were in the prediction tree."""
+    pipedec_hits: int = 0
 
 
 class AssistantMessage(BaseModel):

@@ -132,7 +132,9 @@ def test_cosine_ray_stats_block(served):
                                      temperature=0, extra_body={"cosine_ray_stats": True}).to_dict()
     stats = resp["cosine_ray"]
     assert set(stats) == {"num_draft_tokens", "num_accepted_tokens", "mean_accepted_length",
-                          "num_verify_steps", "drafted_by", "accepted_by", "domain", "drafters_used"}
+                          "num_verify_steps", "drafted_by", "accepted_by", "domain", "drafters_used",
+                          "pipedec_timesteps", "pipedec_tokens", "pipedec_hits"}
+    assert stats["pipedec_timesteps"] == stats["pipedec_tokens"] == 0  # lanes mode (the default)
     assert stats["drafters_used"] == sorted(d for d, n in stats["drafted_by"].items() if n > 0)
     assert isinstance(stats["domain"], str) and stats["domain"]
     assert stats["num_verify_steps"] >= 1 and 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
