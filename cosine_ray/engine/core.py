@@ -104,7 +104,8 @@ class EngineCore:
                 raise ValueError("pipeline_mode 'pipedec' needs a target client with PipeDec timesteps")
             self.pipedec = PipeDec(self.target, clients, width=config.pipedec_width,
                                    max_depth=config.pipedec_depth or None, vocab_size=vocab_size,
-                                   deadline_s=config.drafter_deadline_s)
+                                   deadline_s=config.drafter_deadline_s,
+                                   on_drafter_failure=self.exporter.drafter_failed)
         self.mode_guard = ModeGuard() if self.pipedec is not None and config.pipedec_guard else None
 
     # ---- the step ---------------------------------------------------------------------------

@@ -148,7 +148,7 @@ async def continue_via_propose(client: DrafterClient, queries: Sequence[Continue
 
 
 async def call_drafters(clients: Mapping[str, DrafterClient], batches: Mapping[str, list], method: str,
-                    deadline_s: float) -> dict[str, object]:
+                        deadline_s: float) -> dict[str, object]:
     """One call per drafter (its batch), concurrently, each with its own deadline."""
     names = [n for n, batch in batches.items() if batch and n in clients]
 

@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from cosine_ray.engine.drafters.base import ContinueQuery
-from cosine_ray.engine.drafting import DrafterClient, DraftingStats, call_drafters, is_valid_candidates
+from cosine_ray.engine.drafting import DrafterClient, call_drafters, is_valid_candidates
 from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.target import LayerItem
 from cosine_ray.engine.verifier import target_token
+
 
 @dataclass(slots=True)
 class _Node:
@@ -221,7 +222,8 @@ class PipeDec:
     """The engine's PipeDec mode: one session at a time (``EngineCore.step`` decides when)."""
 
     def __init__(self, target: RecoveringTarget, drafters: Mapping[str, DrafterClient], *, width: int,
-                 max_depth: int | None, vocab_size: int, deadline_s: float) -> None:
+                 max_depth: int | None, vocab_size: int, deadline_s: float,
+                 on_drafter_failure: Callable[[str], None] = lambda name: None) -> None:
         self.target = target
         self.clients = dict(drafters)
         self.width = width
@@ -229,7 +231,8 @@ class PipeDec:
         self.vocab_size = vocab_size
         self.deadline_s = deadline_s
         self.session: PipeDecSession | None = None
-        self.drafter_failures: list[str] = []
+        self.on_drafter_failure = on_drafter_failure
+        """Called with a drafter's name for each dropped call or malformed answer (the metric)."""
 
     async def step(self, request: Request, route: Callable[[], Sequence[str]]) -> tuple[int, ...] | None:
         """One timestep for ``request``: the tokens it commits (none or one), or None when a
@@ -269,27 +272,25 @@ class PipeDec:
     async def _expand(self, session: PipeDecSession, request: Request) -> None:
         """The drafters' part of a timestep: the next tree layer, ``width`` nodes at most."""
         frontier = session.frontier(self.max_depth)
-        if not frontier or not session.drafters or self.width < 1:
+        if not frontier or not session.drafters:
             return
         for n in frontier:
             session.nodes[n].expanded = True
         context = tuple(request.context_token_ids)
         query = ContinueQuery(request.request_id, context, tuple(session.path(n) for n in frontier), self.width)
-        stats = DraftingStats()
         results = await call_drafters(self.clients, {name: [query] for name in session.drafters}, "continue_drafts",
-                                  self.deadline_s)
+                                      self.deadline_s)
         best: dict[tuple[int, int], float] = {}  # (frontier node, token) → highest confidence of any drafter
         for name, result in results.items():
             if isinstance(result, BaseException) or not isinstance(result, list) or len(result) != 1 \
                     or len(result[0]) != len(frontier) \
                     or not all(is_valid_candidates(c, self.width, self.vocab_size) for c in result[0]):
-                stats.failed(name)
+                self.on_drafter_failure(name)
                 continue
             for n, cands in zip(frontier, result[0]):
                 for token, confidence in cands:
                     key = (n, int(token))
                     best[key] = max(best.get(key, 0.0), float(confidence))
-        self.drafter_failures.extend(stats.failures)
         scored = sorted(((session.nodes[n].cumulative * c, n, t) for (n, t), c in best.items()),
                         key=lambda x: -x[0])
         # No confidence floor: a layer costs a stage about the same with 1 or ``width`` nodes,

@@ -18,8 +18,9 @@ takes effect before that request's next forward.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -197,9 +198,18 @@ class StageWorker:
         """Seconds spent in finished ``forward`` calls (metrics: stage busy vs idle)."""
         self._busy_since: float | None = None
 
-    def forward(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None) -> torch.Tensor:
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Count the time inside as busy (``utilisation``)."""
         self._busy_since = self.clock()
         try:
+            yield
+        finally:
+            self.busy_s += self.clock() - self._busy_since
+            self._busy_since = None
+
+    def forward(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        with self._busy():
             apply_commits(self.cache, items)
             try:
                 return self.stage.forward(build_stage_batch(items), self.cache, hidden)
@@ -208,23 +218,16 @@ class StageWorker:
                     if it.request_id in self.cache:
                         self.cache.commit(it.request_id, ())
                 raise
-        finally:
-            self.busy_s += self.clock() - self._busy_since
-            self._busy_since = None
 
     def forward_layer(self, item: LayerItem, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """PipeDec: prune this request's tree level, then append one layer of it (hidden
         states out, or on the last stage the layer's logits)."""
-        self._busy_since = self.clock()
-        try:
+        with self._busy():
             self.prune(item.request_id, item.keep, item.num_committed)
             if hidden is not None and item.rows is not None:
                 hidden = hidden[list(item.rows)]
             batch = item.stage_batch(self.cache.num_speculative(item.request_id))
             return self.stage.forward(batch, self.cache, hidden)
-        finally:
-            self.busy_s += self.clock() - self._busy_since
-            self._busy_since = None
 
     def prune(self, request_id: str, keep: Sequence[int] | None, num_committed: int) -> None:
         if keep is not None:

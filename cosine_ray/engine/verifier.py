@@ -115,7 +115,8 @@ class Verifier:
         outcomes = []
         for (request, item, tree), item_logits in zip(work, logits):
             if tree is None:
-                token = self._first_token(request, item_logits[-1:], position=len(item.token_ids))
+                # the first token after the prefill, at the prefilled length's position
+                token = target_token(request, item_logits[-1:], position=len(item.token_ids))
                 outcomes.append(Verified(request.request_id, (token,), tuple(range(len(item.token_ids)))))
             else:
                 result = self._accept(request, tree, item_logits, root_position=item.start_position)
@@ -123,10 +124,6 @@ class Verifier:
                                          (0,) + result.accepted_node_ids, result))
         return VerifiedBatch(outcomes, tuple(i.start_position for i in items), tuple(len(i.token_ids) for i in items),
                              seconds, idle)
-
-    def _first_token(self, request: Request, logits: torch.Tensor, *, position: int) -> int:
-        """First token after prefill (at ``position``, the prefilled length)."""
-        return target_token(request, logits, position=position)
 
     def _accept(self, request: Request, tree: TokenTree, logits: torch.Tensor, *, root_position: int) -> VerifyResult:
         if request.params.is_greedy:

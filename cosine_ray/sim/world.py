@@ -112,6 +112,11 @@ class TargetShape:
     returns: str = "logits"
     """logits (fp32 rows of every scored node: our engine today) | ids (one token id a node)."""
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes the last stage ships back per scored node."""
+        return 4 * self.vocab_size if self.returns == "logits" else 8
+
 
 class SimTarget:
     """``TargetClient`` over simulated stages (see the module docstring)."""
@@ -150,8 +155,7 @@ class SimTarget:
             await stage.device.use(cost)
             if stage.link_out is not None:
                 await stage.link_out.send(sum(new_tokens) * self.shape.hidden_size * self.shape.activation_bytes)
-        per_row = 4 * self.shape.vocab_size if self.shape.returns == "logits" else 8
-        await self.link_back.send(rows * per_row)
+        await self.link_back.send(rows * self.shape.row_bytes)
         self.forwards += 1
         if decode:
             self.decode_forwards += 1
@@ -188,7 +192,6 @@ class SimTarget:
         each row (PipeDec's last stage only ever scores the tree's root, which is on the path)."""
         await self.router.use(self.step_overhead_s + self.overhead_per_request_s)
         last = len(self.stages) - 1
-        per_row = 4 * self.shape.vocab_size if self.shape.returns == "logits" else 8
 
         async def run(s: int, item: LayerItem) -> None:
             stage, n = self.stages[s], len(item.token_ids)
@@ -198,7 +201,7 @@ class SimTarget:
                 await self.stages[s - 1].link_out.send(n * self.shape.hidden_size * self.shape.activation_bytes)
             await stage.device.use(stage.layers * stage.cost.seconds([item.positions[0]], [n]))
             if s == last:
-                await self.link_back.send(n * per_row)
+                await self.link_back.send(n * self.shape.row_bytes)
 
         await asyncio.gather(*(run(s, it) for s, it in enumerate(items) if it is not None))
         self.forwards += 1

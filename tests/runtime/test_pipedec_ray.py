@@ -24,19 +24,12 @@ from cosine_ray.engine.loop import EngineLoop  # noqa: E402
 from cosine_ray.engine.request import SamplingParams  # noqa: E402
 from cosine_ray.runtime.clients import RayTargetClient, await_ref  # noqa: E402
 from cosine_ray.runtime.engine_server import stage_slots  # noqa: E402
+from hf_reference import hf_greedy  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 
 MAX_TOKENS = 24
 LONG_MAX_TOKENS = 120
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, num_beams=1,
-                          temperature=None, top_p=None, top_k=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")

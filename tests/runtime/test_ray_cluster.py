@@ -32,6 +32,7 @@ from cosine_ray.engine.request import RequestOutput, SamplingParams  # noqa: E40
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
 from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
 from engine_app import deploy, engine_call, engine_handle, engine_replicas  # noqa: E402
+from hf_reference import hf_greedy  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
@@ -77,15 +78,6 @@ class Tiny:
     """HF greedy, LONG_MAX_TOKENS."""
     long_ref3: list[int]
     """HF greedy of prompts[3], LONG_MAX_TOKENS."""
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
-                             pad_token_id=model.generation_config.pad_token_id or 0)
-    return out[0, len(prompt_ids):].tolist()
 
 
 @pytest.fixture(scope="module")
