@@ -37,12 +37,16 @@ def add_cosine_args(p: argparse.ArgumentParser) -> None:
                    help="lanes: verify whole trees in micro-batches; pipedec: a request alone in the pool "
                         "runs PipeDec's timestep loop (every stage on another layer of one prediction tree)")
     g.add_argument("--pipedec-width", type=int, default=None, help="PipeDec: tree nodes per layer at most (4)")
+    g.add_argument("--pearl", choices=("off", "on", "auto"), default=None,
+                   help="PEARL: verify what was drafted ahead while the drafters draft ahead of it; on: "
+                        "with nothing drafted ahead verify the root alone while drafting (pre-verify); "
+                        "auto: pre-verify only while drafting measures slower than verification")
 
 
 def cosine_step_overrides(args: argparse.Namespace) -> dict:
     """StepConfig fields given on the command line (absent flags are left out)."""
     names = ("routing", "fusion", "scheduler", "adaptive", "drafters_per_request", "num_speculative_tokens",
-             "pipeline_mode", "pipedec_width")
+             "pipeline_mode", "pipedec_width", "pearl")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

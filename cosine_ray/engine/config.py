@@ -23,6 +23,7 @@ ROUTING_MODES = ("expertise", "random")
 FUSION_MODES = ("confidence", "single", "union")
 SCHEDULERS = ("lp", "fcfs")
 PIPELINE_MODES = ("lanes", "pipedec")
+PEARL_MODES = ("off", "on", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,14 @@ class StepConfig:
     pipedec_guard: bool = True
     """PipeDec: measure a request alone in PipeDec and in lanes and keep the faster mode,
     probing the other now and then (``engine.pipedec.ModeGuard``); False: always PipeDec."""
+    pearl: str = "off"
+    """PEARL (``engine.pearl``): each step verifies the tree the previous step drafted ahead
+    while the drafters draft ahead of it (post-verify), so drafting and verification overlap.
+    off | on: with nothing drafted ahead, a step verifies its root alone while the drafters
+    draft (pre-verify, the paper's rule) | auto: it does so only while drafting measures at
+    least as long as verification, and otherwise drafts first (drafting is cheap: a root-only
+    step would waste a verification). For drafters whose drafting takes time (model drafters,
+    drafter actors across a link). YAML booleans mean off and on."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -100,6 +109,10 @@ class StepConfig:
             raise ValueError("num_lanes must be >= 1")
         if self.pipeline_mode not in PIPELINE_MODES:
             raise ValueError(f"pipeline_mode {self.pipeline_mode!r}: use one of {', '.join(PIPELINE_MODES)}")
+        if isinstance(self.pearl, bool):
+            object.__setattr__(self, "pearl", "on" if self.pearl else "off")
+        if self.pearl not in PEARL_MODES:
+            raise ValueError(f"pearl {self.pearl!r}: use one of {', '.join(PEARL_MODES)}")
         if self.pipedec_width < 1 or self.pipedec_depth < 0:
             raise ValueError("pipedec_width must be >= 1 and pipedec_depth >= 0")
         if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):

@@ -22,6 +22,7 @@ the ablations are strategies chosen once in ``__init__``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -31,19 +32,20 @@ from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.engine.config import StepConfig
-from cosine_ray.engine.drafting import DrafterClient
+from cosine_ray.engine.drafting import DrafterClient, DraftingStats
 from cosine_ray.engine.economics import CostModel, GainModel
 from cosine_ray.engine.learner import Learner
+from cosine_ray.engine.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.pool import RequestPool, Verified
 from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, RequestOutput, SamplingParams
 from cosine_ray.engine.routing import DraftRouting
 from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch, needs_prefill
-from cosine_ray.engine.speculator import (ConfidenceCutSelection, FixedSelection, FusedDrafting, PathDrafting,
-                                          PricedSelection, Speculator)
+from cosine_ray.engine.speculator import (ConfidenceCutSelection, Drafts, FixedSelection, FusedDrafting,
+                                          PathDrafting, PricedSelection, Speculator)
 from cosine_ray.engine.target import TargetClient
-from cosine_ray.engine.verifier import Verifier
+from cosine_ray.engine.verifier import VerifiedBatch, Verifier
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
 
@@ -107,6 +109,7 @@ class EngineCore:
                                    deadline_s=config.drafter_deadline_s,
                                    on_drafter_failure=self.exporter.drafter_failed)
         self.mode_guard = ModeGuard() if self.pipedec is not None and config.pipedec_guard else None
+        self.pearl = Pearl(config.pearl) if config.pearl != "off" and self.drafters else None
 
     # ---- the step ---------------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
@@ -134,13 +137,45 @@ class EngineCore:
         self._hold(batch, +1)
         try:
             routes = self.routing.route(batch)
-            drafts = await self.speculator.draft(batch, routes)
-            verified = await self.verifier.verify(batch, drafts)
+            if self.pearl is None:
+                drafts = await self.speculator.draft(batch, routes)
+                verified = await self.verifier.verify(batch, drafts)
+            else:
+                drafts, verified = await self._pearl_draft_verify(batch, routes)
             self.target.commit(verified.commits)
             await self.learner.learn(batch, drafts, verified)
             return self.pool.advance(verified.outcomes)
         finally:
             self._hold(batch, -1)
+
+    async def _pearl_draft_verify(self, batch: StepBatch, routes) -> tuple[Drafts, VerifiedBatch]:
+        """PEARL (``engine.pearl``): verify the trees the previous step drafted ahead (or just
+        the roots: pre-verify) while the drafters draft ahead of them, from committed + trunk."""
+        stats = DraftingStats()
+        drafted = self.pearl.take(batch.decodes)
+        fresh = [r for r in batch.decodes if r.request_id not in drafted and batch.budgets[r.request_id] > 0]
+        if fresh and not self.pearl.pre_verify():  # drafting is the quicker here: draft first
+            drafted.update(await self.speculator.draft_paths(fresh, routes, batch.budgets, stats))
+            self.pearl.stats.drafted_first += len(fresh)
+        else:
+            self.pearl.stats.pre_verify += len(fresh)
+        drafts = self.speculator.select(batch, drafted, stats)
+        trunks = {rid: trunk_tokens(tree.selected) for rid, tree in drafts.trees.items()}
+        ahead_of = [r for r in batch.decodes if batch.budgets[r.request_id] > 0 and r.request_id in routes]
+        contexts = {r.request_id: (*r.context_token_ids, *trunks[r.request_id]) for r in ahead_of}
+
+        async def draft_ahead():
+            # PEARL's window: γ tokens drafted per segment, the first one the guess of the
+            # target's next token (checked by this verification's bonus token), the rest the next tree
+            start = self.clock()
+            out = await self.speculator.draft_paths(ahead_of, routes, batch.budgets, stats, contexts)
+            return out, self.clock() - start
+
+        verified, (ahead, draft_s) = await asyncio.gather(self.verifier.verify(batch, drafts), draft_ahead())
+        self.pearl.observe(draft_s if ahead_of else None, verified.verify_s)
+        if not verified.lost:
+            self.pearl.keep(batch.decodes, trunks, ahead, verified.outcomes)
+        return drafts, verified
 
     # ---- PipeDec: a request alone in the pool --------------------------------------------------
     def _solo(self, lane: int | None) -> Request | None:
@@ -208,6 +243,8 @@ class EngineCore:
         self.exporter.routing_priors(self.routing.finish(request_ids))
         self.scheduler.forget(request_ids)
         self.learner.gains.forget(request_ids)
+        if self.pearl is not None:
+            self.pearl.forget(request_ids)
         await self.target.release(request_ids)
         for d in self.drafters:
             try:

@@ -81,11 +81,23 @@ class Drafted:
     paths: list[FusedPath] = field(default_factory=list)
     answers: Answers = field(default_factory=dict)
     trunk: tuple[int, ...] = ()
+    route: Route | None = None
+    """The route that drafted it (the learner scores its drafters' answers, eq. 1-2)."""
 
 
 class DraftingStrategy(Protocol):
     async def draft(self, requests: Sequence[Request], routes: Mapping[str, Route], budgets: Mapping[str, int],
-                    cut: float, calibration: Callable[[str], Calibrate], stats: DraftingStats) -> dict[str, Drafted]: ...
+                    cut: float, calibration: Callable[[str], Calibrate], stats: DraftingStats,
+                    contexts: Mapping[str, Sequence[int]] | None = None) -> dict[str, Drafted]:
+        """Paths per request continuing ``contexts[request_id]`` (default: its committed context,
+        the last token being the root)."""
+        ...
+
+
+def _context(request: Request, contexts: Mapping[str, Sequence[int]] | None) -> Sequence[int]:
+    if contexts is not None and request.request_id in contexts:
+        return contexts[request.request_id]
+    return request.context_token_ids
 
 
 class FusedDrafting:
@@ -96,10 +108,10 @@ class FusedDrafting:
                  is_live: Callable[[str], bool]) -> None:
         self.clients, self.vocab_size, self.deadline_s, self.is_live = clients, vocab_size, deadline_s, is_live
 
-    async def draft(self, requests, routes, budgets, cut, calibration, stats) -> dict[str, Drafted]:
+    async def draft(self, requests, routes, budgets, cut, calibration, stats, contexts=None) -> dict[str, Drafted]:
         states = {r.request_id: FusionState(routes[r.request_id].drafters, budgets[r.request_id], cut,
                                             calibration(r.domain)) for r in requests}
-        await fuse_drafts(self.clients, states, {r.request_id: r.context_token_ids for r in requests},
+        await fuse_drafts(self.clients, states, {r.request_id: _context(r, contexts) for r in requests},
                           deadline_s=self.deadline_s, vocab_size=self.vocab_size, stats=stats, live=self.is_live)
         return {rid: Drafted(s.paths(), s.answers, tuple(s.trunk)) for rid, s in states.items()}
 
@@ -110,12 +122,12 @@ class PathDrafting:
     def __init__(self, clients: Mapping[str, DrafterClient], *, vocab_size: int, deadline_s: float) -> None:
         self.clients, self.vocab_size, self.deadline_s = clients, vocab_size, deadline_s
 
-    async def draft(self, requests, routes, budgets, cut, calibration, stats) -> dict[str, Drafted]:
+    async def draft(self, requests, routes, budgets, cut, calibration, stats, contexts=None) -> dict[str, Drafted]:
         batches: dict[str, list[DraftInput]] = {}
         for r in requests:
             for name in routes[r.request_id].drafters:
                 batches.setdefault(name, []).append(
-                    DraftInput(r.request_id, tuple(r.context_token_ids), budgets[r.request_id]))
+                    DraftInput(r.request_id, tuple(_context(r, contexts)), budgets[r.request_id]))
         proposals = await gather_proposals(self.clients, batches, deadline_s=self.deadline_s,
                                            vocab_size=self.vocab_size, stats=stats)
         out = {}
@@ -188,11 +200,27 @@ class Speculator:
     async def draft(self, batch: StepBatch, routes: Mapping[str, Route]) -> Drafts:
         """A tree per decoding request (root only where nothing was drafted), and how drafting went."""
         stats = DraftingStats()
+        drafted = await self.draft_paths(batch.decodes, routes, batch.budgets, stats)
+        return self.select(batch, drafted, stats)
+
+    async def draft_paths(self, requests: Sequence[Request], routes: Mapping[str, Route],
+                          budgets: Mapping[str, int], stats: DraftingStats,
+                          contexts: Mapping[str, Sequence[int]] | None = None) -> dict[str, Drafted]:
+        """The routed drafters' paths per request (those with a route), continuing its committed
+        context or ``contexts[request_id]`` (PEARL drafts ahead of what is being verified)."""
+        drafting = [r for r in requests if r.request_id in routes]
+        if not drafting:
+            return {}
+        drafted = await self.drafting.draft(drafting, routes, budgets, self.selection.cut, self.calibration, stats,
+                                            contexts)
+        for rid, d in drafted.items():
+            d.route = routes[rid]
+        return drafted
+
+    def select(self, batch: StepBatch, drafted: Mapping[str, Drafted], stats: DraftingStats) -> Drafts:
+        """TreeSelection and γ_i over ``drafted`` (paths after each request's root): the step's trees."""
         decodes = batch.decodes
-        drafting = [r for r in decodes if r.request_id in routes]
         cut = self.selection.cut
-        drafted = await self.drafting.draft(drafting, routes, batch.budgets, cut, self.calibration, stats) \
-            if drafting else {}
         start = time.perf_counter()
         fulls: dict[str, tuple[SelectedTree, tuple[float, ...]]] = {}
         for r in decodes:
@@ -210,7 +238,7 @@ class Speculator:
             full, gains = fulls[rid]
             selected = full.top(gammas[rid])  # = build_tree(root, paths, γ_i, min_confidence=cut)
             d = drafted.get(rid, Drafted())
-            trees[rid] = DraftTree(selected, routes.get(rid), d.answers, d.trunk, gains)
+            trees[rid] = DraftTree(selected, d.route, d.answers, d.trunk, gains)
         stats.selection_s = time.perf_counter() - start
         stats.num_drafted_nodes = sum(full.tree.num_draft_tokens for full, _ in fulls.values())
         return Drafts(trees, stats)
