@@ -188,6 +188,8 @@ def pipeline() -> dict:
         panel("Scheduling decision latency", quantiles("scheduler_decision_seconds", (0.5, 0.99))
               + [(mean("scheduler_decision_seconds"), "mean")], unit="s"),
         panel("Draft tokens Γ per micro-batch", quantiles("scheduler_total_gamma", (0.5, 0.9)), width=12),
+        panel("PEARL steps / s by kind", [(f"sum by (kind) ({rate('pearl_steps_total')})", "{{kind}}")],
+              stack=True, width=12),
     ])
 
 

@@ -153,12 +153,16 @@ class EngineCore:
         the roots: pre-verify) while the drafters draft ahead of them, from committed + trunk."""
         stats = DraftingStats()
         drafted = self.pearl.take(batch.decodes)
+        post_verify = len(drafted)
         fresh = [r for r in batch.decodes if r.request_id not in drafted and batch.budgets[r.request_id] > 0]
         if fresh and not self.pearl.pre_verify():  # drafting is the quicker here: draft first
             drafted.update(await self.speculator.draft_paths(fresh, routes, batch.budgets, stats))
-            self.pearl.stats.drafted_first += len(fresh)
+            pre_verify, drafted_first = 0, len(fresh)
         else:
-            self.pearl.stats.pre_verify += len(fresh)
+            pre_verify, drafted_first = len(fresh), 0
+        self.pearl.stats.pre_verify += pre_verify
+        self.pearl.stats.drafted_first += drafted_first
+        self.exporter.pearl_steps(post_verify=post_verify, pre_verify=pre_verify, drafted_first=drafted_first)
         drafts = self.speculator.select(batch, drafted, stats)
         trunks = {rid: trunk_tokens(tree.selected) for rid, tree in drafts.trees.items()}
         ahead_of = [r for r in batch.decodes if batch.budgets[r.request_id] > 0 and r.request_id in routes]

@@ -77,6 +77,11 @@ class EngineMetrics:
     def drafter_failed(self, drafter: str) -> None:
         self.registry.inc("cosine_ray:drafter_failures", drafter=drafter)
 
+    def pearl_steps(self, *, post_verify: int, pre_verify: int, drafted_first: int) -> None:
+        for kind, n in (("post_verify", post_verify), ("pre_verify", pre_verify), ("drafted_first", drafted_first)):
+            if n:
+                self.registry.inc("cosine_ray:pearl_steps", n, kind=kind)
+
     def participation(self, k: int) -> None:
         self.registry.set("cosine_ray:drafter_participation", k)
 

@@ -126,6 +126,9 @@ METRICS: dict[str, MetricSpec] = {
         "counter", "Seconds a pipeline stage spent computing.", ("stage",)),
     "cosine_ray:stage_idle_seconds": MetricSpec(
         "counter", "Seconds a pipeline stage waited for work (pipeline bubbles).", ("stage",)),
+    "cosine_ray:pearl_steps": MetricSpec(
+        "counter", "Requests' PEARL steps by kind: post_verify (tree drafted during the previous "
+        "verification), pre_verify (root checked while drafting), drafted_first (auto).", ("kind",)),
     "cosine_ray:drafter_failures": MetricSpec(
         "counter", "Drafter calls dropped (error, deadline, malformed answer).", ("drafter",)),
     "cosine_ray:drafter_restarts": MetricSpec(

@@ -112,6 +112,8 @@ def test_self_drafting_is_post_verify_after_the_first_step(tiny_checkpoint, prom
     assert stats.post_verify == stats.steps - len(prompts) > 0
     for o in outs:  # every tree drafted ahead was accepted whole
         assert o.stats.num_accepted_tokens == o.stats.num_draft_tokens > 0
+    series = {dict(labels)["kind"]: n for labels, n in engine.core.metrics.snapshot()["cosine_ray:pearl_steps"].items()}
+    assert series == {"post_verify": stats.post_verify, "pre_verify": stats.pre_verify}  # the metric counts them
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3])

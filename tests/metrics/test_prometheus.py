@@ -289,7 +289,8 @@ def served(ray_cluster, tmp_path_factory, real_checkpoint) -> Served:
     exe = shutil.which("cosine-ray")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
         "serve", "--port", str(port), "--address", ray_cluster, "--drafters", "ngram,retrieval",
-        "--drafters-in-engine", "retrieval", "--stages", "2", "--return-spec-stats"]  # ngram: an actor (killed)
+        "--drafters-in-engine", "retrieval", "--stages", "2", "--return-spec-stats",  # ngram: an actor (killed)
+        "--pearl", "auto"]  # PEARL through the Serve deployment: its steps feed a pipeline panel
     start = time.perf_counter()
     cli_log = tmp / "cli.log"
     log = open(cli_log, "wb")
