@@ -370,17 +370,19 @@ class RandomTreeDrafter(FakeDrafter):
         return DraftProposal(item.request_id, paths, [[0.5] * len(p) for p in paths])
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 3, 0.9)])
-def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, pearl", [(1.0, 0, 1.0, "off"), (0.7, 3, 0.9, "off"),
+                                                               (1.0, 0, 1.0, "on"), (0.7, 3, 0.9, "on")])
+def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, top_p, pearl):
     """Lossless through the whole loop: 3-token outputs of many seeded requests, drafted by
-    random trees, against the exact (filtered) target distribution (chi-square)."""
+    random trees, against the exact (filtered) target distribution (chi-square); also with
+    PEARL, whose trees were drafted during the previous verification."""
     from scipy.stats import chisquare
 
     vocab, n_requests = 5, 3000
     target = TableTarget(vocab=vocab, scale=1.0, seed=3)
     prompt = [1, 2]
     router = make_router(target, [RandomTreeDrafter("random", vocab)], vocab=vocab,
-                         num_speculative_tokens=3, max_batch_size=512)
+                         num_speculative_tokens=3, max_batch_size=512, pearl=pearl)
     for i in range(n_requests):
         router.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, temperature=temperature,
                                                            top_k=top_k, top_p=top_p, seed=i))
@@ -405,6 +407,8 @@ def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, to
     assert len(big) >= 15
     assert not set(observed) - {k for k, e in expected.items() if e > 0}  # never a filtered-out token
     assert chisquare(obs, exp).pvalue > 1e-3
+    if pearl == "on":  # random drafts are sometimes right: some trees were drafted ahead
+        assert router.pearl.stats.post_verify > 0
 
 
 # ---- the real TargetWorker: KV and drafter state are freed ------------------------------------
