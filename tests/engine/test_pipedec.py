@@ -5,7 +5,8 @@ Tiny random model (no near-ties: exact comparison with HF greedy) for every draf
 target drafting for itself (every timestep a hit), the n-gram drafter (mostly misses), a
 drafter that fails mid-request, requests arriving while one runs alone (the engine leaves
 PipeDec and comes back), seeded sampling (the same text as plain sampling with that seed,
-for every seed: the distribution is the target's). One real-model check (SmolLM2-135M).
+for every seed), and sampled sequences against the target's exact distribution (chi-square).
+One real-model check (SmolLM2-135M).
 The Ray stage actors' path is in tests/runtime/test_pipedec_ray.py.
 """
 
@@ -254,3 +255,46 @@ def test_real_model_pipedec_equals_hf_greedy(real_checkpoint, real_hf_model):
     for o, ref in zip(outs, refs):
         assert o.new_token_ids == ref[:len(o.new_token_ids)] and (len(o.new_token_ids) == 40 or o.finish_reason == "stop")
     assert sum(o.stats.pipedec_hits for o in outs) > 0
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 3, 1.0), (0.7, 4, 0.9)])
+def test_sampled_sequences_follow_the_target_distribution(tiny_checkpoint, temperature, top_k, top_p):
+    """PipeDec's sampling against the exact (filtered) target distribution, chi-square: many
+    seeded 3-token requests, each alone at S = 2 (so every token after the first is a
+    PipeDec timestep: hits when a drafter's token is the sampled one, misses otherwise)."""
+    from collections import Counter
+
+    from scipy.stats import chisquare
+
+    from cosine_ray.algo.sampling import logits_to_probs
+
+    n_requests, prompt = 600, [5, 17, 42]
+    engine = make_engine(tiny_checkpoint, "self,ngram", 2, pipedec_width=2)
+    outs = [engine.generate([prompt], SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k,
+                                                     top_p=top_p, seed=i))[0]
+            for i in range(n_requests)]
+    observed = Counter(tuple(o.new_token_ids) for o in outs)
+    assert sum(o.stats.pipedec_timesteps for o in outs) >= 2 * n_requests
+    assert 0 < sum(o.stats.pipedec_hits for o in outs) < sum(o.stats.pipedec_tokens for o in outs)
+
+    hf = tiny_checkpoint.load_hf_model()
+
+    @torch.no_grad()
+    def probs(context):
+        logits = hf(torch.tensor([context])).logits[0, -1:].float()
+        return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)[0].double()
+
+    expected = {}
+    p0 = probs(prompt)
+    for a in torch.nonzero(p0).flatten().tolist():
+        p1 = probs(prompt + [a])
+        for b in torch.nonzero(p1).flatten().tolist():
+            p2 = probs(prompt + [a, b])
+            for c in torch.nonzero(p2).flatten().tolist():
+                expected[(a, b, c)] = float(p0[a] * p1[b] * p2[c]) * n_requests
+    assert not set(observed) - set(expected)  # never a filtered-out token
+    big = [k for k, e in expected.items() if e >= 5]
+    assert len(big) >= 8
+    obs = [observed[k] for k in big] + [n_requests - sum(observed[k] for k in big)]
+    exp = [expected[k] for k in big] + [n_requests - sum(expected[k] for k in big)]
+    assert chisquare(obs, exp).pvalue > 1e-3
