@@ -29,12 +29,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
     skip_slow = pytest.mark.skip(reason="slow test: pass --run-slow to run it")
+    skip_gpu = pytest.mark.skip(reason="needs CUDA: no GPU is visible to this process")
+    run_slow, has_gpu = config.getoption("--run-slow"), torch.cuda.is_available()
     for item in items:
-        if "slow" in item.keywords:
+        if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(skip_slow)
+        if item.get_closest_marker("gpu") and not has_gpu:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(autouse=True)

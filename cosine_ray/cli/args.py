@@ -50,6 +50,28 @@ def cosine_step_overrides(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """``--device`` and ``--dtype`` (``defaults=False``: absent flags stay None, so a config
+    file's values stand)."""
+    from cosine_ray.models.device import DTYPES
+    p.add_argument("--device", default="cpu" if defaults else None,
+                   help="cpu, cuda or cuda:N: where the target and model drafters run (default cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32" if defaults else None,
+                   help="weights and activations (default float32; the half types pay on CUDA)")
+
+
+def check_local_device(device: str) -> None:
+    """CliError (one line, exit 2) when this process cannot run on ``device``: CUDA asked for
+    on a machine without it, or a GPU index past the last."""
+    from cosine_ray.models.device import check_device_name, device_unavailable
+    try:
+        reason = device_unavailable(check_device_name(device))
+    except ValueError as exc:
+        raise CliError(f"--device: {exc}") from None
+    if reason is not None:
+        raise CliError(reason)
+
+
 def add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = DEFAULT_DRAFTERS) -> None:
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     p.add_argument("--drafters", default=drafters_default, help=DRAFTERS_HELP)
@@ -57,6 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = DEFAU
                    help="draft-token budget of each request's tree per step (0 = plain decoding)")
     p.add_argument("--stages", type=int, default=1, help="pipeline stages (layer slices) of the target")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_device_args(p)
     add_cosine_args(p)
 
 
@@ -71,9 +94,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
     from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+    check_local_device(args.device)
     try:
         return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
-                            num_stages=args.stages, num_threads=args.threads,
+                            num_stages=args.stages, num_threads=args.threads, device=args.device,
+                            dtype=args.dtype,
                             step=StepConfig(max_batch_size=batch_size, **cosine_step_overrides(args)))
     except ValueError as exc:
         raise CliError(str(exc)) from None

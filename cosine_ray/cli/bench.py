@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.cli.args import CliError, load_engine
+from cosine_ray.cli.args import CliError, add_device_args, check_local_device, load_engine
 from cosine_ray.datasets import default_prompt_dir
 
 DEFAULT_PROMPT_DIR = default_prompt_dir()
@@ -68,6 +68,7 @@ def add_parser(sub) -> None:
                    help="send the first measured request again at the end and report its acceptance")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--threads", type=int, default=None)
+    add_device_args(p)
     p.add_argument("--out", default="bench-results/bench.json")
 
 
@@ -170,7 +171,7 @@ def run_hf(model, tokenizer, conversations: list[tuple[str, ...]], max_tokens: i
         conv = []
         for text in turns:
             history.append({"role": "user", "content": text})
-            ids = torch.tensor([encode_messages(tokenizer, history)])
+            ids = torch.tensor([encode_messages(tokenizer, history)], device=model.device)
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                      do_sample=False, **kwargs)
@@ -227,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--concurrency values must be >= 1")
     text = f"{';'.join(HF_SYSTEMS)};{args.drafter_sets}" if args.drafter_sets else args.systems
     systems = parse_systems(text)
+    check_local_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     warm, measured = build_conversations(args)
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     outputs: dict[str, list[list[Turn]]] = {}
     hf = None
     for system in [s for s in systems if s.is_hf]:
-        hf = hf or checkpoint.load_hf_model()
+        hf = hf or checkpoint.load_hf_model(dtype=getattr(torch, args.dtype)).to(args.device)
         kwargs = {"prompt_lookup_num_tokens": args.prompt_lookup_tokens} if system.name == "hf-prompt-lookup" else {}
         run_hf(hf, tokenizer, [("Hello",)], 4, **kwargs)  # first-call costs are not measured
         start = time.perf_counter()
@@ -257,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     for system in [s for s in systems if not s.is_hf]:
         for c in concurrencies:
             config = config_from_dict({"model": args.model, "drafters": system.drafters,
+                                       "device": args.device, "dtype": args.dtype,
                                        "step": {"max_batch_size": max(c, 8),
                                                 "num_speculative_tokens": args.num_speculative_tokens,
                                                 **system.step}})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from cosine_ray.cli.args import DRAFTERS_HELP, MODEL_HELP, CliError
+from cosine_ray.cli.args import DRAFTERS_HELP, MODEL_HELP, CliError, add_device_args, check_local_device
 from cosine_ray.engine.config import DEFAULT_DRAFTERS
 
 
@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
     prof.add_argument("--stages", type=int, default=1, help="pipeline stages (layer slices) of the target")
     prof.add_argument("--drafters", default=DEFAULT_DRAFTERS, help=DRAFTERS_HELP)
     prof.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_device_args(prof)
     prof.add_argument("--quick", action="store_true", help="small grid, 3 repetitions (what `serve` runs at first start)")
     prof.add_argument("--out", default=None,
                       help="output JSON (default: ~/.cache/cosine_ray/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json)")
@@ -27,9 +28,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.stages < 1 or (args.threads is not None and args.threads < 1):
         raise CliError("--stages and --threads must be >= 1")
+    check_local_device(args.device)
     try:
         config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
-                              num_stages=args.stages, num_threads=args.threads)
+                              num_stages=args.stages, num_threads=args.threads, device=args.device,
+                              dtype=args.dtype)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     start = time.perf_counter()

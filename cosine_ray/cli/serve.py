@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosine_ray.cli.args import CliError, add_cosine_args, cosine_step_overrides
+from cosine_ray.cli.args import CliError, add_cosine_args, add_device_args, check_local_device, cosine_step_overrides
 
 DEFAULT_NUM_STAGES = 2
 DEFAULT_HOST = "127.0.0.1"
@@ -50,6 +50,7 @@ def add_parser(sub) -> None:
     srv.add_argument("--model", default=None)
     srv.add_argument("--drafters", default=None)
     srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
+    add_device_args(srv, defaults=False)
     srv.add_argument("--num-speculative-tokens", type=int, default=None)
     srv.add_argument("--max-batch-size", type=int, default=None)
     srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
@@ -163,7 +164,8 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
     from cosine_ray.engine.config import config_from_dict, config_to_dict
 
     data = dict(file.engine) if file is not None else {"num_stages": DEFAULT_NUM_STAGES}
-    for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages)):
+    for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
+                      ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None))):
         if flag is not None:
             data[key] = flag
     if "step" in data and "router" in data:
@@ -243,6 +245,8 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     except (ValueError, OSError) as exc:
         where = f"--config {args.config}: " if args.config else ""
         raise CliError(where + str(exc).splitlines()[0]) from None
+    if not engine["cluster"].get("address"):
+        check_local_device(engine["device"])  # a local cluster runs on this machine's devices
     http = dict(file.http_options) if file is not None else {}
     host = args.host if args.host is not None else str(http.get("host", DEFAULT_HOST))
     port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
@@ -311,6 +315,15 @@ def check_address_reachable(address: str, timeout_s: float = 5.0) -> None:
                        f"`ray start --head`, or leave out --address for a local cluster") from None
 
 
+def check_cluster_gpus(engine: dict[str, Any], resources: dict[str, float]) -> None:
+    """CliError when the engine runs on CUDA and the joined cluster has no GPU at all: every
+    stage actor asks Ray for one, and would wait for it forever."""
+    if str(engine.get("device", "cpu")).startswith("cuda") and resources.get("GPU", 0) < 1:
+        raise CliError(f"device {engine['device']!r}: the Ray cluster at {engine['cluster']['address']} "
+                       f"has no GPU (its resources: {', '.join(sorted(resources)) or 'none'}); "
+                       f"use --device cpu or add GPU nodes")
+
+
 def run(args: argparse.Namespace) -> int:
     plan = serve_plan(args)
     for what in plan.ignored:
@@ -333,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
         if not address:
             raise
         raise CliError(f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
+    if address:
+        check_cluster_gpus(plan.engine, ray.cluster_resources())
     start = {"http_options": plan.http_options}
     if plan.proxy_location is not None:
         start["proxy_location"] = plan.proxy_location

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from cosine_ray.models.device import check_device_name, check_dtype_name
+
 
 DRAFTER_KINDS = ("none", "ngram", "retrieval", "suffix", "model", "self")
 LEARNING_KINDS = ("suffix",)
@@ -239,8 +241,9 @@ class EngineConfig:
     """Contiguous layer slices of the target (pipeline stages)."""
     step: StepConfig = field(default_factory=StepConfig)
     dtype: str = "float32"
-    """float32 | bfloat16 | float16 (bf16/fp16 only make sense on CUDA)."""
+    """float32 | bfloat16 | float16 (the half types pay on CUDA; on CPU they run, slowly)."""
     device: str = "cpu"
+    """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""
     num_threads: int | None = None
     """torch intra-op threads for this process; None leaves torch's default."""
     datastore_dir: str | None = None
@@ -257,8 +260,8 @@ class EngineConfig:
         if isinstance(self.suffix_index_tokens, bool) or not isinstance(self.suffix_index_tokens, int) \
                 or self.suffix_index_tokens < 1:
             raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        check_dtype_name(self.dtype)
+        check_device_name(self.device)
 
 
 def _build(cls: type, data: dict[str, Any], where: str):

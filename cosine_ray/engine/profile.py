@@ -43,6 +43,7 @@ from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
 from cosine_ray.engine.target import ScoreItem, TargetWorker
 from cosine_ray.models.loader import cache_root, resolve_checkpoint
+from cosine_ray.models.device import synchronize
 from cosine_ray.models.llama import projection_kernel
 
 log = logging.getLogger(__name__)
@@ -101,13 +102,15 @@ def profile_path(config: EngineConfig) -> Path:
     return cache_root() / "profiles" / f"{slug}.json"
 
 
-def _median_seconds(run: Callable[[], object], warmup: int, repeats: int) -> float:
+def _median_seconds(run: Callable[[], object], warmup: int, repeats: int, device: str = "cpu") -> float:
     for _ in range(warmup):
         run()
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         run()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -123,14 +126,17 @@ def measure_target(worker: TargetWorker, vocab_size: int, grid: ProfileGrid, max
     rng = random.Random(seed)
     samples: list[LlmSample] = []
     b_max = max(grid.batch_sizes)
+    device = str(worker.stages[0].stage.device)
     for ctx in grid.context_lens:
         ctx = min(ctx, max_len - max(grid.gammas) - 2)
         ids = [f"profile-{ctx}-{i}" for i in range(b_max)]
         prefill_times = []
         for rid in ids:
             prompt = [rng.randrange(vocab_size) for _ in range(ctx)]
+            synchronize(device)
             start = time.perf_counter()
             worker.score([ScoreItem.prefill(rid, prompt)])
+            synchronize(device)
             prefill_times.append(time.perf_counter() - start)
         samples.append(LlmSample((0,), (ctx,), statistics.median(prefill_times[1:] or prefill_times)))
         pending: dict[str, tuple[int, ...]] = {rid: tuple(range(ctx)) for rid in ids}
@@ -144,7 +150,7 @@ def measure_target(worker: TargetWorker, vocab_size: int, grid: ProfileGrid, max
                     for rid in ids[:b]:
                         pending[rid] = ()  # keep nothing of this step: the context stays ctx
 
-                seconds = _median_seconds(forward, grid.warmup, grid.repeats)
+                seconds = _median_seconds(forward, grid.warmup, grid.repeats, device)
                 samples.append(LlmSample((ctx,) * b, (1 + gamma,) * b, seconds))
         worker.release(ids)
     return samples
