@@ -124,3 +124,49 @@ def test_actors_ask_for_a_gpu_on_cuda_only(role):
     assert actor_options(role, 0, EngineConfig(device="cuda"))["num_gpus"] == 1
     assert actor_options(role, 1, EngineConfig(device="cuda:1"))["num_gpus"] == 1
     assert "num_gpus" not in actor_options(role, 0, EngineConfig(device="cpu"))
+
+
+# ---- the KV pool's memory budget (issue 16, item 2) ------------------------------------------------
+
+def test_kv_cache_memory_is_a_byte_count():
+    assert EngineConfig(kv_cache_memory="512MiB").kv_cache_memory == 512 * 2**20
+    assert EngineConfig(kv_cache_memory="1.5GB").kv_cache_memory == 1_500_000_000
+    assert EngineConfig(kv_cache_memory=4096).kv_cache_memory == 4096
+    assert EngineConfig().kv_cache_memory is None
+    for bad in ("2 parsecs", "GiB", 0, -5, True, "-1GiB"):
+        with pytest.raises(ValueError, match="kv_cache_memory must be"):
+            config_from_dict({"kv_cache_memory": bad})
+
+
+def test_kv_budgets_per_stage(monkeypatch):
+    from types import SimpleNamespace
+
+    from cosine_ray.engine.target import CUDA_KV_MEMORY_SHARE, kv_budgets
+    cpu, gpu0, gpu1 = (SimpleNamespace(device=torch.device(d)) for d in ("cpu", "cuda:0", "cuda:1"))
+    assert kv_budgets([cpu, cpu], None) == [None, None]  # CPU: the pool grows as needed
+    assert kv_budgets([cpu, gpu0], 10**6) == [10**6, 10**6]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: ((10_000 if d.index == 0 else 4_000), 80_000))
+    share = CUDA_KV_MEMORY_SHARE
+    assert kv_budgets([gpu0, gpu0, gpu1], None) == [int(share * 5_000), int(share * 5_000), int(share * 4_000)]
+
+
+def test_an_engine_on_a_budget_preallocates_and_decodes_the_same(tiny_checkpoint):
+    from cosine_ray.engine.config import parse_drafters
+    from cosine_ray.engine.local import LocalEngine
+    from cosine_ray.engine.request import SamplingParams
+
+    prompts = [[5, 17, 42], list(range(30, 70))]
+    params = SamplingParams(max_tokens=20)
+
+    def run(**kw):
+        engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
+                                          num_stages=2, **kw), checkpoint=tiny_checkpoint)
+        return engine, [o.new_token_ids for o in engine.generate(prompts, params)]
+
+    engine, budgeted = run(kv_cache_memory="1MiB")
+    caches = [s.cache for s in engine.target.stages]
+    assert all(c.max_blocks == c.num_blocks for c in caches)  # allocated at start, never grown
+    per_block = caches[0].bytes_per_token() * caches[0].block_size
+    assert caches[0].num_blocks == 2**20 // per_block
+    assert all(c.num_free_blocks == c.num_blocks for c in caches)  # every block back after the requests
+    assert budgeted == run()[1]

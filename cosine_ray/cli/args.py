@@ -58,6 +58,9 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
                    help="cpu, cuda or cuda:N: where the target and model drafters run (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32" if defaults else None,
                    help="weights and activations (default float32; the half types pay on CUDA)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="bytes of each stage's paged KV pool, e.g. 2GiB (default: 90%% of free GPU memory "
+                        "on CUDA; on CPU the pool grows as needed)")
 
 
 def check_local_device(device: str) -> None:
@@ -98,7 +101,7 @@ def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
     try:
         return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
                             num_stages=args.stages, num_threads=args.threads, device=args.device,
-                            dtype=args.dtype,
+                            dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                             step=StepConfig(max_batch_size=batch_size, **cosine_step_overrides(args)))
     except ValueError as exc:
         raise CliError(str(exc)) from None

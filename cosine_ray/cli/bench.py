@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         for c in concurrencies:
             config = config_from_dict({"model": args.model, "drafters": system.drafters,
                                        "device": args.device, "dtype": args.dtype,
+                                       "kv_cache_memory": args.kv_cache_memory,
                                        "step": {"max_batch_size": max(c, 8),
                                                 "num_speculative_tokens": args.num_speculative_tokens,
                                                 **system.step}})

@@ -165,7 +165,8 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
 
     data = dict(file.engine) if file is not None else {"num_stages": DEFAULT_NUM_STAGES}
     for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
-                      ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None))):
+                      ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
+                      ("kv_cache_memory", getattr(args, "kv_cache_memory", None))):
         if flag is not None:
             data[key] = flag
     if "step" in data and "router" in data:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -252,9 +253,16 @@ class EngineConfig:
     """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
     evicted first. 53-65 B a token at 11-25 k tokens (``benchmarks/learning_soak.py``), so the
     default bounds one drafter at roughly 60 MB; the ``learning`` set has one per domain."""
+    kv_cache_memory: int | str | None = None
+    """Bytes of each stage's paged KV pool (``models.kv_cache``), an integer or a size such as
+    ``"2GiB"``, allocated at start and never grown. None: on CUDA 90 % of the device memory free
+    after the weights (shared by the stages of one process on one device); on CPU the pool
+    starts small and doubles as requests need it."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
         if isinstance(self.suffix_index_tokens, bool) or not isinstance(self.suffix_index_tokens, int) \
@@ -262,6 +270,26 @@ class EngineConfig:
             raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
         check_dtype_name(self.dtype)
         check_device_name(self.device)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, name: str) -> int:
+    """A byte count: an integer, or a number with a unit (``512MiB``, ``2GiB``, ``1.5GB``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a byte count such as 2GiB, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} must be a byte count such as 2GiB, got {value!r}")
+        number = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if number < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
+    return number
 
 
 def _build(cls: type, data: dict[str, Any], where: str):

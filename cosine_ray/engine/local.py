@@ -31,7 +31,8 @@ class LocalEngine:
         state = self.checkpoint.load_state_dict()
         dtype = getattr(torch, config.dtype)
         self.target = TargetWorker(build_target_stages(self.checkpoint, state, config.num_stages,
-                                                       dtype=dtype, device=config.device))
+                                                       dtype=dtype, device=config.device),
+                                   kv_cache_memory=config.kv_cache_memory)
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config)
                          for s in config.drafters]

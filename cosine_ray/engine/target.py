@@ -104,8 +104,8 @@ def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
                 raise ValueError(f"request {it.request_id!r} has no KV cache here but starts at "
                                  f"position {it.start_position}; re-prefill it")
             cache.allocate(it.request_id)
-        if it.commit_previous is not None:
-            cache.commit(it.request_id, it.commit_previous)
+    cache.commit_many((it.request_id, it.commit_previous) for it in items if it.commit_previous is not None)
+    for it in items:
         length = cache.committed_length(it.request_id)
         if length != it.start_position:
             raise ValueError(f"request {it.request_id!r}: stage holds {length} committed tokens, "
@@ -183,15 +183,39 @@ class TargetClient(Protocol):
         ...
 
 
+CUDA_KV_MEMORY_SHARE = 0.9
+"""Share of a GPU's free memory (after the weights) its stages' KV pools take by default."""
+
+
+def kv_budgets(stages: Sequence[LlamaStage], kv_cache_memory: int | None) -> list[int | None]:
+    """Each stage's KV pool in bytes: ``kv_cache_memory`` when set; else on CUDA
+    ``CUDA_KV_MEMORY_SHARE`` of the device's free memory, split evenly between the given
+    stages on that device; else None (CPU: the pool grows as needed)."""
+    if kv_cache_memory is not None:
+        return [kv_cache_memory] * len(stages)
+    out: list[int | None] = []
+    for stage in stages:
+        if stage.device.type != "cuda":
+            out.append(None)
+            continue
+        sharing = sum(s.device == stage.device for s in stages)
+        free, _ = torch.cuda.mem_get_info(stage.device)  # measured before any of these pools exists
+        out.append(int(CUDA_KV_MEMORY_SHARE * free / sharing))
+    return out
+
+
 class StageWorker:
     """One layer slice of the target with its KV cache: a pipeline stage (plain class; the
     Ray runtime makes it an actor). ``forward`` returns hidden states, or on the last stage
     the logit rows of every item concatenated (``split_logits`` cuts them per item)."""
 
-    def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None,
+    def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None, kv_budget_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stage = stage
-        self.cache = stage.new_kv_cache(max_tokens=max_kv_tokens)
+        self.cache = (stage.new_kv_cache(max_tokens=max_kv_tokens) if kv_budget_bytes is None else
+                      KVCache.for_budget(stage.num_layers, stage.config.num_kv_heads, stage.config.head_dim,
+                                         kv_budget_bytes, dtype=stage.dtype, device=stage.device,
+                                         max_tokens=max_kv_tokens))
         self.clock = clock
         self.started_at = clock()
         self.busy_s = 0.0
@@ -214,9 +238,7 @@ class StageWorker:
             try:
                 return self.stage.forward(build_stage_batch(items), self.cache, hidden)
             except Exception:  # a failed forward leaves no half-written speculative level behind
-                for it in items:
-                    if it.request_id in self.cache:
-                        self.cache.commit(it.request_id, ())
+                self.cache.commit_many((it.request_id, ()) for it in items if it.request_id in self.cache)
                 raise
 
     def forward_layer(self, item: LayerItem, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,9 +263,8 @@ class StageWorker:
         return busy, max(0.0, now - self.started_at - busy)
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
-        for c in commits:
-            if c.request_id in self.cache:
-                self.cache.commit(c.request_id, c.keep)
+        """Every request's kept slots in one gather/scatter (``KVCache.commit_many``)."""
+        self.cache.commit_many((c.request_id, c.keep) for c in commits if c.request_id in self.cache)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -261,10 +282,12 @@ class StageWorker:
 class TargetWorker:
     """All stages of the target in one process (the single-process engine)."""
 
-    def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None) -> None:
+    def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None,
+                 kv_cache_memory: int | None = None) -> None:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("stages must cover the model from the embedding to the lm_head")
-        self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens) for s in stages]
+        self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens, kv_budget_bytes=b)
+                       for s, b in zip(stages, kv_budgets(stages, kv_cache_memory))]
 
     def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         if not items:

@@ -1,36 +1,48 @@
-"""Per-request KV cache of one pipeline stage, with a committed and a speculative level.
+"""The KV cache of one pipeline stage: one paged pool for every request, with a committed and
+a speculative level per request.
 
-Each request owns one buffer for all the stage's layers::
+One pool holds every request's keys and values for all the stage's layers::
 
-    buffer  # [num_layers, 2 (k|v), num_kv_heads, capacity, head_dim]
+    pool  # [num_layers, 2 (k|v), num_slots, num_kv_heads, head_dim],  num_slots = num_blocks × block_size
 
-            0 ........... committed_length ....... + num_speculative ...... capacity
-            |  committed  |  speculative (this step's tree nodes, node order)  | free |
+A request owns a *block table*: the pool blocks that hold its logical positions, block
+``p // block_size`` at offset ``p % block_size`` (vLLM's paged layout). Its logical slots::
 
-A forward writes the new tokens' keys/values into the speculative level (slot
-``committed_length + node_index``; the RoPE position is separate and depth-based).
-After verification, ``commit(keep)`` compacts the kept speculative slots (the accepted
-path, in depth order) onto the end of the committed level and drops the rest (PipeDec
-§3.4's two-level cache). ``rollback(n)`` drops the last n committed tokens (a drafter that
-ran ahead, or a test). Keys are stored after RoPE, so moving a slot never changes it.
+            0 ........... committed_length ....... + num_speculative
+            |  committed  |  speculative (this step's tree nodes, node order)  |
+
+A forward writes the new tokens' keys/values into the speculative level (logical slot
+``committed_length + node_index``; the RoPE position is separate and depth-based) with one
+scatter per layer for the whole batch (``slot_mapping``), and reads each request's keys through
+its table with one gather per layer (``gather_index``): no per-request tensor op in the layer
+loop. After verification, ``commit_many`` moves the kept speculative slots of every request (the
+accepted path, in depth order) onto the end of their committed levels with one gather/scatter
+over all layers, and drops the rest (PipeDec §3.4's two-level cache). ``rollback(n)`` drops the
+last n committed tokens. Keys are stored after RoPE, so moving a slot never changes it.
 
 PipeDec (``engine.pipedec``) grows the speculative level a tree layer at a time instead:
 ``extend(n)`` appends n slots after the ones already there, and ``keep(slots, num_committed)``
-prunes the level to ``slots`` of which the first ``num_committed`` join the
-committed level (a hit commits the old root and keeps the new root's subtree).
+prunes the level to ``slots`` of which the first ``num_committed`` join the committed level.
+
+Memory: the pool is allocated once at ``initial_capacity`` tokens (rounded up to whole blocks)
+and doubles when blocks run out, up to ``max_blocks`` when set (a budget: ``for_budget``
+preallocates all of it, as a CUDA pool must be for CUDA graphs). ``max_tokens`` separately caps
+the tokens held over all requests (committed + speculative), raising MemoryError past it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import torch
+
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(slots=True)
 class _Entry:
-    buffer: torch.Tensor  # [num_layers, 2, num_kv_heads, capacity, head_dim]
+    blocks: list[int] = field(default_factory=list)
     committed_length: int = 0
     num_speculative: int = 0
 
@@ -38,16 +50,38 @@ class _Entry:
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 initial_capacity: int = 256, max_tokens: int | None = None) -> None:
+                 initial_capacity: int = 256, max_tokens: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_blocks: int | None = None) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.initial_capacity = initial_capacity
+        self.block_size = block_size
         self.max_tokens = max_tokens
         """Cap on tokens held over all requests (committed + speculative); None = no cap."""
+        self.max_blocks = max_blocks
+        """Cap on the pool's blocks (its memory budget); None = it grows as needed."""
+        blocks = max(1, -(-initial_capacity // block_size))
+        if max_blocks is not None:
+            blocks = min(blocks, max_blocks)
+        self.pool = self._new_pool(blocks)
+        self._free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: block 0 first
         self._entries: dict[str, _Entry] = {}
+
+    @classmethod
+    def for_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, *,
+                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                   block_size: int = DEFAULT_BLOCK_SIZE, **kwargs) -> "KVCache":
+        """A pool of ``budget_bytes`` (whole blocks), allocated now and never grown."""
+        per_block = num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize * block_size
+        blocks = int(budget_bytes // per_block)
+        if blocks < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes is less than one block ({per_block} bytes)")
+        return cls(num_layers, num_kv_heads, head_dim, dtype=dtype, device=device, block_size=block_size,
+                   initial_capacity=blocks * block_size, max_blocks=blocks, **kwargs)
 
     # ---- bookkeeping --------------------------------------------------------------------
     def __contains__(self, request_id: str) -> bool:
@@ -57,8 +91,19 @@ class KVCache:
     def request_ids(self) -> list[str]:
         return list(self._entries)
 
+    @property
+    def num_blocks(self) -> int:
+        return int(self.pool.shape[2]) // self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
     def committed_length(self, request_id: str) -> int:
         return self._entries[request_id].committed_length
+
+    def num_speculative(self, request_id: str) -> int:
+        return self._entries[request_id].num_speculative
 
     def num_tokens(self) -> int:
         return sum(e.committed_length + e.num_speculative for e in self._entries.values())
@@ -69,98 +114,161 @@ class KVCache:
     def allocate(self, request_id: str) -> None:
         if request_id in self._entries:
             raise KeyError(f"request {request_id!r} already has a KV cache")
-        self._entries[request_id] = _Entry(self._new_buffer(self.initial_capacity))
+        self._entries[request_id] = _Entry()
 
     def free(self, request_id: str) -> None:
-        self._entries.pop(request_id, None)
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._free.extend(reversed(entry.blocks))
 
-    @torch.inference_mode()  # buffers are only ever touched under inference mode
-    def _new_buffer(self, capacity: int) -> torch.Tensor:
-        return torch.empty(self.num_layers, 2, self.num_kv_heads, capacity, self.head_dim,
+    # ---- the pool -------------------------------------------------------------------------
+    @torch.inference_mode()  # the pool is only ever touched under inference mode
+    def _new_pool(self, num_blocks: int) -> torch.Tensor:
+        return torch.empty(self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
                            dtype=self.dtype, device=self.device)
 
-    # ---- forward-time writes and reads --------------------------------------------------
     @torch.inference_mode()
+    def _grow_pool(self, min_blocks: int) -> None:
+        old = self.num_blocks
+        new = max(min_blocks, 2 * old)
+        if self.max_blocks is not None:
+            new = min(new, self.max_blocks)
+        if new < min_blocks:
+            raise MemoryError(f"KV cache full: {min_blocks} blocks of {self.block_size} tokens needed, "
+                              f"the budget holds {self.max_blocks}")
+        pool = self._new_pool(new)
+        pool[:, :, :old * self.block_size] = self.pool
+        self.pool = pool
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def _ensure(self, entry: _Entry, num_slots: int) -> None:
+        """Blocks for logical slots [0, num_slots)."""
+        needed = -(-num_slots // self.block_size) - len(entry.blocks)
+        if needed <= 0:
+            return
+        if needed > len(self._free):
+            self._grow_pool(self.num_blocks + needed - len(self._free))
+        entry.blocks.extend(self._free.pop() for _ in range(needed))
+
+    def _release_tail(self, entry: _Entry) -> None:
+        """Give back blocks past the request's used slots."""
+        keep = -(-(entry.committed_length + entry.num_speculative) // self.block_size)
+        while len(entry.blocks) > keep:
+            self._free.append(entry.blocks.pop())
+
+    def slots(self, request_id: str, start: int, end: int) -> list[int]:
+        """Pool slots of the request's logical slots [start, end)."""
+        return self._pool_slots(self._entries[request_id], range(start, end))
+
+    def _pool_slots(self, entry: _Entry, logical: Iterable[int]) -> list[int]:
+        bs, blocks = self.block_size, entry.blocks
+        return [blocks[p // bs] * bs + p % bs for p in logical]
+
+    # ---- forward-time writes and reads --------------------------------------------------
+    def _check_cap(self, new_total: int) -> None:
+        if self.max_tokens is not None and new_total > self.max_tokens:
+            raise MemoryError(f"KV cache full: {new_total} tokens > max_tokens={self.max_tokens}")
+
     def reserve(self, request_id: str, num_new_tokens: int) -> int:
-        """Open a speculative level of ``num_new_tokens`` slots; returns its first slot."""
+        """Open a speculative level of ``num_new_tokens`` slots (replacing any open one);
+        returns its first logical slot."""
         entry = self._entries[request_id]
         start = entry.committed_length
-        needed = start + num_new_tokens
-        if self.max_tokens is not None:
-            total = self.num_tokens() - entry.num_speculative + num_new_tokens
-            if total > self.max_tokens:
-                raise MemoryError(f"KV cache full: {total} tokens > max_tokens={self.max_tokens}")
-        self._grow(entry, needed, start)
+        self._check_cap(self.num_tokens() - entry.num_speculative + num_new_tokens)
+        self._ensure(entry, start + num_new_tokens)
         entry.num_speculative = num_new_tokens
         return start
 
-    @torch.inference_mode()
     def extend(self, request_id: str, num_new_tokens: int) -> int:
         """Append ``num_new_tokens`` slots to the speculative level (PipeDec's next tree layer);
-        returns the first new slot."""
+        returns the first new logical slot."""
         entry = self._entries[request_id]
         start = entry.committed_length + entry.num_speculative
-        if self.max_tokens is not None and self.num_tokens() + num_new_tokens > self.max_tokens:
-            raise MemoryError(f"KV cache full: {self.num_tokens() + num_new_tokens} tokens > "
-                              f"max_tokens={self.max_tokens}")
-        self._grow(entry, start + num_new_tokens, start)
+        self._check_cap(self.num_tokens() + num_new_tokens)
+        self._ensure(entry, start + num_new_tokens)
         entry.num_speculative += num_new_tokens
         return start
-
-    def _grow(self, entry: _Entry, needed: int, used: int) -> None:
-        capacity = entry.buffer.shape[3]
-        if needed > capacity:
-            grown = self._new_buffer(max(needed, 2 * capacity))
-            grown[:, :, :, :used] = entry.buffer[:, :, :, :used]
-            entry.buffer = grown
-
-    def num_speculative(self, request_id: str) -> int:
-        return self._entries[request_id].num_speculative
 
     @torch.inference_mode()
     def write(self, request_id: str, layer: int, start: int,
               keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values  # [num_kv_heads, num_new, head_dim]"""
-        buf = self._entries[request_id].buffer
-        end = start + keys.shape[1]
-        buf[layer, 0, :, start:end] = keys
-        buf[layer, 1, :, start:end] = values
+        """keys, values  # [num_kv_heads, num_new, head_dim] at logical slots from ``start``
+        (one request; a forward writes the whole batch with ``write_slots``)."""
+        index = torch.tensor(self.slots(request_id, start, start + keys.shape[1]), device=self.device)
+        self.write_slots(layer, index, keys.transpose(0, 1), values.transpose(0, 1))
+
+    @torch.inference_mode()
+    def write_slots(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values  # [num_tokens, num_kv_heads, head_dim] into pool slots ``slot_mapping``."""
+        self.pool[layer, 0].index_copy_(0, slot_mapping, keys.to(self.dtype))
+        self.pool[layer, 1].index_copy_(0, slot_mapping, values.to(self.dtype))
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of pool slots ``index`` (any shape S)  # each [*S, num_kv_heads, head_dim]"""
+        flat = index.reshape(-1)
+        shape = (*index.shape, self.num_kv_heads, self.head_dim)
+        return (self.pool[layer, 0].index_select(0, flat).view(shape),
+                self.pool[layer, 1].index_select(0, flat).view(shape))
+
+    def span(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of pool slots [start, start + length) without a copy  # each [length, kv, hd]"""
+        return self.pool[layer, 0, start:start + length], self.pool[layer, 1, start:start + length]
 
     def view(self, request_id: str, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots [0, end)  # each [num_kv_heads, end, head_dim]"""
-        buf = self._entries[request_id].buffer
-        return buf[layer, 0, :, :end], buf[layer, 1, :, :end]
+        """Keys and values of logical slots [0, end) (a copy)  # each [num_kv_heads, end, head_dim]"""
+        keys, values = self.gather(layer, torch.tensor(self.slots(request_id, 0, end), dtype=torch.long,
+                                                       device=self.device))
+        return keys.transpose(0, 1), values.transpose(0, 1)
 
     # ---- after verification -------------------------------------------------------------
-    @torch.inference_mode()
     def commit(self, request_id: str, keep: Sequence[int] | None = None) -> None:
         """Keep speculative slots ``keep`` (indices into the level, in path order); drop the rest.
 
         ``keep=None`` keeps the whole level (prefill, or a chain accepted in full).
         """
-        entry = self._entries[request_id]
-        if keep is None:
-            entry.committed_length += entry.num_speculative
-            entry.num_speculative = 0
-        else:
-            self.keep(request_id, list(keep), len(keep))
+        self.commit_many([(request_id, keep)])
 
-    @torch.inference_mode()
+    def commit_many(self, commits: Iterable[tuple[str, Sequence[int] | None]]) -> None:
+        """``commit`` for many requests: one gather/scatter over all layers for every slot
+        that moves."""
+        self.keep_many((rid, None if keep is None else list(keep), None) for rid, keep in commits)
+
     def keep(self, request_id: str, slots: Sequence[int], num_committed: int) -> None:
         """Keep speculative slots ``slots`` (in this order) and drop the rest of the level; the
         first ``num_committed`` of them join the committed level, the others stay speculative."""
-        entry = self._entries[request_id]
-        start = entry.committed_length
-        slots = list(slots)
-        if any(not 0 <= k < entry.num_speculative for k in slots):
-            raise IndexError(f"keep {slots} outside the speculative level of {entry.num_speculative}")
-        if not 0 <= num_committed <= len(slots):
-            raise ValueError(f"cannot commit {num_committed} of {len(slots)} kept slots")
-        if slots != list(range(len(slots))):  # already in place when the kept slots lead
-            index = torch.tensor(slots, dtype=torch.long, device=self.device) + start
-            entry.buffer[:, :, :, start:start + len(slots)] = entry.buffer[:, :, :, index]
-        entry.committed_length += num_committed
-        entry.num_speculative = len(slots) - num_committed
+        self.keep_many([(request_id, list(slots), num_committed)])
+
+    @torch.inference_mode()
+    def keep_many(self, keeps: Iterable[tuple[str, list[int] | None, int | None]]) -> None:
+        """(request, kept slots or None for the whole level, how many of them commit or None
+        for all). Checks every request first, so a bad one changes nothing."""
+        plan = []
+        for rid, slots, num_committed in keeps:
+            entry = self._entries[rid]
+            if slots is None:
+                slots = list(range(entry.num_speculative))
+            if any(not 0 <= k < entry.num_speculative for k in slots):
+                raise IndexError(f"keep {slots} outside the speculative level of {entry.num_speculative}")
+            num_committed = len(slots) if num_committed is None else num_committed
+            if not 0 <= num_committed <= len(slots):
+                raise ValueError(f"cannot commit {num_committed} of {len(slots)} kept slots")
+            plan.append((entry, slots, num_committed))
+        src: list[int] = []
+        dst: list[int] = []
+        for entry, slots, num_committed in plan:
+            start = entry.committed_length
+            moved = [(k, i) for i, k in enumerate(slots) if k != i]  # already in place when the kept slots lead
+            if moved:
+                src += self._pool_slots(entry, (start + k for k, _ in moved))
+                dst += self._pool_slots(entry, (start + i for _, i in moved))
+            entry.committed_length += num_committed
+            entry.num_speculative = len(slots) - num_committed
+        if src:
+            src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+            dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+            self.pool[:, :, dst_t] = self.pool[:, :, src_t]  # the gather copies before the scatter
+        for entry, _, _ in plan:
+            self._release_tail(entry)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` committed tokens (and any speculative level)."""
@@ -169,6 +277,7 @@ class KVCache:
             raise ValueError(f"cannot roll back {num_tokens} of {entry.committed_length} tokens")
         entry.committed_length -= num_tokens
         entry.num_speculative = 0
+        self._release_tail(entry)
 
     def truncate(self, request_id: str, length: int) -> None:
         """Keep only the first ``length`` committed tokens."""

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cosine_ray.models.config import ModelConfig
+from cosine_ray.models.attention import attend, plan_attention
 from cosine_ray.models.kv_cache import KVCache
 
 
@@ -254,14 +255,9 @@ class LlamaStage:
         cos = emb.cos().to(self.dtype)[:, None, :]  # [T, 1, head_dim]
         sin = emb.sin().to(self.dtype)[:, None, :]
 
-        # per request: slice of the flat batch, cache slots, and attention mask over the cache
-        starts, masks = [], []
-        offset = 0
-        for rid, n, tree_mask in zip(batch.request_ids, batch.num_new_tokens, batch.tree_masks):
-            slot = kv_cache.extend(rid, n) if batch.extend else kv_cache.reserve(rid, n)
-            starts.append((offset, slot))
-            offset += n
-            masks.append(self._attention_mask(slot, n, tree_mask))
+        # once per step: cache slots, gather indices and masks for every request (models.attention)
+        plan = plan_attention(batch.request_ids, batch.num_new_tokens, batch.tree_masks, kv_cache,
+                              extend=batch.extend, device=self.device)
 
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for local, layer in enumerate(self.layers):
@@ -273,16 +269,7 @@ class LlamaStage:
             v = v.view(-1, nkv, hd)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            outs = []
-            for (off, slot), rid, n, mask in zip(starts, batch.request_ids, batch.num_new_tokens, masks):
-                kv_cache.write(rid, local, slot, k[off:off + n].transpose(0, 1), v[off:off + n].transpose(0, 1))
-                keys, values = kv_cache.view(rid, local, slot + n)
-                out = F.scaled_dot_product_attention(
-                    q[off:off + n].transpose(0, 1)[None], keys[None], values[None],
-                    attn_mask=mask if isinstance(mask, torch.Tensor) else None,
-                    is_causal=isinstance(mask, str), scale=self.attention_scale, enable_gqa=nkv != nh)
-                outs.append(out[0].transpose(0, 1).reshape(n, nh * hd))
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            attn = attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale)
             x = x + layer.o(attn)
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -294,20 +281,3 @@ class LlamaStage:
             x = x[batch.logit_indices.to(self.device)]
         x = _rms_norm(x, self.norm_weight, cfg.rms_norm_eps)
         return self.lm_head(x).float()
-
-    def _attention_mask(self, slot: int, n: int, tree_mask: torch.Tensor | None):
-        """Mask of n new tokens over slots [0, slot + n): ``None`` (attend to all, n == 1),
-        ``"causal"`` (fresh chain), or a bool tensor [n, slot + n]. A ``tree_mask`` [n, w]
-        covers the last w slots (the new tokens, or with ``StageBatch.extend`` the whole
-        speculative level and them); every earlier slot is committed and visible."""
-        if tree_mask is None:
-            if n == 1:
-                return None
-            if slot == 0:
-                return "causal"
-            tree_mask = torch.ones(n, n, dtype=torch.bool).tril_()
-        width = tree_mask.shape[1]
-        assert tree_mask.shape[0] == n and n <= width <= slot + n, f"tree mask {tuple(tree_mask.shape)} for {n} tokens"
-        mask = torch.ones(n, slot + n, dtype=torch.bool)
-        mask[:, slot + n - width:] = tree_mask
-        return mask.to(self.device)

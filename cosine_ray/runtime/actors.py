@@ -21,7 +21,7 @@ import torch
 from cosine_ray.engine.build import build_stage, make_drafter_worker
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.target import StageWorker
+from cosine_ray.engine.target import StageWorker, kv_budgets
 
 
 class _Hosted:
@@ -43,7 +43,8 @@ class StageHost(_Hosted, StageWorker):
 
     def __init__(self, config: EngineConfig, stage_index: int) -> None:
         self._start(config.cluster.threads_per_actor)
-        StageWorker.__init__(self, build_stage(config, stage_index))
+        stage = build_stage(config, stage_index)
+        StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0])
         self.stage_index = stage_index
 
 

@@ -1,0 +1,198 @@
+"""Attention of one varlen step over the paged KV pool (``models.kv_cache``).
+
+A step mixes requests with a few new tokens (decodes, token trees, PipeDec layers) and long
+chains (prefills). ``plan_attention`` runs once per step, before the layer loop: it opens each
+request's speculative level in the cache and builds, on the host and copied to the device once,
+everything the layers need:
+
+- ``slot_mapping`` [T]: the pool slot of every new token (one scatter per layer writes the
+  whole batch's keys and values);
+- one *batched group* for every request with at most ``BATCHED_MAX_NEW`` new tokens: a gather
+  index [B, L_max] of each request's pool slots (padded), the padded query rows, and one bool
+  mask [B, 1, n_max, L_max] (committed slots visible, the tree's ancestor bits over the new
+  slots, padding hidden). Per layer: one gather of K and V, one ``scaled_dot_product_attention``
+  call for all of them;
+- a *single* for each longer chain: a fresh prefill attends causally to its own new tokens (no
+  read of the pool), a continued one gathers its slots and uses a causal-offset mask.
+
+This replaces a loop of per-request writes, views and attention calls inside every layer
+(issue 16, items 2-3). Measured on our 2-core CPU, fp32, SmolLM2 shapes (9 heads, 3 KV heads,
+head dim 64), attention of one layer: 8 requests x 8 tree tokens over 264-token caches 1.21 ms
+per-request loop vs 0.96 ms here; 8 x 1 0.62 vs 0.44; 32 x 8 7.05 vs 5.97; 1 x 8 0.15 vs 0.15
+(``/tmp`` micro-benchmark, outputs equal to the bit). The same code runs on CUDA, where one call
+per layer instead of one per request matters far more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cosine_ray.models.kv_cache import KVCache
+
+BATCHED_MAX_NEW = 32
+"""Requests with at most this many new tokens share the batched call; longer chains (prefills)
+go alone, so one long prompt does not pad every short request's queries to its length."""
+
+
+@dataclass(slots=True)
+class _Batched:
+    size: int
+    """Requests in the group (B)."""
+    max_new: int
+    """n_max: query rows per request after padding."""
+    gather_index: torch.Tensor
+    """[B, L_max] pool slots of each request's logical slots (padding: slot 0, masked)."""
+    mask: torch.Tensor | None
+    """[B, 1, n_max, L_max] bool, True = attend; None when every query sees every slot."""
+    query_rows: torch.Tensor | None
+    """[B * n_max] rows of the flat batch per padded query (padding repeats a real row);
+    None when the group is the whole batch in order with no padding."""
+    out_rows: torch.Tensor | None
+    """[num real queries] flat rows the real queries' outputs go to."""
+    real: torch.Tensor | None
+    """[num real queries] their positions among the padded rows; None = all of them."""
+    span: int | None = None
+    """One request whose slots are consecutive in the pool (its blocks were handed out in
+    order): its first slot, read as a view instead of a gather."""
+
+
+@dataclass(slots=True)
+class _Single:
+    offset: int
+    num_new: int
+    gather_index: torch.Tensor | None
+    """[L] pool slots of all its logical slots; None = a fresh chain (attends to itself)."""
+    mask: torch.Tensor | None
+    """[n, L] bool for a continued chain; None with a fresh one (causal)."""
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    slot_mapping: torch.Tensor
+    """[T] pool slot of every new token, in flat batch order."""
+    groups: list[_Batched | _Single]
+
+
+def _visible(slot: int, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[n, slot + n] bool: what n new tokens at logical slots [slot, slot + n) see. A
+    ``tree_mask`` [n, w] covers the last w slots (the new tokens, or with a PipeDec layer the
+    whole speculative level and them); every earlier slot is committed and visible. None: all."""
+    if tree_mask is None:
+        if n == 1:
+            return None
+        tree_mask = torch.ones(n, n, dtype=torch.bool).tril_()
+    width = tree_mask.shape[1]
+    assert tree_mask.shape[0] == n and n <= width <= slot + n, f"tree mask {tuple(tree_mask.shape)} for {n} tokens"
+    mask = torch.ones(n, slot + n, dtype=torch.bool)
+    mask[:, slot + n - width:] = tree_mask
+    return mask
+
+
+def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *, extend: bool,
+                   device: torch.device) -> AttentionPlan:
+    """Open every request's speculative level (``reserve``, or ``extend`` for a PipeDec layer)
+    and build the step's attention inputs (see the module docstring)."""
+    slot_mapping: list[int] = []
+    batched: list[tuple[int, int, int, torch.Tensor | None, list[int]]] = []  # offset, n, L, visible, slots
+    groups: list[_Batched | _Single] = []
+    offset = 0
+    total = sum(num_new_tokens)
+    for rid, n, tree_mask in zip(request_ids, num_new_tokens, tree_masks):
+        slot = kv_cache.extend(rid, n) if extend else kv_cache.reserve(rid, n)
+        length = slot + n
+        new_slots = kv_cache.slots(rid, slot, length)
+        slot_mapping += new_slots
+        if n <= BATCHED_MAX_NEW:
+            batched.append((offset, n, length, _visible(slot, n, tree_mask), kv_cache.slots(rid, 0, slot) + new_slots))
+        elif slot == 0 and tree_mask is None:
+            groups.append(_Single(offset, n, None, None))
+        else:
+            index = torch.tensor(kv_cache.slots(rid, 0, length), dtype=torch.long, device=device)
+            groups.append(_Single(offset, n, index, _visible(slot, n, tree_mask).to(device)))
+        offset += n
+    if batched:
+        groups.append(_batched_group(batched, total, device))
+    return AttentionPlan(torch.tensor(slot_mapping, dtype=torch.long, device=device), groups)
+
+
+def _batched_group(members, total: int, device: torch.device) -> _Batched:
+    b = len(members)
+    n_max = max(n for _, n, _, _, _ in members)
+    l_max = max(length for _, _, length, _, _ in members)
+    index = torch.zeros(b, l_max, dtype=torch.long)
+    need_mask = any(vis is not None for *_, vis, _ in members) or any(length != l_max for _, _, length, _, _ in members)
+    mask = torch.zeros(b, 1, n_max, l_max, dtype=torch.bool) if need_mask else None
+    query_rows, out_rows, real = [], [], []
+    for i, (offset, n, length, visible, slots) in enumerate(members):
+        index[i, :length] = torch.tensor(slots, dtype=torch.long)
+        if mask is not None:
+            if visible is None:
+                mask[i, 0, :n, :length] = True
+            else:
+                mask[i, 0, :n, :length] = visible
+            mask[i, 0, n:, :] = True  # padded queries: anything, so no row is all -inf (outputs dropped)
+        query_rows += list(range(offset, offset + n)) + [offset] * (n_max - n)
+        out_rows += range(offset, offset + n)
+        real += range(i * n_max, i * n_max + n)
+    in_order = query_rows == list(range(total))
+    padded = len(real) != b * n_max
+    slots = members[0][4]
+    if b == 1 and in_order and _ascending(slots):
+        return _Batched(1, n_max, index, None if mask is None else mask.to(device), None, None, None,
+                        span=slots[0])
+    return _Batched(
+        b, n_max, index.to(device), None if mask is None else mask.to(device),
+        None if in_order else torch.tensor(query_rows, dtype=torch.long, device=device),
+        None if in_order else torch.tensor(out_rows, dtype=torch.long, device=device),
+        torch.tensor(real, dtype=torch.long, device=device) if padded else None)
+
+
+def _ascending(slots: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(slots, slots[1:]))
+
+
+def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           *, scale: float) -> torch.Tensor:
+    """q  # [T, heads, head_dim]; k, v  # [T, kv_heads, head_dim] -> [T, heads * head_dim].
+    Writes k and v into the pool first."""
+    kv_cache.write_slots(layer, plan.slot_mapping, k, v)
+    num_tokens, heads, head_dim = q.shape
+    gqa = k.shape[1] != heads
+    if len(plan.groups) == 1 and isinstance(plan.groups[0], _Batched) and plan.groups[0].query_rows is None:
+        return _attend_batched(plan.groups[0], kv_cache, layer, q, scale, gqa)  # the common case: no scatter
+    out = q.new_empty(num_tokens, heads * head_dim)
+    for g in plan.groups:
+        if isinstance(g, _Batched):
+            rows = _attend_batched(g, kv_cache, layer, q.index_select(0, g.query_rows), scale, gqa)
+            if g.real is not None:
+                rows = rows.index_select(0, g.real)
+            out.index_copy_(0, g.out_rows, rows)
+            continue
+        n, sl = g.num_new, slice(g.offset, g.offset + g.num_new)
+        query = q[sl].transpose(0, 1)[None]
+        if g.gather_index is None:  # a fresh chain: its own keys, causal
+            keys, values = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            keys, values = kv_cache.gather(layer, g.gather_index)
+            o = F.scaled_dot_product_attention(query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                               attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        out[sl] = o[0].transpose(0, 1).reshape(n, heads * head_dim)
+    return out
+
+
+def _attend_batched(g: _Batched, kv_cache: KVCache, layer: int, q: torch.Tensor, scale: float,
+                    gqa: bool) -> torch.Tensor:
+    """q  # [B * n_max, heads, head_dim] (padded rows) -> [B * n_max, heads * head_dim]"""
+    _, heads, head_dim = q.shape
+    if g.span is not None:
+        keys, values = (t[None] for t in kv_cache.span(layer, g.span, g.gather_index.shape[1]))
+    else:
+        keys, values = kv_cache.gather(layer, g.gather_index)  # [B, L, kv, hd]
+    query = q.view(g.size, g.max_new, heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.mask,
+                                       scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2).reshape(g.size * g.max_new, heads * head_dim)
