@@ -111,8 +111,13 @@ def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyResult:
     """Longest path whose every token is the target's argmax at its parent, plus the bonus.
 
     ``target_logits  # [num_nodes, vocab]`` (probabilities work too: only the argmax is used;
-    ties go to the first maximum, as ``torch.argmax``).
+    ties go to the first maximum, as ``torch.argmax``), or the argmax already taken
+    ``# [num_nodes]`` int (what the last stage returns for greedy requests).
     """
+    if target_logits.ndim == 1:
+        assert target_logits.shape[0] == tree.num_nodes, (
+            f"target token ids has {target_logits.shape[0]} entries for a tree of {tree.num_nodes} nodes")
+        return _walk(tree, target_logits.tolist().__getitem__)
     _check_tree_rows(tree, target_logits, "target_logits")
     target_token_ids = target_logits.argmax(dim=-1).tolist()  # [num_nodes]
     return _walk(tree, target_token_ids.__getitem__)

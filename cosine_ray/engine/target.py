@@ -51,15 +51,18 @@ class ScoreItem:
     """Speculative slots of the previous step to keep (root + accepted path); None = none."""
     all_logits: bool = True
     """Logits for every new token (trees) or only the last one (prefill)."""
+    ids_only: bool = False
+    """Return the target's argmax token of each of those rows instead of their logits (a
+    greedy request needs nothing else; a sampled one needs the distributions)."""
 
     @classmethod
-    def prefill(cls, request_id: str, prompt_token_ids: Sequence[int]) -> "ScoreItem":
-        return cls(request_id, tuple(prompt_token_ids), None, 0, None, all_logits=False)
+    def prefill(cls, request_id: str, prompt_token_ids: Sequence[int], *, ids_only: bool = False) -> "ScoreItem":
+        return cls(request_id, tuple(prompt_token_ids), None, 0, None, all_logits=False, ids_only=ids_only)
 
     @classmethod
     def for_tree(cls, request_id: str, tree: TokenTree, start_position: int,
-                 commit_previous: tuple[int, ...] | None) -> "ScoreItem":
-        return cls(request_id, tree.token_ids, tree.parent_ids, start_position, commit_previous)
+                 commit_previous: tuple[int, ...] | None, *, ids_only: bool = False) -> "ScoreItem":
+        return cls(request_id, tree.token_ids, tree.parent_ids, start_position, commit_previous, ids_only=ids_only)
 
     def _tree(self) -> TokenTree:
         return TokenTree(self.token_ids, self.parent_ids, (1.0,) * len(self.token_ids))
@@ -90,10 +93,44 @@ def build_stage_batch(items: Sequence[ScoreItem]) -> StageBatch:
     )
 
 
-def split_logits(items: Sequence[ScoreItem], logits: torch.Tensor) -> list[torch.Tensor]:
-    """logits  # [num_logit_rows, vocab] -> one [n_i or 1, vocab] tensor per item."""
-    sizes = [len(it.token_ids) if it.all_logits else 1 for it in items]
-    return list(logits.split(sizes))
+@dataclass(frozen=True, slots=True)
+class ScoreOutput:
+    """What the last stage returns for a step: the argmax token of every logit row (one
+    vectorised op and one small device→host copy) and the logits of the rows whose item
+    wants them (sampled requests) — not every node's fp32 logits."""
+
+    token_ids: torch.Tensor
+    """[num_logit_rows] int64, on the host."""
+    logits: torch.Tensor
+    """[rows of the items without ``ids_only``, vocab] fp32."""
+
+
+def score_output(items: Sequence[ScoreItem], logits: torch.Tensor) -> ScoreOutput:
+    """logits  # [num_logit_rows, vocab] (the last stage's forward) -> ``ScoreOutput``."""
+    token_ids = logits.argmax(dim=-1).cpu()
+    if not any(it.ids_only for it in items):
+        return ScoreOutput(token_ids, logits)
+    rows, offset = [], 0
+    for it, n in zip(items, _row_counts(items)):
+        if not it.ids_only:
+            rows.extend(range(offset, offset + n))
+        offset += n
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    return ScoreOutput(token_ids, logits.index_select(0, index))
+
+
+def _row_counts(items: Sequence[ScoreItem]) -> list[int]:
+    return [len(it.token_ids) if it.all_logits else 1 for it in items]
+
+
+def split_output(items: Sequence[ScoreItem], out: ScoreOutput) -> list[torch.Tensor]:
+    """One tensor per item: [n_i or 1] int64 argmax tokens for an ``ids_only`` item, else its
+    [n_i or 1, vocab] logits (``algo.verify.verify_greedy`` and ``verifier.target_token`` take
+    either)."""
+    counts = _row_counts(items)
+    ids = list(out.token_ids.split(counts))
+    logits = iter(out.logits.split([n for it, n in zip(items, counts) if not it.ids_only]))
+    return [ids[i] if it.ids_only else next(logits) for i, it in enumerate(items)]
 
 
 def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
@@ -166,7 +203,8 @@ class PipelineTarget(Protocol):
 
 class TargetClient(Protocol):
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
-        """Logits per item (fp32): [len(token_ids), vocab] or [1, vocab] for prefill.
+        """Per item: logits (fp32) [len(token_ids), vocab] or [1, vocab] for prefill, or with
+        ``ids_only`` the argmax tokens [len(token_ids)] or [1] (int64).
         Raises TargetUnavailable when a stage is gone or its state is lost."""
         ...
 
@@ -207,7 +245,7 @@ def kv_budgets(stages: Sequence[LlamaStage], kv_cache_memory: int | None) -> lis
 class StageWorker:
     """One layer slice of the target with its KV cache: a pipeline stage (plain class; the
     Ray runtime makes it an actor). ``forward`` returns hidden states, or on the last stage
-    the logit rows of every item concatenated (``split_logits`` cuts them per item)."""
+    a ``ScoreOutput`` (``split_output`` cuts it per item)."""
 
     def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None, kv_budget_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -236,7 +274,8 @@ class StageWorker:
         with self._busy():
             apply_commits(self.cache, items)
             try:
-                return self.stage.forward(build_stage_batch(items), self.cache, hidden)
+                out = self.stage.forward(build_stage_batch(items), self.cache, hidden)
+                return score_output(items, out) if self.stage.is_last else out
             except Exception:  # a failed forward leaves no half-written speculative level behind
                 self.cache.commit_many((it.request_id, ()) for it in items if it.request_id in self.cache)
                 raise
@@ -295,7 +334,7 @@ class TargetWorker:
         hidden = None
         for stage in self.stages:
             hidden = stage.forward(items, hidden)
-        return split_logits(items, hidden)
+        return split_output(items, hidden)
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         for stage in self.stages:

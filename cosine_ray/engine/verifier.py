@@ -94,11 +94,13 @@ class Verifier:
         for r in batch.requests:
             if not self.is_live(r.request_id):
                 continue
+            greedy = r.params.is_greedy  # the target's argmax tokens are all a greedy request needs
             if needs_prefill(r) and r.request_id not in drafts.trees:
-                work.append((r, ScoreItem.prefill(r.request_id, r.context_token_ids), None))
+                work.append((r, ScoreItem.prefill(r.request_id, r.context_token_ids, ids_only=greedy), None))
             elif not r.kv_lost:
                 tree = drafts.trees[r.request_id].tree
-                work.append((r, ScoreItem.for_tree(r.request_id, tree, r.num_tokens - 1, None), tree))
+                work.append((r, ScoreItem.for_tree(r.request_id, tree, r.num_tokens - 1, None, ids_only=greedy),
+                             tree))
         if not work:
             return VerifiedBatch()
         items = [item for _, item, _ in work]
@@ -138,7 +140,8 @@ def _probs(request: Request, logits: torch.Tensor) -> torch.Tensor:
 
 def target_token(request: Request, logits: torch.Tensor, *, position: int) -> int:
     """The target's own token at absolute ``position`` from the logits [1, vocab] of the token
-    before it: argmax, or the keyed sample (what plain sampling with the request's seed draws)."""
+    before it (or, for a greedy request, its argmax [1]): argmax, or the keyed sample (what
+    plain sampling with the request's seed draws)."""
     if request.params.is_greedy:
-        return int(logits[0].argmax())
+        return int(logits[0]) if logits.ndim == 1 else int(logits[0].argmax())
     return int(sample_keyed(_probs(request, logits), seed=request.seed, positions=[position])[0])

@@ -17,7 +17,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem, TargetUnavailable, split_logits
+from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem, TargetUnavailable, split_output
 from cosine_ray.runtime.cluster import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class RayTargetClient:
         ref = None
         for slot in self.slots:
             ref = slot.handle.forward.remote(items, ref)
-        return split_logits(items, await self._await(asyncio.wrap_future(ref.future())))
+        return split_output(items, await self._await(asyncio.wrap_future(ref.future())))
 
     async def _await(self, work: Any) -> Any:
         """Await stage results with the chain's deadline; a lost stage is TargetUnavailable."""

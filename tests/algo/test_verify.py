@@ -63,10 +63,12 @@ def build_greedy_case(case):
     return tree, target_logits
 
 
+@pytest.mark.parametrize("ids", [False, True], ids=["logits", "argmax ids"])
 @pytest.mark.parametrize("case", GREEDY_CASES, ids=lambda c: c["name"])
-def test_verify_greedy_table(case):
+def test_verify_greedy_table(case, ids):
+    """From the logits, or from the argmax ids the last stage returns for greedy requests."""
     tree, target_logits = build_greedy_case(case)
-    result = verify_greedy(tree, target_logits)
+    result = verify_greedy(tree, target_logits.argmax(-1) if ids else target_logits)
     assert list(result.accepted_token_ids) == case["accepted"]
     assert result.bonus_token_id == case["bonus"]
     assert result.accepted_length == len(case["accepted"]) + 1
