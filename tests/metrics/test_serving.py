@@ -103,12 +103,17 @@ class FakeCache:
     def commit(self, rid: str, keep) -> None:
         pass
 
+    def commit_many(self, commits) -> None:
+        pass
+
     def committed_length(self, rid: str) -> int:
         return self.lengths[rid]
 
 
 class FakeStage:
     """Each forward takes ``cost`` seconds of the fake clock (and fails when asked to)."""
+
+    is_last = False  # a middle stage: its output goes back as it is
 
     def __init__(self, clock: FakeClock, cost: float) -> None:
         self.clock, self.cost, self.fail = clock, cost, False
