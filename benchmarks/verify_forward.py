@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from cosine_ray.engine.profile import median_seconds
 from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch
 from cosine_ray.models.loader import resolve_checkpoint
 
@@ -60,21 +61,9 @@ def hf_config(name: str):
                        tie_word_embeddings=tied, max_position_embeddings=8192, rms_norm_eps=1e-5)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_ms(run, reps: int, device: torch.device) -> float:
-    run()  # warm-up (and, for the static step, capture)
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """One warm-up call (for the static step on CUDA: after its capture), then the median."""
+    return median_seconds(run, 1, reps, str(device)) * 1e3
 
 
 class StaticStep:

@@ -102,7 +102,7 @@ def profile_path(config: EngineConfig) -> Path:
     return cache_root() / "profiles" / f"{slug}.json"
 
 
-def _median_seconds(run: Callable[[], object], warmup: int, repeats: int, device: str = "cpu") -> float:
+def median_seconds(run: Callable[[], object], warmup: int, repeats: int, device: str = "cpu") -> float:
     for _ in range(warmup):
         run()
     times = []
@@ -150,7 +150,7 @@ def measure_target(worker: TargetWorker, vocab_size: int, grid: ProfileGrid, max
                     for rid in ids[:b]:
                         pending[rid] = ()  # keep nothing of this step: the context stays ctx
 
-                seconds = _median_seconds(forward, grid.warmup, grid.repeats, device)
+                seconds = median_seconds(forward, grid.warmup, grid.repeats, device)
                 samples.append(LlmSample((ctx,) * b, (1 + gamma,) * b, seconds))
         worker.release(ids)
     return samples
@@ -171,7 +171,7 @@ def measure_drafter(drafter, vocab_size: int, grid: ProfileGrid, seed: int = 0) 
                 for c, p in zip(contexts, patterns):
                     c.extend(p[(len(c) + k) % 12] for k in range(2))
 
-            seconds = _median_seconds(propose, grid.warmup, grid.repeats)
+            seconds = median_seconds(propose, grid.warmup, grid.repeats)
             samples.append(SsmSample(drafter.name, b, b * gamma, seconds))
             for rid in ids:
                 drafter.release(rid)
