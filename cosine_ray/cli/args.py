@@ -66,9 +66,9 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
 def check_local_device(device: str) -> None:
     """CliError (one line, exit 2) when this process cannot run on ``device``: CUDA asked for
     on a machine without it, or a GPU index past the last."""
-    from cosine_ray.models.device import check_device_name, device_unavailable
+    from cosine_ray.models.device import device_unavailable
     try:
-        reason = device_unavailable(check_device_name(device))
+        reason = device_unavailable(device)
     except ValueError as exc:
         raise CliError(f"--device: {exc}") from None
     if reason is not None:

@@ -250,10 +250,7 @@ class StageWorker:
     def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None, kv_budget_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stage = stage
-        self.cache = (stage.new_kv_cache(max_tokens=max_kv_tokens) if kv_budget_bytes is None else
-                      KVCache.for_budget(stage.num_layers, stage.config.num_kv_heads, stage.config.head_dim,
-                                         kv_budget_bytes, dtype=stage.dtype, device=stage.device,
-                                         max_tokens=max_kv_tokens))
+        self.cache = stage.new_kv_cache(kv_budget_bytes, max_tokens=max_kv_tokens)
         self.clock = clock
         self.started_at = clock()
         self.busy_s = 0.0

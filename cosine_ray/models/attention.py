@@ -43,8 +43,9 @@ class _Batched:
     """Requests in the group (B)."""
     max_new: int
     """n_max: query rows per request after padding."""
-    gather_index: torch.Tensor
-    """[B, L_max] pool slots of each request's logical slots (padding: slot 0, masked)."""
+    gather_index: torch.Tensor | None
+    """[B, L_max] pool slots of each request's logical slots (padding: slot 0, masked); None
+    with a ``span``."""
     mask: torch.Tensor | None
     """[B, 1, n_max, L_max] bool, True = attend; None when every query sees every slot."""
     query_rows: torch.Tensor | None
@@ -54,9 +55,9 @@ class _Batched:
     """[num real queries] flat rows the real queries' outputs go to."""
     real: torch.Tensor | None
     """[num real queries] their positions among the padded rows; None = all of them."""
-    span: int | None = None
+    span: tuple[int, int] | None = None
     """One request whose slots are consecutive in the pool (its blocks were handed out in
-    order): its first slot, read as a view instead of a gather."""
+    order): (its first slot, its length), read as a view instead of a gather."""
 
 
 @dataclass(slots=True)
@@ -141,8 +142,8 @@ def _batched_group(members, total: int, device: torch.device) -> _Batched:
     padded = len(real) != b * n_max
     slots = members[0][4]
     if b == 1 and in_order and _ascending(slots):
-        return _Batched(1, n_max, index, None if mask is None else mask.to(device), None, None, None,
-                        span=slots[0])
+        return _Batched(1, n_max, None, None if mask is None else mask.to(device), None, None, None,
+                        span=(slots[0], len(slots)))
     return _Batched(
         b, n_max, index.to(device), None if mask is None else mask.to(device),
         None if in_order else torch.tensor(query_rows, dtype=torch.long, device=device),
@@ -189,7 +190,7 @@ def _attend_batched(g: _Batched, kv_cache: KVCache, layer: int, q: torch.Tensor,
     """q  # [B * n_max, heads, head_dim] (padded rows) -> [B * n_max, heads * head_dim]"""
     _, heads, head_dim = q.shape
     if g.span is not None:
-        keys, values = (t[None] for t in kv_cache.span(layer, g.span, g.gather_index.shape[1]))
+        keys, values = (t[None] for t in kv_cache.span(layer, *g.span))
     else:
         keys, values = kv_cache.gather(layer, g.gather_index)  # [B, L, kv, hd]
     query = q.view(g.size, g.max_new, heads, head_dim).transpose(1, 2)

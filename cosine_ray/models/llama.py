@@ -221,9 +221,13 @@ class LlamaStage:
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
-    def new_kv_cache(self, **kwargs) -> KVCache:
-        return KVCache(self.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                       dtype=self.dtype, device=self.device, **kwargs)
+    def new_kv_cache(self, budget_bytes: int | None = None, **kwargs) -> KVCache:
+        """A KV pool for this slice: of ``budget_bytes``, allocated now (``KVCache.for_budget``),
+        or, without one, growing as needed."""
+        shape = (self.num_layers, self.config.num_kv_heads, self.config.head_dim)
+        if budget_bytes is not None:
+            return KVCache.for_budget(*shape, budget_bytes, dtype=self.dtype, device=self.device, **kwargs)
+        return KVCache(*shape, dtype=self.dtype, device=self.device, **kwargs)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids  # [n] -> [n, hidden] with the target's input embedding H(·) (eq. 1)."""
