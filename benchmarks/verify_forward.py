@@ -10,7 +10,10 @@ per CPU projection kernel (``--kernels``, the default mode).
 request (a chain, every token's output wanted) for b in ``--batches`` and n in ``--tokens``,
 median of ``--reps``, four ways side by side in one run:
 
-- **ours**: the engine's ``StageWorker`` (paged KV pool, the step's attention plan, ids out);
+- **ours eager** / **ours graph**: the engine's ``StageWorker`` (paged KV pool, ids out) with
+  its step runner (``models.runner``) eager (``--enforce-eager``: the varlen forward, one
+  attention call per layer) and, on CUDA, replaying the bucket's CUDA graph (on CPU this column
+  is the same fixed-shape step run eagerly, ``runner="static"``);
 - **HF eager**: transformers' ``LlamaForCausalLM`` forward with a ``DynamicCache`` of the
   context (cropped back after each rep);
 - **static**: a minimal fixed-shape step in plain PyTorch over the same weights: a static KV
@@ -149,23 +152,28 @@ def run_shapes(args) -> None:
     print(f"device {args.device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"{args.dtype}, context {args.context}, median of {args.reps} (ms per verify forward; "
           f"roofline at {bandwidth or '?'} GB/s)")
-    print("| shape | requests × new tokens | ours | HF eager | static step" + (" (CUDA graph)" if device.type == "cuda" else "")
-          + " | roofline | ours ÷ static | ours ÷ HF |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    fixed = "graph" if device.type == "cuda" else "static"
+    print(f"| shape | requests × new tokens | ours eager | ours {fixed} | HF eager | static step"
+          + (" (CUDA graph)" if device.type == "cuda" else "")
+          + f" | roofline | ours {fixed} ÷ static step | ours {fixed} ÷ HF |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes.split(","):
         torch.manual_seed(0)
         config = hf_config(name)
-        hf = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+        with torch.device(device):  # random init on the device: seconds, not minutes, for 8B
+            hf = LlamaForCausalLM(config)
+        hf = hf.to(dtype=dtype).eval()
         mcfg = ModelConfig.from_hf(config)
         stage = LlamaStage(mcfg, hf.state_dict(), dtype=dtype, device=device)
         weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
         kv_per_token = mcfg.num_layers * 2 * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize
         for b in batches:
-            worker = StageWorker(stage)
+            workers = {mode: StageWorker(stage, runner=mode) for mode in ("eager", fixed)}
             rids = [f"r{i}" for i in range(b)]
             prompt = torch.randint(0, mcfg.vocab_size, (args.context,)).tolist()
-            worker.forward([ScoreItem.prefill(r, prompt, ids_only=True) for r in rids])
-            worker.commit([KVCommit(r, tuple(range(args.context))) for r in rids])
+            for worker in workers.values():
+                worker.forward([ScoreItem.prefill(r, prompt, ids_only=True) for r in rids])
+                worker.commit([KVCommit(r, tuple(range(args.context))) for r in rids])
             cache = DynamicCache()
             with torch.inference_mode():
                 hf(torch.tensor([prompt] * b, device=device), past_key_values=cache, use_cache=True)
@@ -174,9 +182,11 @@ def run_shapes(args) -> None:
                 items = [ScoreItem.for_tree(r, chain, args.context, None, ids_only=True) for r in rids]
                 new_ids = torch.tensor([prompt[:n]] * b, device=device)
 
-                def ours():
-                    worker.forward(items)
-                    worker.commit([KVCommit(r, ()) for r in rids])
+                def ours(worker):
+                    def run():
+                        worker.forward(items)
+                        worker.commit([KVCommit(r, ()) for r in rids])
+                    return run
 
                 def hf_eager():
                     with torch.inference_mode():
@@ -184,15 +194,18 @@ def run_shapes(args) -> None:
                     cache.crop(-n)  # back to the context
 
                 static = StaticStep(stage, b, n, args.context)
-                ms = {k: _median_ms(f, args.reps, device) for k, f in (("ours", ours), ("hf", hf_eager),
-                                                                        ("static", static))}
+                ms = {k: _median_ms(f, args.reps, device) for k, f in (
+                    ("eager", ours(workers["eager"])), ("fixed", ours(workers[fixed])), ("hf", hf_eager),
+                    ("static", static))}
                 roof = ((weight_bytes + b * (args.context + n) * kv_per_token) / (bandwidth * 1e9) * 1e3
                         if bandwidth else None)
-                print(f"| {name} | {b} × {n} | {ms['ours']:.2f} | {ms['hf']:.2f} | {ms['static']:.2f} | "
-                      f"{'' if roof is None else f'{roof:.2f}'} | {ms['ours'] / ms['static']:.2f}× | "
-                      f"{ms['ours'] / ms['hf']:.2f}× |", flush=True)
+                print(f"| {name} | {b} × {n} | {ms['eager']:.2f} | {ms['fixed']:.2f} | {ms['hf']:.2f} | "
+                      f"{ms['static']:.2f} | {'' if roof is None else f'{roof:.2f}'} | "
+                      f"{ms['fixed'] / ms['static']:.2f}× | {ms['fixed'] / ms['hf']:.2f}× |", flush=True)
                 del static
-            worker.release(rids)
+            for worker in workers.values():
+                worker.release(rids)
+            del workers
         del hf, stage
         if device.type == "cuda":
             torch.cuda.empty_cache()

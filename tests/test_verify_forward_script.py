@@ -1,5 +1,5 @@
 """``benchmarks/verify_forward.py --shapes`` runs end to end on a tiny random shape and prints
-one row per (requests, new tokens) with our time, HF eager's, the static step's and their
+one row per (requests, new tokens) with our time (eager and fixed-shape runner), HF eager's, the static step's and their
 ratios (its figures are its own benchmark; here only that it runs and says what it measured)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def test_shapes_mode_prints_every_cell():
     assert [r.split("|")[2].strip() for r in rows] == ["1 × 1", "1 × 4", "3 × 1", "3 × 4"]
     for row in rows:
         cells = [c.strip() for c in row.split("|")[3:-1]]
-        ours, hf, static, roofline, vs_static, vs_hf = cells
-        assert all(float(x) > 0 for x in (ours, hf, static)) and roofline == ""  # no bandwidth known on CPU
+        eager, fixed, hf, static, roofline, vs_static, vs_hf = cells
+        assert all(float(x) > 0 for x in (eager, fixed, hf, static)) and roofline == ""  # no bandwidth known on CPU
         assert re.fullmatch(r"[0-9.]+×", vs_static) and re.fullmatch(r"[0-9.]+×", vs_hf)
 
 

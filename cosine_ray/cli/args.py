@@ -61,6 +61,15 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
     p.add_argument("--kv-cache-memory", default=None,
                    help="bytes of each stage's paged KV pool, e.g. 2GiB (default: 90%% of free GPU memory "
                         "on CUDA; on CPU the pool grows as needed)")
+    p.add_argument("--enforce-eager", action="store_true", default=None if not defaults else False,
+                   help="never capture CUDA graphs: every step runs eagerly (default: verify steps replay "
+                        "CUDA graphs on CUDA)")
+
+
+def runner_from_args(args: argparse.Namespace) -> str | None:
+    """``EngineConfig.runner`` for ``--enforce-eager`` (None: the flag is absent)."""
+    flag = getattr(args, "enforce_eager", None)
+    return None if flag is None else ("eager" if flag else "auto")
 
 
 def check_local_device(device: str) -> None:
@@ -102,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
         return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
                             num_stages=args.stages, num_threads=args.threads, device=args.device,
                             dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                            runner=runner_from_args(args) or "auto",
                             step=StepConfig(max_batch_size=batch_size, **cosine_step_overrides(args)))
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import platform
 import statistics
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.cli.args import CliError, add_device_args, check_local_device, load_engine
+from cosine_ray.cli.args import CliError, add_device_args, check_local_device, load_engine, runner_from_args
 from cosine_ray.datasets import default_prompt_dir
 
 DEFAULT_PROMPT_DIR = default_prompt_dir()
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             config = config_from_dict({"model": args.model, "drafters": system.drafters,
                                        "device": args.device, "dtype": args.dtype,
                                        "kv_cache_memory": args.kv_cache_memory,
+                                       "runner": runner_from_args(args) or "auto",
                                        "step": {"max_batch_size": max(c, 8),
                                                 "num_speculative_tokens": args.num_speculative_tokens,
                                                 **system.step}})
@@ -277,9 +279,14 @@ def run(args: argparse.Namespace) -> int:
             if warm_convs:
                 row["warmup"] = {"tokens": _count(warm_outs), "seconds": time.perf_counter() - start,
                                  **_spec_figures(warm_outs)}
+            busy, steps = _gpu_busy_seconds(engine), dict(engine.target.stages[0].runner.stats)
             start = time.perf_counter()
             outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer))
             secs = time.perf_counter() - start
+            if engine.config.device != "cpu":
+                row["gpu_busy_share"] = (_gpu_busy_seconds(engine) - busy) / secs
+                # steps the first stage ran eagerly / as graphs, and graphs captured, while measured
+                row["runner_steps"] = {k: v - steps[k] for k, v in engine.target.stages[0].runner.stats.items()}
             outputs[f"{system.name} c={c}"] = outs
             row.update(tokens=_count(outs), seconds=secs, **_spec_figures(outs),
                        routing_shares=_routing_shares(outs, domains),
@@ -290,9 +297,11 @@ def run(args: argparse.Namespace) -> int:
                                        "identical": first[0][0].token_ids == outs[0][0].token_ids}
             row["index_bytes"] = _index_bytes(engine)
             rows.append(row)
+            gpu = f", GPU busy {row['gpu_busy_share']:.0%} of the time" if "gpu_busy_share" in row else ""
             print(f"  {system.name} c={c}: {row['tokens'] / secs:.2f} tok/s, mean accepted length "
-                  f"{row['mean_accepted_length']:.2f}", flush=True)
+                  f"{row['mean_accepted_length']:.2f}{gpu}", flush=True)
             del engine
+            gc.collect()  # the next engine sizes its KV pool from the memory this one leaves free
 
     ref_name = "hf-greedy" if "hf-greedy" in outputs else next(iter(outputs))
     ref = outputs[ref_name]
@@ -363,6 +372,11 @@ def _routing_shares(outs: list[list[Turn]], domains: list[str]) -> dict[str, dic
 def _decision_ms(engine) -> float:
     h = engine.core.metrics.get("cosine_ray:scheduler_decision_seconds")
     return 1e3 * h.sum / h.count if h is not None and h.count else 0.0
+
+
+def _gpu_busy_seconds(engine) -> float:
+    """GPU seconds inside the target's forwards so far, over its stages (0 on CPU)."""
+    return sum(s.runner.gpu_busy_seconds() for s in engine.target.stages)
 
 
 def _index_bytes(engine) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from cosine_ray.cli.args import DRAFTERS_HELP, MODEL_HELP, CliError, add_device_args, check_local_device
+from cosine_ray.cli.args import DRAFTERS_HELP, MODEL_HELP, CliError, add_device_args, check_local_device, runner_from_args
 from cosine_ray.engine.config import DEFAULT_DRAFTERS
 
 
@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
                               num_stages=args.stages, num_threads=args.threads, device=args.device,
-                              dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+                              dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                              runner=runner_from_args(args) or "auto")
     except ValueError as exc:
         raise CliError(str(exc)) from None
     start = time.perf_counter()

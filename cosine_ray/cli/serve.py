@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosine_ray.cli.args import CliError, add_cosine_args, add_device_args, check_local_device, cosine_step_overrides
+from cosine_ray.cli.args import CliError, add_cosine_args, add_device_args, check_local_device, cosine_step_overrides, runner_from_args
 
 DEFAULT_NUM_STAGES = 2
 DEFAULT_HOST = "127.0.0.1"
@@ -166,7 +166,8 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
     data = dict(file.engine) if file is not None else {"num_stages": DEFAULT_NUM_STAGES}
     for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
                       ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
-                      ("kv_cache_memory", getattr(args, "kv_cache_memory", None))):
+                      ("kv_cache_memory", getattr(args, "kv_cache_memory", None)),
+                      ("runner", runner_from_args(args) if getattr(args, "enforce_eager", None) else None)):
         if flag is not None:
             data[key] = flag
     if "step" in data and "router" in data:

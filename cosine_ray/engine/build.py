@@ -70,7 +70,7 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
                                     max_indexed_tokens=config.suffix_index_tokens)
     if spec.kind == "self":
         return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
-                            name="self")
+                            name="self", runner=config.runner)
     if spec.kind == "model":
         ckpt = resolve_checkpoint(spec.source)
         if ckpt.has_tokenizer:
@@ -79,7 +79,7 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
             raise ValueError(f"drafter {spec.name!r} has vocabulary {ckpt.config.vocab_size}, the target "
                              f"{target.config.vocab_size}; drafters must share the target's tokenizer")
         return ModelDrafter(LlamaStage(ckpt.config, ckpt.load_state_dict(), dtype=dtype, device=config.device),
-                            name=spec.name)
+                            name=spec.name, runner=config.runner)
     raise ValueError(f"unknown drafter kind {spec.kind!r}")
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.models.device import check_device_name, check_dtype_name
+from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
 
 
 DRAFTER_KINDS = ("none", "ngram", "retrieval", "suffix", "model", "self")
@@ -258,9 +258,17 @@ class EngineConfig:
     ``"2GiB"``, allocated at start and never grown. None: on CUDA 90 % of the device memory free
     after the weights (shared by the stages of one process on one device); on CPU the pool
     starts small and doubles as requests need it."""
+    runner: str = "auto"
+    """How stages run a step (``models.runner``): ``auto`` (CUDA graphs on CUDA, eager on CPU),
+    ``eager`` (``--enforce-eager``: never capture), ``graph``, or ``static`` (the graphs'
+    fixed-shape step run eagerly, on any device: how CPU tests check the graph path)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNER_MODES:
+            raise ValueError(f"runner {self.runner!r}: use {', '.join(RUNNER_MODES)}")
+        if self.runner == "graph" and not str(self.device).startswith("cuda"):
+            raise ValueError("runner 'graph' (CUDA graphs) needs device cuda")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
         if self.num_stages < 1:

@@ -32,7 +32,7 @@ class LocalEngine:
         dtype = getattr(torch, config.dtype)
         self.target = TargetWorker(build_target_stages(self.checkpoint, state, config.num_stages,
                                                        dtype=dtype, device=config.device),
-                                   kv_cache_memory=config.kv_cache_memory)
+                                   kv_cache_memory=config.kv_cache_memory, runner=config.runner)
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config)
                          for s in config.drafters]

@@ -27,6 +27,7 @@ import torch
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.llama import LlamaStage, StageBatch
+from cosine_ray.models.runner import StepRunner
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +239,9 @@ def kv_budgets(stages: Sequence[LlamaStage], kv_cache_memory: int | None) -> lis
             continue
         sharing = sum(s.device == stage.device for s in stages)
         free, _ = torch.cuda.mem_get_info(stage.device)  # measured before any of these pools exists
+        # memory this process's allocator holds but no tensor uses (an engine built before, now
+        # gone) is free for the pool too
+        free += torch.cuda.memory_reserved(stage.device) - torch.cuda.memory_allocated(stage.device)
         out.append(int(CUDA_KV_MEMORY_SHARE * free / sharing))
     return out
 
@@ -248,9 +252,11 @@ class StageWorker:
     a ``ScoreOutput`` (``split_output`` cuts it per item)."""
 
     def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None, kv_budget_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, runner: str = "auto") -> None:
         self.stage = stage
         self.cache = stage.new_kv_cache(kv_budget_bytes, max_tokens=max_kv_tokens)
+        self.runner = StepRunner(stage, runner)
+        """Eager varlen forward, or fixed-shape steps replayed as CUDA graphs (``models.runner``)."""
         self.clock = clock
         self.started_at = clock()
         self.busy_s = 0.0
@@ -271,7 +277,7 @@ class StageWorker:
         with self._busy():
             apply_commits(self.cache, items)
             try:
-                out = self.stage.forward(build_stage_batch(items), self.cache, hidden)
+                out = self.runner.forward(build_stage_batch(items), self.cache, hidden)
                 return score_output(items, out) if self.stage.is_last else out
             except Exception:  # a failed forward leaves no half-written speculative level behind
                 self.cache.commit_many((it.request_id, ()) for it in items if it.request_id in self.cache)
@@ -319,10 +325,10 @@ class TargetWorker:
     """All stages of the target in one process (the single-process engine)."""
 
     def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None,
-                 kv_cache_memory: int | None = None) -> None:
+                 kv_cache_memory: int | None = None, runner: str = "auto") -> None:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("stages must cover the model from the embedding to the lm_head")
-        self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens, kv_budget_bytes=b)
+        self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens, kv_budget_bytes=b, runner=runner)
                        for s, b in zip(stages, kv_budgets(stages, kv_cache_memory))]
 
     def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:

@@ -197,3 +197,76 @@ def _attend_batched(g: _Batched, kv_cache: KVCache, layer: int, q: torch.Tensor,
     o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.mask,
                                        scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2).reshape(g.size * g.max_new, heads * head_dim)
+
+
+# ---- the fixed-shape step (models.runner) -------------------------------------------------------
+
+@dataclass(slots=True)
+class PaddedInputs:
+    """A step laid out as B request rows × n query rows over L logical slots, the shape of one
+    CUDA graph (``models.runner``). Every tensor lives on the device at a fixed address; the
+    runner refills them each step with one host→device copy. Padding: a request row with
+    ``count`` 0, query rows past ``count``, block-table entries past a request's blocks: all point
+    at the pool's scratch block, so they write and read nothing a real request owns."""
+
+    tokens: torch.Tensor
+    """[B * n] int64 token ids (first stage)."""
+    positions: torch.Tensor
+    """[B * n] int64 RoPE positions."""
+    start: torch.Tensor
+    """[B] int64: each request's first new logical slot (its committed length)."""
+    count: torch.Tensor
+    """[B] int64: its new tokens (0 = a padding row)."""
+    tables: torch.Tensor
+    """[B, L / block_size] int64 block table (padding: the scratch block)."""
+    ancestors: torch.Tensor
+    """[B, n, n] int64 0/1: query i sees new token j (a tree's ancestor bits, a chain's
+    causal triangle; a padded query row sees itself only)."""
+    scratch_slot: torch.Tensor
+    """[] int64: first slot of the scratch block."""
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        b, n, _ = self.ancestors.shape
+        return b, n, int(self.tables.shape[1])
+
+
+@dataclass(slots=True)
+class PaddedPlan:
+    size: int
+    max_new: int
+    slot_mapping: torch.Tensor
+    """[B * n] pool slot each query row's keys and values go to (padding: scratch)."""
+    gather_index: torch.Tensor
+    """[B, L] pool slot of each logical slot."""
+    mask: torch.Tensor
+    """[B, 1, n, L] bool, True = attend."""
+
+
+def padded_plan(inputs: PaddedInputs, kv_cache: KVCache) -> PaddedPlan:
+    """Slot mapping, gather index and mask of a fixed-shape step, built on the device from the
+    block tables (vLLM computes its slot mapping the same way): no host work, no host sync."""
+    b, n, _ = inputs.ancestors.shape
+    bs = kv_cache.block_size
+    device = inputs.tables.device
+    num_slots = inputs.tables.shape[1] * bs
+    logical = torch.arange(num_slots, device=device)
+    gather_index = inputs.tables[:, logical // bs] * bs + logical % bs  # [B, L]
+    j = torch.arange(n, device=device)
+    new_logical = (inputs.start[:, None] + j[None, :]).clamp_(max=num_slots - 1)  # [B, n]
+    real = j[None, :] < inputs.count[:, None]
+    slot_mapping = torch.where(real, gather_index.gather(1, new_logical), inputs.scratch_slot)
+    rel = logical[None, :] - inputs.start[:, None]  # [B, L]: column's index among the new tokens
+    in_new = (rel >= 0) & (rel < n)
+    tree = inputs.ancestors.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, num_slots)) != 0
+    mask = (rel < 0)[:, None, :] | (tree & in_new[:, None, :])  # committed slots, then tree bits
+    return PaddedPlan(b, n, slot_mapping.reshape(-1), gather_index, mask[:, None])
+
+
+def attend_padded(plan: PaddedPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """q  # [B * n, heads, head_dim]; k, v  # [B * n, kv_heads, head_dim] -> [B * n, heads * head_dim]:
+    one scatter of the new keys and values, one gather, one attention call."""
+    kv_cache.write_slots(layer, plan.slot_mapping, k, v)
+    g = _Batched(plan.size, plan.max_new, plan.gather_index, plan.mask, None, None, None)
+    return _attend_batched(g, kv_cache, layer, q, scale, k.shape[1] != q.shape[1])

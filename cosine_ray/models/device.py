@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 
 DTYPES = ("float32", "bfloat16", "float16")
+RUNNER_MODES = ("auto", "eager", "graph", "static")
+"""How a stage runs its steps (``models.runner``; ``EngineConfig.runner``)."""
 _DEVICE = re.compile(r"^(cpu|cuda(:(0|[1-9][0-9]*))?)$")
 
 

@@ -70,6 +70,7 @@ class KVCache:
         self.pool = self._new_pool(blocks)
         self._free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: block 0 first
         self._entries: dict[str, _Entry] = {}
+        self._scratch_block: int | None = None
 
     @classmethod
     def for_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, *,
@@ -124,7 +125,9 @@ class KVCache:
     # ---- the pool -------------------------------------------------------------------------
     @torch.inference_mode()  # the pool is only ever touched under inference mode
     def _new_pool(self, num_blocks: int) -> torch.Tensor:
-        return torch.empty(self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
+        # zeros, not empty: padded and masked columns of a batched attention read slots nobody
+        # wrote, and a masked weight of 0 times a NaN left in fresh memory is still NaN
+        return torch.zeros(self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
                            dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
@@ -155,6 +158,19 @@ class KVCache:
         keep = -(-(entry.committed_length + entry.num_speculative) // self.block_size)
         while len(entry.blocks) > keep:
             self._free.append(entry.blocks.pop())
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's pool blocks, logical block i first."""
+        return self._entries[request_id].blocks
+
+    def scratch_block(self) -> int:
+        """A block no request ever owns (taken from the pool once): padded rows of a
+        fixed-shape step (``models.runner``) write their keys there and read it."""
+        if self._scratch_block is None:
+            if not self._free:
+                self._grow_pool(self.num_blocks + 1)
+            self._scratch_block = self._free.pop()
+        return self._scratch_block
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Pool slots of the request's logical slots [start, end)."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cosine_ray.models.config import ModelConfig
-from cosine_ray.models.attention import attend, plan_attention
+from cosine_ray.models.attention import PaddedInputs, attend, attend_padded, padded_plan, plan_attention
 from cosine_ray.models.kv_cache import KVCache
 
 
@@ -253,16 +253,29 @@ class LlamaStage:
             assert hidden is not None and hidden.shape == (batch.num_tokens, cfg.hidden_size)
             x = hidden.to(device=self.device, dtype=self.dtype)
 
-        positions = batch.positions.to(self.device)
+        # once per step: cache slots, gather indices and masks for every request (models.attention)
+        plan = plan_attention(batch.request_ids, batch.num_new_tokens, batch.tree_masks, kv_cache,
+                              extend=batch.extend, device=self.device)
+        x = self._layers(x, batch.positions.to(self.device),
+                         lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale))
+        if not self.is_last:
+            return x
+        if batch.logit_indices is not None:
+            x = x[batch.logit_indices.to(self.device)]
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Last stage: final norm and lm_head, fp32 logits  # [rows, vocab]"""
+        return self.lm_head(_rms_norm(x, self.norm_weight, self.config.rms_norm_eps)).float()
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """The decoder layers over x  # [T, hidden] at RoPE ``positions`` [T];
+        ``attention(local_layer, q, k, v) -> [T, heads * head_dim]`` writes and reads the KV."""
+        cfg = self.config
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]  # [T, 1, head_dim]
         sin = emb.sin().to(self.dtype)[:, None, :]
-
-        # once per step: cache slots, gather indices and masks for every request (models.attention)
-        plan = plan_attention(batch.request_ids, batch.num_new_tokens, batch.tree_masks, kv_cache,
-                              extend=batch.extend, device=self.device)
-
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for local, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
@@ -273,15 +286,22 @@ class LlamaStage:
             v = v.view(-1, nkv, hd)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            attn = attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale)
-            x = x + layer.o(attn)
+            x = x + layer.o(attention(local, q, k, v))
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+        return x
 
-        if not self.is_last:
-            return x
-        if batch.logit_indices is not None:
-            x = x[batch.logit_indices.to(self.device)]
-        x = _rms_norm(x, self.norm_weight, cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+    def forward_padded(self, inputs: "PaddedInputs", kv_cache: KVCache,
+                       hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The fixed-shape step of ``models.runner``: B request rows × n query rows over L
+        logical slots, every index and mask built here on the device from the block tables
+        (nothing read back to the host, so the whole call can be captured in a CUDA graph).
+        Returns hidden states [B * n, hidden] or, on the last stage, fp32 logits [B * n, vocab]
+        of every padded row."""
+        x = self.embed(inputs.tokens) if self.is_first else hidden
+        plan = padded_plan(inputs, kv_cache)
+        x = self._layers(x, inputs.positions,
+                         lambda local, q, k, v: attend_padded(plan, kv_cache, local, q, k, v,
+                                                              scale=self.attention_scale))
+        return self.head(x) if self.is_last else x

@@ -44,7 +44,8 @@ class StageHost(_Hosted, StageWorker):
     def __init__(self, config: EngineConfig, stage_index: int) -> None:
         self._start(config.cluster.threads_per_actor)
         stage = build_stage(config, stage_index)
-        StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0])
+        StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0],
+                             runner=config.runner)
         self.stage_index = stage_index
 
 

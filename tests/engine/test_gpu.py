@@ -5,6 +5,8 @@ machines and CI; run them on a GPU machine with ``python -m pytest -m gpu``).
 - bf16 on CUDA: speculative output against our own non-speculative bf16 decode on the GPU,
   every divergence a near-tie of the two tokens' logits (the rule of
   ``test_greedy_equivalence.test_real_bf16_speculative_equals_our_bf16_decode``);
+- the verify steps replay CUDA graphs (``models.runner``): mixed steps give the eager
+  forward's ids and logits, and the engine on graphs is the fp32 HF greedy text above;
 - stage and KV tensors really live on the GPU, and the profiler's timings wait for it.
 """
 
@@ -17,6 +19,7 @@ from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from hf_reference import hf_greedy
+from runner_steps import compare_runners
 
 pytestmark = pytest.mark.gpu
 
@@ -39,9 +42,25 @@ def test_fp32_on_cuda_equals_hf_greedy(tiny_checkpoint, prompts, drafters):
     hf = tiny_checkpoint.load_hf_model()
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     engine = make_engine(tiny_checkpoint, drafters)
-    assert engine.target.worker.stages[0].stage.device.type == "cuda"
+    assert engine.target.stages[0].stage.device.type == "cuda"
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == want
+    stats = engine.target.stages[0].runner.stats
+    assert stats["graph"] > 0 and stats["captures"] > 0, stats  # auto on CUDA: graphs
+
+
+def test_graph_runner_equals_eager_on_cuda(tiny_checkpoint):
+    graph = compare_runners(tiny_checkpoint, "graph", "cuda", atol=1e-4)
+    stats = [s.runner.stats for s in graph.stages]
+    assert all(s["graph"] == 10 and s["eager"] == 4 and s["captures"] >= 2 for s in stats), stats
+
+
+def test_enforce_eager_on_cuda_captures_nothing(tiny_checkpoint, prompts):
+    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram"),
+                                      device="cuda", runner="eager"), checkpoint=tiny_checkpoint)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=8))
+    stats = engine.target.stages[0].runner.stats
+    assert stats["graph"] == 0 and stats["captures"] == 0 and stats["eager"] > 0, stats
 
 
 def test_bf16_on_cuda_equals_our_bf16_decode(tiny_checkpoint, prompts):

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.models.runner import StepRunner
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
 
@@ -40,13 +41,15 @@ def check_same_tokenizer(target_tokenizer: Any, drafter_tokenizer: Any, drafter_
 
 class ModelDrafter:
     def __init__(self, model: LlamaStage, config: ModelDrafterConfig = ModelDrafterConfig(),
-                 name: str = "model") -> None:
+                 name: str = "model", *, runner: str = "auto") -> None:
         if not (model.is_first and model.is_last):
             raise ValueError("a model drafter needs the whole model (layers [0, num_layers))")
         self.model = model
         self.config = config
         self.name = name
         self.cache = model.new_kv_cache()
+        self.runner = StepRunner(model, runner)
+        """The target's runner: on CUDA its decode steps replay CUDA graphs (``models.runner``)."""
         self._seen: dict[str, list[int]] = {}
 
     def release(self, request_id: str) -> None:
@@ -85,7 +88,7 @@ class ModelDrafter:
             chains = [self._sync(DraftInput(q.request_id, tuple(q.context_token_ids) + tuple(q.prefixes[slot]), 1))
                       for _, q in live]
             starts = [self.cache.committed_length(rid) for rid in rids]
-            logits = self.model.forward(StageBatch.from_chains(rids, chains, starts), self.cache)
+            logits = self.runner.forward(StageBatch.from_chains(rids, chains, starts), self.cache)
             probs = torch.softmax(logits.float(), dim=-1)
             top = probs.topk(max(q.k for _, q in live), dim=-1)
             for row, ((qi, q), chain) in enumerate(zip(live, chains)):
@@ -109,7 +112,7 @@ class ModelDrafter:
             chains = [pending[rid] for rid in live]
             starts = [self.cache.committed_length(rid) for rid in live]
             batch = StageBatch.from_chains(live, chains, starts)
-            logits = self.model.forward(batch, self.cache)  # [len(live), vocab]
+            logits = self.runner.forward(batch, self.cache)  # [len(live), vocab]
             probs = torch.softmax(logits.float(), dim=-1)
             top = probs.topk(2, dim=-1)
             still = []

@@ -1,0 +1,281 @@
+"""The step runner of one stage: the eager varlen forward, or a fixed-shape step replayed as a
+CUDA graph (vLLM's and nano-vllm's model runner, for our trees).
+
+On a GPU a verify forward of a small model is a few milliseconds of kernels but, launched one by
+one from Python, tens of milliseconds of host time (issue 16: 2,760 launches for one 8 × 8 step of
+the 135M model). A CUDA graph replays the whole step's kernels with one launch. A graph has fixed
+shapes and fixed addresses, so the runner lays every eligible step out as
+
+    B request rows × n query rows over L logical KV slots,   B, n, L rounded up to a bucket
+
+(``GRAPH_BATCH_SIZES``, ``GRAPH_NEW_TOKENS``, powers of two from ``MIN_GRAPH_SLOTS``), writes the
+step's inputs into fixed device buffers of that bucket with **one** host→device copy from a pinned,
+double-buffered host buffer (SiPipe's structure-aware transmission), and replays the bucket's graph.
+Slot mapping, gather index and the tree mask are computed inside the graph from the block tables
+(``attention.padded_plan``). A bucket's graph is captured the first time a step needs it, after
+two eager warm-up runs on a side stream, all graphs of a stage sharing one memory pool.
+
+Steps that do not fit a bucket run eagerly: a request with more than ``max(GRAPH_NEW_TOKENS)``
+new tokens (prefills), more requests than the largest batch bucket, PipeDec's tree layers
+(``extend``), or more than ``MAX_GRAPH_SLOTS`` slots of context. A graph reads the KV pool at the
+address it was captured with, so graphs are dropped if the pool is ever reallocated (a CPU pool
+that grows; a CUDA pool is preallocated from its budget and never moves).
+
+Modes: ``auto`` (``graph`` on CUDA, ``eager`` elsewhere), ``eager`` (``--enforce-eager``),
+``graph``, and ``static``: the fixed-shape path run eagerly, on any device — on CPU it is how the
+tests check the graph path's layout and masks against the eager forward, token for token. On our
+CPU it is not the default: padding every request to the bucket's n rows costs real projection
+work there, where the GPU reads the weights once whatever the row count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cosine_ray.models.attention import PaddedInputs
+from cosine_ray.models.device import RUNNER_MODES
+from cosine_ray.models.kv_cache import KVCache
+from cosine_ray.models.llama import LlamaStage, StageBatch
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_NEW_TOKENS = (1, 2, 4, 8, 16, 32)
+MIN_GRAPH_SLOTS = 256
+MAX_GRAPH_SLOTS = 16384
+
+
+def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
+    return next((s for s in sizes if s >= value), None)
+
+
+def _slots_bucket(value: int, block_size: int) -> int | None:
+    size = MIN_GRAPH_SLOTS
+    while size < value:
+        size *= 2
+    size = -(-size // block_size) * block_size
+    return size if size <= MAX_GRAPH_SLOTS else None
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One fixed shape: its device input buffer (every input a view of it), its hidden-state
+    input (stages after the first), its output and, once captured, its graph."""
+
+    key: tuple[int, int, int]
+    packed: torch.Tensor
+    """Device int64 buffer: tokens | positions | start | count | tables | ancestors | rows."""
+    inputs: PaddedInputs
+    rows: torch.Tensor
+    """[B * n] padded row of each flat token (first T entries used), then of each logit row."""
+    hidden: torch.Tensor | None
+    out: torch.Tensor | None = None
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class StepRunner:
+    """Runs ``stage.forward`` for a ``StageBatch``: eagerly, or through a bucket's fixed-shape
+    step (graph-replayed on CUDA). Same outputs either way (up to float summation order)."""
+
+    def __init__(self, stage: LlamaStage, mode: str = "auto") -> None:
+        if mode not in RUNNER_MODES:
+            raise ValueError(f"runner mode {mode!r}: use {', '.join(RUNNER_MODES)}")
+        if mode == "auto":
+            mode = "graph" if stage.device.type == "cuda" else "eager"
+        if mode == "graph" and stage.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use the eager or static runner")
+        self.stage, self.mode = stage, mode
+        self._buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self._pool_ptr: int | None = None
+        self._graph_pool = None
+        self._host: list[torch.Tensor] = []
+        self._host_ready: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._gpu_busy_ms = 0.0
+        self.stats = {"eager": 0, "static": 0, "graph": 0, "captures": 0}
+        """Steps run each way and graphs captured (benchmarks and tests read them)."""
+
+    # ---- the decision -------------------------------------------------------------------------
+    def _key(self, batch: StageBatch, cache: KVCache) -> tuple[int, int, int] | None:
+        if self.mode == "eager" or batch.extend:
+            return None
+        b = _bucket(len(batch.request_ids), GRAPH_BATCH_SIZES)
+        n = _bucket(max(batch.num_new_tokens), GRAPH_NEW_TOKENS)
+        if b is None or n is None:
+            return None
+        longest = max(cache.committed_length(rid) for rid in batch.request_ids) + n
+        slots = _slots_bucket(longest, cache.block_size)
+        return None if slots is None else (b, n, slots)
+
+    def forward(self, batch: StageBatch, cache: KVCache, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        timed = self.stage.device.type == "cuda"
+        if timed:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+        key = self._key(batch, cache)
+        if key is None:
+            self.stats["eager"] += 1
+            out = self.stage.forward(batch, cache, hidden)
+        else:
+            out = self._forward_bucket(key, batch, cache, hidden)
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._timed.append((begin, end))
+            self._fold(wait=False)
+        return out
+
+    def _fold(self, *, wait: bool) -> None:
+        while self._timed and (wait or self._timed[0][1].query()):
+            begin, end = self._timed.pop(0)
+            end.synchronize()
+            self._gpu_busy_ms += begin.elapsed_time(end)
+
+    def gpu_busy_seconds(self) -> float:
+        """GPU time between the start and end of this runner's forwards so far (CUDA events
+        around each; 0 on CPU). Over a wall-clock window, 1 − busy / wall is the GPU's idle share
+        between steps: host planning, drafting and bookkeeping the overlap has not hidden."""
+        self._fold(wait=True)
+        return self._gpu_busy_ms / 1e3
+
+    # ---- the fixed-shape step -------------------------------------------------------------------
+    def _bucket_for(self, key: tuple[int, int, int], cache: KVCache) -> _Bucket:
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            return bucket
+        b, n, slots = key
+        device = self.stage.device
+        sizes = self._sizes(key, cache.block_size)
+        packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        parts = packed.split(sizes)
+        tokens, positions, start, count, tables, ancestors, rows, scratch = parts
+        inputs = PaddedInputs(tokens, positions, start, count, tables.view(b, -1), ancestors.view(b, n, n),
+                              scratch.view(()))
+        hidden = None
+        if not self.stage.is_first:
+            hidden = torch.zeros(b * n, self.stage.config.hidden_size, dtype=self.stage.dtype, device=device)
+        bucket = self._buckets[key] = _Bucket(key, packed, inputs, rows, hidden)
+        return bucket
+
+    @staticmethod
+    def _sizes(key: tuple[int, int, int], block_size: int) -> list[int]:
+        b, n, slots = key
+        return [b * n, b * n, b, b, b * slots // block_size, b * n * n, 2 * b * n, 1]
+
+    def _host_buffer(self, size: int) -> torch.Tensor:
+        """One of two host buffers, taken in turn; pinned on CUDA so the copy is asynchronous.
+        Before refilling one, wait until the copy that last read it has run."""
+        self._turn ^= 1
+        turn = self._turn
+        pinned = self.stage.device.type == "cuda"
+        if len(self._host) < 2:
+            self._host = [torch.empty(0, dtype=torch.long) for _ in range(2)]
+        if self._host[turn].numel() < size:
+            self._host[turn] = torch.empty(max(size, 2 * self._host[turn].numel()), dtype=torch.long,
+                                           pin_memory=pinned)
+        event = self._host_ready[turn]
+        if event is not None:
+            event.synchronize()
+        return self._host[turn][:size]
+
+    def _fill(self, bucket: _Bucket, batch: StageBatch, cache: KVCache) -> tuple[int, int]:
+        """Open each request's speculative level and write the step's inputs into the bucket's
+        device buffer with one copy. Returns (flat tokens T, logit rows)."""
+        b, n, slots = bucket.key
+        starts = [cache.reserve(rid, k) for rid, k in zip(batch.request_ids, batch.num_new_tokens)]
+        scratch = cache.scratch_block()
+        sizes = self._sizes(bucket.key, cache.block_size)
+        host_t = self._host_buffer(sum(sizes))
+        host = host_t.numpy()
+        tokens, positions, start, count, tables, ancestors, rows, scratch_slot = np.split(host, np.cumsum(sizes)[:-1])
+        tables = tables.reshape(b, -1)
+        ancestors = ancestors.reshape(b, n, n)
+        tokens[:] = 0
+        positions[:] = 0
+        start[:] = 0
+        count[:] = 0
+        tables[:] = scratch
+        ancestors[:] = 0
+        ancestors[:, np.arange(n), np.arange(n)] = 1  # padded query rows see themselves only
+        scratch_slot[0] = scratch * cache.block_size
+        counts = batch.num_new_tokens
+        total = sum(counts)
+        flat_pos = batch.positions.numpy()
+        flat_ids = batch.token_ids.numpy() if batch.token_ids is not None else None
+        offset = 0
+        for i, (rid, k, first) in enumerate(zip(batch.request_ids, counts, starts)):
+            lo = i * n
+            if flat_ids is not None:
+                tokens[lo:lo + k] = flat_ids[offset:offset + k]
+            positions[lo:lo + k] = flat_pos[offset:offset + k]
+            start[i], count[i] = first, k
+            table = cache.block_table(rid)
+            tables[i, :len(table)] = table
+            tree = batch.tree_masks[i]
+            ancestors[i, :k, :k] = np.tril(np.ones((k, k), dtype=np.int64)) if tree is None else tree.numpy()
+            rows[offset:offset + k] = np.arange(lo, lo + k)
+            offset += k
+        logit_index = (np.arange(total) if batch.logit_indices is None else batch.logit_indices.numpy())
+        num_logits = len(logit_index)
+        rows[b * n:b * n + num_logits] = rows[:total][logit_index]
+        if self.stage.device.type == "cuda":
+            bucket.packed.copy_(host_t, non_blocking=True)
+            event = self._host_ready[self._turn] or torch.cuda.Event()
+            event.record()
+            self._host_ready[self._turn] = event
+        else:
+            bucket.packed.copy_(host_t)
+        return total, num_logits
+
+    def _run(self, bucket: _Bucket, cache: KVCache) -> torch.Tensor:
+        return self.stage.forward_padded(bucket.inputs, cache, bucket.hidden)
+
+    @torch.inference_mode()
+    def _forward_bucket(self, key, batch: StageBatch, cache: KVCache, hidden: torch.Tensor | None) -> torch.Tensor:
+        bucket = self._bucket_for(key, cache)
+        total, num_logits = self._fill(bucket, batch, cache)  # reserves: may grow a CPU pool
+        b, n, _ = key
+        rows = bucket.rows
+        if bucket.hidden is not None:
+            assert hidden is not None and hidden.shape[0] == total
+            bucket.hidden.index_copy_(0, rows[:total], hidden.to(device=bucket.hidden.device, dtype=bucket.hidden.dtype))
+        if self.mode == "graph":
+            self._replay(bucket, cache)
+            self.stats["graph"] += 1
+            out = bucket.out
+        else:
+            out = self._run(bucket, cache)
+            self.stats["static"] += 1
+        if self.stage.is_last:
+            return out.index_select(0, rows[b * n:b * n + num_logits])
+        return out.index_select(0, rows[:total])
+
+    def _replay(self, bucket: _Bucket, cache: KVCache) -> None:
+        pool_ptr = cache.pool.data_ptr()
+        if self._pool_ptr != pool_ptr:  # the pool moved: every graph reads the old one
+            for other in self._buckets.values():
+                other.graph, other.out = None, None
+            self._pool_ptr = pool_ptr
+        if bucket.graph is None:
+            self._capture(bucket, cache)
+        bucket.graph.replay()
+
+    def _capture(self, bucket: _Bucket, cache: KVCache) -> None:
+        """Two eager runs on a side stream (the warm-up graph capture needs), then the capture.
+        The warm-up runs compute this very step, so their KV writes are the ones the replay makes."""
+        device = self.stage.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run(bucket, cache)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            bucket.out = self._run(bucket, cache)
+        bucket.graph = graph
+        self.stats["captures"] += 1
