@@ -17,6 +17,7 @@ takes effect before that request's next forward.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,23 +102,47 @@ class ScoreOutput:
     wants them (sampled requests) — not every node's fp32 logits."""
 
     token_ids: torch.Tensor
-    """[num_logit_rows] int64, on the host."""
+    """[num_logit_rows] int64, on the host (pinned on CUDA: read it once ``ready`` has fired)."""
     logits: torch.Tensor
     """[rows of the items without ``ids_only``, vocab] fp32."""
+    ready: "torch.cuda.Event | None" = None
+    """CUDA: fires when ``token_ids`` has arrived (the step's one device→host copy, left
+    asynchronous so the host can plan another lane meanwhile); None: ready now."""
+
+    def wait(self) -> "ScoreOutput":
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self
+
+
+def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 indices on ``device`` without a host sync: on CUDA through pinned memory and a
+    non-blocking copy (a pageable copy would wait for every kernel queued before it)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def score_output(items: Sequence[ScoreItem], logits: torch.Tensor) -> ScoreOutput:
     """logits  # [num_logit_rows, vocab] (the last stage's forward) -> ``ScoreOutput``."""
-    token_ids = logits.argmax(dim=-1).cpu()
+    ids = logits.argmax(dim=-1)
+    ready = None
+    if ids.is_cuda:
+        token_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        token_ids.copy_(ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    else:
+        token_ids = ids
     if not any(it.ids_only for it in items):
-        return ScoreOutput(token_ids, logits)
+        return ScoreOutput(token_ids, logits, ready)
     rows, offset = [], 0
     for it, n in zip(items, _row_counts(items)):
         if not it.ids_only:
             rows.extend(range(offset, offset + n))
         offset += n
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    return ScoreOutput(token_ids, logits.index_select(0, index))
+    return ScoreOutput(token_ids, logits.index_select(0, to_device(rows, logits.device)), ready)
 
 
 def _row_counts(items: Sequence[ScoreItem]) -> list[int]:
@@ -332,12 +357,16 @@ class TargetWorker:
                        for s, b in zip(stages, kv_budgets(stages, kv_cache_memory))]
 
     def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
+        return self.score_pending(items).wait_and_split()
+
+    def score_pending(self, items: Sequence[ScoreItem]) -> "PendingScore":
+        """Run every stage; on CUDA return as soon as the work is queued (``PendingScore``)."""
         if not items:
-            return []
+            return PendingScore(items, None)
         hidden = None
         for stage in self.stages:
             hidden = stage.forward(items, hidden)
-        return split_output(items, hidden)
+        return PendingScore(items, hidden)
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         for stage in self.stages:
@@ -349,6 +378,24 @@ class TargetWorker:
 
     def num_cached_requests(self) -> int:
         return max(s.kv_usage()["requests"] for s in self.stages)
+
+
+@dataclass(slots=True)
+class PendingScore:
+    """A step's scores on their way back from the GPU: ``ready()`` polls, ``wait_and_split``
+    blocks (``TargetWorker.score``); the engine's client polls so the event loop can step another
+    lane while the GPU verifies this one (issue 16 item 6)."""
+
+    items: Sequence[ScoreItem]
+    output: ScoreOutput | None
+
+    def ready(self) -> bool:
+        return self.output is None or self.output.ready is None or self.output.ready.query()
+
+    def wait_and_split(self) -> list[torch.Tensor]:
+        if self.output is None:
+            return []
+        return split_output(self.items, self.output.wait())
 
 
 class LocalTargetClient:
@@ -379,7 +426,10 @@ class LocalTargetClient:
         """Nothing is pending here: ``commit`` applies at once."""
 
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
-        return self.worker.score(items)
+        pending = self.worker.score_pending(items)
+        while not pending.ready():  # CUDA: the GPU verifies; other lanes' steps run meanwhile
+            await asyncio.sleep(0)
+        return pending.wait_and_split()
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         self.worker.commit(commits)

@@ -280,8 +280,10 @@ class KVCache:
             entry.committed_length += num_committed
             entry.num_speculative = len(slots) - num_committed
         if src:
-            src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-            dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+            index = torch.tensor([src, dst], dtype=torch.long)
+            if self.device.type == "cuda":  # pinned + non-blocking: no wait for queued kernels
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            src_t, dst_t = index
             self.pool[:, :, dst_t] = self.pool[:, :, src_t]  # the gather copies before the scatter
         for entry, _, _ in plan:
             self._release_tail(entry)

@@ -110,22 +110,25 @@ class StepRunner:
         return None if slots is None else (b, n, slots)
 
     def forward(self, batch: StageBatch, cache: KVCache, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        timed = self.stage.device.type == "cuda"
-        if timed:
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
         key = self._key(batch, cache)
         if key is None:
             self.stats["eager"] += 1
+            begin = self._mark()
             out = self.stage.forward(batch, cache, hidden)
         else:
-            out = self._forward_bucket(key, batch, cache, hidden)
-        if timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._timed.append((begin, end))
+            out, begin = self._forward_bucket(key, batch, cache, hidden)
+        if begin is not None:
+            self._timed.append((begin, self._mark()))
             self._fold(wait=False)
         return out
+
+    def _mark(self) -> "torch.cuda.Event | None":
+        """A timing event queued now on CUDA (None elsewhere)."""
+        if self.stage.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _fold(self, *, wait: bool) -> None:
         while self._timed and (wait or self._timed[0][1].query()):
@@ -134,9 +137,10 @@ class StepRunner:
             self._gpu_busy_ms += begin.elapsed_time(end)
 
     def gpu_busy_seconds(self) -> float:
-        """GPU time between the start and end of this runner's forwards so far (CUDA events
-        around each; 0 on CPU). Over a wall-clock window, 1 − busy / wall is the GPU's idle share
-        between steps: host planning, drafting and bookkeeping the overlap has not hidden."""
+        """GPU time inside this runner's forwards so far, from CUDA events queued around each
+        (for a graph step after the host has packed its inputs; 0 on CPU). Over a wall-clock
+        window, 1 − busy / wall is the GPU's idle share: host planning, drafting and bookkeeping
+        that no other lane's forward has hidden."""
         self._fold(wait=True)
         return self._gpu_busy_ms / 1e3
 
@@ -233,7 +237,8 @@ class StepRunner:
         return self.stage.forward_padded(bucket.inputs, cache, bucket.hidden)
 
     @torch.inference_mode()
-    def _forward_bucket(self, key, batch: StageBatch, cache: KVCache, hidden: torch.Tensor | None) -> torch.Tensor:
+    def _forward_bucket(self, key, batch: StageBatch, cache: KVCache,
+                        hidden: torch.Tensor | None) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         bucket = self._bucket_for(key, cache)
         total, num_logits = self._fill(bucket, batch, cache)  # reserves: may grow a CPU pool
         b, n, _ = key
@@ -241,6 +246,7 @@ class StepRunner:
         if bucket.hidden is not None:
             assert hidden is not None and hidden.shape[0] == total
             bucket.hidden.index_copy_(0, rows[:total], hidden.to(device=bucket.hidden.device, dtype=bucket.hidden.dtype))
+        begin = self._mark()  # after the host's packing: from here the GPU works
         if self.mode == "graph":
             self._replay(bucket, cache)
             self.stats["graph"] += 1
@@ -249,8 +255,8 @@ class StepRunner:
             out = self._run(bucket, cache)
             self.stats["static"] += 1
         if self.stage.is_last:
-            return out.index_select(0, rows[b * n:b * n + num_logits])
-        return out.index_select(0, rows[:total])
+            return out.index_select(0, rows[b * n:b * n + num_logits]), begin
+        return out.index_select(0, rows[:total]), begin
 
     def _replay(self, bucket: _Bucket, cache: KVCache) -> None:
         pool_ptr = cache.pool.data_ptr()

@@ -32,16 +32,18 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 20, 33)] + [list(range(10, 22)) * 3]
 
 
-def make_engine(ckpt, drafters: str, dtype: str = "float32") -> LocalEngine:
+def make_engine(ckpt, drafters: str, dtype: str = "float32", num_lanes: int = 1) -> LocalEngine:
     return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), device="cuda",
-                                    dtype=dtype, step=StepConfig(max_batch_size=8)), checkpoint=ckpt)
+                                    dtype=dtype, step=StepConfig(max_batch_size=8, num_lanes=num_lanes)),
+                       checkpoint=ckpt)
 
 
-@pytest.mark.parametrize("drafters", ["none", "ngram", "self"])
-def test_fp32_on_cuda_equals_hf_greedy(tiny_checkpoint, prompts, drafters):
+@pytest.mark.parametrize("drafters, num_lanes", [("none", 1), ("ngram", 1), ("self", 1), ("ngram", 2)])
+def test_fp32_on_cuda_equals_hf_greedy(tiny_checkpoint, prompts, drafters, num_lanes):
+    """With 2 lanes one lane's step is planned while the GPU verifies the other's."""
     hf = tiny_checkpoint.load_hf_model()
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    engine = make_engine(tiny_checkpoint, drafters)
+    engine = make_engine(tiny_checkpoint, drafters, num_lanes=num_lanes)
     assert engine.target.stages[0].stage.device.type == "cuda"
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == want

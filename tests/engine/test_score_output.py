@@ -79,3 +79,48 @@ def test_greedy_requests_through_the_engine_never_ship_logits(tiny_checkpoint, m
     assert shipped and set(shipped) == {0}
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.8, seed=1))
     assert shipped[-1] > 0
+
+
+def test_local_client_steps_other_lanes_while_the_gpu_verifies():
+    """``LocalTargetClient.score`` polls the step's copy-back event and yields meanwhile (on
+    CUDA the GPU verifies one lane while the host plans another); a fake event stands in for
+    CUDA's: not ready twice, then ready."""
+    import asyncio
+
+    from cosine_ray.engine.target import LocalTargetClient, PendingScore, ScoreOutput
+
+    class FakeEvent:
+        def __init__(self):
+            self.polls = 0
+
+        def query(self):
+            self.polls += 1
+            return self.polls > 2
+
+        def synchronize(self):
+            assert self.polls > 2, "waited before the event fired"
+
+    items = [ScoreItem("r", (5, 6), (-1, 0), 3, ids_only=True)]
+    event = FakeEvent()
+
+    class Worker:
+        def score_pending(self, its):
+            return PendingScore(its, ScoreOutput(torch.tensor([7, 8]), torch.empty(0, 4), event))
+
+    order = []
+
+    async def other_lane():
+        order.append("other lane planned")
+
+    async def main():
+        client = LocalTargetClient.__new__(LocalTargetClient)
+        client.worker = Worker()
+        other = asyncio.ensure_future(other_lane())
+        out = await client.score(items)
+        order.append("scored")
+        await other
+        return out
+
+    out = asyncio.run(main())
+    assert order == ["other lane planned", "scored"] and event.polls == 3
+    assert out[0].tolist() == [7, 8]
