@@ -36,7 +36,9 @@ class LocalEngine:
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config)
                          for s in config.drafters]
-        self.core = EngineCore(step_config_for(config, self.checkpoint), LocalTargetClient(self.target),
+        step = step_config_for(config, self.checkpoint)
+        self.target.capture_graphs(step)  # CUDA: every bucket a step can reach, before the first request
+        self.core = EngineCore(step, LocalTargetClient(self.target),
                                [LocalDrafterClient(DrafterWorker(d)) for d in self.drafters],
                                vocab_size=self.checkpoint.config.vocab_size,
                                eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),

@@ -18,18 +18,24 @@ takes effect before that request's next forward.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.llama import LlamaStage, StageBatch
-from cosine_ray.models.runner import StepRunner
+from cosine_ray.models.runner import StepRunner, startup_keys
 
+
+if TYPE_CHECKING:
+    from cosine_ray.engine.config import StepConfig
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class KVCommit:
@@ -247,6 +253,12 @@ class TargetClient(Protocol):
         ...
 
 
+def graph_sizes(step: "StepConfig") -> tuple[int, int, int]:
+    """(requests, query rows, context) a step of ``step`` can reach: a verify tree is the
+    draft budget plus its root."""
+    return step.max_batch_size, step.num_speculative_tokens + 1, step.max_model_len
+
+
 CUDA_KV_MEMORY_SHARE = 0.9
 """Share of a GPU's free memory (after the weights) its stages' KV pools take by default."""
 
@@ -341,6 +353,17 @@ class StageWorker:
         """Drop every request's KV (after a recovery nothing held before is valid)."""
         self.release(self.cache.request_ids)
 
+    def capture_graphs(self, max_batch_size: int, max_new_tokens: int, max_model_len: int) -> int:
+        """CUDA graphs for the buckets steps will need (``runner.startup_keys``), captured now so
+        no step pays for one; a failure is logged and leaves capture to first use. Returns the
+        graphs captured (0 unless the runner replays graphs)."""
+        keys = startup_keys(max_batch_size, max_new_tokens, max_model_len, self.cache.block_size)
+        try:
+            return self.runner.capture(self.cache, keys)
+        except Exception as exc:  # noqa: BLE001 - capture on first use still works
+            log.warning("capturing CUDA graphs at start failed (%s); they are captured on first use", exc)
+            return 0
+
     def kv_usage(self) -> dict[str, int]:
         """Requests and tokens held (tests check nothing leaks)."""
         return {"requests": len(self.cache.request_ids), "tokens": self.cache.num_tokens()}
@@ -371,6 +394,10 @@ class TargetWorker:
     def commit(self, commits: Sequence[KVCommit]) -> None:
         for stage in self.stages:
             stage.commit(commits)
+
+    def capture_graphs(self, step: "StepConfig") -> int:
+        """``StageWorker.capture_graphs`` on every stage for ``step``'s batch, tree and context."""
+        return sum(s.capture_graphs(*graph_sizes(step)) for s in self.stages)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for stage in self.stages:

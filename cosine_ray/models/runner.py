@@ -44,6 +44,9 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GRAPH_NEW_TOKENS = (1, 2, 4, 8, 16, 32)
 MIN_GRAPH_SLOTS = 256
 MAX_GRAPH_SLOTS = 16384
+STARTUP_MAX_SLOTS = 1024
+"""Contexts up to this many slots get their graphs at start (``startup_keys``); longer ones on
+first use."""
 
 
 def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
@@ -56,6 +59,24 @@ def _slots_bucket(value: int, block_size: int) -> int | None:
         size *= 2
     size = -(-size // block_size) * block_size
     return size if size <= MAX_GRAPH_SLOTS else None
+
+
+def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block_size: int) -> list[tuple[int, int, int]]:
+    """Buckets worth capturing at start: batch sizes up to ``max_batch_size``'s bucket, query
+    rows up to ``max_new_tokens``'s (a verify tree: the draft budget + its root), contexts up to
+    ``min(max_slots, STARTUP_MAX_SLOTS)``; largest first, so smaller graphs reuse its memory.
+    Anything else is captured the first time a step needs it."""
+    b_max = _bucket(min(max_batch_size, GRAPH_BATCH_SIZES[-1]), GRAPH_BATCH_SIZES)
+    n_max = _bucket(min(max_new_tokens, GRAPH_NEW_TOKENS[-1]), GRAPH_NEW_TOKENS)
+    slots_max = _slots_bucket(min(max_slots, STARTUP_MAX_SLOTS), block_size)
+    batches = [b for b in GRAPH_BATCH_SIZES if b <= b_max]
+    news = [n for n in GRAPH_NEW_TOKENS if n <= n_max]
+    slots = []
+    size = _slots_bucket(1, block_size)
+    while size <= slots_max:
+        slots.append(size)
+        size = _slots_bucket(size + 1, block_size)
+    return sorted(((b, n, s) for b in batches for n in news for s in slots), reverse=True)
 
 
 @dataclass(slots=True)
@@ -184,10 +205,13 @@ class StepRunner:
             event.synchronize()
         return self._host[turn][:size]
 
-    def _fill(self, bucket: _Bucket, batch: StageBatch, cache: KVCache) -> tuple[int, int]:
+    def _fill(self, bucket: _Bucket, batch: StageBatch | None, cache: KVCache) -> tuple[int, int]:
         """Open each request's speculative level and write the step's inputs into the bucket's
-        device buffer with one copy. Returns (flat tokens T, logit rows)."""
+        device buffer with one copy. Returns (flat tokens T, logit rows). ``batch`` None: an idle
+        step, every row padding (it writes and reads the scratch block only)."""
         b, n, slots = bucket.key
+        if batch is None:
+            batch = StageBatch([], [], torch.zeros(0, dtype=torch.long), [], None, torch.zeros(0, dtype=torch.long))
         starts = [cache.reserve(rid, k) for rid, k in zip(batch.request_ids, batch.num_new_tokens)]
         scratch = cache.scratch_block()
         sizes = self._sizes(bucket.key, cache.block_size)
@@ -232,6 +256,20 @@ class StepRunner:
         else:
             bucket.packed.copy_(host_t)
         return total, num_logits
+
+    def capture(self, cache: KVCache, keys) -> int:
+        """Capture the graphs of bucket ``keys`` now, on idle inputs, so no step pays for a
+        capture later (vLLM captures its sizes at start the same way). Returns graphs captured;
+        0 unless the mode is ``graph``."""
+        if self.mode != "graph":
+            return 0
+        before = self.stats["captures"]
+        with torch.inference_mode():
+            for key in keys:
+                bucket = self._bucket_for(key, cache)
+                self._fill(bucket, None, cache)
+                self._replay(bucket, cache)
+        return self.stats["captures"] - before
 
     def _run(self, bucket: _Bucket, cache: KVCache) -> torch.Tensor:
         return self.stage.forward_padded(bucket.inputs, cache, bucket.hidden)

@@ -45,6 +45,8 @@ def test_fp32_on_cuda_equals_hf_greedy(tiny_checkpoint, prompts, drafters, num_l
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     engine = make_engine(tiny_checkpoint, drafters, num_lanes=num_lanes)
     assert engine.target.stages[0].stage.device.type == "cuda"
+    at_start = engine.target.stages[0].runner.stats["captures"]
+    assert at_start == 4 * 5 * 3, at_start  # batches 1-8 × trees 1-16 rows × contexts 256-1024, at start
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == want
     stats = engine.target.stages[0].runner.stats

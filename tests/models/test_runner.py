@@ -57,3 +57,33 @@ def test_engine_on_static_runner_equals_hf_greedy(tiny_checkpoint, drafters):
     outs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [o.new_token_ids for o in outs] == want
     assert engine.target.stages[0].runner.stats["static"] > 0
+
+
+def test_idle_bucket_touches_only_the_scratch_block(tiny_checkpoint):
+    """What a capture at start runs (``StepRunner.capture``): a bucket with every row padding.
+    Its KV writes land in the scratch block alone, so capturing while requests hold KV is safe."""
+    from cosine_ray.models.runner import startup_keys
+
+    stage = LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict())
+    runner = StepRunner(stage, "static")
+    cache = stage.new_kv_cache()
+    cache.allocate("r")
+    cache.reserve("r", 40)
+    with torch.inference_mode():
+        cache.pool.normal_()  # every slot holds something a stray write would change
+    cache.commit("r")
+    before = cache.pool.clone()
+    scratch = cache.scratch_block()
+    keys = startup_keys(4, 9, 300, cache.block_size)
+    assert (4, 16, 512) in keys and (1, 1, 256) in keys and len(keys) == 3 * 5 * 2
+    for key in keys:
+        bucket = runner._bucket_for(key, cache)
+        assert runner._fill(bucket, None, cache) == (0, 0)
+        with torch.inference_mode():
+            out = runner._run(bucket, cache)
+        assert torch.isfinite(out).all()
+    changed = (cache.pool != before).flatten(3).any(-1).any(0).any(0)  # [slots]
+    slots = changed.nonzero().flatten().tolist()
+    bs = cache.block_size
+    assert slots and all(s // bs == scratch for s in slots), slots
+    assert runner.capture(cache, keys) == 0  # graphs only in graph mode
