@@ -18,6 +18,7 @@ takes effect before that request's next forward.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from contextlib import contextmanager
@@ -311,6 +312,16 @@ class StageWorker:
             self._busy_since = None
 
     def forward(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's step; on the last stage a finished ``ScoreOutput`` (a stage actor
+        returns it across processes, where a CUDA event cannot go)."""
+        out = self.forward_pending(items, hidden)
+        if isinstance(out, ScoreOutput):
+            return dataclasses.replace(out.wait(), ready=None)
+        return out
+
+    def forward_pending(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None):
+        """``forward``, but on CUDA the last stage's ids may still be on their way
+        (``ScoreOutput.ready``): the in-process engine polls instead of blocking."""
         with self._busy():
             apply_commits(self.cache, items)
             try:
@@ -388,7 +399,7 @@ class TargetWorker:
             return PendingScore(items, None)
         hidden = None
         for stage in self.stages:
-            hidden = stage.forward(items, hidden)
+            hidden = stage.forward_pending(items, hidden)
         return PendingScore(items, hidden)
 
     def commit(self, commits: Sequence[KVCommit]) -> None:

@@ -79,3 +79,22 @@ def test_profile_on_cuda(tiny_checkpoint):
     from cosine_ray.engine.profile import run_profile
     model = run_profile(EngineConfig(model=str(tiny_checkpoint.path), drafters=(), device="cuda"), quick=True)
     assert model.device == "cuda" and model.predict_llm([100], [4]) > 0
+
+
+def test_stage_actor_output_crosses_processes(tiny_checkpoint):
+    """A stage actor's return value is pickled by Ray: on CUDA the last stage's ``forward``
+    waits for its ids and drops the CUDA event (the in-process engine polls it instead)."""
+    import pickle
+
+    from cosine_ray.algo.tree import TokenTree
+    from cosine_ray.engine.target import ScoreItem, StageWorker
+    from cosine_ray.models.llama import LlamaStage
+
+    stage = LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict(), device="cuda")
+    worker = StageWorker(stage, kv_budget_bytes=2**20)
+    out = worker.forward([ScoreItem.prefill("r", [1, 2, 3], ids_only=True)])
+    assert out.ready is None and out.token_ids.shape == (1,)
+    assert pickle.loads(pickle.dumps(out)).token_ids.tolist() == out.token_ids.tolist()
+    tree = TokenTree((4,), (-1,), (1.0,))
+    pending = worker.forward_pending([ScoreItem.for_tree("r", tree, 3, (0, 1, 2), ids_only=True)])
+    assert pending.ready is not None  # the in-process path keeps it asynchronous
