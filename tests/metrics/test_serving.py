@@ -114,6 +114,7 @@ class FakeStage:
     """Each forward takes ``cost`` seconds of the fake clock (and fails when asked to)."""
 
     is_last = False  # a middle stage: its output goes back as it is
+    device = torch.device("cpu")
 
     def __init__(self, clock: FakeClock, cost: float) -> None:
         self.clock, self.cost, self.fail = clock, cost, False
