@@ -68,6 +68,16 @@ def test_engine_yaml_is_what_serve_runs_without_flags():
     assert overridden.engine["num_stages"] == 3 and overridden.engine["drafters"] == "ngram"
 
 
+def test_enforce_eager_flag_sets_the_runner(tmp_path):
+    assert plan().engine["runner"] == "auto"
+    assert plan("--enforce-eager").engine["runner"] == "eager"
+    from_file = write(tmp_path, {"num_stages": 1, "runner": "eager"})
+    assert plan("--config", from_file).engine["runner"] == "eager"  # absent flag: the file's value stands
+    from cosine_ray.cli.args import engine_config_from_args
+    for argv, runner in ((["generate", "hi"], "auto"), (["generate", "hi", "--enforce-eager"], "eager")):
+        assert engine_config_from_args(build_parser().parse_args(argv)).runner == runner
+
+
 def test_an_engine_config_file_takes_the_ingress_args_too(tmp_path):
     """An engine config file is the application builder's ``args``: ingress args included."""
     p = plan("--config", write(tmp_path, {"num_stages": 1, "api_key": "k", "metrics_require_key": True}))
