@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's GPU measurements in one go, on a machine with a CUDA GPU (about 10 minutes on an H200):
+# Issue 16's GPU measurements in one go, on a machine with a CUDA GPU (its pieces took about 5 minutes on an H200):
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
 # 1. the CUDA tests (tests/engine/test_gpu.py: graphs = eager, fp32 = HF greedy, bf16, startup capture);
 # 2. verify-forward time, ours eager / ours graph / HF eager / a static CUDA-graph step / roofline,
