@@ -67,7 +67,8 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
 
 
 def runner_from_args(args: argparse.Namespace) -> str | None:
-    """``EngineConfig.runner`` for ``--enforce-eager`` (None: the flag is absent)."""
+    """``EngineConfig.runner`` for ``--enforce-eager``: ``eager`` or ``auto``; None where the
+    flag defaults to absent (``serve``: a config file's value then stands)."""
     flag = getattr(args, "enforce_eager", None)
     return None if flag is None else ("eager" if flag else "auto")
 
@@ -111,7 +112,7 @@ def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
         return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
                             num_stages=args.stages, num_threads=args.threads, device=args.device,
                             dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                            runner=runner_from_args(args) or "auto",
+                            runner=runner_from_args(args),
                             step=StepConfig(max_batch_size=batch_size, **cosine_step_overrides(args)))
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
             config = config_from_dict({"model": args.model, "drafters": system.drafters,
                                        "device": args.device, "dtype": args.dtype,
                                        "kv_cache_memory": args.kv_cache_memory,
-                                       "runner": runner_from_args(args) or "auto",
+                                       "runner": runner_from_args(args),
                                        "step": {"max_batch_size": max(c, 8),
                                                 "num_speculative_tokens": args.num_speculative_tokens,
                                                 **system.step}})

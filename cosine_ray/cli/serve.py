@@ -167,7 +167,7 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
     for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
                       ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
                       ("kv_cache_memory", getattr(args, "kv_cache_memory", None)),
-                      ("runner", runner_from_args(args) if getattr(args, "enforce_eager", None) else None)):
+                      ("runner", runner_from_args(args))):
         if flag is not None:
             data[key] = flag
     if "step" in data and "router" in data:

@@ -28,15 +28,16 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 import torch
 
 from cosine_ray.algo.tree import TokenTree
+from cosine_ray.models.device import indices_to
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.runner import StepRunner, startup_keys
-
 
 if TYPE_CHECKING:
     from cosine_ray.engine.config import StepConfig
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class KVCommit:
@@ -122,15 +123,6 @@ class ScoreOutput:
         return self
 
 
-def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """int64 indices on ``device`` without a host sync: on CUDA through pinned memory and a
-    non-blocking copy (a pageable copy would wait for every kernel queued before it)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def score_output(items: Sequence[ScoreItem], logits: torch.Tensor) -> ScoreOutput:
     """logits  # [num_logit_rows, vocab] (the last stage's forward) -> ``ScoreOutput``."""
     ids = logits.argmax(dim=-1)
@@ -149,7 +141,7 @@ def score_output(items: Sequence[ScoreItem], logits: torch.Tensor) -> ScoreOutpu
         if not it.ids_only:
             rows.extend(range(offset, offset + n))
         offset += n
-    return ScoreOutput(token_ids, logits.index_select(0, to_device(rows, logits.device)), ready)
+    return ScoreOutput(token_ids, logits.index_select(0, indices_to(rows, logits.device)), ready)
 
 
 def _row_counts(items: Sequence[ScoreItem]) -> list[int]:
@@ -252,12 +244,6 @@ class TargetClient(Protocol):
         """Bring every stage back (restart if needed) and drop all per-request KV;
         False if that did not happen within ``timeout_s``."""
         ...
-
-
-def graph_sizes(step: "StepConfig") -> tuple[int, int, int]:
-    """(requests, query rows, context) a step of ``step`` can reach: a verify tree is the
-    draft budget plus its root."""
-    return step.max_batch_size, step.num_speculative_tokens + 1, step.max_model_len
 
 
 CUDA_KV_MEMORY_SHARE = 0.9
@@ -364,11 +350,13 @@ class StageWorker:
         """Drop every request's KV (after a recovery nothing held before is valid)."""
         self.release(self.cache.request_ids)
 
-    def capture_graphs(self, max_batch_size: int, max_new_tokens: int, max_model_len: int) -> int:
-        """CUDA graphs for the buckets steps will need (``runner.startup_keys``), captured now so
-        no step pays for one; a failure is logged and leaves capture to first use. Returns the
-        graphs captured (0 unless the runner replays graphs)."""
-        keys = startup_keys(max_batch_size, max_new_tokens, max_model_len, self.cache.block_size)
+    def capture_graphs(self, step: "StepConfig") -> int:
+        """CUDA graphs for the buckets ``step``'s steps can reach (``runner.startup_keys``; a
+        verify tree is the draft budget plus its root), captured now so no step pays for one; a
+        failure is logged and leaves capture to first use. Returns the graphs captured (0 unless
+        the runner replays graphs)."""
+        keys = startup_keys(step.max_batch_size, step.num_speculative_tokens + 1, step.max_model_len,
+                            self.cache.block_size)
         try:
             return self.runner.capture(self.cache, keys)
         except Exception as exc:  # noqa: BLE001 - capture on first use still works
@@ -408,7 +396,7 @@ class TargetWorker:
 
     def capture_graphs(self, step: "StepConfig") -> int:
         """``StageWorker.capture_graphs`` on every stage for ``step``'s batch, tree and context."""
-        return sum(s.capture_graphs(*graph_sizes(step)) for s in self.stages)
+        return sum(s.capture_graphs(step) for s in self.stages)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for stage in self.stages:

@@ -68,3 +68,14 @@ def synchronize(device: object) -> None:
     if str(device).startswith("cuda"):
         import torch
         torch.cuda.synchronize(device)
+
+
+def indices_to(values, device):
+    """int64 indices (a list, or nested lists) on ``device`` without a host sync: on CUDA through
+    pinned memory and a non-blocking copy (a pageable copy would wait for every kernel queued
+    before it)."""
+    import torch
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

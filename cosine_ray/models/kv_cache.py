@@ -37,6 +37,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from cosine_ray.models.device import indices_to
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -280,10 +282,7 @@ class KVCache:
             entry.committed_length += num_committed
             entry.num_speculative = len(slots) - num_committed
         if src:
-            index = torch.tensor([src, dst], dtype=torch.long)
-            if self.device.type == "cuda":  # pinned + non-blocking: no wait for queued kernels
-                index = index.pin_memory().to(self.device, non_blocking=True)
-            src_t, dst_t = index
+            src_t, dst_t = indices_to([src, dst], self.device)  # no wait for queued kernels
             self.pool[:, :, dst_t] = self.pool[:, :, src_t]  # the gather copies before the scatter
         for entry, _, _ in plan:
             self._release_tail(entry)

@@ -110,7 +110,7 @@ class StepRunner:
         self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool_ptr: int | None = None
         self._graph_pool = None
-        self._host: list[torch.Tensor] = []
+        self._host = [torch.empty(0, dtype=torch.long) for _ in range(2)]
         self._host_ready: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -195,8 +195,6 @@ class StepRunner:
         self._turn ^= 1
         turn = self._turn
         pinned = self.stage.device.type == "cuda"
-        if len(self._host) < 2:
-            self._host = [torch.empty(0, dtype=torch.long) for _ in range(2)]
         if self._host[turn].numel() < size:
             self._host[turn] = torch.empty(max(size, 2 * self._host[turn].numel()), dtype=torch.long,
                                            pin_memory=pinned)

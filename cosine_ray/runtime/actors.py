@@ -21,7 +21,7 @@ import torch
 from cosine_ray.engine.build import build_stage, make_drafter_worker
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.target import StageWorker, graph_sizes, kv_budgets
+from cosine_ray.engine.target import StageWorker, kv_budgets
 
 
 class _Hosted:
@@ -46,7 +46,7 @@ class StageHost(_Hosted, StageWorker):
         stage = build_stage(config, stage_index)
         StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0],
                              runner=config.runner)
-        self.capture_graphs(*graph_sizes(config.step))  # CUDA: before the first request
+        self.capture_graphs(config.step)  # CUDA: before the first request
         self.stage_index = stage_index
 
 
