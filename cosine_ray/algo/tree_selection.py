@@ -126,19 +126,22 @@ class TreePrice:
         """One request's γ on its expected-gain curve (``expected_gains``)."""
         return self.gammas_for([(context_len, gains)])[0]
 
-    def gammas_for(self, requests: Sequence[tuple[int, Sequence[float]]]) -> list[int]:
+    def gammas_for(self, requests: Sequence[tuple[int, Sequence[float]]],
+                   weights: Sequence[float] | None = None) -> list[int]:
         """γ_i per (context length, expected-gain curve), jointly: greedy on marginal values,
         exact for concave gains against convex costs (module docstring). Ties keep the smaller
-        tree, and among requests the earlier one."""
+        tree, and among requests the earlier one. ``weights`` (one per request, in [0, 1],
+        default 1) scale what an accepted token of that request is worth."""
         b = max(self.batch_size, 1)
         lam, c_attn = self.lam, self.c_attn
         gammas = [0] * len(requests)
+        worth = [lam] * len(requests) if weights is None else [lam * w for w in weights]
 
         def value(i: int) -> float:  # the next node's gain less its own attention, per step share
             ctx, gains = requests[i]
             g = gammas[i]
             attn = (2 + g) * (ctx + 2 + g) - (1 + g) * (ctx + 1 + g)
-            return lam * (gains[g + 1] - gains[g]) - c_attn * attn / b
+            return worth[i] * (gains[g + 1] - gains[g]) - c_attn * attn / b
 
         heap = [(-value(i), i) for i, (_, gains) in enumerate(requests) if len(gains) > 1]
         heapq.heapify(heap)

@@ -66,6 +66,10 @@ class StepConfig:
     kv_budget_bytes: float = float("inf")
     """M_max (eq. 7): KV bytes (all stages) that running requests may hold; the scheduler
     defers the prefill of a request that would exceed it. inf = no budget."""
+    drain_pricing: bool = True
+    """While the pool drains (nothing waits, fewer run than at the last admission), a token
+    is worth what it shortens the drain: only the requests that will finish last draft at
+    the full price (``engine.scheduler``). False: every request at the full price always."""
     drafter_deadline_s: float = 2.0
     """A drafter's answer later than this is dropped for the step."""
     max_model_len: int = 8192

@@ -156,7 +156,8 @@ class PricedSelection:
     cut = FUSION_MIN_CUMULATIVE
 
     def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:
-        gammas = batch.price.gammas_for([(request.num_tokens, gains) for request, _, gains in trees])
+        weights = [batch.weights.get(request.request_id, 1.0) for request, _, _ in trees] if batch.weights else None
+        gammas = batch.price.gammas_for([(request.num_tokens, gains) for request, _, gains in trees], weights)
         for k, (request, full, _) in enumerate(trees):
             if gammas[k] == 0 and batch.num_steps.get(request.request_id, 0) % PROBE_EVERY == 0:
                 gammas[k] = min(1, full.tree.num_draft_tokens)  # probe: keep measuring the drafters

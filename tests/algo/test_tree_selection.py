@@ -162,3 +162,31 @@ def test_past_the_knee_the_batch_drafts_less_than_each_request_would_alone():
     assert sum(alone) == 32  # every node pays at the cheap slope
     # beyond 12 tokens in the step a node costs 2.3 ms / 4 = λ·0.575: only nodes likelier than that
     assert joint == [5, 5, 5, 5], joint
+
+
+def weighted_objective(price, requests, gammas, weights):
+    b = max(price.batch_size, 1)
+    attn = sum((1 + g) * (ctx + 1 + g) for (ctx, _), g in zip(requests, gammas))
+    tokens = price.token_seconds(price.base_tokens + sum(gammas))
+    return (price.c_attn * attn + tokens) / b - price.lam * sum(
+        w * gains[g] for (_, gains), g, w in zip(requests, gammas, weights))
+
+
+@pytest.mark.parametrize("weights", [(1.0, 0.0, 1.0), (0.3, 1.0, 0.05), (1.0, 1.0, 1.0)])
+def test_weighted_tokens_reach_the_brute_force_optimum_and_weight_zero_drafts_nothing(weights):
+    """The drain price (``engine.scheduler``) weights each request's expected accepted tokens:
+    the greedy allocation is still the joint optimum, a request worth nothing drafts nothing,
+    and weights of one change nothing."""
+    rng = random.Random(7)
+    requests = []
+    for ctx in (30, 200, 700):
+        acceptance = sorted((rng.uniform(0.3, 1.0) for _ in range(5)), reverse=True)
+        requests.append((ctx, expected_gains(acceptance, 5)))
+    price = TreePrice(4e-3, 3, c_tok=4e-4, c_attn=1e-6, c_knee=2e-3, knee_tokens=6, base_tokens=3)
+    got = price.gammas_for(requests, weights)
+    best = min(itertools.product(range(6), repeat=3), key=lambda gs: weighted_objective(price, requests, gs, weights))
+    assert weighted_objective(price, requests, got, weights) == pytest.approx(
+        weighted_objective(price, requests, best, weights), abs=1e-12)
+    assert all(g == 0 for g, w in zip(got, weights) if w == 0.0)
+    if set(weights) == {1.0}:
+        assert got == price.gammas_for(requests) and sum(got) > 0

@@ -309,3 +309,63 @@ def test_a_request_aborted_while_drafting_gets_no_further_drafter_calls():
     assert drafter.aborted and "r0" not in drafter.asked_after_abort and "r1" in drafter.asked_after_abort
     assert "r0" not in finals and finals["r1"].finish_reason == "length"
     assert tokens["r1"] == target.greedy(prompts_for(0, 2)[1], 12)
+
+
+@pytest.mark.parametrize("drain_pricing", [True, False])
+def test_while_the_pool_drains_only_the_request_finishing_last_drafts_at_the_full_price(drain_pricing):
+    """Three requests start together; the short one finishes first and nothing replaces it:
+    from then on a token of a request is worth (S_i / S_max)^p, 1 for the request with the
+    most steps left; before that (and with drain pricing off)
+    every request is worth 1. Output stays the target's greedy text."""
+    target = TableTarget()
+    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1, drain_pricing=drain_pricing)
+    scheduler = router.scheduler
+    seen, schedule = [], scheduler.schedule
+
+    def spy_schedule(lane):
+        batch = schedule(lane)
+        lefts = {r.request_id: r.params.max_tokens - len(r.output_token_ids) for r in batch.decodes}
+        seen.append((len(router.pool.running), dict(batch.weights), lefts))
+        return batch
+
+    scheduler.schedule = spy_schedule
+    prompts = prompts_for(0, 3)
+    for i, (p, n) in enumerate(zip(prompts, (6, 60, 30))):
+        router.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+    tokens, _ = asyncio.run(drain(router))
+    assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, n) for p, n in zip(prompts, (6, 60, 30))]
+    assert all(not weights for running, weights, _ in seen if running == 3)
+    drained = [(weights, lefts) for running, weights, lefts in seen if running < 3 and len(lefts) == 2]
+    assert drained
+    if not drain_pricing:
+        assert all(not weights for weights, _ in drained)
+        return
+    for weights, lefts in drained:
+        assert set(weights) == set(lefts) and all(0.0 <= w <= 1.0 for w in weights.values())
+        assert sorted(weights.values())[-1] == 1.0  # the one with the most steps left
+
+
+def test_an_admission_ends_the_drain():
+    target = TableTarget()
+    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    scheduler, schedule, seen = router.scheduler, router.scheduler.schedule, []
+    scheduler.schedule = lambda lane: seen.append(schedule(lane)) or seen[-1]
+    prompts = prompts_for(0, 4)
+    router.add_request("short", prompts[0], SamplingParams(max_tokens=4))
+    router.add_request("short2", prompts[1], SamplingParams(max_tokens=4))
+    router.add_request("long", prompts[2], SamplingParams(max_tokens=80))
+
+    async def go():
+        while not seen or not seen[-1].weights or len(router.pool.running) > 1:
+            await router.step()
+        # 1 of the 3 that ran last is left; one more makes 2, fewer than 3, yet no drain:
+        # the admission is the new reference
+        router.add_request("new", prompts[3], SamplingParams(max_tokens=8))
+        await router.step()
+        return await drain(router)
+
+    asyncio.run(go())
+    ran = [b for b in seen if b.requests]
+    k = next(i for i, b in enumerate(ran) if "new" in {r.request_id for r in b.requests})
+    assert ran[k - 1].weights == {"long": 1.0} and not ran[k].weights
+    assert any(b.weights for b in ran[k + 1:])  # "new" finished first: the long one drains again
