@@ -39,7 +39,7 @@ from cosine_ray.engine.drafters.base import ContinueQuery
 from cosine_ray.engine.drafting import DrafterClient, call_drafters, is_valid_candidates
 from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.target import LayerItem
+from cosine_ray.engine.scoring import LayerItem
 from cosine_ray.engine.verifier import target_token
 
 

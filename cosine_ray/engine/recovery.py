@@ -19,7 +19,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem, TargetClient, TargetUnavailable
+from cosine_ray.engine.scoring import KVCommit, LayerItem, ScoreItem
+
+from cosine_ray.engine.target import TargetClient, TargetUnavailable
 
 
 class RecoveringTarget:

@@ -4,10 +4,8 @@
 (the single-process engine runs every slice here; the Ray runtime gives each slice its
 own actor and chains the hidden states). The router talks to it through ``TargetClient``.
 
-One ``ScoreItem`` per request and step carries everything a stage needs, so no metadata
-round trip precedes a forward (SiPipe's structure-aware transmission): the new tokens — a
-prompt chain at prefill, or a token tree's nodes afterwards — and, on the Ray path, the
-speculative slots of the previous step to keep (``commit_previous``).
+What a step sends and gets back (``ScoreItem``, ``ScoreOutput``, ``KVCommit``) is in
+``engine.scoring``.
 
 After verification the engine calls ``TargetClient.commit`` with each request's kept slots
 (root + accepted path, or the whole prefill chain). The in-process client applies it at once;
@@ -27,180 +25,15 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models.device import indices_to
-from cosine_ray.models.kv_cache import KVCache
-from cosine_ray.models.llama import LlamaStage, StageBatch
+from cosine_ray.engine.scoring import (KVCommit, LayerItem, ScoreItem, ScoreOutput, apply_commits,
+                                       build_stage_batch, score_output, split_output)
+from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import StepRunner, startup_keys
 
 if TYPE_CHECKING:
     from cosine_ray.engine.config import StepConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class KVCommit:
-    """Keep these slots of a request's last speculative level (indices into the level, in
-    path order); the rest of the level is dropped (PipeDec's two-level cache)."""
-
-    request_id: str
-    keep: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ScoreItem:
-    request_id: str
-    token_ids: tuple[int, ...]
-    """New tokens: the prompt chain (prefill) or a tree's nodes (root first)."""
-    parent_ids: tuple[int, ...] | None
-    """Tree parents (node 0 = -1); None = a causal chain."""
-    start_position: int
-    """Committed length after ``commit_previous``: the root's position."""
-    commit_previous: tuple[int, ...] | None = None
-    """Speculative slots of the previous step to keep (root + accepted path); None = none."""
-    all_logits: bool = True
-    """Logits for every new token (trees) or only the last one (prefill)."""
-    ids_only: bool = False
-    """Return the target's argmax token of each of those rows instead of their logits (a
-    greedy request needs nothing else; a sampled one needs the distributions)."""
-
-    @classmethod
-    def prefill(cls, request_id: str, prompt_token_ids: Sequence[int], *, ids_only: bool = False) -> "ScoreItem":
-        return cls(request_id, tuple(prompt_token_ids), None, 0, None, all_logits=False, ids_only=ids_only)
-
-    @classmethod
-    def for_tree(cls, request_id: str, tree: TokenTree, start_position: int,
-                 commit_previous: tuple[int, ...] | None, *, ids_only: bool = False) -> "ScoreItem":
-        return cls(request_id, tree.token_ids, tree.parent_ids, start_position, commit_previous, ids_only=ids_only)
-
-    def _tree(self) -> TokenTree:
-        return TokenTree(self.token_ids, self.parent_ids, (1.0,) * len(self.token_ids))
-
-    def tree_mask(self) -> torch.Tensor | None:
-        return None if self.parent_ids is None else self._tree().attention_mask()
-
-    def positions(self) -> torch.Tensor:
-        if self.parent_ids is None:
-            return torch.arange(self.start_position, self.start_position + len(self.token_ids))
-        return torch.tensor(self._tree().depths(), dtype=torch.long) + self.start_position
-
-
-def build_stage_batch(items: Sequence[ScoreItem]) -> StageBatch:
-    """Flatten a step's items into one varlen batch (shared by every stage of the chain)."""
-    counts = [len(it.token_ids) for it in items]
-    logit_rows, offset = [], 0
-    for it, n in zip(items, counts):
-        logit_rows.extend(range(offset, offset + n) if it.all_logits else [offset + n - 1])
-        offset += n
-    return StageBatch(
-        request_ids=[it.request_id for it in items],
-        num_new_tokens=counts,
-        positions=torch.cat([it.positions() for it in items]),
-        tree_masks=[it.tree_mask() for it in items],
-        logit_indices=torch.tensor(logit_rows, dtype=torch.long),
-        token_ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class ScoreOutput:
-    """What the last stage returns for a step: the argmax token of every logit row (one
-    vectorised op and one small device→host copy) and the logits of the rows whose item
-    wants them (sampled requests) — not every node's fp32 logits."""
-
-    token_ids: torch.Tensor
-    """[num_logit_rows] int64, on the host (pinned on CUDA: read it once ``ready`` has fired)."""
-    logits: torch.Tensor
-    """[rows of the items without ``ids_only``, vocab] fp32."""
-    ready: "torch.cuda.Event | None" = None
-    """CUDA: fires when ``token_ids`` has arrived (the step's one device→host copy, left
-    asynchronous so the host can plan another lane meanwhile); None: ready now."""
-
-    def wait(self) -> "ScoreOutput":
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self
-
-
-def score_output(items: Sequence[ScoreItem], logits: torch.Tensor) -> ScoreOutput:
-    """logits  # [num_logit_rows, vocab] (the last stage's forward) -> ``ScoreOutput``."""
-    ids = logits.argmax(dim=-1)
-    ready = None
-    if ids.is_cuda:
-        token_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        token_ids.copy_(ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-    else:
-        token_ids = ids
-    if not any(it.ids_only for it in items):
-        return ScoreOutput(token_ids, logits, ready)
-    rows, offset = [], 0
-    for it, n in zip(items, _row_counts(items)):
-        if not it.ids_only:
-            rows.extend(range(offset, offset + n))
-        offset += n
-    return ScoreOutput(token_ids, logits.index_select(0, indices_to(rows, logits.device)), ready)
-
-
-def _row_counts(items: Sequence[ScoreItem]) -> list[int]:
-    return [len(it.token_ids) if it.all_logits else 1 for it in items]
-
-
-def split_output(items: Sequence[ScoreItem], out: ScoreOutput) -> list[torch.Tensor]:
-    """One tensor per item: [n_i or 1] int64 argmax tokens for an ``ids_only`` item, else its
-    [n_i or 1, vocab] logits (``algo.verify.verify_greedy`` and ``verifier.target_token`` take
-    either)."""
-    counts = _row_counts(items)
-    ids = list(out.token_ids.split(counts))
-    logits = iter(out.logits.split([n for it, n in zip(items, counts) if not it.ids_only]))
-    return [ids[i] if it.ids_only else next(logits) for i, it in enumerate(items)]
-
-
-def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
-    """Open caches for new requests and keep last step's accepted slots (every stage)."""
-    for it in items:
-        if it.request_id not in cache:
-            if it.start_position != 0:
-                raise ValueError(f"request {it.request_id!r} has no KV cache here but starts at "
-                                 f"position {it.start_position}; re-prefill it")
-            cache.allocate(it.request_id)
-    cache.commit_many((it.request_id, it.commit_previous) for it in items if it.commit_previous is not None)
-    for it in items:
-        length = cache.committed_length(it.request_id)
-        if length != it.start_position:
-            raise ValueError(f"request {it.request_id!r}: stage holds {length} committed tokens, "
-                             f"router expects {it.start_position}")
-
-
-@dataclass(frozen=True, slots=True)
-class LayerItem:
-    """One PipeDec tree layer for one stage (``engine.pipedec``): the stage first prunes its
-    speculative level (``keep``, of which the first ``num_committed`` become committed), then
-    appends these nodes to it. Each node attends to the committed tokens, the speculative
-    slots in its ``ancestors`` and itself."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    """The nodes' tokens (only the first stage embeds them)."""
-    positions: tuple[int, ...]
-    ancestors: tuple[tuple[int, ...], ...]
-    """Per node: the speculative slots (after the prune) of its uncommitted ancestors."""
-    rows: tuple[int, ...] | None = None
-    """Rows of the previous stage's output these nodes are (None: all of them, in order)."""
-    keep: tuple[int, ...] | None = None
-    """Prune first: speculative slots to keep, in order; None: no change."""
-    num_committed: int = 0
-
-    def stage_batch(self, num_speculative: int) -> StageBatch:
-        n = len(self.token_ids)
-        mask = torch.zeros(n, num_speculative + n, dtype=torch.bool)
-        for i, slots in enumerate(self.ancestors):
-            mask[i, list(slots)] = True
-            mask[i, num_speculative + i] = True
-        return StageBatch([self.request_id], [n], torch.tensor(self.positions, dtype=torch.long), [mask],
-                          token_ids=torch.tensor(self.token_ids, dtype=torch.long), extend=True)
 
 
 class TargetUnavailable(RuntimeError):

@@ -26,7 +26,7 @@ from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.scheduler import StepBatch, needs_prefill
 from cosine_ray.engine.speculator import Drafts
-from cosine_ray.engine.target import KVCommit, ScoreItem
+from cosine_ray.engine.scoring import KVCommit, ScoreItem
 
 
 @dataclass(slots=True)

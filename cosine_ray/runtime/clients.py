@@ -17,7 +17,8 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem, TargetUnavailable, split_output
+from cosine_ray.engine.scoring import KVCommit, LayerItem, ScoreItem, split_output
+from cosine_ray.engine.target import TargetUnavailable
 from cosine_ray.runtime.cluster import NAMESPACE
 
 log = logging.getLogger(__name__)

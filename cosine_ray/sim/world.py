@@ -36,7 +36,7 @@ import torch
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.target import KVCommit, LayerItem, ScoreItem
+from cosine_ray.engine.scoring import KVCommit, LayerItem, ScoreItem
 from cosine_ray.sim.clock import Link, Resource
 from cosine_ray.sim.latency import DrafterCost, TargetCost
 

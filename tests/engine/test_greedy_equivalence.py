@@ -438,7 +438,8 @@ BF16_NEAR_TIE = 1.0
 @pytest.mark.parametrize("drafters", ["default", "ngram"])
 def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prompts, drafters):
     from cosine_ray.engine.build import build_target_stages
-    from cosine_ray.engine.target import ScoreItem, TargetWorker
+    from cosine_ray.engine.scoring import ScoreItem
+    from cosine_ray.engine.target import TargetWorker
 
     def engine(drafter_set):
         return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set),

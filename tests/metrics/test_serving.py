@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from cosine_ray.engine.target import ScoreItem, StageWorker
+from cosine_ray.engine.scoring import ScoreItem
+
+from cosine_ray.engine.target import StageWorker
 from cosine_ray.metrics.registry import MetricsRegistry
 from cosine_ray.metrics.serving import RequestTimeline
 
