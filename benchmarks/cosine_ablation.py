@@ -49,6 +49,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "fusion off (single best)": (DEFAULT_DRAFTERS, {"fusion": "single"}),
     "LP off (first come)": (DEFAULT_DRAFTERS, {"scheduler": "fcfs"}),
     "adaptive off (fixed γ)": (DEFAULT_DRAFTERS, {"adaptive": False}),
+    "drain price off": (DEFAULT_DRAFTERS, {"drain_pricing": False}),
 }
 OFF = "speculation off"
 COUNTERS = ("cosine_ray:verify_seconds", "cosine_ray:verify_predicted_seconds",

@@ -188,6 +188,11 @@ def pipeline() -> dict:
         panel("Scheduling decision latency", quantiles("scheduler_decision_seconds", (0.5, 0.99))
               + [(mean("scheduler_decision_seconds"), "mean")], unit="s"),
         panel("Draft tokens Γ per micro-batch", quantiles("scheduler_total_gamma", (0.5, 0.9)), width=12),
+        panel("Step time by phase", [(f"sum by (phase) ({rate('step_phase_seconds_total')})"
+                                      f" / scalar(sum({rate('engine_steps_total')}))", "{{phase}}")],
+              unit="s", stack=True, width=12,
+              description="Seconds per engine step in each part of it: verify is the target call, the "
+                          "rest is the router's host work (where a GPU waits on Python)."),
         panel("PEARL steps / s by kind", [(f"sum by (kind) ({rate('pearl_steps_total')})", "{{kind}}")],
               stack=True, width=12),
     ])

@@ -35,6 +35,7 @@ from typing import Any
 
 from cosine_ray.cli.args import CliError, add_device_args, check_local_device, load_engine, runner_from_args
 from cosine_ray.datasets import default_prompt_dir
+from cosine_ray.metrics.names import STEP_PHASES
 
 DEFAULT_PROMPT_DIR = default_prompt_dir()
 """``$COSINE_RAY_PROMPTS``, else the packaged ``cosine_ray/data/prompts`` (cosine_ray/datasets.py)."""
@@ -280,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
                 row["warmup"] = {"tokens": _count(warm_outs), "seconds": time.perf_counter() - start,
                                  **_spec_figures(warm_outs)}
             busy, steps = _gpu_busy_seconds(engine), dict(engine.target.stages[0].runner.stats)
+            phases = _phase_seconds(engine)
             start = time.perf_counter()
             outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer))
             secs = time.perf_counter() - start
@@ -290,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
             outputs[f"{system.name} c={c}"] = outs
             row.update(tokens=_count(outs), seconds=secs, **_spec_figures(outs),
                        routing_shares=_routing_shares(outs, domains),
-                       decision_ms=_decision_ms(engine))
+                       decision_ms=_decision_ms(engine), step_ms=_step_ms(engine, phases))
             if args.repeat_probe:
                 first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer))
                 row["repeat_probe"] = {"first": _spec_figures([outs[0][:1]]), "again": _spec_figures(first),
@@ -298,8 +300,9 @@ def run(args: argparse.Namespace) -> int:
             row["index_bytes"] = _index_bytes(engine)
             rows.append(row)
             gpu = f", GPU busy {row['gpu_busy_share']:.0%} of the time" if "gpu_busy_share" in row else ""
+            split = ", ".join(f"{k} {v:.2f}" for k, v in row["step_ms"].items() if k != "steps")
             print(f"  {system.name} c={c}: {row['tokens'] / secs:.2f} tok/s, mean accepted length "
-                  f"{row['mean_accepted_length']:.2f}{gpu}", flush=True)
+                  f"{row['mean_accepted_length']:.2f}{gpu}; ms per step: {split}", flush=True)
             del engine
             gc.collect()  # the next engine sizes its KV pool from the memory this one leaves free
 
@@ -367,6 +370,23 @@ def _routing_shares(outs: list[list[Turn]], domains: list[str]) -> dict[str, dic
         if total:
             shares[domain] = {k: round(v / total, 3) for k, v in sorted(routed.items())}
     return shares
+
+
+def _phase_seconds(engine) -> dict[str, float]:
+    """Seconds spent in each part of the engine's steps so far, and the number of steps."""
+    m = engine.core.metrics
+    out = {p: m.total("cosine_ray:step_phase_seconds", phase=p) for p in STEP_PHASES}
+    out["steps"] = m.total("cosine_ray:engine_steps")
+    return out
+
+
+def _step_ms(engine, before: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per step in each part since ``before`` (``_phase_seconds``), and the steps."""
+    now = _phase_seconds(engine)
+    steps = now["steps"] - before["steps"]
+    out = {p: 1e3 * (now[p] - before[p]) / steps if steps else 0.0 for p in STEP_PHASES}
+    out["steps"] = steps
+    return out
 
 
 def _decision_ms(engine) -> float:

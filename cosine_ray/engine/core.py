@@ -10,6 +10,9 @@ NOTE(lead): each line of ``step`` is one call to the owner of that job::
     learn     Learner          one StepStats → calibration, routing, gains, latency, metrics
     advance   RequestPool      append tokens, stream them, finish
 
+Each part's wall time goes to ``cosine_ray:step_phase_seconds{phase}`` (``cosine-ray bench``
+prints it in ms per step): verify is the target's call, the rest is host work.
+
 With ``pipeline_mode="pipedec"`` a request alone in the pool runs PipeDec's timestep loop
 instead (``engine.pipedec``: one layer of a prediction tree per stage), while the mode guard
 measures it faster than lanes here; the step then is one timestep.
@@ -52,6 +55,19 @@ from cosine_ray.metrics.registry import MetricsRegistry
 if TYPE_CHECKING:
     from cosine_ray.algo.domains import DomainClassifier
     from cosine_ray.algo.latency_model import LatencyModel
+
+
+class PhaseTimer:
+    """Wall time (``time.perf_counter``) from one mark to the next, per phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 class EngineCore:
@@ -133,18 +149,29 @@ class EngineCore:
         return await self._lanes_step(lane)
 
     async def _lanes_step(self, lane: int | None) -> list[RequestOutput]:
+        timer = PhaseTimer()
         batch = self.scheduler.schedule(lane)
+        timer.mark("schedule")
         self._hold(batch, +1)
         try:
             routes = self.routing.route(batch)
+            timer.mark("route")
             if self.pearl is None:
                 drafts = await self.speculator.draft(batch, routes)
+                timer.mark("draft")
                 verified = await self.verifier.verify(batch, drafts)
-            else:
+            else:  # drafting ahead overlaps the verification: the two are one phase
                 drafts, verified = await self._pearl_draft_verify(batch, routes)
+            timer.mark("verify")
             self.target.commit(verified.commits)
+            timer.mark("commit")
             await self.learner.learn(batch, drafts, verified)
-            return self.pool.advance(verified.outcomes)
+            timer.mark("learn")
+            outputs = self.pool.advance(verified.outcomes)
+            timer.mark("advance")
+            if batch.requests:
+                self.exporter.step_phases(timer.seconds)
+            return outputs
         finally:
             self._hold(batch, -1)
 

@@ -17,6 +17,12 @@ class EngineMetrics:
     def __init__(self, registry: MetricsRegistry) -> None:
         self.registry = registry
 
+    def step_phases(self, seconds: Mapping[str, float]) -> None:
+        """Wall time of one step's parts (``engine.core.STEP_PHASES``)."""
+        self.registry.inc("cosine_ray:engine_steps")
+        for phase, s in seconds.items():
+            self.registry.inc("cosine_ray:step_phase_seconds", s, phase=phase)
+
     def observe_step(self, stats: StepStats) -> None:
         m = self.registry
         for r in stats.routed:

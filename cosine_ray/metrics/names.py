@@ -61,6 +61,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 SIZE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STEP_PHASES = ("schedule", "route", "draft", "verify", "commit", "learn", "advance")
+"""The parts of an engine step, in order (``engine.core``), the ``phase`` label of
+``cosine_ray:step_phase_seconds``."""
 
 METRICS: dict[str, MetricSpec] = {
     # ---- serving (vLLM names) ------------------------------------------------------------
@@ -114,6 +117,12 @@ METRICS: dict[str, MetricSpec] = {
     "cosine_ray:scheduler_decision_seconds": MetricSpec(
         "histogram", "Time of one batch-scheduling decision (LP solve included).", (), DECISION_BUCKETS),
     # ---- economics: the models the scheduler decides with, checked against what happened ----------
+    "cosine_ray:engine_steps": MetricSpec(
+        "counter", "Engine steps that ran a batch (prefills, trees or both)."),
+    "cosine_ray:step_phase_seconds": MetricSpec(
+        "counter", "Wall time of each part of the engine's steps: schedule, route, draft (fusion "
+        "and TreeSelection included), verify (the target call), commit, learn, advance. All but "
+        "verify are the router's host work.", ("phase",)),
     "cosine_ray:verify_seconds": MetricSpec(
         "counter", "Wall time of the verify forwards (the target call of each step)."),
     "cosine_ray:verify_predicted_seconds": MetricSpec(

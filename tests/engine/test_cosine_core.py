@@ -369,3 +369,36 @@ def test_an_admission_ends_the_drain():
     k = next(i for i, b in enumerate(ran) if "new" in {r.request_id for r in b.requests})
     assert ran[k - 1].weights == {"long": 1.0} and not ran[k].weights
     assert any(b.weights for b in ran[k + 1:])  # "new" finished first: the long one drains again
+
+
+def test_every_part_of_a_step_is_timed_and_bench_reads_it_per_step():
+    """``cosine_ray:step_phase_seconds{phase}`` splits each step that ran a batch into its
+    parts (the order of ``EngineCore.step``); the parts add up to no more than the run, the
+    verify phase holds the target's call, and bench's per-step split reads the same counters."""
+    from types import SimpleNamespace
+
+    from cosine_ray.cli.bench import _phase_seconds, _step_ms
+    from cosine_ray.metrics.names import STEP_PHASES
+
+    class SlowTarget(TableTarget):
+        async def score(self, items):
+            time.sleep(0.002)  # a forward that takes time: it must land in "verify"
+            return await super().score(items)
+
+    target = SlowTarget()
+    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    engine = SimpleNamespace(core=router)
+    before = _phase_seconds(engine)
+    ran, schedule = [], router.scheduler.schedule
+    router.scheduler.schedule = lambda lane: ran.append(schedule(lane)) or ran[-1]
+    start = time.perf_counter()
+    run(router, prompts_for(0, 3), max_tokens=24)
+    wall = time.perf_counter() - start
+    spent = {p: router.metrics.total("cosine_ray:step_phase_seconds", phase=p) for p in STEP_PHASES}
+    steps = sum(1 for b in ran if b.requests)
+    assert router.metrics.total("cosine_ray:engine_steps") == steps > 0
+    assert all(s > 0 for s in spent.values()), spent
+    assert spent["verify"] >= 0.002 * steps and sum(spent.values()) <= wall
+    split = _step_ms(engine, before)
+    assert split["steps"] == steps
+    assert all(split[p] == pytest.approx(1e3 * spent[p] / steps) for p in STEP_PHASES)
