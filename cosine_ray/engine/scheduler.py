@@ -41,9 +41,9 @@ One owner for the request pool's scheduling. Per step (one lane's micro-batch):
    request's expected accepted tokens are then weighted by (S_i / S_max)^16, S_i its tokens
    left (up to ``max_tokens``) over its measured tokens per step: the last to finish drafts at
    the full price, a request 10 % ahead of it at a fifth, one 20 % ahead hardly at all. The
-   drain ends at the next admission. Measured on our CPU (1 thread, 16 held-back prompts, 64
-   tokens, three interleaved runs; the README): full CoSine at c=16 went from 0.93–0.95× of
-   speculation off to 0.97–0.98×, at c=8 from 0.99–1.04× to 1.03–1.08×.
+   drain ends at the next admission. Measured on our CPU (16 held-back prompts, 64 tokens,
+   interleaved; the README): with it full CoSine was ahead of itself without it at c=8 and
+   c=16 on 1 and 2 threads, by 1–5 %.
 
 NOTE(scheduler): the paper's order — batch assignment before drafting (Algorithm 2) — needs
 gains before the trees exist; the last tree's curve predicts them. Only the batch decision
