@@ -18,7 +18,7 @@ class EngineMetrics:
         self.registry = registry
 
     def step_phases(self, seconds: Mapping[str, float]) -> None:
-        """Wall time of one step's parts (``engine.core.STEP_PHASES``)."""
+        """Wall time of one step's parts (``metrics.names.STEP_PHASES``), and one more step."""
         self.registry.inc("cosine_ray:engine_steps")
         for phase, s in seconds.items():
             self.registry.inc("cosine_ray:step_phase_seconds", s, phase=phase)

@@ -116,13 +116,13 @@ METRICS: dict[str, MetricSpec] = {
         "histogram", "γ_i: draft-token budget given to each scheduled request.", (), SIZE_BUCKETS),
     "cosine_ray:scheduler_decision_seconds": MetricSpec(
         "histogram", "Time of one batch-scheduling decision (LP solve included).", (), DECISION_BUCKETS),
-    # ---- economics: the models the scheduler decides with, checked against what happened ----------
     "cosine_ray:engine_steps": MetricSpec(
         "counter", "Engine steps that ran a batch (prefills, trees or both)."),
     "cosine_ray:step_phase_seconds": MetricSpec(
         "counter", "Wall time of each part of the engine's steps: schedule, route, draft (fusion "
         "and TreeSelection included), verify (the target call), commit, learn, advance. All but "
         "verify are the router's host work.", ("phase",)),
+    # ---- economics: the models the scheduler decides with, checked against what happened ----------
     "cosine_ray:verify_seconds": MetricSpec(
         "counter", "Wall time of the verify forwards (the target call of each step)."),
     "cosine_ray:verify_predicted_seconds": MetricSpec(
