@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from cosine_ray.models.config import ModelConfig
-from cosine_ray.models.attention import PaddedInputs, attend, attend_padded, padded_plan, plan_attention
+from cosine_ray.models.attention import (PaddedInputs, attend, attend_padded, padded_plan, plan_attention,
+                                         query_bucket)
 from cosine_ray.models.kv_cache import KVCache
 
 
@@ -60,6 +61,27 @@ class StageBatch:
         flat = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long)
         logit_indices = (torch.tensor(counts).cumsum(0) - 1) if last_logits_only else None
         return cls(list(request_ids), counts, positions, [None] * len(counts), logit_indices, flat)
+
+
+def query_length_order(num_new_tokens: Sequence[int]) -> list[int] | None:
+    """Request order that puts the requests of each attention group (``attention.query_bucket``)
+    next to each other, or None when they already are. On CPU a group whose rows are one slice
+    of the flat batch needs no per-layer gather and scatter of its queries and outputs: one
+    permutation of the hidden rows before the layers and one after replace 2 x layers of them
+    (measured: 3 requests with 3-token trees among 13 decodes, attention of 30 layers 42 ms in
+    batch order, see the CPU figures in ``attention``)."""
+    keys = [query_bucket(n) for n in num_new_tokens]
+    if all(a <= b for a, b in zip(keys, keys[1:])):
+        return None
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def _rows_in_order(counts: Sequence[int], order: Sequence[int]) -> torch.Tensor:
+    """Flat token rows of the requests taken in ``order``."""
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    return torch.tensor([r for i in order for r in range(starts[i], starts[i] + counts[i])], dtype=torch.long)
 
 
 def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -254,10 +276,17 @@ class LlamaStage:
             x = hidden.to(device=self.device, dtype=self.dtype)
 
         # once per step: cache slots, gather indices and masks for every request (models.attention)
-        plan = plan_attention(batch.request_ids, batch.num_new_tokens, batch.tree_masks, kv_cache,
-                              extend=batch.extend, device=self.device)
-        x = self._layers(x, batch.positions.to(self.device),
+        order = query_length_order(batch.num_new_tokens) if self.device.type == "cpu" else None
+        rids, counts, masks, positions = batch.request_ids, batch.num_new_tokens, batch.tree_masks, batch.positions
+        if order is not None:  # rows grouped by query length: each attention group is a slice
+            rows = _rows_in_order(counts, order)
+            rids, counts, masks = ([seq[i] for i in order] for seq in (rids, counts, masks))
+            x, positions = x.index_select(0, rows.to(self.device)), positions.index_select(0, rows)
+        plan = plan_attention(rids, counts, masks, kv_cache, extend=batch.extend, device=self.device)
+        x = self._layers(x, positions.to(self.device),
                          lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale))
+        if order is not None:
+            x = torch.empty_like(x).index_copy_(0, rows.to(self.device), x)
         if not self.is_last:
             return x
         if batch.logit_indices is not None:

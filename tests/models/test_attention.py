@@ -118,6 +118,39 @@ def test_mixed_steps_equal_the_per_request_reference(block_size):
             torch.testing.assert_close(values.transpose(0, 1), torch.stack(ref.v[(rid, layer)]), rtol=0, atol=0)
 
 
+def test_cpu_groups_by_query_length():
+    """On CPU the batched requests split into power-of-two buckets of new-token counts, so a
+    token tree does not pad the decodes beside it; contiguous unpadded groups are slices; every
+    layout equals the reference."""
+    g = torch.Generator().manual_seed(2)
+    cache = KVCache(LAYERS, KV_HEADS, DIM, block_size=4)
+    ref = Reference()
+    rids = ["a", "b", "c", "d", "e"]
+    committed = {}
+    for i, rid in enumerate(rids):
+        cache.allocate(rid)
+        committed[rid] = 0
+        run_step(cache, ref, [rid], [3 + 2 * i], [None], g, committed)
+        cache.commit(rid)
+        committed[rid] = 3 + 2 * i
+    layouts = {
+        (2, 1, 1, 1, 1): [(4, 1, (2, 6)), (1, 2, (0, 2))],  # four decodes and the tree, as slices
+        (1, 3, 1, 4, 1): [(3, 1, None), (2, 4, None)],  # decodes scattered; 3 and 4 share a bucket (padded)
+        (1, 1, 1, 1, 1): [(5, 1, None)],  # one call for the whole batch
+    }
+    for counts, want in layouts.items():
+        masks = [None if n == 1 else random_tree(n, g) for n in counts]
+        plan = plan_attention(rids, list(counts), masks, cache, extend=False, device=torch.device("cpu"))
+        assert [(grp.size, grp.max_new, grp.rows) for grp in plan.groups] == want
+        run_step(cache, ref, rids, list(counts), masks, g, committed)
+        cache.commit_many((rid, [0]) for rid in rids)
+        for rid in rids:
+            for layer in range(LAYERS):
+                for key in (ref.k, ref.v):
+                    del key[(rid, layer)][committed[rid] + 1:]
+            committed[rid] += 1
+
+
 def test_pipedec_layers_extend_the_level():
     """A PipeDec layer's mask covers the speculative level already there and the new nodes."""
     g = torch.Generator().manual_seed(1)

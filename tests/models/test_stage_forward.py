@@ -8,7 +8,7 @@ import torch
 
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models.config import stage_slices
-from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch, onednn_available
+from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch, onednn_available, query_length_order
 
 ATOL = 1e-4
 HF_ATOL = {"mkl": 1e-4, "onednn": 3e-4}
@@ -219,6 +219,12 @@ def test_varlen_batch_equals_each_alone(tiny_stage):
     out = tiny_stage.forward(batch, cache)
     for rows, p, n in zip(out.split([1, 4, 2, 5]), prompts + [[]], new):
         torch.testing.assert_close(rows, fresh_logits(tiny_stage, p + n)[len(p):], atol=ATOL, rtol=0)
+    # that step's rows were sorted by attention group on CPU and back; with logits only for
+    # each request's last token, the rows still come out in batch order
+    assert query_length_order([1, 4, 2, 5]) == [0, 2, 1, 3]
+    batch = StageBatch.from_chains(["r0", "r1", "r2", "r3"], new, [7, 19, 3, 0])
+    last = tiny_stage.forward(batch, cache)
+    torch.testing.assert_close(last, out[torch.tensor([0, 4, 6, 11])], atol=ATOL, rtol=0)
 
 
 # ---- (d) tree attention == per-path recompute ------------------------------------------------
