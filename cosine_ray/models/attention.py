@@ -136,9 +136,7 @@ def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *
 def _by_query_length(batched: list, device: torch.device) -> list[list]:
     """The batched requests split by their new-token count into power-of-two buckets (1, 2,
     3-4, 5-8, ...) on CPU: one batched call per bucket, so one request's token tree does not
-    pad every decoding request's queries to its length. On CPU attention costs what its padded
-    queries cost: 16 decodes over 150-300-token contexts with one 2-token request beside them
-    took 88 ms for the whole forward in one group against 72 with no tree at all. On CUDA
+    pad every decoding request's queries to its length (figures: "Groups on CPU" above). On CUDA
     (where an extra call per layer costs launches, and most steps replay a padded graph) the
     batched requests stay one group."""
     if not batched:
@@ -155,6 +153,7 @@ def query_bucket(num_new_tokens: int) -> int:
     """The CPU attention group of a request with this many new tokens: 0 for 1, 1 for 2, 2 for
     3-4, 3 for 5-8, ... (prefills longer than ``BATCHED_MAX_NEW`` go alone, last)."""
     return (num_new_tokens - 1).bit_length() if num_new_tokens <= BATCHED_MAX_NEW else BATCHED_MAX_NEW
+
 
 def _batched_group(members, total: int, device: torch.device) -> _Batched:
     b = len(members)
@@ -176,10 +175,9 @@ def _batched_group(members, total: int, device: torch.device) -> _Batched:
         out_rows += range(offset, offset + n)
         real += range(i * n_max, i * n_max + n)
     padded = len(real) != b * n_max
-    start = query_rows[0]
-    contiguous = not padded and query_rows == list(range(start, start + len(query_rows)))
-    rows = None if not contiguous or len(query_rows) == total else (start, start + len(query_rows))
-    in_order = contiguous and len(query_rows) == total or rows is not None
+    start, stop = query_rows[0], query_rows[0] + len(query_rows)
+    in_order = not padded and query_rows == list(range(start, stop))  # a slice of the flat batch
+    rows = (start, stop) if in_order and stop - start != total else None
     slots = members[0][4]
     if b == 1 and in_order and _ascending(slots):
         return _Batched(1, n_max, None, None if mask is None else mask.to(device), None, None, None,
@@ -207,10 +205,11 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
         return _attend_batched(plan.groups[0], kv_cache, layer, q, scale, gqa)  # the common case: no scatter
     out = q.new_empty(num_tokens, heads * head_dim)
     for g in plan.groups:
-        if isinstance(g, _Batched) and g.rows is not None:
-            out[g.rows[0]:g.rows[1]] = _attend_batched(g, kv_cache, layer, q[g.rows[0]:g.rows[1]], scale, gqa)
-            continue
         if isinstance(g, _Batched):
+            if g.rows is not None:
+                start, stop = g.rows
+                out[start:stop] = _attend_batched(g, kv_cache, layer, q[start:stop], scale, gqa)
+                continue
             rows = _attend_batched(g, kv_cache, layer, q.index_select(0, g.query_rows), scale, gqa)
             if g.real is not None:
                 rows = rows.index_select(0, g.real)

@@ -281,12 +281,12 @@ class LlamaStage:
         if order is not None:  # rows grouped by query length: each attention group is a slice
             rows = _rows_in_order(counts, order)
             rids, counts, masks = ([seq[i] for i in order] for seq in (rids, counts, masks))
-            x, positions = x.index_select(0, rows.to(self.device)), positions.index_select(0, rows)
+            x, positions = x.index_select(0, rows), positions.index_select(0, rows)  # CPU only: no copies
         plan = plan_attention(rids, counts, masks, kv_cache, extend=batch.extend, device=self.device)
         x = self._layers(x, positions.to(self.device),
                          lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale))
         if order is not None:
-            x = torch.empty_like(x).index_copy_(0, rows.to(self.device), x)
+            x = torch.empty_like(x).index_copy_(0, rows, x)
         if not self.is_last:
             return x
         if batch.logit_indices is not None:
