@@ -126,6 +126,15 @@ class TreePrice:
         """One request's γ on its expected-gain curve (``expected_gains``)."""
         return self.gammas_for([(context_len, gains)])[0]
 
+    def node_can_pay(self, context_len: int, weight: float = 1.0) -> bool:
+        """Could a first draft node of this request pay at all: one accepted for certain
+        (gain 1, the most a node gains), at the step's cheapest token slope? False means
+        γ = 0 whatever the drafters propose, so drafting it is wasted host time."""
+        b = max(self.batch_size, 1)
+        attn = 2 * (context_len + 2) - (context_len + 1)
+        slope = self.token_seconds(self.base_tokens + 1) - self.token_seconds(self.base_tokens)
+        return self.lam * weight - (self.c_attn * attn + slope) / b > 0
+
     def gammas_for(self, requests: Sequence[tuple[int, Sequence[float]]],
                    weights: Sequence[float] | None = None) -> list[int]:
         """γ_i per (context length, expected-gain curve), jointly: greedy on marginal values,

@@ -95,7 +95,9 @@ class EngineCore:
         guard = SpeculationGuard(seed=seed) if is_lp and adaptive and self.drafters else None
         self.scheduler = BatchScheduler(config, self.pool, LpBatchPolicy() if is_lp else FirstComeBatchPolicy(),
                                         costs, gains, kv_bytes_per_token=kv_bytes_per_token,
-                                        priced=is_lp and adaptive, guard=guard, clock=clock)
+                                        priced=is_lp and adaptive, guard=guard, clock=clock,
+                                        # PEARL drafts ahead while the target verifies: not host time to save
+                                        skip_unpaying=config.pearl == "off")
         participation = None
         if adaptive and config.fusion != "single":
             participation = ParticipationController(

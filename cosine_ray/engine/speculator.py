@@ -34,14 +34,11 @@ from cosine_ray.engine.drafters.base import DraftInput
 from cosine_ray.engine.drafting import DrafterClient, DraftingStats, fuse_drafts, gather_proposals, proposals_to_paths
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.routing import Route
-from cosine_ray.engine.scheduler import StepBatch
+from cosine_ray.engine.scheduler import PROBE_EVERY, StepBatch
 
 FUSION_MIN_CUMULATIVE = 0.02
 """With the LP's price, fusion stops growing a trunk (and drops branches) below this
 cumulative confidence: such nodes never pay for their verify slot on any hardware we have."""
-PROBE_EVERY = 8
-"""A request priced at γ = 0 still verifies one draft node every this many steps, so
-calibration keeps measuring its drafters and speculation can come back."""
 
 Answers = dict[str, list[tuple[int | None, float]]]
 """Per drafter, per depth: its token after the fused prefix and raw confidence (eq. 1-2)."""

@@ -190,3 +190,14 @@ def test_weighted_tokens_reach_the_brute_force_optimum_and_weight_zero_drafts_no
     assert all(g == 0 for g, w in zip(got, weights) if w == 0.0)
     if set(weights) == {1.0}:
         assert got == price.gammas_for(requests) and sum(got) > 0
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.05, 0.2, 0.5, 1.0, 3.0])
+@pytest.mark.parametrize("base_tokens", [1, 8, 20])
+def test_node_can_pay_is_false_exactly_when_even_a_certain_node_is_left_out(weight, base_tokens):
+    """``node_can_pay`` (the scheduler skips drafting where it is False) agrees with the
+    selection itself on the best possible tree: nodes accepted for certain."""
+    price = TreePrice(1e-3, 4, c_tok=3e-4, c_attn=1e-6, c_knee=2e-3, knee_tokens=12, base_tokens=base_tokens)
+    certain = expected_gains([1.0] * 4, 4)
+    chosen = price.gammas_for([(150, certain)], [weight])[0]
+    assert price.node_can_pay(150, weight) == (chosen > 0)

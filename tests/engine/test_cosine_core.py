@@ -345,6 +345,50 @@ def test_while_the_pool_drains_only_the_request_finishing_last_drafts_at_the_ful
         assert sorted(weights.values())[-1] == 1.0  # the one with the most steps left
 
 
+def test_a_request_no_node_could_pay_for_is_not_drafted_except_its_probes():
+    """While the pool drains, a request far ahead of the last one is worth next to nothing:
+    no draft node of it could pay, so it is not drafted at all (its budget is 0 before the
+    drafters are asked), except on its probe steps. Output stays the target's greedy text."""
+    from cosine_ray.engine.scheduler import PROBE_EVERY
+
+    target = TableTarget()
+    oracle = OracleDrafter("oracle", target, max_len=2)  # slow enough to reach probe steps
+    asked = []
+    draft = oracle.draft
+    oracle.draft = lambda item: asked.append(item.request_id) or draft(item)
+    router = make(target, [oracle], drafters_per_request=1)
+    scheduler, schedule, seen = router.scheduler, router.scheduler.schedule, []
+
+    def spy_schedule(lane):
+        before = len(asked)
+        batch = schedule(lane)
+        now = {r.request_id: (r.num_tokens, r.params.max_tokens - len(r.output_token_ids)) for r in batch.decodes}
+        seen.append((batch, before, now))
+        return batch
+
+    scheduler.schedule = spy_schedule
+    prompts = prompts_for(0, 3)
+    lengths = (6, 200, 30)
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        router.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+    tokens, _ = asyncio.run(drain(router))
+    assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, n) for p, n in zip(prompts, lengths)]
+    skipped = probed = 0
+    for k, (batch, before, now) in enumerate(seen):
+        after = seen[k + 1][1] if k + 1 < len(seen) else len(asked)
+        asked_now = set(asked[before:after])
+        for rid, (context_len, left) in now.items():
+            pays = batch.price.node_can_pay(context_len, batch.weights.get(rid, 1.0))
+            probe = batch.num_steps[rid] % PROBE_EVERY == 0
+            if not pays and not probe and left > 1:
+                assert batch.budgets[rid] == 0 and rid not in asked_now
+                skipped += 1
+            if not pays and probe and batch.budgets[rid] > 0:
+                assert rid in asked_now
+                probed += 1
+    assert skipped > 0 and probed > 0
+
+
 def test_an_admission_ends_the_drain():
     target = TableTarget()
     router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
