@@ -16,6 +16,7 @@ from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
+from cosine_ray.engine.scheduler import PROBE_EVERY
 
 from fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
@@ -345,19 +346,11 @@ def test_while_the_pool_drains_only_the_request_finishing_last_drafts_at_the_ful
         assert sorted(weights.values())[-1] == 1.0  # the one with the most steps left
 
 
-def test_a_request_no_node_could_pay_for_is_not_drafted_except_its_probes():
-    """While the pool drains, a request far ahead of the last one is worth next to nothing:
-    no draft node of it could pay, so it is not drafted at all (its budget is 0 before the
-    drafters are asked), except on its probe steps. Output stays the target's greedy text."""
-    from cosine_ray.engine.scheduler import PROBE_EVERY
-
-    target = TableTarget()
-    oracle = OracleDrafter("oracle", target, max_len=2)  # slow enough to reach probe steps
-    asked = []
-    draft = oracle.draft
-    oracle.draft = lambda item: asked.append(item.request_id) or draft(item)
-    router = make(target, [oracle], drafters_per_request=1)
-    scheduler, schedule, seen = router.scheduler, router.scheduler.schedule, []
+def drafted_per_step(router, drafter):
+    """Spy on the router's scheduler and ``drafter``: per scheduled step, the batch, each
+    decoding request's (context length, tokens left) then, and whom the drafter was asked for."""
+    asked, seen, schedule, draft = [], [], router.scheduler.schedule, drafter.draft
+    drafter.draft = lambda item: asked.append(item.request_id) or draft(item)
 
     def spy_schedule(lane):
         before = len(asked)
@@ -366,27 +359,65 @@ def test_a_request_no_node_could_pay_for_is_not_drafted_except_its_probes():
         seen.append((batch, before, now))
         return batch
 
-    scheduler.schedule = spy_schedule
-    prompts = prompts_for(0, 3)
-    lengths = (6, 200, 30)
+    router.scheduler.schedule = spy_schedule
+
+    def steps():
+        for k, (batch, before, now) in enumerate(seen):
+            after = seen[k + 1][1] if k + 1 < len(seen) else len(asked)
+            yield batch, now, set(asked[before:after])
+    return steps
+
+
+def test_a_request_the_drain_rules_out_is_drafted_only_to_probe():
+    """While the pool drains, a request far ahead of the last one is worth next to nothing:
+    no draft node of it could pay, so it is not drafted at all (its budget is 0 before the
+    drafters are asked) except on its probe steps. Output stays the target's greedy text."""
+    target = TableTarget()
+    oracle = OracleDrafter("oracle", target, max_len=2)  # slow enough to reach probe steps
+    router = make(target, [oracle], drafters_per_request=1)
+    steps = drafted_per_step(router, oracle)
+    prompts, lengths = prompts_for(0, 3), (6, 200, 30)
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         router.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
     tokens, _ = asyncio.run(drain(router))
     assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, n) for p, n in zip(prompts, lengths)]
-    skipped = probed = 0
-    for k, (batch, before, now) in enumerate(seen):
-        after = seen[k + 1][1] if k + 1 < len(seen) else len(asked)
-        asked_now = set(asked[before:after])
+    skipped = probes = 0
+    for batch, now, asked in steps():
         for rid, (context_len, left) in now.items():
-            pays = batch.price.node_can_pay(context_len, batch.weights.get(rid, 1.0))
-            probe = batch.num_steps[rid] % PROBE_EVERY == 0
-            if not pays and not probe and left > 1:
-                assert batch.budgets[rid] == 0 and rid not in asked_now
-                skipped += 1
-            if not pays and probe and batch.budgets[rid] > 0:
-                assert rid in asked_now
-                probed += 1
-    assert skipped > 0 and probed > 0
+            weight = batch.weights.get(rid, 1.0)
+            if left <= 1:
+                continue
+            if batch.price.node_can_pay(context_len, weight):
+                assert batch.budgets[rid] > 0 and rid in asked
+            else:
+                probe = batch.num_steps[rid] % PROBE_EVERY == 0
+                assert (batch.budgets[rid] > 0) == probe and (rid in asked) == probe
+                skipped += weight < 1.0 and not probe
+                probes += weight < 1.0 and probe
+    assert skipped > 0 and probes > 0
+
+
+def test_where_the_price_rules_every_node_out_only_probe_steps_draft(monkeypatch):
+    """No drain: where even a certain node could not pay (here: ``node_can_pay`` says so),
+    the request is drafted only on its probe steps, so calibration keeps measuring."""
+    from cosine_ray.algo.tree_selection import TreePrice
+
+    monkeypatch.setattr(TreePrice, "node_can_pay", lambda self, context_len, weight=1.0: False)
+    target = TableTarget()
+    oracle = OracleDrafter("oracle", target, max_len=1)
+    router = make(target, [oracle], drafters_per_request=1)
+    steps = drafted_per_step(router, oracle)
+    prompt = prompts_for(0, 1)[0]
+    router.add_request("r0", prompt, SamplingParams(max_tokens=40))
+    tokens, _ = asyncio.run(drain(router))
+    assert tokens["r0"] == target.greedy(prompt, 40)
+    probes = 0
+    for batch, now, asked in steps():
+        if "r0" in now and now["r0"][1] > 1:
+            probe = batch.num_steps["r0"] % PROBE_EVERY == 0
+            assert (batch.budgets["r0"] > 0) == probe and ("r0" in asked) == probe
+            probes += probe
+    assert probes >= 2
 
 
 def test_an_admission_ends_the_drain():
