@@ -131,9 +131,8 @@ class TreePrice:
         (gain 1, the most a node gains), at the step's cheapest token slope? False means
         γ = 0 whatever the drafters propose, so drafting it is wasted host time."""
         b = max(self.batch_size, 1)
-        attn = 2 * (context_len + 2) - (context_len + 1)
         slope = self.token_seconds(self.base_tokens + 1) - self.token_seconds(self.base_tokens)
-        return self.lam * weight - (self.c_attn * attn + slope) / b > 0
+        return self.lam * weight - (self.c_attn * _attention_added(context_len, 0) + slope) / b > 0
 
     def gammas_for(self, requests: Sequence[tuple[int, Sequence[float]]],
                    weights: Sequence[float] | None = None) -> list[int]:
@@ -149,8 +148,7 @@ class TreePrice:
         def value(i: int) -> float:  # the next node's gain less its own attention, per step share
             ctx, gains = requests[i]
             g = gammas[i]
-            attn = (2 + g) * (ctx + 2 + g) - (1 + g) * (ctx + 1 + g)
-            return worth[i] * (gains[g + 1] - gains[g]) - c_attn * attn / b
+            return worth[i] * (gains[g + 1] - gains[g]) - c_attn * _attention_added(ctx, g) / b
 
         heap = [(-value(i), i) for i, (_, gains) in enumerate(requests) if len(gains) > 1]
         heapq.heapify(heap)
@@ -166,3 +164,9 @@ class TreePrice:
             else:
                 heapq.heappop(heap)
         return gammas
+
+
+def _attention_added(context_len: int, gamma: int) -> int:
+    """(new tokens × keys) a request's attention gains when its tree grows from γ to γ + 1
+    nodes: (1 + γ) queries over (l + 1 + γ) keys become (2 + γ) over (l + 2 + γ)."""
+    return (2 + gamma) * (context_len + 2 + gamma) - (1 + gamma) * (context_len + 1 + gamma)
