@@ -345,8 +345,15 @@ def test_real_speculative_equals_hf_greedy(real_engines, hf_tops, real_prompts, 
 @pytest.mark.real_model
 def test_real_learning_experts_learn_and_stay_lossless(real_checkpoint, hf_tops, real_prompts):
     """Live suffix experts (``learning``): the same prompts a second time are drafted from the
-    first pass's outputs (the experts learned them), and both passes equal HF greedy."""
-    engine = make_engine(real_checkpoint, "learning", num_speculative_tokens=8, max_batch_size=8)
+    first pass's outputs (the experts learned them), and both passes equal HF greedy.
+
+    The drain price is off here: it is a throughput choice for the end of a batch (requests
+    that would finish before the last one anyway are left undrafted, each then taking more,
+    cheaper steps), and it made the per-request verify steps this test counts depend on how
+    the 8 last requests of each pass happened to line up (second pass 173-354 steps over
+    repeated runs on one machine, against 143-179 without it)."""
+    engine = make_engine(real_checkpoint, "learning", num_speculative_tokens=8, max_batch_size=8,
+                         drain_pricing=False)
     params = SamplingParams(max_tokens=REAL_MAX_TOKENS)
     first, second = engine.generate(real_prompts, params), engine.generate(real_prompts, params)
     eos = engine.eos_token_ids()
