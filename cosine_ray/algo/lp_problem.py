@@ -199,9 +199,15 @@ class _Problem:
         self.num_g = G + 1
         # the token terms are convex (the latency model's knee) and couple the requests; the LP
         # keeps one share per request by using their tangent at its reference batch: the b_ref
-        # requests of λ's plain step, each with its root (or its prompt)
+        # requests of λ's plain step, each with its root (or its prompt). The objective counts a
+        # prefill as the decode step it turns into, so its tangent is taken at the decode step of
+        # those requests (one token each): touching at the prompts' tokens instead puts it past
+        # the knee, where its intercept c0 − c_knee·K can be negative, and a negative T_ttl / b is
+        # least at b = 1 — measured on an H100 (c0 6.1 ms, K = 64, c_knee 0.099 ms): every
+        # admission ran as a batch of 1, the new prompt alone, the 7 running requests idle.
         b_ref = max(1, min(config.max_batch_size, n))
         c0, c_tok = model.tangent(sum(c.prefill_tokens or 1 for c in cands[:b_ref]))
+        c0_obj, c_tok_obj = model.tangent(b_ref) if any(c.prefill_tokens for c in cands[:b_ref]) else (c0, c_tok)
         c_req, c_attn = model.c_req, model.c_attn
         inf = math.inf
         time_rows, obj_rows, gain_rows = [], [], []
@@ -209,17 +215,22 @@ class _Problem:
             if c.prefill_tokens:  # its prefill; in the objective, the decode step it turns into
                 p = float(c.prefill_tokens)
                 time_rows.append([c_req + c_tok * p + c_attn * p * (0.0 + p)] + [inf] * G)
-                obj_rows.append([c_req + c_tok + c_attn * (p + 1)] + [inf] * G)
+                obj_rows.append([c_req + c_tok_obj + c_attn * (p + 1)] + [inf] * G)
             else:  # per-request T_llm share of 1 + γ new tokens
                 ctx = float(c.context_len)
                 row = [c_req + c_tok * k + c_attn * k * (ctx + k) for k in map(float, range(1, gm + 2))]
                 row += [inf] * (G - gm)
                 time_rows.append(row)
-                obj_rows.append(row)
+                obj_rows.append(row if c_tok_obj == c_tok else
+                                [c_req + c_tok_obj * k + c_attn * k * (ctx + k) for k in map(float, range(1, gm + 2))]
+                                + [inf] * (G - gm))
             gain_rows.append(list(c.gains[: gm + 1]) + [-inf] * (G - gm))
         self.time_rows, self.obj_rows, self.gain_rows = time_rows, obj_rows, gain_rows
         self.has_prefill = any(c.prefill_tokens for c in cands)
         self.c0 = c0
+        """Intercept of T_ttl (the T_max row and the predicted step)."""
+        self.c0_obj = c0_obj
+        """Intercept of the objective's time (equal to ``c0`` unless a prefill is among the reference batch)."""
         # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
         names = list(model.ssm if config.drafters is None else config.drafters)
         unknown = [name for name in names if name not in model.ssm]
@@ -241,7 +252,7 @@ class _Problem:
         if config.lam is not None:
             self.lam_value = config.lam
         else:
-            self.lam_value = (self.c0 + b_ref * self.plain_share) / (b_ref * b_ref)
+            self.lam_value = (self.c0_obj + b_ref * self.plain_share) / (b_ref * b_ref)
 
     # ---- the same as arrays, on first use ----------------------------------------------------
     def _rows(self, rows: list[list[float]]) -> np.ndarray:
@@ -303,7 +314,7 @@ class _Problem:
         step = self.c0 + share + t_ssm
         if self.has_prefill:
             share = math.fsum(obj_rows[i][g] for i, g in zip(sel, gam))
-        objective = (self.c0 + share + t_ssm) / b - self.lam(b) * math.fsum(gain_rows[i][g] for i, g in zip(sel, gam))
+        objective = (self.c0_obj + share + t_ssm) / b - self.lam(b) * math.fsum(gain_rows[i][g] for i, g in zip(sel, gam))
         cfg = self.config
         if b > cfg.max_batch_size:
             return objective, step, f"batch of {b} > max_batch_size {cfg.max_batch_size}"

@@ -193,7 +193,7 @@ class _Relaxation:
         # least its line's value, one that does not values[0] (plain Python from here: a
         # decision runs between forwards, on caches the forward has just flushed, where each
         # NumPy call costs ~10 µs)
-        fixed = [prob.c0] + [prob.c0 + d0 for d0, _, _ in prob.lines]
+        fixed = [prob.c0_obj] + [prob.c0_obj + d0 for d0, _, _ in prob.lines]
         values = [[fixed[j] / b + sums[j][bi] for bi, b in enumerate(bs)] for j in range(self.num_lines)]
         plain = values[0]
         self.lows = [min(values[j][bi], plain[bi]) for bi in range(num_b) for j in range(self.num_lines)]

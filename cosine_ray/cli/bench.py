@@ -298,8 +298,12 @@ def run(args: argparse.Namespace) -> int:
                 row["repeat_probe"] = {"first": _spec_figures([outs[0][:1]]), "again": _spec_figures(first),
                                        "identical": first[0][0].token_ids == outs[0][0].token_ids}
             row["index_bytes"] = _index_bytes(engine)
+            guard = engine.core.scheduler.guard
+            if guard is not None:  # κ the speculation guard ended the run at (0 = speculation off)
+                row["speculation_level"] = guard.levels[guard.current]
             rows.append(row)
             gpu = f", GPU busy {row['gpu_busy_share']:.0%} of the time" if "gpu_busy_share" in row else ""
+            gpu += f", guard at κ={row['speculation_level']:g}" if "speculation_level" in row else ""
             split = ", ".join(f"{k} {v:.2f}" for k, v in row["step_ms"].items() if k != "steps")
             print(f"  {system.name} c={c}: {row['tokens'] / secs:.2f} tok/s, mean accepted length "
                   f"{row['mean_accepted_length']:.2f}{gpu}; ms per step: {split}", flush=True)

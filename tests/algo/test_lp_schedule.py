@@ -325,3 +325,20 @@ def test_the_lp_prices_tokens_at_the_tangent_of_a_knee_at_its_reference_batch():
     plain = {c.request_id: 0 for c in cands}
     step = evaluate_schedule(cands, plain, convex, config).predicted_step_s
     assert step == pytest.approx(convex.predict_llm([c.context_len for c in cands], [1] * 8))
+
+
+def test_an_admission_past_the_knee_does_not_make_the_lp_run_the_prompt_alone():
+    """The latency model an H100 fitted (c0 6.1 ms, K = 64, c_knee 0.099 ms per token past it):
+    a 120-token prompt puts the reference batch past the knee, where the tangent's intercept
+    c0 − c_knee·K is negative. Priced there, T_ttl / b came out negative and least at b = 1, and
+    the LP ran every admission alone (measured: 673 steps of one request with 8 running). The
+    objective's tangent is the decode step the batch turns into, below the knee."""
+    model = make_model((0.00607, 0.0, 1.65e-05, 0.0), knee_tokens=64, c_knee=9.86e-05)
+    cands = [cand(f"r{i}", ctx=100 + 10 * i) for i in range(6)]
+    cands.append(cand("r6", ctx=53, gains=(0.0, 0.97, 1.91, 2.52)))
+    cands.append(cand("new", ctx=0, running=False, waited=0.01, prefill=120))
+    s = schedule_batch(cands, model, config_(max_batch_size=8, gamma_max=8, total_gamma_max=64))
+    assert len(s.batch) == 8, s
+    assert s.objective > 0 and s.predicted_step_s > model.c0
+    assert s.predicted_step_s == pytest.approx(model.predict_llm(
+        [c.context_len for c in cands], [120 if c.prefill_tokens else 1 + s.gamma[c.request_id] for c in cands]))
