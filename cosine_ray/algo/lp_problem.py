@@ -198,39 +198,38 @@ class _Problem:
         G = max(self.gmax_list, default=0)
         self.num_g = G + 1
         # the token terms are convex (the latency model's knee) and couple the requests; the LP
-        # keeps one share per request by using their tangent at its reference batch: the b_ref
-        # requests of λ's plain step, each with its root (or its prompt). The objective counts a
-        # prefill as the decode step it turns into, so its tangent is taken at the decode step of
-        # those requests (one token each): touching at the prompts' tokens instead puts it past
-        # the knee, where its intercept c0 − c_knee·K can be negative, and a negative T_ttl / b is
-        # least at b = 1 — measured on an H100 (c0 6.1 ms, K = 64, c_knee 0.099 ms): every
-        # admission ran as a batch of 1, the new prompt alone, the 7 running requests idle.
+        # keeps one share per request by using tangents. T_ttl (the T_max row, the predicted
+        # step) uses the tangent at the reference batch: the b_ref requests of λ's plain step,
+        # each with its root (or its prompt). The objective counts a prefill as the decode step
+        # it turns into, and for each batch size b takes the tangent at the plain decode step of
+        # b requests (``obj_line``), so T_ttl / b of a plain step is the model's own at every b.
+        # One tangent for all b, touching past the knee, has the intercept c0 − c_knee·K, which
+        # can be negative, and a negative T_ttl / b is least at b = 1 — measured on an H100
+        # (c0 6.1 ms, K = 64, c_knee 0.099 ms): every admission ran as a batch of 1, the new
+        # prompt alone, the 7 running requests idle.
         b_ref = max(1, min(config.max_batch_size, n))
         c0, c_tok = model.tangent(sum(c.prefill_tokens or 1 for c in cands[:b_ref]))
-        c0_obj, c_tok_obj = model.tangent(b_ref) if any(c.prefill_tokens for c in cands[:b_ref]) else (c0, c_tok)
         c_req, c_attn = model.c_req, model.c_attn
         inf = math.inf
-        time_rows, obj_rows, gain_rows = [], [], []
+        time_rows, obj_base_rows, gain_rows = [], [], []
         for c, gm in zip(cands, self.gmax_list):
             if c.prefill_tokens:  # its prefill; in the objective, the decode step it turns into
                 p = float(c.prefill_tokens)
                 time_rows.append([c_req + c_tok * p + c_attn * p * (0.0 + p)] + [inf] * G)
-                obj_rows.append([c_req + c_tok_obj + c_attn * (p + 1)] + [inf] * G)
+                obj_base_rows.append([c_req + c_attn * (p + 1)] + [inf] * G)
             else:  # per-request T_llm share of 1 + γ new tokens
                 ctx = float(c.context_len)
-                row = [c_req + c_tok * k + c_attn * k * (ctx + k) for k in map(float, range(1, gm + 2))]
-                row += [inf] * (G - gm)
-                time_rows.append(row)
-                obj_rows.append(row if c_tok_obj == c_tok else
-                                [c_req + c_tok_obj * k + c_attn * k * (ctx + k) for k in map(float, range(1, gm + 2))]
-                                + [inf] * (G - gm))
+                ks = [float(k) for k in range(1, gm + 2)]
+                time_rows.append([c_req + c_tok * k + c_attn * k * (ctx + k) for k in ks] + [inf] * (G - gm))
+                obj_base_rows.append([c_req + c_attn * k * (ctx + k) for k in ks] + [inf] * (G - gm))
             gain_rows.append(list(c.gains[: gm + 1]) + [-inf] * (G - gm))
-        self.time_rows, self.obj_rows, self.gain_rows = time_rows, obj_rows, gain_rows
-        self.has_prefill = any(c.prefill_tokens for c in cands)
+        self.time_rows, self.obj_base_rows, self.gain_rows = time_rows, obj_base_rows, gain_rows
+        """``obj_base_rows[i][g]``: request i's objective time at γ = g without its γ + 1 tokens'
+        cost, which ``obj_line(b)`` prices per batch size (every row's γ = g has g + 1 tokens)."""
         self.c0 = c0
         """Intercept of T_ttl (the T_max row and the predicted step)."""
-        self.c0_obj = c0_obj
-        """Intercept of the objective's time (equal to ``c0`` unless a prefill is among the reference batch)."""
+        self._model = model
+        self._obj_lines: dict[int, tuple[float, float]] = {}
         # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
         names = list(model.ssm if config.drafters is None else config.drafters)
         unknown = [name for name in names if name not in model.ssm]
@@ -247,12 +246,24 @@ class _Problem:
             self.forced_list = [False] * n
         self.forced_ids = [i for i, f in enumerate(self.forced_list) if f]
         self.num_forced = len(self.forced_ids)
-        self.plain_share = sum(row[0] for row in obj_rows) / n if n else 0.0
+        c0_ref, c_tok_ref = self.obj_line(b_ref)
+        self.plain_share = sum(row[0] for row in obj_base_rows) / n + c_tok_ref if n else 0.0
         self.b_values = list(range(max(1, self.num_forced), min(config.max_batch_size, n) + 1))
         if config.lam is not None:
             self.lam_value = config.lam
         else:
-            self.lam_value = (self.c0_obj + b_ref * self.plain_share) / (b_ref * b_ref)
+            self.lam_value = (c0_ref + b_ref * self.plain_share) / (b_ref * b_ref)
+
+    def obj_line(self, b: int) -> tuple[float, float]:
+        """(intercept, per-token cost) of the objective's time at batch size b: the tangent of
+        the token terms at the plain decode step of b requests (exact there)."""
+        line = self._obj_lines.get(b)
+        if line is None:
+            line = self._obj_lines[b] = self._model.tangent(b)
+        return line
+
+    def obj_time_at(self, b: int) -> np.ndarray:  # [n, G+1]: the objective's time share at batch size b
+        return self.obj_base + self.obj_line(b)[1] * np.arange(1, self.num_g + 1, dtype=np.float64)
 
     # ---- the same as arrays, on first use ----------------------------------------------------
     def _rows(self, rows: list[list[float]]) -> np.ndarray:
@@ -263,8 +274,8 @@ class _Problem:
         return self._rows(self.time_rows)
 
     @cached_property
-    def obj_time(self) -> np.ndarray:  # [n, G+1]: the objective's time share (read only)
-        return self._rows(self.obj_rows) if self.has_prefill else self.time
+    def obj_base(self) -> np.ndarray:  # [n, G+1]: ``obj_base_rows`` (read only)
+        return self._rows(self.obj_base_rows)
 
     @cached_property
     def gain(self) -> np.ndarray:  # [n, G+1]: -inf beyond γ caps
@@ -309,12 +320,11 @@ class _Problem:
             return math.inf, 0.0, "empty batch"
         total_gamma = sum(gam)
         t_ssm = self.ssm_time(sum(1 for g in gam if g), total_gamma)
-        time_rows, obj_rows, gain_rows = self.time_rows, self.obj_rows, self.gain_rows
-        share = math.fsum(time_rows[i][g] for i, g in zip(sel, gam))
-        step = self.c0 + share + t_ssm
-        if self.has_prefill:
-            share = math.fsum(obj_rows[i][g] for i, g in zip(sel, gam))
-        objective = (self.c0_obj + share + t_ssm) / b - self.lam(b) * math.fsum(gain_rows[i][g] for i, g in zip(sel, gam))
+        time_rows, base_rows, gain_rows = self.time_rows, self.obj_base_rows, self.gain_rows
+        step = self.c0 + math.fsum(time_rows[i][g] for i, g in zip(sel, gam)) + t_ssm
+        c0_b, c_tok_b = self.obj_line(b)
+        share = math.fsum(base_rows[i][g] for i, g in zip(sel, gam)) + c_tok_b * (b + total_gamma)
+        objective = (c0_b + share + t_ssm) / b - self.lam(b) * math.fsum(gain_rows[i][g] for i, g in zip(sel, gam))
         cfg = self.config
         if b > cfg.max_batch_size:
             return objective, step, f"batch of {b} > max_batch_size {cfg.max_batch_size}"

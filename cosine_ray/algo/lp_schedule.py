@@ -176,7 +176,12 @@ class _Relaxation:
         # each line's extra time per request at γ = g (line 0: none, and no γ > 0)
         extras = [[0.0] + [inf] * (prob.num_g - 1)]
         extras += [[0.0] + [dr + dt * g for g in range(1, prob.num_g)] for _, dr, dt in prob.lines]
-        per_b = np.array(extras, dtype=np.float64)[:, None, None, :] + prob.obj_time  # [L+1, 1, n, G+1]
+        lines = [prob.obj_line(b) for b in bs]
+        if all(line == lines[0] for line in lines):  # below the knee: one objective line for every b
+            obj = prob.obj_time_at(bs[0])[None, None]  # [1, 1, n, G+1]
+        else:
+            obj = np.stack([prob.obj_time_at(b) for b in bs])[None]  # [1, B, n, G+1]
+        per_b = np.array(extras, dtype=np.float64)[:, None, None, :] + obj
         per_b = per_b / np.array(bs, dtype=np.float64).reshape(1, num_b, 1, 1)  # [L+1, B, n, G+1]
         gain = prob.gain if prob.lam_value > 0 else np.maximum(prob.gain, 0.0)  # λ = 0: no 0·(-inf)
         val = per_b - prob.lam_value * gain
@@ -193,8 +198,9 @@ class _Relaxation:
         # least its line's value, one that does not values[0] (plain Python from here: a
         # decision runs between forwards, on caches the forward has just flushed, where each
         # NumPy call costs ~10 µs)
-        fixed = [prob.c0_obj] + [prob.c0_obj + d0 for d0, _, _ in prob.lines]
-        values = [[fixed[j] / b + sums[j][bi] for bi, b in enumerate(bs)] for j in range(self.num_lines)]
+        offsets = [0.0] + [d0 for d0, _, _ in prob.lines]
+        values = [[(lines[bi][0] + offsets[j]) / b + sums[j][bi] for bi, b in enumerate(bs)]
+                  for j in range(self.num_lines)]
         plain = values[0]
         self.lows = [min(values[j][bi], plain[bi]) for bi in range(num_b) for j in range(self.num_lines)]
         """Lower bound of each greedy solution, index = bi·(lines + 1) + line."""
@@ -270,13 +276,14 @@ def _dominance(prob: _Problem, b: int) -> tuple[np.ndarray, list[tuple[int, int]
     """
     n = len(prob.ids)
     lam = prob.lam(b)
-    score = np.min(prob.obj_time / b - lam * prob.gain, axis=1)
+    obj_time = prob.obj_time_at(b)
+    score = np.min(obj_time / b - lam * prob.gain, axis=1)
     dom_idx = np.argsort(score, kind="stable")[: 4 * b + 8]
     finite_mem = math.isfinite(prob.mem_budget)
 
     def geq(a: np.ndarray, c: np.ndarray) -> np.ndarray:  # [len(a), len(c)]: a ≽ c
         ok = np.all(prob.time[a][:, None, :] <= prob.time[c][None, :, :], axis=2)
-        ok &= np.all(prob.obj_time[a][:, None, :] <= prob.obj_time[c][None, :, :], axis=2)
+        ok &= np.all(obj_time[a][:, None, :] <= obj_time[c][None, :, :], axis=2)
         ok &= np.all(prob.gain[a][:, None, :] >= prob.gain[c][None, :, :], axis=2)
         if finite_mem:
             ok &= prob.running[a][:, None] | (~prob.running[c][None, :] & (prob.mem[a][:, None] <= prob.mem[c][None, :]))
@@ -293,7 +300,7 @@ def _dominance(prob: _Problem, b: int) -> tuple[np.ndarray, list[tuple[int, int]
     pairs: list[tuple[int, int]] = []
     last: dict[bytes, int] = {}
     for j in np.flatnonzero(keep):
-        key = prob.time[j].tobytes() + prob.obj_time[j].tobytes() + prob.gain[j].tobytes()
+        key = prob.time[j].tobytes() + obj_time[j].tobytes() + prob.gain[j].tobytes()
         k = last.get(key)
         if k is not None and not prob.forced[j]:
             mem_ok = (not finite_mem) or prob.running[k] or (not prob.running[j] and prob.mem[k] <= prob.mem[j])
@@ -317,7 +324,7 @@ def _solve_milp(prob: _Problem, b: int, time_limit_s: float) -> tuple[np.ndarray
     nv = nx + 2
     lam = prob.lam(b)
     cost = np.zeros(nv)
-    cost[:nx] = (prob.obj_time[var_i, var_g] / b - lam * prob.gain[var_i, var_g]) * _US
+    cost[:nx] = (prob.obj_time_at(b)[var_i, var_g] / b - lam * prob.gain[var_i, var_g]) * _US
     cost[t] = 1.0 / b  # t is already in μs
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0

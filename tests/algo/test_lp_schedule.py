@@ -342,3 +342,16 @@ def test_an_admission_past_the_knee_does_not_make_the_lp_run_the_prompt_alone():
     assert s.objective > 0 and s.predicted_step_s > model.c0
     assert s.predicted_step_s == pytest.approx(model.predict_llm(
         [c.context_len for c in cands], [120 if c.prefill_tokens else 1 + s.gamma[c.request_id] for c in cands]))
+
+
+@pytest.mark.parametrize("c_knee, best_b", [(9.86e-05, 64), (5e-05, 96)])
+def test_a_decode_batch_past_the_knee_is_priced_at_each_batch_size(c_knee, best_b):
+    """96 plain decodes with the H100's fitted knee at K = 64. Per request a plain step costs
+    T(b)/b = (c0 + c_tok·b + c_knee·max(b − K, 0)) / b: with the H100's c_knee (above c0/K) that
+    is least at b = K, with half of it at b = 96. One tangent at the full batch priced every b
+    with the intercept c0 − c_knee·K (negative with the H100's) and chose b = 1."""
+    model = make_model((0.00607, 0.0, 1.65e-05, 0.0), knee_tokens=64, c_knee=c_knee)
+    cands = [cand(f"r{i:02d}", ctx=100) for i in range(96)]
+    s = schedule_batch(cands, model, config_(max_batch_size=96, gamma_max=0))
+    assert len(s.batch) == best_b, (len(s.batch), s.status)
+    assert s.objective == pytest.approx(model.predict_llm([100] * best_b, [1] * best_b) / best_b)
