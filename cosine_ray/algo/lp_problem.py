@@ -8,7 +8,8 @@ Paper → code (the CoSine paper §4.3; docs/algorithms.md)::
     b_i ∈ {0,1}        x[i, g] ∈ {0,1} one-hot over g = 0..G_i, b_i = Σ_g x[i, g]
     γ_i ≥ 1            γ_i = Σ_g g·x[i, g] ≥ 0: γ_i = 0 turns speculation off for request i
     l = max l_i        varlen cost: each request adds its own T_llm share (latency_model), the
-                       token terms linearised at the reference batch (their tangent)
+                       token terms linearised by their tangent: at the reference batch in T_ttl,
+                       at the plain decode step of b requests in the objective of batch size b
     Γ ≤ Γ_max          Σ_i γ_i ≤ total_gamma_max
     T_ttl ≤ T_max      T_ttl = c0 + Σ_i share_i(γ_i) + T_ssm(b_draft, Γ) ≤ t_max_s
     Σ b_i m_i ≤ M_max  Σ_{waiting, selected} m_i ≤ max(0, M_max − Σ_{running} m_i)
