@@ -231,6 +231,7 @@ class _Problem:
         """Intercept of T_ttl (the T_max row and the predicted step)."""
         self._model = model
         self._obj_lines: dict[int, tuple[float, float]] = {}
+        self._obj_times: dict[float, np.ndarray] = {}
         # drafter time lines (d0, d_req, d_tok); sequential drafters add up into one line
         names = list(model.ssm if config.drafters is None else config.drafters)
         unknown = [name for name in names if name not in model.ssm]
@@ -263,8 +264,12 @@ class _Problem:
             line = self._obj_lines[b] = self._model.tangent(b)
         return line
 
-    def obj_time_at(self, b: int) -> np.ndarray:  # [n, G+1]: the objective's time share at batch size b
-        return self.obj_base + self.obj_line(b)[1] * np.arange(1, self.num_g + 1, dtype=np.float64)
+    def obj_time_at(self, b: int) -> np.ndarray:  # [n, G+1]: the objective's time share at batch size b (read only)
+        c_tok = self.obj_line(b)[1]
+        out = self._obj_times.get(c_tok)  # one array per distinct line: below the knee, one for every b
+        if out is None:
+            out = self._obj_times[c_tok] = self.obj_base + c_tok * np.arange(1, self.num_g + 1, dtype=np.float64)
+        return out
 
     # ---- the same as arrays, on first use ----------------------------------------------------
     def _rows(self, rows: list[list[float]]) -> np.ndarray:
