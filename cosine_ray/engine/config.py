@@ -27,6 +27,7 @@ FUSION_MODES = ("confidence", "single", "union")
 SCHEDULERS = ("lp", "fcfs")
 PIPELINE_MODES = ("lanes", "pipedec")
 PEARL_MODES = ("off", "on", "auto")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,14 @@ class StepConfig:
     least as long as verification, and otherwise drafts first (drafting is cheap: a root-only
     step would waste a verification). For drafters whose drafting takes time (model drafters,
     drafter actors across a link). YAML booleans mean off and on."""
+    overlap_learning: str = "auto"
+    """What a step learns from its verification (calibration, routing scores, gains, drafter
+    feedback, the latency fit, metrics) is done while the *next* step's forward runs, so that
+    host work overlaps the GPU (``Learner.record``/``absorb``); a request's own counts and
+    the guard's step time are still taken at once. on | off | auto: on when the target's
+    forward runs asynchronously to the host (an in-process target on CUDA), off otherwise
+    (on a CPU the forward holds the host, so deferring would only make learning a step
+    late). YAML booleans mean off and on."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -120,6 +129,10 @@ class StepConfig:
             object.__setattr__(self, "pearl", "on" if self.pearl else "off")
         if self.pearl not in PEARL_MODES:
             raise ValueError(f"pearl {self.pearl!r}: use one of {', '.join(PEARL_MODES)}")
+        if isinstance(self.overlap_learning, bool):
+            object.__setattr__(self, "overlap_learning", "on" if self.overlap_learning else "off")
+        if self.overlap_learning not in OVERLAP_MODES:
+            raise ValueError(f"overlap_learning {self.overlap_learning!r}: use one of {', '.join(OVERLAP_MODES)}")
         if self.pipedec_width < 1 or self.pipedec_depth < 0:
             raise ValueError("pipedec_width must be >= 1 and pipedec_depth >= 0")
         if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):

@@ -37,7 +37,7 @@ from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.drafting import DrafterClient, DraftingStats
 from cosine_ray.engine.economics import CostModel, GainModel
-from cosine_ray.engine.learner import Learner
+from cosine_ray.engine.learner import Learner, PendingLearning
 from cosine_ray.engine.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.pool import RequestPool, Verified
@@ -128,6 +128,11 @@ class EngineCore:
                                    on_drafter_failure=self.exporter.drafter_failed)
         self.mode_guard = ModeGuard() if self.pipedec is not None and config.pipedec_guard else None
         self.pearl = Pearl(config.pearl) if config.pearl != "off" and self.drafters else None
+        self.overlap_learning = (config.overlap_learning == "on" or config.overlap_learning == "auto"
+                                 and bool(getattr(target, "runs_async", False)))
+        """Learn from step n while step n+1's forward runs (``StepConfig.overlap_learning``)."""
+        self._unlearned: list[PendingLearning] = []
+        """Recorded steps whose learning waits for the next forward (``overlap_learning``)."""
 
     # ---- the step ---------------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
@@ -161,13 +166,25 @@ class EngineCore:
             if self.pearl is None:
                 drafts = await self.speculator.draft(batch, routes)
                 timer.mark("draft")
-                verified = await self.verifier.verify(batch, drafts)
-            else:  # drafting ahead overlaps the verification: the two are one phase
-                drafts, verified = await self._pearl_draft_verify(batch, routes)
+            # Learning from the steps before runs while this one's forward is on the GPU: the
+            # task starts at verification's first wait (the poll for the GPU, a remote call).
+            absorbing = asyncio.ensure_future(self.flush_learning()) if self._unlearned else None
+            try:
+                if self.pearl is None:
+                    verified = await self.verifier.verify(batch, drafts)
+                else:  # drafting ahead overlaps the verification: the two are one phase
+                    drafts, verified = await self._pearl_draft_verify(batch, routes)
+            finally:
+                if absorbing is not None:
+                    await absorbing
             timer.mark("verify")
             self.target.commit(verified.commits)
             timer.mark("commit")
-            await self.learner.learn(batch, drafts, verified)
+            pending = self.learner.record(batch, drafts, verified)
+            if self.overlap_learning and batch.requests:
+                self._unlearned.append(pending)
+            else:
+                await self.learner.absorb(pending)
             timer.mark("learn")
             outputs = self.pool.advance(verified.outcomes)
             timer.mark("advance")
@@ -241,6 +258,13 @@ class EngineCore:
         if request.request_id not in self.pool.running:  # finished: its KV is freed with it
             await self.pipedec.leave(keep_kv=False)
         return outputs
+
+    async def flush_learning(self) -> None:
+        """Absorb every recorded step not learned from yet (``overlap_learning``): before the
+        next forward's end, when the loop goes idle, and at shutdown."""
+        while self._unlearned:
+            pending = self._unlearned.pop(0)
+            await self.learner.absorb(pending)
 
     def _hold(self, batch: StepBatch, delta: int) -> None:
         """Count the requests a step works on: another lane's step releases none of them

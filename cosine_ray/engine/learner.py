@@ -18,6 +18,7 @@ the verifier's idle share moves the adaptive drafter participation (``algo.adapt
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -60,29 +61,55 @@ class Learner:
         self.guard = guard
 
     async def learn(self, batch: StepBatch, drafts: Drafts, verified: VerifiedBatch) -> StepStats:
+        """Everything a verified step teaches, now (``record`` then ``absorb``)."""
+        return await self.absorb(self.record(batch, drafts, verified))
+
+    def record(self, batch: StepBatch, drafts: Drafts, verified: VerifiedBatch) -> "PendingLearning":
+        """What cannot wait for the next step: each request's own counts (its response's stats
+        block is built when its tokens are appended) and the step's wall time for the guard."""
         stats = StepStats(batch_size=len(drafts.trees), verify_s=verified.verify_s,
                           decision_s=batch.decision_s + drafts.stats.selection_s,
                           gammas=[t.tree.num_draft_tokens for t in drafts.trees.values()],
                           drafter_failures=list(drafts.stats.failures),
                           drafter_round_trips=drafts.stats.calling_rounds)
+        pending = PendingLearning(batch, drafts, verified, stats)
         by_id = {r.request_id: r for r in batch.requests}
         for rid, tree in drafts.trees.items():
             if tree.route is not None:
                 stats.routed.append(RequestStepStats(
                     rid, by_id[rid].domain, routed=tuple((d, tree.route.mode_of(d)) for d in tree.route.drafters)))
+        if verified.lost or not verified.outcomes:
+            return pending
+        pending.step_s = self.clock() - batch.started_at
+        for outcome in verified.outcomes:
+            if outcome.result is not None and self.is_live(outcome.request_id):
+                request = by_id[outcome.request_id]
+                draft = drafts.trees[request.request_id]
+                stats.expected_accepted += sum(draft.selected.node_acceptance())
+                stats.num_accepted += len(outcome.result.accepted_node_ids)
+                stats.requests.append(self._count_tree(request, draft, outcome.result))
+                pending.trees.append((request, draft, outcome.result))
+        return pending
+
+    async def absorb(self, pending: "PendingLearning") -> StepStats:
+        """The rest of what a recorded step teaches: calibration, routing, gains, drafter
+        feedback, the latency fit, the guard, participation and the metrics. Run at once, or
+        (``overlap_learning``) while the next step's forward is on the GPU; a request that
+        finished meanwhile then teaches calibration only (its routing, gain and drafter
+        state is already freed)."""
+        batch, drafts, verified, stats = pending.batch, pending.drafts, pending.verified, pending.stats
         if not verified.lost and verified.outcomes:
             latency = self.costs.latency
             stats.verify_predicted_s = latency.predict_llm(verified.context_lens, verified.num_new_tokens)
-            self._observe_level(batch, verified, latency)
+            self._observe_level(batch, verified, latency, pending.step_s)
             self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s)
-            for outcome in verified.outcomes:
-                if outcome.result is not None and self.is_live(outcome.request_id):
-                    request = by_id[outcome.request_id]
-                    draft = drafts.trees[request.request_id]
-                    stats.expected_accepted += sum(draft.selected.node_acceptance())
-                    stats.num_accepted += len(outcome.result.accepted_node_ids)
-                    stats.requests.append(self._learn_tree(request, draft, outcome.result))
-            await self._feedback(stats)
+            live = []
+            for (request, draft, result), step in zip(pending.trees, stats.requests):
+                is_live = self.is_live(request.request_id)
+                self._learn_tree(request, draft, result, calibration_only=not is_live)
+                if is_live:
+                    live.append(step)
+            await self._feedback(live, stats)
         if self.guard is not None:
             stats.speculation_level = self.guard.levels[self.guard.current]
         if self.participation is not None and verified.outcomes:
@@ -91,35 +118,28 @@ class Learner:
         self.metrics.observe_step(stats)
         return stats
 
-    def _observe_level(self, batch: StepBatch, verified: VerifiedBatch, latency) -> None:
+    def _observe_level(self, batch: StepBatch, verified: VerifiedBatch, latency, step_s: float) -> None:
         """The guard learns what a step at its level yielded: committed tokens per request over
         the step's wall time in predicted plain-decode steps of the same shape. Steps with a
         prefill are skipped (a prompt's cost is not the speculation level's doing)."""
         if self.guard is None or batch.level is None or any(o.is_prefill for o in verified.outcomes):
             return
         plain_s = latency.predict_llm(verified.context_lens, [1] * len(verified.context_lens))
-        step_s = self.clock() - batch.started_at
         if plain_s > 0 and step_s > 0:
             tokens = sum(len(o.new_token_ids) for o in verified.outcomes) / len(verified.outcomes)
             self.guard.observe(batch.level, tokens, step_s / plain_s)
 
-    def _learn_tree(self, request: Request, draft: DraftTree, result: VerifyResult) -> RequestStepStats:
-        tree, owners, raws = draft.tree, draft.selected.owners, draft.selected.raw_confidences
+    def _count_tree(self, request: Request, draft: DraftTree, result: VerifyResult) -> RequestStepStats:
+        """The step's counts for one request, added to its own stats at once."""
+        tree, owners = draft.tree, draft.selected.owners
         accepted = set(result.accepted_node_ids)
-        reachable = {0} | accepted
-        domain = request.domain
-        step = RequestStepStats(request.request_id, domain, tree.num_draft_tokens, len(result.accepted_node_ids))
-        depths = tree.depths()
+        step = RequestStepStats(request.request_id, request.domain, tree.num_draft_tokens, len(accepted))
         for node in range(1, tree.num_nodes):
             owner = owners[node]
             step.drafted_by[owner] = step.drafted_by.get(owner, 0) + 1
             if node in accepted:
                 step.accepted_by[owner] = step.accepted_by.get(owner, 0) + 1
-            if tree.parent_ids[node] in reachable:  # its confidence is conditional on an accepted parent
-                levels = node_levels(owner, domain, depths[node], draft.selected.is_trunk(node))
-                self.calibrator.observe(levels, raws[node], node in accepted)
         self._count_fusion(draft, accepted, step)
-        self.gains.observe(request.request_id, draft.full_gains)
         s = request.stats
         s.num_verify_steps += 1
         s.num_draft_tokens += step.num_draft_tokens
@@ -128,9 +148,23 @@ class Learner:
             s.drafted_by[name] = s.drafted_by.get(name, 0) + n
         for name, n in step.accepted_by.items():
             s.accepted_by[name] = s.accepted_by.get(name, 0) + n
+        return step
+
+    def _learn_tree(self, request: Request, draft: DraftTree, result: VerifyResult, *,
+                    calibration_only: bool = False) -> None:
+        tree, owners, raws = draft.tree, draft.selected.owners, draft.selected.raw_confidences
+        accepted = set(result.accepted_node_ids)
+        reachable = {0} | accepted
+        depths = tree.depths()
+        for node in range(1, tree.num_nodes):
+            if tree.parent_ids[node] in reachable:  # its confidence is conditional on an accepted parent
+                levels = node_levels(owners[node], request.domain, depths[node], draft.selected.is_trunk(node))
+                self.calibrator.observe(levels, raws[node], node in accepted)
+        if calibration_only:
+            return
+        self.gains.observe(request.request_id, draft.full_gains)
         if draft.route is not None:
             self._score_routes(request, draft, result)
-        return step
 
     def _score_routes(self, request: Request, draft: DraftTree, result: VerifyResult) -> None:
         """Eq. 1-2 for each routed drafter, folded into M_r; eq. 3's L_acc."""
@@ -188,10 +222,10 @@ class Learner:
             except Exception:
                 self.metrics.drafter_failed(d.name)
 
-    async def _feedback(self, stats: StepStats) -> None:
+    async def _feedback(self, steps: Sequence[RequestStepStats], stats: StepStats) -> None:
         """Each drafter's drafted/accepted counts for the requests it served this step."""
         per_drafter: Mapping[str, list[DraftFeedback]] = {d.name: [] for d in self.drafters}
-        for r in stats.requests:
+        for r in steps:
             for name in per_drafter:
                 per_drafter[name].append(DraftFeedback(r.request_id, r.drafted_by.get(name, 0),
                                                        r.accepted_by.get(name, 0)))
@@ -201,3 +235,17 @@ class Learner:
                     await d.observe(per_drafter[d.name])
                 except Exception:
                     stats.drafter_failures.append(d.name)
+
+
+@dataclass(slots=True)
+class PendingLearning:
+    """A verified step between ``Learner.record`` and ``Learner.absorb``."""
+
+    batch: StepBatch
+    drafts: Drafts
+    verified: VerifiedBatch
+    stats: StepStats
+    step_s: float = 0.0
+    """Wall time from the step's schedule to its verification's end (the guard's yield)."""
+    trees: list[tuple[Request, DraftTree, VerifyResult]] = field(default_factory=list)
+    """The live requests' trees and results, in the order of ``stats.requests``."""

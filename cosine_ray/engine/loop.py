@@ -38,6 +38,9 @@ class EngineLoop:
     async def _run(self, lane: int) -> None:
         while True:
             if not self.core.lane_has_work(lane):
+                await self.core.flush_learning()  # what the last step taught, before going idle
+                if self.core.lane_has_work(lane):
+                    continue
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -128,6 +131,7 @@ class EngineLoop:
                              last.num_output_tokens, last.stats, last.error)
 
     async def shutdown(self) -> None:
+        await self.core.flush_learning()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -269,6 +269,12 @@ class LocalTargetClient:
     def num_stages(self) -> int:
         return len(self.worker.stages)
 
+    @property
+    def runs_async(self) -> bool:
+        """The forward is queued on a GPU and ``score`` waits without holding the host, so host
+        work can overlap it (``StepConfig.overlap_learning``: auto)."""
+        return any(w.stage.device.type == "cuda" for w in self.worker.stages)
+
     async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None:
         outputs = [stage.forward_layer(item, self._outputs[s - 1] if s else None) if item is not None else None
                    for s, (stage, item) in enumerate(zip(self.worker.stages, items))]

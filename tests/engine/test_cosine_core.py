@@ -281,6 +281,64 @@ def test_drafting_of_one_lane_overlaps_verification_of_the_other(num_lanes):
         assert drafter.num_overlapping >= calls // 2 > 2, (drafter.num_overlapping, calls)
 
 
+@pytest.mark.parametrize("mode,runs_async,overlaps", [("on", False, True), ("auto", True, True),
+                                                       ("auto", False, False), ("off", True, False)])
+def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overlaps):
+    """``overlap_learning``: what step n teaches is absorbed while step n+1's forward is in
+    flight (on, or auto with a target that runs asynchronously); off, never. Either way the
+    text is the target's, every step is learned from by the time the loop is idle, and each
+    response's own counts are complete (the same as without overlap, where learning cannot
+    change the steps: one drafter, fixed γ, first come)."""
+    from cosine_ray.engine.loop import EngineLoop
+
+    def run_once(overlap_mode, target_async):
+        target = ExclusiveSlowTarget(0.005)
+        target.runs_async = target_async
+        router = EngineCore(StepConfig(fusion="single", adaptive=False, scheduler="fcfs", num_speculative_tokens=3,
+                                       drafters_per_request=1, overlap_learning=overlap_mode),
+                            target, [ParityDrafter("even", target, 0)],
+                            vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)
+        during_forward, absorbed = [], []
+        absorb = router.learner.absorb
+
+        async def spying_absorb(pending):
+            during_forward.append(target.verifying)
+            absorbed.append(pending.stats.batch_size)
+            return await absorb(pending)
+
+        router.learner.absorb = spying_absorb
+        loop = EngineLoop(router)
+        prompts = [p for d in range(4) for p in prompts_for(d, 2)]
+
+        async def go():
+            try:
+                return await asyncio.gather(*(loop.generate_all(p, SamplingParams(max_tokens=16))
+                                              for p in prompts))
+            finally:
+                await loop.shutdown()
+
+        outs = asyncio.run(go())
+        assert [o.new_token_ids for o in outs] == [target.greedy(p, 16) for p in prompts]
+        return router, outs, during_forward, absorbed
+
+    router, outs, during_forward, absorbed = run_once(mode, runs_async)
+    assert router.overlap_learning is overlaps
+    assert not router._unlearned
+    assert len(absorbed) > 5
+    if overlaps:  # all but the last step before each idle spell are learned during a forward
+        assert sum(during_forward) >= len(during_forward) - 2, during_forward
+    else:
+        assert not any(during_forward)
+    _, plain, _, plain_absorbed = run_once("off", False)
+    assert [n for n in absorbed if n] == [n for n in plain_absorbed if n]  # every step with trees, once
+    for o, p in zip(outs, plain):
+        assert (o.stats.num_verify_steps, o.stats.num_draft_tokens, o.stats.num_accepted_tokens,
+                o.stats.drafted_by, o.stats.accepted_by) == (p.stats.num_verify_steps, p.stats.num_draft_tokens,
+                                                             p.stats.num_accepted_tokens, p.stats.drafted_by,
+                                                             p.stats.accepted_by)
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0
+
+
 class AbortingOracle(OracleDrafter):
     """Aborts request ``victim`` from inside its first fusion round and records every request
     id it is asked about afterwards."""

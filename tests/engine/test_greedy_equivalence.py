@@ -127,7 +127,8 @@ def test_tiny_speculative_equals_hf_greedy(tiny_checkpoint, tiny_draft_checkpoin
 
 
 @pytest.mark.parametrize("config", [{}, {"routing": "random"}, {"fusion": "single"}, {"fusion": "union"},
-                                    {"scheduler": "fcfs", "min_tree_confidence": 0.0}, {"adaptive": False}],
+                                    {"scheduler": "fcfs", "min_tree_confidence": 0.0}, {"adaptive": False},
+                                    {"overlap_learning": "on"}],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "cosine")
 def test_tiny_cosine_and_ablations_equal_hf_greedy(tiny_checkpoint, tiny_draft_checkpoint, tiny_prompts,
                                                    tiny_reference, tiny_datastore, config):
@@ -408,7 +409,8 @@ def test_real_ngram_retrieval_equals_hf_greedy(real_engines, real_retrieval_spec
 
 
 REAL_COSINE_CONFIGS = {"cosine": {}, "routing off": {"routing": "random"}, "fusion off": {"fusion": "single"},
-                       "lp off": {"scheduler": "fcfs"}, "adaptive off": {"adaptive": False}}
+                       "lp off": {"scheduler": "fcfs"}, "adaptive off": {"adaptive": False},
+                       "learning overlapped": {"overlap_learning": "on"}}
 
 
 @pytest.mark.real_model
