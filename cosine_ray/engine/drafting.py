@@ -54,6 +54,11 @@ class DrafterClient(Protocol):
 class LocalDrafterClient:
     """DrafterClient over an in-process ``DrafterWorker`` (the same worker a drafter actor hosts)."""
 
+    synchronous = True
+    """Each call runs to completion when awaited, without yielding to the event loop: a
+    deadline could not cut it, so ``call_drafters`` awaits it directly (no task per call,
+    and no other lane's step runs in the middle of this one's drafting)."""
+
     def __init__(self, worker: DrafterWorker) -> None:
         self.worker = worker
         self.name = worker.name
@@ -149,19 +154,33 @@ async def continue_via_propose(client: DrafterClient, queries: Sequence[Continue
 
 async def call_drafters(clients: Mapping[str, DrafterClient], batches: Mapping[str, list], method: str,
                         deadline_s: float) -> dict[str, object]:
-    """One call per drafter (its batch), concurrently, each with its own deadline."""
+    """One call per drafter (its batch), concurrently, each with its own deadline. In-process
+    drafters (``synchronous``) are awaited one after another in place: a task and a deadline
+    per call would only let the event loop run other lanes' host work in the middle of this
+    step's drafting, delaying its forward (on a GPU, two lanes then draft together and
+    verify together instead of taking turns)."""
     names = [n for n, batch in batches.items() if batch and n in clients]
 
-    async def call(name: str):
+    def work(name: str):
         client = clients[name]
         if method == "continue_drafts" and not hasattr(client, "continue_drafts"):
-            work = continue_via_propose(client, batches[name])
-        else:
-            work = getattr(client, method)(batches[name])
-        return await asyncio.wait_for(work, timeout=deadline_s)
+            return continue_via_propose(client, batches[name])
+        return getattr(client, method)(batches[name])
 
-    results = await asyncio.gather(*(call(n) for n in names), return_exceptions=True)
-    return dict(zip(names, results))
+    async def call(name: str):
+        return await asyncio.wait_for(work(name), timeout=deadline_s)
+
+    results: dict[str, object] = {}
+    remote = [n for n in names if not getattr(clients[n], "synchronous", False)]
+    for name in names:
+        if name not in remote:
+            try:
+                results[name] = await work(name)
+            except Exception as exc:  # noqa: BLE001 - dropped and counted like a remote failure
+                results[name] = exc
+    if remote:
+        results.update(zip(remote, await asyncio.gather(*(call(n) for n in remote), return_exceptions=True)))
+    return {n: results[n] for n in names}
 
 
 async def gather_proposals(clients: Mapping[str, DrafterClient], batches: Mapping[str, Sequence[DraftInput]], *,
@@ -246,9 +265,12 @@ async def _fetch_chains(clients: Mapping[str, DrafterClient], batches: Mapping[s
     """One call per drafter; stores every answered position under its prefix in ``known``.
     Returns drafter → whether its answer was well formed (else nothing of it is stored)."""
     chained = {n: b for n, b in batches.items() if hasattr(clients.get(n), "continue_chains")}
-    results, plain = await asyncio.gather(
-        call_drafters(clients, chained, "continue_chains", deadline_s),
-        call_drafters(clients, {n: b for n, b in batches.items() if n not in chained}, "continue_drafts", deadline_s))
+    calls = (call_drafters(clients, chained, "continue_chains", deadline_s),
+             call_drafters(clients, {n: b for n, b in batches.items() if n not in chained}, "continue_drafts", deadline_s))
+    if all(getattr(clients.get(n), "synchronous", False) for n in batches):  # nothing to wait on concurrently
+        results, plain = [await c for c in calls]
+    else:
+        results, plain = await asyncio.gather(*calls)
     for name, result in plain.items():  # one position per prefix: a chain of one
         if isinstance(result, list):
             plain[name] = [[[c] for c in r] if isinstance(r, list) else r for r in result]

@@ -339,6 +339,51 @@ def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overla
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0
 
 
+def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without_letting_another_lane_in():
+    """Two lanes over an asynchronous target: the other lane's step may run while this one's
+    forward is in flight, never between its schedule and its forward's launch (in-process
+    drafting awaits no task: otherwise the lanes' host work interleaves, they draft together
+    and verify together, and the GPU idles)."""
+    from cosine_ray.engine.drafters.ngram import NgramDrafter
+    from cosine_ray.engine.drafters.worker import DrafterWorker
+    from cosine_ray.engine.drafting import LocalDrafterClient
+    from cosine_ray.engine.loop import EngineLoop
+
+    target = ExclusiveSlowTarget(0.0005)
+    drafters = [LocalDrafterClient(DrafterWorker(NgramDrafter(name=f"ngram{i}"))) for i in range(4)]
+    router = EngineCore(StepConfig(num_lanes=2, num_speculative_tokens=3, overlap_learning="on"), target, drafters,
+                        vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)
+    events = []
+    schedule, score = router.scheduler.schedule, target.score
+
+    def spying_schedule(lane):
+        batch = schedule(lane)
+        if batch.requests:
+            events.append(("schedule", lane))
+        return batch
+
+    async def spying_score(items):
+        events.append(("score", None))
+        return await score(items)
+
+    router.scheduler.schedule, target.score = spying_schedule, spying_score
+    loop = EngineLoop(router)
+    prompts = [p for d in range(4) for p in prompts_for(d, 2)]
+
+    async def go():
+        try:
+            return await asyncio.gather(*(loop.generate_all(p, SamplingParams(max_tokens=40)) for p in prompts))
+        finally:
+            await loop.shutdown()
+
+    outs = asyncio.run(go())
+    assert [o.new_token_ids for o in outs] == [target.greedy(p, 40) for p in prompts]
+    lanes_seen = {lane for kind, lane in events if kind == "schedule"}
+    assert lanes_seen == {0, 1}
+    followed = [events[i + 1][0] == "score" for i, (kind, _) in enumerate(events[:-1]) if kind == "schedule"]
+    assert len(followed) > 10 and all(followed), events
+
+
 class AbortingOracle(OracleDrafter):
     """Aborts request ``victim`` from inside its first fusion round and records every request
     id it is asked about afterwards."""
