@@ -79,13 +79,10 @@ class StepConfig:
     """How long a lost stage may take to come back before its requests fail."""
     max_restores: int = 3
     """Re-prefills one request may go through before it fails (a bug must not loop)."""
-    num_lanes: int = 0
+    num_lanes: int = 1
     """Micro-batches in flight at once: running requests are split into this many lanes,
     each stepped by its own coroutine, so with S pipeline stages stage s can work on lane
-    n while stage s+1 works on lane n-1, and the host drafts one lane while the GPU verifies
-    another. 0 (auto): 2 for an in-process engine with drafters on CUDA (the host's drafting
-    and learning of one lane hide under the other's forward), else 1 (``serve`` sets one lane
-    per stage)."""
+    n while stage s+1 works on lane n-1. 1 for the in-process engine."""
     pipeline_mode: str = "lanes"
     """lanes: every step verifies whole speculation trees (micro-batches in lanes) | pipedec:
     a request alone in the pool runs PipeDec's timestep loop instead (``engine.pipedec``:
@@ -124,8 +121,8 @@ class StepConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.drafter_deadline_s <= 0:
             raise ValueError("drafter_deadline_s must be > 0")
-        if self.num_lanes < 0:
-            raise ValueError("num_lanes must be >= 1, or 0 for auto")
+        if self.num_lanes < 1:
+            raise ValueError("num_lanes must be >= 1")
         if self.pipeline_mode not in PIPELINE_MODES:
             raise ValueError(f"pipeline_mode {self.pipeline_mode!r}: use one of {', '.join(PIPELINE_MODES)}")
         if isinstance(self.pearl, bool):

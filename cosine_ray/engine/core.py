@@ -26,7 +26,6 @@ the ablations are strategies chosen once in ``__init__``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -78,9 +77,6 @@ class EngineCore:
                  domain_classifier: "DomainClassifier | None" = None,
                  latency_model: "LatencyModel | None" = None, kv_bytes_per_token: int = 0,
                  seed: int | None = 0) -> None:
-        runs_async = bool(getattr(target, "runs_async", False))
-        if config.num_lanes == 0:  # auto: see StepConfig.num_lanes
-            config = dataclasses.replace(config, num_lanes=2 if runs_async and drafters else 1)
         self.config = config
         self.clock = clock
         self.metrics = metrics or MetricsRegistry()
@@ -132,7 +128,8 @@ class EngineCore:
                                    on_drafter_failure=self.exporter.drafter_failed)
         self.mode_guard = ModeGuard() if self.pipedec is not None and config.pipedec_guard else None
         self.pearl = Pearl(config.pearl) if config.pearl != "off" and self.drafters else None
-        self.overlap_learning = config.overlap_learning == "on" or config.overlap_learning == "auto" and runs_async
+        self.overlap_learning = (config.overlap_learning == "on" or config.overlap_learning == "auto"
+                                 and bool(getattr(target, "runs_async", False)))
         """Learn from step n while step n+1's forward runs (``StepConfig.overlap_learning``)."""
         self._unlearned: list[PendingLearning] = []
         """Recorded steps whose learning waits for the next forward (``overlap_learning``)."""

@@ -295,7 +295,7 @@ def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overla
         target = ExclusiveSlowTarget(0.005)
         target.runs_async = target_async
         router = EngineCore(StepConfig(fusion="single", adaptive=False, scheduler="fcfs", num_speculative_tokens=3,
-                                       drafters_per_request=1, overlap_learning=overlap_mode, num_lanes=1),
+                                       drafters_per_request=1, overlap_learning=overlap_mode),
                             target, [ParityDrafter("even", target, 0)],
                             vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)
         during_forward, absorbed = [], []
@@ -337,17 +337,6 @@ def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overla
                                                              p.stats.num_accepted_tokens, p.stats.drafted_by,
                                                              p.stats.accepted_by)
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0
-
-
-@pytest.mark.parametrize("runs_async,with_drafters,lanes", [(True, True, 2), (True, False, 1), (False, True, 1)])
-def test_auto_lanes_are_two_only_for_drafters_over_an_asynchronous_target(runs_async, with_drafters, lanes):
-    """num_lanes 0 (the default): one lane drafts while the other's forward runs on the GPU;
-    plain decoding, and a target that holds the host (CPU), keep one lane. Set, it is kept."""
-    target = TableTarget()
-    target.runs_async = runs_async
-    drafters = [OracleDrafter("oracle", target)] if with_drafters else []
-    assert make(target, drafters).config.num_lanes == lanes
-    assert make(target, drafters, num_lanes=3).config.num_lanes == 3
 
 
 def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without_letting_another_lane_in():

@@ -434,7 +434,7 @@ def test_cli_bad_scenario_file_exits_2_with_one_line(tmp_path, capsys, path, val
     ("no-equals-sign", "KEY.PATH=VALUE"),
     ("workload.output_len=0", "workload.output_len"),
     ("stages.0.device=gpu9", "stages.0.device"),
-    ("engine.step.num_lanes=-1", "num_lanes"),
+    ("engine.step.num_lanes=0", "num_lanes"),
     ("engine.step.no_such_key=1", "no_such_key"),
 ])
 def test_cli_bad_set_exits_2_with_one_line(tmp_path, capsys, assignment, needle):
