@@ -140,3 +140,16 @@ def test_datastore_build_reads_a_given_file(tmp_path):
     assert [r["prompt"] for r in cli._datastore_rows(args)] == [f"p{i}" for i in range(5)]
     cli, args = _datastore_args(["--domain", "legal", "--prompts", str(path)])
     assert [r["prompt"] for r in cli._datastore_rows(args)] == ["p0", "p1", "p2"]
+
+
+def test_bench_system_overrides_take_lists_and_reject_bad_values():
+    """``DRAFTERS@key=value,...``: a [a, b] value is one override (its commas are not
+    separators); a value StepConfig refuses is a CliError naming the system."""
+    from cosine_ray.cli import bench
+    from cosine_ray.cli.args import CliError
+
+    (system,) = bench.parse_systems("ngram,suffix@shared_drafters=[ngram, suffix],drafters_per_request=1")
+    assert system.drafters == "ngram,suffix"
+    assert system.step == {"shared_drafters": ["ngram", "suffix"], "drafters_per_request": 1}
+    with pytest.raises(CliError, match="routing"):
+        bench.parse_systems("default@routing=nowhere")

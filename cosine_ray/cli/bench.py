@@ -27,6 +27,7 @@ import asyncio
 import gc
 import json
 import platform
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -107,7 +108,7 @@ def parse_systems(text: str) -> list[System]:
             continue
         drafters, _, overrides = part.partition("@")
         step: dict[str, Any] = {}
-        for item in filter(None, (o.strip() for o in overrides.split(","))):
+        for item in filter(None, (o.strip() for o in re.split(r",(?![^\[]*\])", overrides))):  # [a, b] is one value
             key, sep, value = item.partition("=")
             if not sep:
                 raise CliError(f"--systems: {item!r} in {part!r} is not KEY=VALUE")
