@@ -152,6 +152,11 @@ async def continue_via_propose(client: DrafterClient, queries: Sequence[Continue
     return out
 
 
+def _is_synchronous(client: object) -> bool:
+    """An in-process client whose calls never yield (``LocalDrafterClient.synchronous``)."""
+    return bool(getattr(client, "synchronous", False))
+
+
 async def call_drafters(clients: Mapping[str, DrafterClient], batches: Mapping[str, list], method: str,
                         deadline_s: float) -> dict[str, object]:
     """One call per drafter (its batch), concurrently, each with its own deadline. In-process
@@ -171,7 +176,7 @@ async def call_drafters(clients: Mapping[str, DrafterClient], batches: Mapping[s
         return await asyncio.wait_for(work(name), timeout=deadline_s)
 
     results: dict[str, object] = {}
-    remote = [n for n in names if not getattr(clients[n], "synchronous", False)]
+    remote = [n for n in names if not _is_synchronous(clients[n])]
     for name in names:
         if name not in remote:
             try:
@@ -267,7 +272,7 @@ async def _fetch_chains(clients: Mapping[str, DrafterClient], batches: Mapping[s
     chained = {n: b for n, b in batches.items() if hasattr(clients.get(n), "continue_chains")}
     calls = (call_drafters(clients, chained, "continue_chains", deadline_s),
              call_drafters(clients, {n: b for n, b in batches.items() if n not in chained}, "continue_drafts", deadline_s))
-    if all(getattr(clients.get(n), "synchronous", False) for n in batches):  # nothing to wait on concurrently
+    if all(_is_synchronous(clients.get(n)) for n in batches):  # nothing to wait on concurrently
         results, plain = [await c for c in calls]
     else:
         results, plain = await asyncio.gather(*calls)

@@ -87,8 +87,9 @@ class Learner:
                 draft = drafts.trees[request.request_id]
                 stats.expected_accepted += sum(draft.selected.node_acceptance())
                 stats.num_accepted += len(outcome.result.accepted_node_ids)
-                stats.requests.append(self._count_tree(request, draft, outcome.result))
-                pending.trees.append((request, draft, outcome.result))
+                step = self._count_tree(request, draft, outcome.result)
+                stats.requests.append(step)
+                pending.trees.append((request, draft, outcome.result, step))
         return pending
 
     async def absorb(self, pending: "PendingLearning") -> StepStats:
@@ -104,7 +105,7 @@ class Learner:
             self._observe_level(batch, verified, latency, pending.step_s)
             self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s)
             live = []
-            for (request, draft, result), step in zip(pending.trees, stats.requests):
+            for request, draft, result, step in pending.trees:
                 is_live = self.is_live(request.request_id)
                 self._learn_tree(request, draft, result, calibration_only=not is_live)
                 if is_live:
@@ -247,5 +248,5 @@ class PendingLearning:
     stats: StepStats
     step_s: float = 0.0
     """Wall time from the step's schedule to its verification's end (the guard's yield)."""
-    trees: list[tuple[Request, DraftTree, VerifyResult]] = field(default_factory=list)
-    """The live requests' trees and results, in the order of ``stats.requests``."""
+    trees: list[tuple[Request, DraftTree, VerifyResult, RequestStepStats]] = field(default_factory=list)
+    """Each live request's tree, its verification and the step's counts for it."""
