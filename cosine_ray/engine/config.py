@@ -17,12 +17,9 @@ DOMAINS = ("code", "math", "instruction", "chat")
 DEFAULT_DRAFTERS = "ngram," + ",".join(f"retrieval:{d}" for d in DOMAINS)
 """CoSine's default speculation cluster: the context n-gram drafter and one retrieval
 drafter per domain (the expertise router learns which serves which request)."""
-LEARNING_DRAFTERS = "ngram,suffix," + ",".join(f"suffix:{d}" for d in DOMAINS)
-"""The context n-gram drafter, the global suffix drafter (every finished request, whatever its
-domain, plus the request's own text) and one live suffix expert per domain: each expert is
-seeded from its domain's datastore and keeps learning from the requests of its domain the
-server finishes. The n-gram and global suffix drafters are shared (every request uses them);
-the router picks the experts."""
+LEARNING_DRAFTERS = "ngram," + ",".join(f"suffix:{d}" for d in DOMAINS)
+"""The context n-gram drafter and one live suffix expert per domain: each is seeded from its
+domain's datastore and keeps learning from the requests of its domain the server finishes."""
 
 
 ROUTING_MODES = ("expertise", "random")
@@ -57,12 +54,11 @@ class StepConfig:
     """False (ablation): fixed γ and fixed drafter participation."""
     drafters_per_request: int = 2
     """k: drafters routed to each request per step (adaptive: where participation starts)."""
-    shared_drafters: tuple[str, ...] = ("ngram", "suffix")
+    shared_drafters: tuple[str, ...] = ("ngram",)
     """Domain-agnostic drafters every request uses besides its k routed ones (the context
     n-gram drafter costs a dictionary lookup and knows the request's own text better than any
-    domain expert; the global suffix drafter indexes every domain's outputs). Names not in
-    the pool are ignored; with ``fusion="single"`` they compete for the one slot like every
-    other drafter."""
+    domain expert). Names not in the pool are ignored; with ``fusion="single"`` they compete
+    for the one slot like every other drafter."""
     max_drafters_per_request: int = 3
     total_gamma_max: int = 64
     """Γ_max: draft tokens per micro-batch (eq. 6; Algorithm 2 trims above it)."""
