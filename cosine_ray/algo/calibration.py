@@ -137,7 +137,6 @@ class TreeBias:
     _sums: dict[str, list[float]] = field(default_factory=dict)
 
     def factor(self, domain: str) -> float:
-        """f: the domain's accepted over expected draft tokens (with the prior), clamped."""
         expected, accepted = self._sums.get(domain, (0.0, 0.0))
         f = (accepted + self.prior_tokens) / (expected + self.prior_tokens)
         return min(max(f, self.min_factor), self.max_factor)
