@@ -85,7 +85,7 @@ class Learner:
             if outcome.result is not None and self.is_live(outcome.request_id):
                 request = by_id[outcome.request_id]
                 draft = drafts.trees[request.request_id]
-                stats.expected_accepted += sum(draft.selected.node_acceptance())
+                stats.expected_accepted += sum(self.speculator.node_acceptance(request.domain, draft.selected))
                 stats.num_accepted += len(outcome.result.accepted_node_ids)
                 step = self._count_tree(request, draft, outcome.result)
                 stats.requests.append(step)
@@ -161,6 +161,8 @@ class Learner:
             if tree.parent_ids[node] in reachable:  # its confidence is conditional on an accepted parent
                 levels = node_levels(owners[node], request.domain, depths[node], draft.selected.is_trunk(node))
                 self.calibrator.observe(levels, raws[node], node in accepted)
+        if tree.num_draft_tokens:
+            self.speculator.bias.observe(request.domain, sum(draft.selected.node_acceptance()), len(accepted))
         if calibration_only:
             return
         self.gains.observe(request.request_id, draft.full_gains)

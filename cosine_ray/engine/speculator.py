@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from cosine_ray.algo.adaptive import expected_gains
-from cosine_ray.algo.calibration import ConfidenceCalibrator, node_levels
+from cosine_ray.algo.calibration import ConfidenceCalibrator, TreeBias, node_levels
 from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
 from cosine_ray.algo.lp_schedule import trim_gammas
 from cosine_ray.algo.tree import TokenTree
@@ -182,11 +182,17 @@ class FixedSelection:
 
 class Speculator:
     def __init__(self, drafting: DraftingStrategy, selection: TreePolicy, calibrator: ConfidenceCalibrator, *,
-                 total_gamma_max: int) -> None:
+                 total_gamma_max: int, bias: TreeBias | None = None) -> None:
         self.drafting = drafting
         self.selection = selection
         self.calibrator = calibrator
         self.total_gamma_max = total_gamma_max
+        self.bias = bias if bias is not None else TreeBias()
+        """Per-domain correction of a tree's expected accepted tokens (``algo.calibration.TreeBias``)."""
+
+    def node_acceptance(self, domain: str, selected: SelectedTree) -> list[float]:
+        """Each draft node's chance of acceptance, as the gains and the metrics count it."""
+        return self.bias.scale(domain, selected.node_acceptance())
 
     def calibration(self, domain: str) -> Calibrate:
         """Confidence calibration per drafter, domain, role and depth (``algo.calibration``): a
@@ -225,7 +231,7 @@ class Speculator:
             rid = r.request_id
             paths = drafted[rid].paths if rid in drafted else []
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid], min_confidence=cut)
-            fulls[rid] = (full, expected_gains(full.node_acceptance(), batch.budgets[rid]))
+            fulls[rid] = (full, expected_gains(self.node_acceptance(r.domain, full), batch.budgets[rid]))
         chosen = self.selection.gammas(batch, [(r, *fulls[r.request_id]) for r in decodes]) if decodes else []
         # no more than was drafted (a request with no paths has a root-only tree: γ = 0)
         gammas = {r.request_id: min(g, fulls[r.request_id][0].tree.num_draft_tokens) for r, g in zip(decodes, chosen)}

@@ -58,3 +58,20 @@ def test_decay_follows_a_changing_workload():
     assert cal.calibrate(levels, 0.6) > 0.8
     feed(cal, levels, 0.6, rate=0.1, n=1000, seed=4)  # the drafter got worse
     assert cal.calibrate(levels, 0.6) < 0.2
+
+
+def test_tree_bias_scales_gains_by_what_verification_accepted_per_domain():
+    from cosine_ray.algo.calibration import TreeBias
+
+    bias = TreeBias(prior_tokens=4.0, decay=1.0)
+    assert bias.factor("code") == 1.0 and bias.scale("code", [0.5, 0.2]) == [0.5, 0.2]
+    for _ in range(20):  # trees expected to yield 2 tokens yield 3
+        bias.observe("code", 2.0, 3)
+    assert bias.factor("code") == (60 + 4) / (40 + 4)
+    assert bias.factor("math") == 1.0  # another domain keeps its own sums
+    scaled = bias.scale("code", [0.9, 0.6, 0.3])
+    assert scaled[0] == 1.0 and scaled[1] > scaled[2]  # capped at 1, order kept
+    assert scaled[2] == 0.3 * bias.factor("code")
+    for _ in range(200):  # trees that yield less than expected: no correction downwards
+        bias.observe("math", 1.0, 0)
+    assert bias.factor("math") == bias.min_factor == 1.0

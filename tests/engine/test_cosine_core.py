@@ -580,3 +580,50 @@ def test_every_part_of_a_step_is_timed_and_bench_reads_it_per_step():
     split = _step_ms(engine, before)
     assert split["steps"] == steps
     assert all(split[p] == pytest.approx(1e3 * spent[p] / steps) for p in STEP_PHASES)
+
+
+def test_the_tree_bias_learns_every_verified_tree_and_scales_the_gains_and_the_expected_metric():
+    """``TreeBias`` (``algo.calibration``): each verified tree adds its expected (the sum of its
+    nodes' cumulative confidences) and its accepted draft tokens to its domain's sums; the
+    gains the scheduler prices and the expected-accepted metric are scaled by the factor.
+    Output stays the target's greedy text."""
+    class HalfSureOracle(OracleDrafter):  # always right, says 0.5: calibration starts low
+        def draft(self, item):
+            proposal = super().draft(item)
+            return DraftProposal(item.request_id, proposal.paths, [[0.5] * len(p) for p in proposal.paths])
+
+    target = TableTarget()
+    router = make(target, [HalfSureOracle("oracle", target, max_len=3)], drafters_per_request=1)
+    router.speculator.bias.decay = 1.0
+    seen = []
+    record = router.learner.record
+
+    def spy(batch, drafts, verified):
+        domains = {r.request_id: r.domain for r in batch.requests}
+        for rid, tree in drafts.trees.items():
+            domain = domains[rid]
+            f = router.speculator.bias.factor(domain)
+            raw = tree.selected.node_acceptance()
+            expected = [min(1.0, f * p) for p in raw]
+            assert list(tree.full_gains[:len(raw) + 1]) == pytest.approx(
+                [0.0] + [sum(sorted(expected, reverse=True)[:g]) for g in range(1, len(raw) + 1)])
+            seen.append((domain, sum(raw)))
+        pending = record(batch, drafts, verified)
+        domains = {r.request_id: r.domain for r in batch.requests}
+        scaled = sum(sum(router.speculator.node_acceptance(domains[rid], t.selected)) for rid, t in drafts.trees.items())
+        assert pending.stats.expected_accepted == pytest.approx(scaled)
+        return pending
+
+    router.learner.record = spy
+    prompts = prompts_for(0, 2) + prompts_for(1, 2)
+    for i, p in enumerate(prompts):
+        router.add_request(f"r{i}", p, SamplingParams(max_tokens=24))
+    tokens, finals = asyncio.run(drain(router))
+    assert [tokens[f"r{i}"] for i in range(4)] == [target.greedy(p, 24) for p in prompts]
+    sums = router.speculator.bias._sums
+    accepted = sum(f.stats.num_accepted_tokens for f in finals.values())
+    assert accepted > 0 and sum(s[1] for s in sums.values()) == accepted
+    drafted = [(d, e) for d, e in seen if e > 0]
+    assert sum(s[0] for s in sums.values()) == pytest.approx(sum(e for _, e in drafted))
+    assert set(sums) == {d for d, _ in drafted} and len(sums) == 2
+    assert all(router.speculator.bias.factor(d) > 1.0 for d in sums)  # so the scaling above was tested
