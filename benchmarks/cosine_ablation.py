@@ -17,7 +17,9 @@ highest round as its band; the noise band of the setting is the spread of specul
 itself across rounds ((max − min) / mean). Per system: mean accepted length, mean γ_i, the
 scheduling decision time (LP + TreeSelection, ms per step), and the economics check — verify
 time predicted by the cost model / measured, and draft tokens expected by the gain model /
-accepted. Every output is compared with speculation off's, token for token (lossless).
+accepted. Then full CoSine against every other system, paired per round (full / other in the
+same round: mean and min–max), marked ``≥`` where the mean is within the noise band of 1 or
+above. Every output is compared with speculation off's, token for token (lossless).
 
     python benchmarks/cosine_ablation.py [--rounds 3] [--concurrency 1,4,8,16] [--threads 1,2]
         [--prompts-per-domain 4] [--warmup-per-domain 4] [--max-tokens 64] [--systems ...]
@@ -52,6 +54,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "drain price off": (DEFAULT_DRAFTERS, {"drain_pricing": False}),
 }
 OFF = "speculation off"
+FULL = "CoSine (full)"
 COUNTERS = ("cosine_ray:verify_seconds", "cosine_ray:verify_predicted_seconds",
             "cosine_ray:spec_decode_expected_accepted_tokens", "cosine_ray:spec_decode_num_accepted_tokens")
 HISTOGRAMS = ("cosine_ray:scheduler_decision_seconds", "cosine_ray:scheduler_gamma")
@@ -113,7 +116,7 @@ def summarise(runs: list[dict[str, Any]], off_runs: list[dict[str, Any]] | None)
         return sum(r[key] for r in runs)
 
     steps = total("steps")
-    out = {"tok_s": statistics.mean(r["tok_s"] for r in runs),
+    out = {"tok_s": statistics.mean(r["tok_s"] for r in runs), "tok_s_rounds": [r["tok_s"] for r in runs],
            "mean_accepted_length": (total("accepted") + steps) / steps if steps else 0.0,
            "gamma_mean": total("cosine_ray:scheduler_gamma:sum") / max(total("cosine_ray:scheduler_gamma:count"), 1),
            "decision_ms": 1e3 * total("cosine_ray:scheduler_decision_seconds:sum")
@@ -234,11 +237,35 @@ def print_tables(results: dict[str, Any], names: list[str], thread_settings: lis
                   f"| {last['accept_expected_over_actual']:.2f} | {ident}/{outs} |")
         bands = " ".join(f"c={c} ±{results[f'threads={threads} c={c}']['noise_band'] / 2:.1%}" for c in concurrencies)
         print(f"\nnoise band (speculation off across rounds, half of max−min): {bands}")
+        if FULL in names:
+            print_paired(results, names, threads, concurrencies)
         print(f"guard levels at the end: {results.get(f'threads={threads} guard', {})}")
         for n, shares in results[f"threads={threads} routing shares"].items():
             print(f"routing shares, {n}: " + "; ".join(
                 f"{d}: " + " ".join(f"{k}={v}" for k, v in sh.items()) for d, sh in shares.items()))
     print("\n(mean acc. length … accepted exp/actual: the last concurrency's runs)")
+
+
+def print_paired(results: dict[str, Any], names: list[str], threads: int, concurrencies: list[int]) -> None:
+    """Full CoSine against each ablation, paired per round (same round, same minute of the
+    machine): the mean of full / ablation with its rounds' min–max, marked ``≥`` where the
+    mean is at least 1 − the setting's noise band (half of speculation off's max−min)."""
+    print(f"\nfull CoSine / each system, paired per round (mean, min–max; ≥: within the noise band):\n")
+    print("| system | " + " | ".join(f"c={c}" for c in concurrencies) + " |")
+    print("| --- |" + " --- |" * len(concurrencies))
+    for n in names:
+        if n == FULL:
+            continue
+        cells = []
+        for c in concurrencies:
+            res = results[f"threads={threads} c={c}"]
+            full, other = res["systems"][FULL]["tok_s_rounds"], res["systems"][n]["tok_s_rounds"]
+            paired = [f / o for f, o in zip(full, other)]
+            mean = statistics.mean(paired)
+            mark = "≥" if mean >= 1 - res["noise_band"] / 2 else "<"
+            cells.append(f"{mark} {mean:.2f} ({min(paired):.2f}–{max(paired):.2f})")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    print()
 
 
 if __name__ == "__main__":
