@@ -11,12 +11,23 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 TEST_THREADS = int(os.environ.get("COSINE_RAY_TEST_THREADS", "1"))
 torch.set_num_threads(TEST_THREADS)
+
+# Latency profiles: the session's own directory (``engine.profile.profile_dir``), set before any
+# engine, server subprocess or Ray worker starts, so they all inherit it. An engine loads the
+# profile it finds, so a developer's profiles would otherwise steer what the tests measure (CI
+# starts without any), and the tests' profiles of temporary tiny models would pile up in
+# ~/.cache/cosine_ray. A directory given from outside is kept.
+_OWN_PROFILE_DIR = "COSINE_RAY_PROFILE_DIR" not in os.environ
+if _OWN_PROFILE_DIR:
+    os.environ["COSINE_RAY_PROFILE_DIR"] = tempfile.mkdtemp(prefix="cosine_ray_test_profiles_")
 
 TINY_VOCAB = 256
 
@@ -26,6 +37,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run tests marked slow")
     parser.addoption("--soak-seconds", type=float, default=420.0,
                      help="length of the serving soak test (tests/serve/test_reliability_serve.py)")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _OWN_PROFILE_DIR:
+        shutil.rmtree(os.environ["COSINE_RAY_PROFILE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

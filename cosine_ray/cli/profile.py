@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     add_device_args(prof)
     prof.add_argument("--quick", action="store_true", help="small grid, 3 repetitions (what `serve` runs at first start)")
     prof.add_argument("--out", default=None,
-                      help="output JSON (default: ~/.cache/cosine_ray/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json)")
+                      help="output JSON (default: $COSINE_RAY_PROFILE_DIR or ~/.cache/cosine_ray/profiles, "
+                           "then <model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json)")
 
 
 def run(args: argparse.Namespace) -> int:

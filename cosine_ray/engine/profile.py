@@ -4,7 +4,8 @@ It measures the real in-process target (the same ``TargetWorker`` over ``LlamaSt
 that the engine runs) and the configured drafters, fits ``algo.latency_model.LatencyModel``
 and stores it as JSON under
 ``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``
-(``profile_path``: each setup keeps its own profile).
+(``profile_path``: each setup keeps its own profile; ``$COSINE_RAY_PROFILE_DIR`` replaces the
+directory, which the test suite uses to keep its profiles to itself).
 
 What is measured:
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 import re
 import statistics
@@ -100,7 +102,19 @@ def profile_path(config: EngineConfig) -> Path:
         name = f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-{config.device}-{config.dtype}-s{config.num_stages}"
                                              f"-t{profile_threads(config)}-d{drafter_set_digest(config)}{kernel}")
-    return cache_root() / "profiles" / f"{slug}.json"
+    return profile_dir() / f"{slug}.json"
+
+
+PROFILE_DIR_ENV = "COSINE_RAY_PROFILE_DIR"
+
+
+def profile_dir() -> Path:
+    """``$COSINE_RAY_PROFILE_DIR``, or ``cache_root()/profiles``. The engine loads the profile it
+    finds there, so whatever wrote it steers the scheduler: the test suite points this at a
+    directory of its own, so that a developer's profiles don't change what the tests do and
+    the tests' profiles (many tiny temporary models) don't pile up in the user's cache."""
+    env = os.environ.get(PROFILE_DIR_ENV)
+    return Path(env).expanduser() if env else cache_root() / "profiles"
 
 
 def median_seconds(run: Callable[[], object], warmup: int, repeats: int, device: str = "cpu") -> float:

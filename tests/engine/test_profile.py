@@ -17,7 +17,9 @@ from cosine_ray.models.llama import projection_kernel
 
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
+    """The default location: the suite's own profile directory (conftest) taken away."""
     monkeypatch.setenv("COSINE_RAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(profile.PROFILE_DIR_ENV, raising=False)
     return tmp_path / "cache"
 
 
@@ -93,6 +95,14 @@ def test_profile_path_keys_the_drafter_set_and_threads(tiny_checkpoint, cache):
     assert profile.profile_path(cfg(threads=None)) == profile.profile_path(cfg(threads=torch.get_num_threads()))
     # `cosine-ray serve` (default drafters) vs a Serve config with `ngram,retrieval`: two files
     assert profile.profile_path(cfg("default", stages=2)) != profile.profile_path(cfg("ngram,retrieval", stages=2))
+
+
+def test_the_profile_directory_can_be_set(tiny_checkpoint, cache, monkeypatch, tmp_path):
+    config = EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram"), num_threads=1)
+    default = profile.profile_path(config)
+    monkeypatch.setenv(profile.PROFILE_DIR_ENV, str(tmp_path / "elsewhere"))
+    moved = profile.profile_path(config)
+    assert default.parent == cache / "profiles" and moved == tmp_path / "elsewhere" / default.name
 
 
 def test_profile_path_keys_the_cpu_projection_kernel(tiny_checkpoint, cache, monkeypatch):
