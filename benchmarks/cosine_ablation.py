@@ -250,7 +250,7 @@ def print_paired(results: dict[str, Any], names: list[str], threads: int, concur
     """Full CoSine against each ablation, paired per round (same round, same minute of the
     machine): the mean of full / ablation with its rounds' min–max, marked ``≥`` where the
     mean is at least 1 − the setting's noise band (half of speculation off's max−min)."""
-    print(f"\nfull CoSine / each system, paired per round (mean, min–max; ≥: within the noise band):\n")
+    print("\nfull CoSine / each system, paired per round (mean, min–max; ≥: within the noise band):\n")
     print("| system | " + " | ".join(f"c={c}" for c in concurrencies) + " |")
     print("| --- |" + " --- |" * len(concurrencies))
     for n in names:

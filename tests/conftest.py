@@ -25,9 +25,10 @@ torch.set_num_threads(TEST_THREADS)
 # profile it finds, so a developer's profiles would otherwise steer what the tests measure (CI
 # starts without any), and the tests' profiles of temporary tiny models would pile up in
 # ~/.cache/cosine_ray. A directory given from outside is kept.
-_OWN_PROFILE_DIR = "COSINE_RAY_PROFILE_DIR" not in os.environ
+PROFILE_DIR_ENV = "COSINE_RAY_PROFILE_DIR"  # engine.profile.PROFILE_DIR_ENV; cosine_ray is imported lazily here
+_OWN_PROFILE_DIR = PROFILE_DIR_ENV not in os.environ
 if _OWN_PROFILE_DIR:
-    os.environ["COSINE_RAY_PROFILE_DIR"] = tempfile.mkdtemp(prefix="cosine_ray_test_profiles_")
+    os.environ[PROFILE_DIR_ENV] = tempfile.mkdtemp(prefix="cosine_ray_test_profiles_")
 
 TINY_VOCAB = 256
 
@@ -41,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _OWN_PROFILE_DIR:
-        shutil.rmtree(os.environ["COSINE_RAY_PROFILE_DIR"], ignore_errors=True)
+        shutil.rmtree(os.environ[PROFILE_DIR_ENV], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import pytest
@@ -95,6 +96,12 @@ def test_profile_path_keys_the_drafter_set_and_threads(tiny_checkpoint, cache):
     assert profile.profile_path(cfg(threads=None)) == profile.profile_path(cfg(threads=torch.get_num_threads()))
     # `cosine-ray serve` (default drafters) vs a Serve config with `ngram,retrieval`: two files
     assert profile.profile_path(cfg("default", stages=2)) != profile.profile_path(cfg("ngram,retrieval", stages=2))
+
+
+def test_the_suite_has_its_own_profile_directory():
+    """conftest names the variable by its value (it imports cosine_ray lazily): both agree."""
+    assert os.environ.get(profile.PROFILE_DIR_ENV)
+    assert profile.profile_dir() != profile.cache_root() / "profiles"
 
 
 def test_the_profile_directory_can_be_set(tiny_checkpoint, cache, monkeypatch, tmp_path):
