@@ -207,7 +207,7 @@ def main() -> None:
         for n in names:
             guard = engines[n].core.scheduler.guard
             if guard is not None:
-                results.setdefault(f"threads={threads} guard", {})[n] = guard.levels[guard.current]
+                results.setdefault(f"threads={threads} guard", {})[n] = guard.levels_by_bucket()
     elapsed = time.perf_counter() - started
     print_tables(results, names, thread_settings, concurrencies, args.rounds, elapsed)
     out = Path(args.out)

@@ -8,27 +8,37 @@ yields on this machine:
 
 - **levels** κ (``LEVELS``): a multiplier on the price's λ — 0 is speculation off (no drafting
   at all), 1 is the price as the models say, 0.5 / 1.5 trust the gains less / more;
-- **operating goodput** G (``operating_goodput``): the current level's goodput, at least 1. The
-  scheduler divides λ by it, so a token is valued at the time per token where the step runs
-  (see ``engine.scheduler``); the levels then correct what the models still get wrong;
+- **per batch size**: the guard keeps one learner per power-of-two bucket of the step's rows
+  (1, 2-3, 4-7, 8-15, 16-31, ...: ``bucket_of``). What speculation is worth depends on the
+  batch: on our 2-core CPU at 2 threads one request gains 1.9× from it, 16 gain nothing (a first
+  draft token at 16 rows opens a second CPU attention group, a cost the linear verify model does
+  not have), and a single level for all sizes settled where the small batches pay (κ = 1.5),
+  which the large ones then paid for. A new bucket starts at κ = 1;
+- **operating goodput** G (``operating_goodput``): the bucket's current level's goodput, at
+  least 1. The scheduler divides λ by it, so a token is valued at the time per token where the
+  step runs (see ``engine.scheduler``); the levels then correct what the models still get wrong;
 - **yield of a step**: committed tokens per request, divided by the step's wall time measured
   in *plain-decode steps of the same shape* (the cost model's prediction of a γ = 0 step for
   these requests and contexts). A step without speculation yields about 1; normalising by the
-  plain step makes steps of different batch sizes and contexts comparable, and a bias of the
-  cost model cancels (every level is divided by the same model);
+  plain step makes steps of different contexts comparable, and a bias of the cost model
+  cancels (every level is divided by the same model);
 - **explore**: each step runs at a neighbouring level (one below or one above, chosen at
-  random) with probability ``explore_share`` (ε = 0.1), otherwise at the current level;
-- **exploit**: per level, decayed sums of yield and time (``decay`` 0.98 per step of that
-  level: a window of about 50 of its steps); when a neighbour has at least ``min_steps``
+  random) with probability ``explore_share`` (ε = 0.1), otherwise at the bucket's current level;
+  a *young* bucket (fewer than ``young_steps`` = 60 steps seen) explores with
+  ``young_explore_share`` (ε = 0.3), so a batch size that comes rarely (a burst of 16) still
+  compares its levels within a few bursts;
+- **exploit**: per bucket and level, decayed sums of yield and time (``decay`` 0.98 per step of
+  that level: a window of about 50 of its steps); when a neighbour has at least ``min_steps``
   (decayed) steps and its goodput (Σ yield / Σ normalised time) beats the current level's by
   more than ``margin`` (3 %), the current level moves there.
 
 Why these numbers: ε = 0.1 bounds the cost of exploring at 10 % of the difference between
-neighbouring levels (and a level that is clearly worse is visited only by exploration); a
-50-step window reacts within a few seconds of decode on our CPU and a few hundred
-milliseconds on a GPU, yet averages over the 1-to-9-token swings of single steps; the 3 %
-margin keeps noise from flapping between levels. When speculation does not pay, the level
-walks down to 0 and stays there, exploring 0.5 one step in 10 (level 0 has one neighbour).
+neighbouring levels (and a level that is clearly worse is visited only by exploration); 0.3
+while young spends at most 18 steps of a bucket's first 60 on its neighbours; a 50-step window
+reacts within a few seconds of decode on our CPU and a few hundred milliseconds on a GPU, yet
+averages over the 1-to-9-token swings of single steps; the 3 % margin keeps noise from flapping
+between levels. When speculation does not pay, the level walks down to 0 and stays there,
+exploring 0.5 one step in 10 (level 0 has one neighbour).
 """
 
 from __future__ import annotations
@@ -40,62 +50,126 @@ LEVELS = (0.0, 0.5, 1.0, 1.5)
 """κ: multiplier on the value of an expected accepted token (0 = speculation off)."""
 
 
+def bucket_of(rows: int) -> int:
+    """The guard's batch-size bucket of a step with ``rows`` requests: 1 for 1, 2 for 2-3, 3 for
+    4-7, 4 for 8-15, 5 for 16-31, ... (a step of no rows counts as one)."""
+    return max(int(rows), 1).bit_length()
+
+
+def bucket_label(bucket: int) -> str:
+    """``bucket_of``'s bucket as the rows it holds: "1", "2-3", "4-7", ..."""
+    low = 1 << (bucket - 1)
+    return str(low) if low == 1 else f"{low}-{2 * low - 1}"
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """One batch-size bucket's explore/exploit state."""
+    current: int
+    num_levels: int
+    seen: int = 0
+    """Steps observed in this bucket, any level (not decayed): its age."""
+    yields: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.yields = [0.0] * self.num_levels
+        self.times = [0.0] * self.num_levels
+        self.steps = [0.0] * self.num_levels
+
+    def goodput(self, level: int) -> float | None:
+        return self.yields[level] / self.times[level] if self.times[level] > 0 else None
+
+
 @dataclass(slots=True)
 class SpeculationGuard:
     levels: tuple[float, ...] = LEVELS
     start: int = 2
-    """Index of the first current level (κ = 1: trust the models)."""
+    """Index of a new bucket's first current level (κ = 1: trust the models)."""
     explore_share: float = 0.1
+    young_explore_share: float = 0.3
+    young_steps: int = 60
     decay: float = 0.98
     min_steps: float = 12.0
     margin: float = 0.03
     seed: int | None = 0
-    current: int = field(init=False)
-    _yield: list[float] = field(init=False)
-    _time: list[float] = field(init=False)
-    _steps: list[float] = field(init=False)
+    _buckets: dict[int, _Bucket] = field(init=False)
+    _last: int = field(init=False)
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.levels or not 0 <= self.start < len(self.levels):
             raise ValueError("need at least one level and 0 <= start < len(levels)")
-        if not 0.0 <= self.explore_share < 1.0 or not 0.0 < self.decay <= 1.0:
-            raise ValueError("explore_share must be in [0, 1) and decay in (0, 1]")
-        self.current = self.start
-        self._yield = [0.0] * len(self.levels)
-        self._time = [0.0] * len(self.levels)
-        self._steps = [0.0] * len(self.levels)
+        if not 0.0 <= self.explore_share < 1.0 or not 0.0 <= self.young_explore_share < 1.0 \
+                or not 0.0 < self.decay <= 1.0 or self.young_steps < 0:
+            raise ValueError("explore shares must be in [0, 1), decay in (0, 1] and young_steps >= 0")
+        self._buckets = {}
+        self._last = 1
         self._rng = random.Random(self.seed)
 
-    def choose(self) -> int:
-        """The level index this step runs at: the current one, or a neighbour (exploring)."""
-        if len(self.levels) > 1 and self._rng.random() < self.explore_share:
-            neighbours = [i for i in (self.current - 1, self.current + 1) if 0 <= i < len(self.levels)]
+    def _bucket(self, rows: int) -> _Bucket:
+        key = bucket_of(rows)
+        self._last = key
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(self.start, len(self.levels))
+        return bucket
+
+    @property
+    def current(self) -> int:
+        """The current level index of the bucket the last step chose or observed (1 row before any)."""
+        bucket = self._buckets.get(self._last)
+        return bucket.current if bucket is not None else self.start
+
+    def current_level(self, rows: int = 1) -> int:
+        """The current level index for steps of ``rows`` requests."""
+        bucket = self._buckets.get(bucket_of(rows))
+        return bucket.current if bucket is not None else self.start
+
+    def levels_by_bucket(self) -> dict[str, float]:
+        """κ of each bucket's current level, keyed by the rows it holds ("1", "2-3", ...)."""
+        return {bucket_label(k): self.levels[b.current] for k, b in sorted(self._buckets.items())}
+
+    def choose(self, rows: int = 1) -> int:
+        """The level index a step of ``rows`` requests runs at: its bucket's current one, or a
+        neighbour (exploring)."""
+        bucket = self._bucket(rows)
+        share = self.young_explore_share if bucket.seen < self.young_steps else self.explore_share
+        if len(self.levels) > 1 and self._rng.random() < share:
+            neighbours = [i for i in (bucket.current - 1, bucket.current + 1) if 0 <= i < len(self.levels)]
             return self._rng.choice(neighbours)
-        return self.current
+        return bucket.current
 
-    def goodput(self, level: int) -> float | None:
-        """Yield per normalised second of a level, or None before any step ran at it."""
-        return self._yield[level] / self._time[level] if self._time[level] > 0 else None
+    def goodput(self, level: int, rows: int = 1) -> float | None:
+        """Yield per normalised second of a level in ``rows``' bucket, or None before any step
+        ran at it there."""
+        bucket = self._buckets.get(bucket_of(rows))
+        return bucket.goodput(level) if bucket is not None else None
 
-    def operating_goodput(self) -> float:
-        """Goodput of the current level, at least 1 (1 until it has ``min_steps`` steps): how
-        many plain-decode steps' worth of tokens a step yields at the operating point. The
-        scheduler divides the LP's λ by it (see ``engine.scheduler``)."""
-        g = self.goodput(self.current)
-        if g is None or self._steps[self.current] < self.min_steps:
+    def operating_goodput(self, rows: int = 1) -> float:
+        """Goodput of the current level of ``rows``' bucket, at least 1 (1 until it has
+        ``min_steps`` steps): how many plain-decode steps' worth of tokens a step yields at the
+        operating point. The scheduler divides the LP's λ by it (see ``engine.scheduler``)."""
+        bucket = self._buckets.get(bucket_of(rows))
+        if bucket is None:
+            return 1.0
+        g = bucket.goodput(bucket.current)
+        if g is None or bucket.steps[bucket.current] < self.min_steps:
             return 1.0
         return max(g, 1.0)
 
-    def observe(self, level: int, tokens_per_request: float, plain_steps: float) -> None:
-        """One step at ``level``: committed tokens per request, and its wall time in units of a
-        predicted plain-decode step of the same shape."""
+    def observe(self, level: int, tokens_per_request: float, plain_steps: float, rows: int = 1) -> None:
+        """One step of ``rows`` requests at ``level``: committed tokens per request, and its wall
+        time in units of a predicted plain-decode step of the same shape."""
         if not plain_steps > 0 or tokens_per_request < 0:
             return
-        self._yield[level] = self.decay * self._yield[level] + tokens_per_request
-        self._time[level] = self.decay * self._time[level] + plain_steps
-        self._steps[level] = self.decay * self._steps[level] + 1.0
-        if level == self.current or self._steps[level] < self.min_steps or self._steps[self.current] < self.min_steps:
+        b = self._bucket(rows)
+        b.seen += 1
+        b.yields[level] = self.decay * b.yields[level] + tokens_per_request
+        b.times[level] = self.decay * b.times[level] + plain_steps
+        b.steps[level] = self.decay * b.steps[level] + 1.0
+        if level == b.current or b.steps[level] < self.min_steps or b.steps[b.current] < self.min_steps:
             return
-        if abs(level - self.current) == 1 and self.goodput(level) > self.goodput(self.current) * (1.0 + self.margin):
-            self.current = level
+        if abs(level - b.current) == 1 and b.goodput(level) > b.goodput(b.current) * (1.0 + self.margin):
+            b.current = level

@@ -301,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
             row["index_bytes"] = _index_bytes(engine)
             guard = engine.core.scheduler.guard
             if guard is not None:  # κ the speculation guard ended the run at (0 = speculation off)
-                row["speculation_level"] = guard.levels[guard.current]
+                row["speculation_level"] = guard.levels[guard.current_level(c)]
+                row["speculation_levels"] = guard.levels_by_bucket()
             rows.append(row)
             gpu = f", GPU busy {row['gpu_busy_share']:.0%} of the time" if "gpu_busy_share" in row else ""
             gpu += f", guard at κ={row['speculation_level']:g}" if "speculation_level" in row else ""

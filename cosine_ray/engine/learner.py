@@ -111,8 +111,8 @@ class Learner:
                 if is_live:
                     live.append(step)
             await self._feedback(live, stats)
-        if self.guard is not None:
-            stats.speculation_level = self.guard.levels[self.guard.current]
+        if self.guard is not None:  # the current level for steps of this one's size
+            stats.speculation_level = self.guard.levels[self.guard.current_level(len(batch.requests))]
         if self.participation is not None and verified.outcomes:
             trimmed = 1.0 - stats.total_gamma / drafts.stats.num_drafted_nodes if drafts.stats.num_drafted_nodes else 0.0
             stats.participation = self.participation.observe(verified.verifier_idle_fraction, trimmed)
@@ -128,7 +128,7 @@ class Learner:
         plain_s = latency.predict_llm(verified.context_lens, [1] * len(verified.context_lens))
         if plain_s > 0 and step_s > 0:
             tokens = sum(len(o.new_token_ids) for o in verified.outcomes) / len(verified.outcomes)
-            self.guard.observe(batch.level, tokens, step_s / plain_s)
+            self.guard.observe(batch.level, tokens, step_s / plain_s, len(verified.outcomes))
 
     def _count_tree(self, request: Request, draft: DraftTree, result: VerifyResult) -> RequestStepStats:
         """The step's counts for one request, added to its own stats at once."""

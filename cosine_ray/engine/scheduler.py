@@ -203,8 +203,8 @@ class BatchScheduler:
             latency = self.costs.latency
             lam, kappa = schedule.lam, 1.0
             if self.guard is not None:
-                lam /= self.guard.operating_goodput()
-                level = self.guard.choose()
+                lam /= self.guard.operating_goodput(len(requests))
+                level = self.guard.choose(len(requests))
                 kappa = self.guard.levels[level]
                 if kappa == 0.0:  # speculation off for this step: nobody drafts
                     budgets = dict.fromkeys(budgets, 0)

@@ -1,6 +1,6 @@
 """The speculation guard (issue 20): explore/exploit on the level of speculation converges to the
 level with the best measured goodput, backs off to 0 when speculation does not pay, explores a
-bounded share of steps, and does not flap on noise."""
+bounded share of steps, does not flap on noise, and learns one level per batch-size bucket."""
 
 from __future__ import annotations
 
@@ -8,21 +8,21 @@ import random
 
 import pytest
 
-from cosine_ray.algo.guard import LEVELS, SpeculationGuard
+from cosine_ray.algo.guard import LEVELS, SpeculationGuard, bucket_label, bucket_of
 
 
 def drive(guard: SpeculationGuard, goodput: dict[float, float], steps: int, *, noise: float = 0.3,
-          seed: int = 1) -> list[int]:
+          seed: int = 1, rows: int = 1) -> list[int]:
     """Run ``steps`` steps: a step at level κ commits about goodput[κ] tokens per request per
     plain-step unit of time (noisy, as single steps are: 1 to several tokens)."""
     rng = random.Random(seed)
     chosen = []
     for _ in range(steps):
-        level = guard.choose()
+        level = guard.choose(rows)
         chosen.append(level)
         plain_steps = rng.uniform(0.8, 1.6)  # steps of different shapes take different times
         tokens = max(0.0, goodput[guard.levels[level]] * plain_steps * (1 + rng.uniform(-noise, noise)))
-        guard.observe(level, tokens, plain_steps)
+        guard.observe(level, tokens, plain_steps, rows)
     return chosen
 
 
@@ -66,7 +66,7 @@ def test_does_not_flap_between_equal_levels():
 
 
 def test_explore_share_zero_never_leaves_the_current_level():
-    guard = SpeculationGuard(explore_share=0.0)
+    guard = SpeculationGuard(explore_share=0.0, young_explore_share=0.0)
     assert set(drive(guard, {0.0: 2.0, 0.5: 1.0, 1.0: 0.5, 1.5: 0.1}, 500)) == {guard.start}
     assert guard.current == guard.start  # without exploring there is nothing to compare against
 
@@ -81,7 +81,8 @@ def test_goodput_is_none_until_a_level_ran_and_bad_observations_are_ignored():
     assert guard.goodput(2) == pytest.approx(1.5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(levels=()), dict(start=4), dict(explore_share=1.0), dict(decay=0.0)])
+@pytest.mark.parametrize("kwargs", [dict(levels=()), dict(start=4), dict(explore_share=1.0), dict(decay=0.0),
+                                    dict(young_explore_share=-0.1), dict(young_steps=-1)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         SpeculationGuard(**kwargs)
@@ -101,3 +102,37 @@ def test_operating_goodput_is_the_current_levels_once_it_has_enough_steps_and_ne
     for _ in range(40):
         slow.observe(slow.current, 0.9, 1.2)  # speculation losing: λ is never raised above the LP's
     assert slow.operating_goodput() == 1.0
+
+
+def test_buckets_are_powers_of_two_of_the_rows():
+    assert [bucket_of(r) for r in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
+    assert [bucket_label(b) for b in (1, 2, 3, 4, 5)] == ["1", "2-3", "4-7", "8-15", "16-31"]
+
+
+def test_each_batch_size_learns_its_own_level():
+    """One request gains from speculating, sixteen lose: interleaved steps of both sizes (a
+    single request between bursts of 16) settle on κ = 1.5 for 1 row and κ = 0 for 16, where a
+    single level for all sizes could suit only one of them."""
+    guard = SpeculationGuard()
+    small = {0.0: 1.0, 0.5: 1.5, 1.0: 1.8, 1.5: 2.0}
+    large = {0.0: 1.0, 0.5: 0.93, 1.0: 0.88, 1.5: 0.8}
+    for i in range(40):
+        drive(guard, small, 60, seed=2 * i, rows=1)
+        drive(guard, large, 30, seed=2 * i + 1, rows=16)
+    assert guard.levels[guard.current_level(1)] == 1.5
+    assert guard.levels[guard.current_level(16)] == 0.0
+    assert guard.current_level(20) == guard.current_level(16)  # 16-31 rows: one bucket
+    assert guard.levels_by_bucket() == {"1": 1.5, "16-31": 0.0}
+    assert guard.operating_goodput(1) == pytest.approx(guard.goodput(3, 1))
+    assert guard.operating_goodput(16) == 1.0  # never below 1
+    assert guard.current_level(4) == guard.start  # a bucket never seen: the models' word, κ = 1
+
+
+def test_a_young_bucket_explores_more_then_settles_to_the_usual_share():
+    guard = SpeculationGuard(young_steps=60)
+    flat = {k: 1.0 for k in LEVELS}  # no level better: the current one stays, only exploring moves
+    chosen = drive(guard, flat, 1060, rows=16, noise=0.0)
+    young, old = chosen[:60], chosen[60:]
+    assert sum(c != guard.start for c in young) / 60 == pytest.approx(0.3, abs=0.12)
+    assert sum(c != guard.start for c in old) / 1000 == pytest.approx(0.1, abs=0.03)
+    assert guard.current == guard.start

@@ -183,15 +183,15 @@ def test_the_price_is_the_lps_lambda_over_the_measured_goodput_times_the_guards_
         return out
 
     def spy_schedule(lane):
-        g = guard.operating_goodput()
         batch = schedule(lane)
+        g = guard.operating_goodput(len(batch.requests))  # the step's batch-size bucket's (unchanged until it is verified)
         if batch.price is not None:
             seen.append((batch.price.lam, lp_lams[-1], guard.levels[batch.level], g))
         return batch
 
     scheduler.policy.decide, scheduler.schedule = spy_decide, spy_schedule
-    tokens, _ = run(router, prompts_for(0, 3), max_tokens=150)
-    assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 150) for p in prompts_for(0, 3)]
+    tokens, _ = run(router, prompts_for(0, 3), max_tokens=300)  # enough steps at 3 rows for the bucket to measure
+    assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 300) for p in prompts_for(0, 3)]
     assert all(lam == pytest.approx(lp * kappa / g) for lam, lp, kappa, g in seen)
     # λ_LP as it is until the level has enough steps; then G of an oracle (the fake target is fast)
     assert seen[0][3] == 1.0 and max(g for *_, g in seen) > 1.5
