@@ -23,26 +23,32 @@ yields on this machine:
   plain step makes steps of different contexts comparable, and a bias of the cost model
   cancels (every level is divided by the same model);
 - **explore**: each step runs at a neighbouring level (one below or one above, chosen at
-  random) with probability ``explore_share`` (ε = 0.1), otherwise at the bucket's current level;
-  a *young* bucket (fewer than ``young_steps`` = 60 steps seen) explores with
-  ``young_explore_share`` (ε = 0.3), so a batch size that comes rarely (a burst of 16) still
-  compares its levels within a few bursts;
+  random) with probability ``explore_share`` (ε = 0.1), otherwise at the bucket's current level.
+  A *young* bucket (fewer than ``young_steps`` = 60 steps seen) explores with
+  ``young_explore_share`` (ε = 0.3) over *every* other level and may move to any of them, so a
+  batch size that comes only in bursts (a wave of 16) finds its level within a few bursts
+  instead of walking there one neighbour at a time;
 - **exploit**: per bucket and level, decayed sums of yield and time (``decay`` 0.98 per step of
-  that level: a window of about 50 of its steps); when a neighbour has at least ``min_steps``
-  (decayed) steps and its goodput (Σ yield / Σ normalised time) beats the current level's by
-  more than ``margin`` (3 %), the current level moves there.
+  that level: a window of about 50 of its steps); when a level the bucket may move to has at
+  least the bucket's minimum of (decayed) steps and its goodput (Σ yield / Σ normalised time)
+  beats the current level's by more than ``margin`` (3 %), the current level moves there. The
+  minimum is ``min_steps`` (12) over √(the bucket's smallest row count), at least 3: a step of
+  16 requests averages 16 requests' accepted lengths, so its yield is about 4× less noisy than
+  a single request's, and 3 of its steps say what 12 single-request steps say.
 
 Why these numbers: ε = 0.1 bounds the cost of exploring at 10 % of the difference between
 neighbouring levels (and a level that is clearly worse is visited only by exploration); 0.3
-while young spends at most 18 steps of a bucket's first 60 on its neighbours; a 50-step window
+while young spends at most 18 steps of a bucket's first 60 on other levels; a 50-step window
 reacts within a few seconds of decode on our CPU and a few hundred milliseconds on a GPU, yet
 averages over the 1-to-9-token swings of single steps; the 3 % margin keeps noise from flapping
-between levels. When speculation does not pay, the level walks down to 0 and stays there,
-exploring 0.5 one step in 10 (level 0 has one neighbour).
+between levels. Exploring interleaves the levels step by step, so a slow drift of the machine's
+speed (other tenants) falls on all of them alike. When speculation does not pay, the level
+goes down to 0 and stays there, exploring 0.5 one step in 10 (level 0 has one neighbour).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -131,14 +137,24 @@ class SpeculationGuard:
         """κ of each bucket's current level, keyed by the rows it holds ("1", "2-3", ...)."""
         return {bucket_label(k): self.levels[b.current] for k, b in sorted(self._buckets.items())}
 
+    def min_steps_for(self, rows: int) -> float:
+        """Decayed steps a level needs in ``rows``' bucket before it is compared: ``min_steps``
+        over √(the bucket's smallest row count), at least 3."""
+        return max(3.0, self.min_steps / math.sqrt(1 << (bucket_of(rows) - 1)))
+
+    def _others(self, bucket: _Bucket) -> list[int]:
+        """The levels a bucket explores and may move to: all others while young, else neighbours."""
+        if bucket.seen < self.young_steps:
+            return [i for i in range(len(self.levels)) if i != bucket.current]
+        return [i for i in (bucket.current - 1, bucket.current + 1) if 0 <= i < len(self.levels)]
+
     def choose(self, rows: int = 1) -> int:
-        """The level index a step of ``rows`` requests runs at: its bucket's current one, or a
-        neighbour (exploring)."""
+        """The level index a step of ``rows`` requests runs at: its bucket's current one, or
+        another (exploring: any while the bucket is young, else a neighbour)."""
         bucket = self._bucket(rows)
         share = self.young_explore_share if bucket.seen < self.young_steps else self.explore_share
         if len(self.levels) > 1 and self._rng.random() < share:
-            neighbours = [i for i in (bucket.current - 1, bucket.current + 1) if 0 <= i < len(self.levels)]
-            return self._rng.choice(neighbours)
+            return self._rng.choice(self._others(bucket))
         return bucket.current
 
     def goodput(self, level: int, rows: int = 1) -> float | None:
@@ -155,7 +171,7 @@ class SpeculationGuard:
         if bucket is None:
             return 1.0
         g = bucket.goodput(bucket.current)
-        if g is None or bucket.steps[bucket.current] < self.min_steps:
+        if g is None or bucket.steps[bucket.current] < self.min_steps_for(rows):
             return 1.0
         return max(g, 1.0)
 
@@ -165,11 +181,13 @@ class SpeculationGuard:
         if not plain_steps > 0 or tokens_per_request < 0:
             return
         b = self._bucket(rows)
+        may_move_to = self._others(b)  # judged by the bucket's age before this step
         b.seen += 1
         b.yields[level] = self.decay * b.yields[level] + tokens_per_request
         b.times[level] = self.decay * b.times[level] + plain_steps
         b.steps[level] = self.decay * b.steps[level] + 1.0
-        if level == b.current or b.steps[level] < self.min_steps or b.steps[b.current] < self.min_steps:
+        enough = self.min_steps_for(rows)
+        if level == b.current or b.steps[level] < enough or b.steps[b.current] < enough:
             return
-        if abs(level - b.current) == 1 and b.goodput(level) > b.goodput(b.current) * (1.0 + self.margin):
+        if level in may_move_to and b.goodput(level) > b.goodput(b.current) * (1.0 + self.margin):
             b.current = level

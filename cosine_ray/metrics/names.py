@@ -130,7 +130,7 @@ METRICS: dict[str, MetricSpec] = {
     "cosine_ray:spec_decode_expected_accepted_tokens": MetricSpec(
         "counter", "Draft tokens the gain model expected verification to accept (Σ node acceptance)."),
     "cosine_ray:speculation_level": MetricSpec(
-        "gauge", "κ, the guard's current multiplier on the value of an accepted token (0 = off)."),
+        "gauge", "κ, the guard's current multiplier on the value of an accepted token for the last step's batch size (0 = off)."),
     "cosine_ray:stage_busy_seconds": MetricSpec(
         "counter", "Seconds a pipeline stage spent computing.", ("stage",)),
     "cosine_ray:stage_idle_seconds": MetricSpec(

@@ -136,3 +136,17 @@ def test_a_young_bucket_explores_more_then_settles_to_the_usual_share():
     assert sum(c != guard.start for c in young) / 60 == pytest.approx(0.3, abs=0.12)
     assert sum(c != guard.start for c in old) / 1000 == pytest.approx(0.1, abs=0.03)
     assert guard.current == guard.start
+
+
+def test_a_young_bucket_jumps_past_a_local_optimum_an_old_one_walks_into():
+    """κ = 1 beats both its neighbours but speculation off beats all: a young bucket, which
+    explores and moves to any level, finds κ = 0 within its youth; with no youth (neighbours
+    only, the rule once a bucket is old) the guard stays at κ = 1."""
+    goodput = {0.0: 1.0, 0.5: 0.6, 1.0: 0.7, 1.5: 0.6}
+    young = SpeculationGuard()
+    drive(young, goodput, 60, rows=16, noise=0.1)
+    assert young.levels[young.current_level(16)] == 0.0
+    assert young.min_steps_for(16) == 3.0 and young.min_steps_for(1) == young.min_steps
+    no_youth = SpeculationGuard(young_steps=0)
+    drive(no_youth, goodput, 600, rows=16, noise=0.1)
+    assert no_youth.levels[no_youth.current_level(16)] == 1.0
