@@ -57,9 +57,9 @@ class _RecordingGuard(SpeculationGuard):
 
     seen: Callable[[float, float], None] = staticmethod(lambda tokens, plain_steps: None)
 
-    def observe(self, level: int, tokens_per_request: float, plain_steps: float) -> None:
+    def observe(self, level: int, tokens_per_request: float, plain_steps: float, rows: int = 1) -> None:
         self.seen(tokens_per_request, plain_steps)
-        super().observe(level, tokens_per_request, plain_steps)
+        super().observe(level, tokens_per_request, plain_steps, rows)
 
 
 def held_engine(checkpoint, level: int, current: Callable[[], Run | None]) -> LocalEngine:
@@ -68,7 +68,7 @@ def held_engine(checkpoint, level: int, current: Callable[[], Run | None]) -> Lo
     engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(DEFAULT_DRAFTERS),
                                       step=StepConfig(max_batch_size=16)), checkpoint=checkpoint)
     core = engine.core
-    guard = _RecordingGuard(start=level, explore_share=0.0)  # no exploring: nothing to move to
+    guard = _RecordingGuard(start=level, explore_share=0.0, young_explore_share=0.0)  # no exploring: nothing to move to
 
     def seen(tokens: float, plain_steps: float) -> None:
         if (run := current()) is not None:
