@@ -364,3 +364,31 @@ def test_max_tokens_cap_raises_memory_error(tiny_stage):
     # exactly at the cap is fine
     out = tiny_stage.forward(StageBatch.from_chains(["b"], [random_ids(8, seed=81)], [0]), cache)
     assert out.shape == (1, 256) and cache.num_tokens() == 20
+
+
+# ---- half-precision projections on a CPU without a native half GEMM -----------------------
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_projection_is_computed_in_fp32_where_the_cpu_has_no_half_gemm(monkeypatch, native, dtype):
+    """Without a native bf16/fp16 GEMM, PyTorch's half ``x @ w_t`` on CPU is a slow fallback
+    (50x fp32 at 256 rows on our AVX2 CPU): the projection keeps the weight in fp32 and rounds its
+    fp32 product once. With one, the weight stays in its dtype."""
+    from cosine_ray.models import llama
+
+    monkeypatch.setenv(CPU_GEMM_ENV, "mkl")  # no oneDNN packing: the ``w_t`` forms
+    monkeypatch.setattr(llama, "_native_half_gemm", lambda d: native)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=g).to(dtype)
+    bias = torch.randn(48, generator=g).to(dtype)
+    x = torch.randn(5, 32, generator=g).to(dtype)
+    for b in (None, bias):
+        proj = llama._Linear(weight, b)
+        assert proj.upcast is not native and proj.packed is None
+        assert proj.w_t.dtype == (dtype if native else torch.float32)
+        y = proj(x)
+        assert y.dtype == dtype and y.shape == (5, 48)
+        exact = x.float() @ weight.float().t() + (0 if b is None else b.float())
+        if not native:  # the fp32 product, rounded once
+            assert torch.equal(y, exact.to(dtype))
+        torch.testing.assert_close(y.float(), exact, atol=0.1, rtol=0.02)
