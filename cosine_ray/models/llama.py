@@ -172,7 +172,7 @@ class _Linear:
     ``x @ w_t`` on such a CPU is a slow fallback: measured on our 2-core AMD EPYC (AVX2, 1
     thread), SmolLM2's 576 → 1536 shape, 1.6 / 12.3 / 93 / 403 ms at 1 / 8 / 64 / 256 rows
     against 0.10 / 0.46 / 1.8 / 6.2 ms in fp32 (``F.linear`` in bf16: 0.24 / 2.6 / 13 / 54 ms;
-    the fp32 form: 0.41 / 0.57 / 4.8 / 8.0 ms), which made a bf16 test run for over 25 minutes."""
+    the fp32 form: 0.41 / 0.57 / 4.8 / 8.0 ms): a bf16 test ran 25 minutes without finishing."""
 
     __slots__ = ("packed", "w_t", "bias", "out_features", "upcast")
 
