@@ -252,6 +252,10 @@ class LatencyModel:
         """(c0', c_tok'): the straight line that touches the token terms at ``num_tokens`` with the
         next token's slope, as an intercept and a per-token cost. ``c0' + c_req·b + c_tok'·N +
         c_attn·…`` equals T_llm at N = ``num_tokens`` and never exceeds it elsewhere (convexity)."""
+        if float(num_tokens).is_integer():  # exact: one line below the knee, one past it (no rounding)
+            if self.knee_tokens > 0 and num_tokens >= self.knee_tokens:
+                return self.c0 - self.c_knee * self.knee_tokens, self.c_tok + self.c_knee
+            return self.c0, self.c_tok
         slope = self.token_slope(num_tokens)
         return self.c0 + self.token_seconds(num_tokens) - slope * num_tokens, slope
 

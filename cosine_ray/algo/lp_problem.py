@@ -251,10 +251,46 @@ class _Problem:
         c0_ref, c_tok_ref = self.obj_line(b_ref)
         self.plain_share = sum(row[0] for row in obj_base_rows) / n + c_tok_ref if n else 0.0
         self.b_values = list(range(max(1, self.num_forced), min(config.max_batch_size, n) + 1))
+        if len(self.b_values) > 1 and self._everyone_goes():
+            self.b_values = [n]
         if config.lam is not None:
             self.lam_value = config.lam
         else:
             self.lam_value = (c0_ref + b_ref * self.plain_share) / (b_ref * b_ref)
+
+    def _everyone_goes(self) -> bool:
+        """True when every optimum schedules all n candidates, so only b = n need be solved
+        (exact; the common step, where every candidate runs and nothing binds).
+
+        One objective line for every b (no knee between 1 and n), intercept c0' > 0. Any
+        feasible schedule S of b < n requests, with any γ and drafter line, has the objective
+        (C + Q_S)/b − λ·A_S, C ≥ c0' (the line's intercept plus the drafters' fixed time) and
+        Q_S = Σ_S q_i(γ_i), each q_i(γ_i) ≥ p_i = its plain share (time rows grow with γ, the
+        drafters' per-request terms are ≥ 0). Adding a request k ∉ S at γ = 0 leaves A_S,
+        Γ and the drafters' time as they are and gives (C + Q_S + p_k)/(b + 1) − λ·A_S, which
+        is strictly lower iff p_k < (C + Q_S)/b, and (C + Q_S)/b ≥ c0'/(n − 1) + min p. So
+        when max p − min p < c0'/(n − 1) (with a margin for rounding), every schedule of
+        fewer than n requests is strictly beaten by a larger one, if the larger one stays
+        feasible: nothing can make it infeasible when no candidate adds memory (all running,
+        or no KV cap) and even every request at its largest γ meets T_max."""
+        n = len(self.ids)
+        cfg = self.config
+        if n < 2 or n > cfg.max_batch_size:
+            return False
+        c0_b, c_tok_b = self.obj_line(n)
+        if self.obj_line(1) != (c0_b, c_tok_b) or not c0_b > 0:
+            return False
+        if math.isfinite(self.mem_budget) and any(self.mem_list):
+            return False
+        if any(x < 0 for line in self.lines for x in line):
+            return False
+        gmax = self.gmax_list
+        widest = self.c0 + sum(row[g] for row, g in zip(self.time_rows, gmax)) \
+            + self.ssm_time(sum(1 for g in gmax if g), sum(gmax))
+        if not widest <= cfg.t_max_s:
+            return False
+        plain = [row[0] for row in self.obj_base_rows]
+        return max(plain) - min(plain) < (1.0 - 1e-9) * c0_b / (n - 1)
 
     def obj_line(self, b: int) -> tuple[float, float]:
         """(intercept, per-token cost) of the objective's time at batch size b: the tangent of

@@ -355,3 +355,79 @@ def test_a_decode_batch_past_the_knee_is_priced_at_each_batch_size(c_knee, best_
     s = schedule_batch(cands, model, config_(max_batch_size=96, gamma_max=0))
     assert len(s.batch) == best_b, (len(s.batch), s.status)
     assert s.objective == pytest.approx(model.predict_llm([100] * best_b, [1] * best_b) / best_b)
+
+
+# ---- a step of running decodes: only b = n is solved -------------------------------------------
+def running_case(seed: int):
+    """Running decodes with varied contexts and gains, one or two drafter lines, no knee."""
+    rng = random.Random(seed)
+    cands = []
+    for i in range(rng.randint(2, 6)):
+        gains, acc = [0.0], rng.random()
+        for g in range(rng.randint(0, 3)):
+            gains.append(gains[-1] + acc ** (g + 1) * rng.choice([0.2, 1.0, 3.0]))
+        cands.append(Candidate(f"r{i}", rng.choice([8, 64, 256, 1024, 4096]), 1000, tuple(gains), True,
+                               rng.choice([0.0, 0.1, 3.0])))
+    model = rng.choice([make_model((0.05, 0.002, 0.004, 2e-6), {"ngram": (0.0002, 0.00005, 0.00001)}),
+                        TWO_DRAFTERS, make_model((0.02, 0.001, 0.003, 5e-5), {"ngram": (0.001, 0.0, 0.0)})])
+    config = config_(max_batch_size=rng.randint(len(cands) - 1, len(cands) + 1), gamma_max=rng.randint(0, 3),
+                     total_gamma_max=rng.choice([2, 4, 64]), t_max_s=rng.choice([0.2, 1.0, math.inf]),
+                     lam=rng.choice([None, None, 0.01]), parallel_drafters=rng.random() < 0.7)
+    return cands, model, config
+
+
+def test_a_step_of_running_decodes_solves_only_the_full_batch_and_keeps_the_optimum(monkeypatch):
+    """Where ``_everyone_goes`` certifies that every optimum takes all n requests, the solve
+    over b = n alone gives the very schedule the solve over every b gives, and brute force's
+    objective; where it cannot (a context far longer than the others, T_max, a knee), every b
+    is solved as before."""
+    certified = not_certified = 0
+    results = []
+    for seed in range(150):
+        cands, model, config = running_case(seed)
+        prob = lp_schedule._Problem(cands, model, config)
+        full_range = list(range(max(1, prob.num_forced), min(config.max_batch_size, len(cands)) + 1))
+        if prob.b_values == [len(cands)] and len(full_range) > 1:
+            certified += 1
+        elif len(full_range) > 1:
+            not_certified += 1
+        results.append((cands, model, config, schedule_batch(cands, model, config)))
+    assert certified >= 30 and not_certified >= 10, (certified, not_certified)
+    monkeypatch.setattr(lp_schedule._Problem, "_everyone_goes", lambda self: False)
+    for cands, model, config, s in results:
+        every_b = schedule_batch(cands, model, config)
+        assert (s.batch, s.gamma, s.objective, s.status) == (every_b.batch, every_b.gamma, every_b.objective,
+                                                             every_b.status)
+        best = brute_force(cands, model, config)
+        if best is not None:
+            assert abs(s.objective - best) <= 1e-9
+
+
+def test_the_lp_still_drops_a_request_that_costs_more_than_the_batch_average():
+    """A context so long that its attention costs more than the batch's average step per
+    request: no certificate, and the LP (eq. 8's myopic T/b) leaves it out."""
+    model = make_model((0.01, 0.0, 0.001, 1e-6))
+    cands = [cand(f"r{i}", ctx=100) for i in range(4)] + [cand("long", ctx=200_000)]
+    assert lp_schedule._Problem(cands, model, config_(max_batch_size=5)).b_values == [1, 2, 3, 4, 5]
+    s = schedule_batch(cands, model, config_(max_batch_size=5))
+    assert s.batch == ("r0", "r1", "r2", "r3")
+    near = [cand(f"r{i}", ctx=100) for i in range(4)] + [cand("long", ctx=2_000)]
+    assert lp_schedule._Problem(near, model, config_(max_batch_size=5)).b_values == [5]
+
+
+def test_single_b_relaxation_is_the_array_one():
+    """The plain-Python relaxation for one batch size gives the array path's bounds, values
+    and greedy solutions bit for bit (forced requests, λ = 0 and γ caps included)."""
+    checked = 0
+    for seed in range(200):
+        cands, model, config = random_case(seed) if seed % 2 else running_case(seed)
+        prob = lp_schedule._Problem(cands, model, config)
+        if not prob.b_values:
+            continue
+        for b in {prob.b_values[0], prob.b_values[-1]}:
+            prob.b_values = [b]
+            py, arr = lp_schedule._Relaxation(prob), lp_schedule._Relaxation(prob, arrays=True)
+            assert (py.v, py.g_best, py.lows, py.bounds) == (arr.v, arr.g_best, arr.lows, arr.bounds), seed
+            assert [py.solution(k) for k in range(len(py.lows))] == [arr.solution(k) for k in range(len(arr.lows))]
+            checked += 1
+    assert checked >= 250
