@@ -4,9 +4,12 @@ Workload: held-back prompts (second half of each domain file; the retrieval data
 built from the first half), equal mix of code / math / instruction / chat, greedy.
 
 Every system gets its own in-process engine, built once. For each torch thread setting
-(``--threads``): every engine first runs a warm-up set (``--warmup-per-domain`` other prompts
-at concurrency 8; routing priors, calibration, the cost model and the guard learn online;
-not measured), then ``--rounds`` rounds follow. In each round every concurrency level runs
+(``--threads``): every engine first warms up at each measured concurrency c, on 2c (at least
+4) of the warm-up set's prompts (``--warmup-per-domain`` other prompts; routing priors,
+calibration, the cost model and the guard's per-batch-size buckets learn online; not
+measured), then ``--rounds`` rounds follow. (A warm-up at concurrency 8 alone left the
+guard's buckets for 1 and 16-31 requests young in the first round, exploring every level,
+speculation off included, on 30 % of their steps.) In each round every concurrency level runs
 every system once, in an order shuffled per round (seeded), so a slow minute of the machine
 hits all systems alike. A run = the measured prompts through ``loop.generate_all`` at that
 concurrency → tokens/s.
@@ -87,6 +90,12 @@ def run_batch(engine: LocalEngine, prompts: list[list[int]], params: SamplingPar
     start = time.perf_counter()
     outs = asyncio.run(go())
     return outs, time.perf_counter() - start
+
+
+def warmup_size(concurrency: int, available: int) -> int:
+    """Warm-up prompts run at one concurrency: 2c, at least 4 (a single request's ~100
+    steps take the guard's bucket past its young phase), at most the warm-up set."""
+    return min(available, max(4, 2 * concurrency))
 
 
 def registry_reading(engine: LocalEngine) -> dict[str, float]:
@@ -184,8 +193,9 @@ def main() -> None:
     for threads in thread_settings:
         torch.set_num_threads(threads)
         for name, engine in engines.items():
-            if warm_ids:
-                run_batch(engine, warm_ids, params, 8)
+            for c in concurrencies:  # every batch-size bucket the rounds use has seen steps
+                if warm_ids:
+                    run_batch(engine, warm_ids[:warmup_size(c, len(warm_ids))], params, c)
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, n): [] for c in concurrencies for n in names}
         for r in range(args.rounds):
             for c in concurrencies:
@@ -235,6 +245,9 @@ def print_tables(results: dict[str, Any], names: list[str], thread_settings: lis
             print(f"| {n} | " + " | ".join(cells) + f" | {last['mean_accepted_length']:.2f} | {last['gamma_mean']:.2f} "
                   f"| {last['decision_ms']:.2f} | {last['verify_pred_over_meas']:.2f} "
                   f"| {last['accept_expected_over_actual']:.2f} | {ident}/{outs} |")
+        print("\ndecision ms per step (LP + TreeSelection), by concurrency: " + "; ".join(
+            f"{n}: " + " ".join(f"c={c} {results[f'threads={threads} c={c}']['systems'][n]['decision_ms']:.2f}"
+                                for c in concurrencies) for n in names))
         bands = " ".join(f"c={c} ±{results[f'threads={threads} c={c}']['noise_band'] / 2:.1%}" for c in concurrencies)
         print(f"\nnoise band (speculation off across rounds, half of max−min): {bands}")
         if FULL in names:
