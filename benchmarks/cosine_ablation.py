@@ -193,9 +193,8 @@ def main() -> None:
     for threads in thread_settings:
         torch.set_num_threads(threads)
         for name, engine in engines.items():
-            for c in concurrencies:  # every batch-size bucket the rounds use has seen steps
-                if warm_ids:
-                    run_batch(engine, warm_ids[:warmup_size(c, len(warm_ids))], params, c)
+            for c in concurrencies if warm_ids else ():  # every batch-size bucket the rounds use has seen steps
+                run_batch(engine, warm_ids[:warmup_size(c, len(warm_ids))], params, c)
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, n): [] for c in concurrencies for n in names}
         for r in range(args.rounds):
             for c in concurrencies:

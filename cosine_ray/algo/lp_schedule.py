@@ -18,7 +18,7 @@ Solving (exact; ``status == "optimal"`` means proved optimal):
    every request's largest γ — adding a request at γ = 0 strictly lowers T/b whenever the
    plain shares differ by less than c0'/(n − 1), so every optimum holds all n requests and
    only b = n is solved (in plain Python: a few hundred floats). At c=8 on our CPU this cut
-   the in-engine decision from 0.57–0.64 ms to 0.27 ms, with the same schedules.
+   the LP's share of the in-engine decision from 0.57–0.64 ms to 0.27 ms, same schedules.
 1. *Certified relaxation*: for each b and each drafter's time line, drop the coupling
    constraints (Γ_max, M_max, T_max): the problem separates per request, and the b best
    requests (each with its best γ) are found by sorting. These are lower bounds of the true
@@ -229,7 +229,6 @@ class _Relaxation:
         obj = [[base + step for base, step in zip(row, steps)] for row in prob.obj_base_rows]
         gains = prob.gain_rows if lam > 0 else [[max(x, 0.0) for x in row] for row in prob.gain_rows]
         forced = self.forced
-        inf = math.inf
         self.v, self.g_best, values = [], [], []
         offsets = [0.0] + [d0 for d0, _, _ in prob.lines]
         for j, extra in enumerate(extras):
@@ -239,8 +238,7 @@ class _Relaxation:
                 best = min(vals)
                 v_row.append(best)
                 g_row.append(vals.index(best))  # the first minimum, as argmin
-            ranked = sorted(v_row) if forced is None else \
-                [v_row[i] for i in sorted(range(len(v_row)), key=lambda i: -inf if forced[i] else v_row[i])]
+            ranked = [v_row[i] for i in sorted(range(len(v_row)), key=_rank_key(v_row, forced))]
             total = 0.0
             for x in ranked[:b]:  # sequential, as cumsum
                 total += x
@@ -253,11 +251,16 @@ class _Relaxation:
 
     def solution(self, index: int) -> tuple[list[int], list[int]]:
         bi, j = divmod(index, self.num_lines)
-        v_row, forced = self.v[j][bi], self.forced
-        key = v_row.__getitem__ if forced is None else (lambda i: -math.inf if forced[i] else v_row[i])
-        sel = sorted(range(len(v_row)), key=key)[: self.b_values[bi]]  # stable: ties to the earliest
+        v_row = self.v[j][bi]
+        sel = sorted(range(len(v_row)), key=_rank_key(v_row, self.forced))[: self.b_values[bi]]
         g_row = self.g_best[j][bi]
         return sel, [g_row[i] for i in sel]
+
+
+def _rank_key(v_row: list[float], forced: list[bool] | None):
+    """Sort key over request indices: forced requests first, then by relaxed value (a stable
+    sort sends ties to the earliest, as the array path's stable argsort)."""
+    return v_row.__getitem__ if forced is None else (lambda i: -math.inf if forced[i] else v_row[i])
 
 
 def _solve(prob: _Problem, start: float) -> tuple[_Best | None, str, int]:

@@ -93,16 +93,22 @@ def brute_force(cands, model, config):
     return best
 
 
+def random_gains(rng: random.Random) -> tuple[float, ...]:
+    """A concave-ish gains curve of 0-3 draft tokens with a random acceptance rate."""
+    gains, acc = [0.0], rng.random()
+    for g in range(rng.randint(0, 3)):
+        gains.append(gains[-1] + acc ** (g + 1) * rng.choice([0.2, 1.0, 3.0]))
+    return tuple(gains)
+
+
 def random_case(seed: int):
     rng = random.Random(seed)
     cands = []
     for i in range(rng.randint(1, 5)):
-        gains, acc = [0.0], rng.random()
-        for g in range(rng.randint(0, 3)):
-            gains.append(gains[-1] + acc ** (g + 1) * rng.choice([0.2, 1.0, 3.0]))
+        gains = random_gains(rng)
         running = rng.random() < 0.6
         cands.append(Candidate(f"r{i}", rng.choice([8, 64, 256, 1024]), rng.choice([1, 2, 3]) * 1000,
-                               tuple(gains), running, rng.choice([0.0, 0.1, 0.5, 3.0]),
+                               gains, running, rng.choice([0.0, 0.1, 0.5, 3.0]),
                                0 if running or rng.random() < 0.5 else rng.choice([16, 128])))
     config = config_(max_batch_size=rng.randint(1, 4), gamma_max=rng.randint(0, 3),
                             total_gamma_max=rng.choice([0, 2, 4, 64]),
@@ -363,10 +369,8 @@ def running_case(seed: int):
     rng = random.Random(seed)
     cands = []
     for i in range(rng.randint(2, 6)):
-        gains, acc = [0.0], rng.random()
-        for g in range(rng.randint(0, 3)):
-            gains.append(gains[-1] + acc ** (g + 1) * rng.choice([0.2, 1.0, 3.0]))
-        cands.append(Candidate(f"r{i}", rng.choice([8, 64, 256, 1024, 4096]), 1000, tuple(gains), True,
+        gains = random_gains(rng)
+        cands.append(Candidate(f"r{i}", rng.choice([8, 64, 256, 1024, 4096]), 1000, gains, True,
                                rng.choice([0.0, 0.1, 3.0])))
     model = rng.choice([make_model((0.05, 0.002, 0.004, 2e-6), {"ngram": (0.0002, 0.00005, 0.00001)}),
                         TWO_DRAFTERS, make_model((0.02, 0.001, 0.003, 5e-5), {"ngram": (0.001, 0.0, 0.0)})])
