@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from cosine_ray.models.config import ModelConfig
-from cosine_ray.models.attention import (PaddedInputs, attend, attend_padded, padded_plan, plan_attention,
-                                         query_bucket)
+from cosine_ray.models.attention import (PaddedInputs, attend, attend_padded, eager_attention, padded_plan,
+                                         plan_attention, query_bucket)
 from cosine_ray.models.kv_cache import KVCache
 
 
@@ -307,8 +307,9 @@ class LlamaStage:
             rids, counts, masks = ([seq[i] for i in order] for seq in (rids, counts, masks))
             x, positions = x.index_select(0, rows), positions.index_select(0, rows)  # CPU only: no copies
         plan = plan_attention(rids, counts, masks, kv_cache, extend=batch.extend, device=self.device)
-        x = self._layers(x, positions.to(self.device),
-                         lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale))
+        with eager_attention(self.device):
+            x = self._layers(x, positions.to(self.device),
+                             lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale))
         if order is not None:
             x = torch.empty_like(x).index_copy_(0, rows, x)
         if not self.is_last:

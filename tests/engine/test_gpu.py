@@ -99,3 +99,17 @@ def test_stage_actor_output_crosses_processes(tiny_checkpoint):
     tree = TokenTree((4,), (-1,), (1.0,))
     pending = worker.forward_pending([ScoreItem.for_tree("r", tree, 3, (0, 1, 2), ids_only=True)])
     assert pending.ready is not None  # the in-process path keeps it asynchronous
+
+
+def test_eager_bf16_steps_do_not_use_cudnn_attention(tiny_checkpoint, prompts):
+    """cuDNN attention builds a plan on the host for every new shape (1.35 ms per call on an
+    H200), and eager steps' shapes change with every prompt: they use the other kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram"),
+                                      device="cuda", dtype="bfloat16", runner="eager"), checkpoint=tiny_checkpoint)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate(prompts, SamplingParams(max_tokens=8))
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names
+    assert not any("cudnn_attention" in n for n in names), sorted(n for n in names if "attention" in n)

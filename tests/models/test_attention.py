@@ -202,3 +202,18 @@ def test_commit_many_checks_everything_before_changing_anything():
     with pytest.raises(IndexError):
         cache.commit_many([("a", [0, 1]), ("b", [5])])
     assert cache.committed_length("a") == 0 and cache.num_speculative("a") == 3
+
+
+def test_eager_cuda_attention_leaves_out_cudnn_only():
+    """The context an eager CUDA forward runs in turns cuDNN attention off and keeps the others
+    (the flags are process-wide, so this runs without a GPU); elsewhere it changes nothing."""
+    from cosine_ray.models.attention import eager_attention
+
+    flags = (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
+             torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
+    before = [f() for f in flags]
+    with eager_attention(torch.device("cuda")):
+        assert [f() for f in flags] == [False, True, True, True]
+    assert [f() for f in flags] == before
+    with eager_attention(torch.device("cpu")):
+        assert [f() for f in flags] == before
