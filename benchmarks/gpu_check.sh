@@ -6,7 +6,8 @@
 #    for the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes (random weights, bf16);
 # 3. the embedded model end to end, fp32 and bf16, one request and 8 at once, against HF greedy
 #    (the JSON's results[].runner_steps.captures says whether a graph was captured while measuring);
-# 4. bf16 speculative output against our own bf16 decode, every divergence with its logit gap.
+# 4. bf16 speculative output against our own bf16 decode, every divergence with its logit gap;
+# 5. torch.profiler over full CoSine's measured window at c=8 in bf16 (device and host time).
 # Each step has its own time limit and the next one runs whatever happened; outputs go to OUT_DIR.
 set -u
 out=${1:-gpu-check}
@@ -32,4 +33,7 @@ done
 step "bf16 against our own bf16 decode"
 timeout 300 python3 benchmarks/bf16_divergence.py --device cuda --prompts-per-domain 3 --max-tokens 128 \
   --drafters "default;ngram" 2>&1 | tee "$out/bf16_divergence.log"
+step "profile, bf16, default drafters, c=8"
+timeout 200 python3 benchmarks/step_profile.py --device cuda --dtype bfloat16 --drafters default --concurrency 8 \
+  2>&1 | grep -v "^routing" | tee "$out/step_profile_bf16.log"
 step "done"
