@@ -27,12 +27,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cosine_ray.cli.args import CliError, check_local_device
 from cosine_ray.cli.bench import build_conversations, run_conversations
 from cosine_ray.datasets import default_prompt_dir
 from cosine_ray.engine.config import config_from_dict
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.models.device import device_unavailable
 from cosine_ray.models.loader import resolve_checkpoint
 
 
@@ -54,11 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         print("step_profile: --concurrency, --prompts-per-domain, --max-tokens and --rows must be >= 1", file=sys.stderr)
         return 2
     try:
-        reason = device_unavailable(args.device)
-    except ValueError as exc:
-        reason = str(exc)
-    if reason is not None:
-        print(f"step_profile: --device {args.device}: {reason}", file=sys.stderr)
+        check_local_device(args.device)
+    except CliError as exc:
+        print(f"step_profile: {exc}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -26,4 +26,4 @@ def test_profiles_the_measured_window():
 def test_a_device_it_cannot_use_is_refused():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda:x"], capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip() == "step_profile: --device cuda:x: device 'cuda:x': use cpu, cuda or cuda:N"
+    assert proc.returncode == 2 and proc.stderr.strip() == "step_profile: --device: device 'cuda:x': use cpu, cuda or cuda:N"
