@@ -31,10 +31,19 @@ yields on this machine:
 - **exploit**: per bucket and level, decayed sums of yield and time (``decay`` 0.98 per step of
   that level: a window of about 50 of its steps); when a level the bucket may move to has at
   least the bucket's minimum of (decayed) steps and its goodput (Σ yield / Σ normalised time)
-  beats the current level's by more than ``margin`` (3 %), the current level moves there. The
+  beats the current level's by more than ``margin`` (3 %) *and* by more than ``confidence``
+  (k = 1) standard errors of the difference, the current level moves there (see *evidence*). The
   minimum is ``min_steps`` (12) over √(the bucket's smallest row count), at least 3: a step of
   16 requests averages 16 requests' accepted lengths, so its yield is about 4× less noisy than
-  a single request's, and 3 of its steps say what 12 single-request steps say.
+  a single request's, and 3 of its steps say what 12 single-request steps say;
+- **evidence**: a level's goodput is a ratio estimate R = Σ w·y / Σ w·t over its decayed steps
+  (weights w = decay^age), whose variance is about Σ w²·(y − R·t)² / (Σ w·t)²; the guard keeps
+  the decayed sums of y², t², y·t and w² that give it (with Σ w² / Σ w in place of each w², an
+  approximation exact when the residuals do not trend with age). A move needs the gain to
+  exceed k·√(Var R_new + Var R_current). Without it, a level's first 3 to 4 decayed steps at 8
+  rows moved the bucket on a 3 % lead that a single lucky step gives (issue 20: on 1 thread the
+  8-15 bucket settled one level below where speculation paid); the margin alone stays as a
+  floor where the steps happen to agree.
 
 Why these numbers: ε = 0.1 bounds the cost of exploring at 10 % of the difference between
 neighbouring levels (and a level that is clearly worse is visited only by exploration); 0.3
@@ -78,14 +87,38 @@ class _Bucket:
     yields: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
+    squares: list[list[float]] = field(default_factory=list)
+    """Per level, decayed [Σ w·y², Σ w·t², Σ w·y·t, Σ w²]: the spread of its steps (*evidence*)."""
 
     def __post_init__(self) -> None:
         self.yields = [0.0] * self.num_levels
         self.times = [0.0] * self.num_levels
         self.steps = [0.0] * self.num_levels
+        self.squares = [[0.0] * 4 for _ in range(self.num_levels)]
+
+    def add(self, level: int, y: float, t: float, decay: float) -> None:
+        """One step of yield y in normalised time t at ``level``; older steps decay."""
+        self.yields[level] = decay * self.yields[level] + y
+        self.times[level] = decay * self.times[level] + t
+        self.steps[level] = decay * self.steps[level] + 1.0
+        sq = self.squares[level]
+        sq[0] = decay * sq[0] + y * y
+        sq[1] = decay * sq[1] + t * t
+        sq[2] = decay * sq[2] + y * t
+        sq[3] = decay * decay * sq[3] + 1.0
 
     def goodput(self, level: int) -> float | None:
         return self.yields[level] / self.times[level] if self.times[level] > 0 else None
+
+    def variance(self, level: int) -> float:
+        """Variance of ``goodput(level)`` as a ratio estimate over the decayed steps (0 before any)."""
+        t, w = self.times[level], self.steps[level]
+        if not t > 0 or not w > 0:
+            return 0.0
+        r = self.yields[level] / t
+        yy, tt, yt, w2 = self.squares[level]
+        residual = max(yy - 2.0 * r * yt + r * r * tt, 0.0)  # Σ w·(y − R·t)²
+        return residual * (w2 / w) / (t * t)
 
 
 @dataclass(slots=True)
@@ -99,6 +132,8 @@ class SpeculationGuard:
     decay: float = 0.98
     min_steps: float = 12.0
     margin: float = 0.03
+    confidence: float = 1.0
+    """k: a move needs a lead of k standard errors of the difference of the two goodputs."""
     seed: int | None = 0
     _buckets: dict[int, _Bucket] = field(init=False)
     _last: int = field(init=False)
@@ -108,8 +143,9 @@ class SpeculationGuard:
         if not self.levels or not 0 <= self.start < len(self.levels):
             raise ValueError("need at least one level and 0 <= start < len(levels)")
         if not 0.0 <= self.explore_share < 1.0 or not 0.0 <= self.young_explore_share < 1.0 \
-                or not 0.0 < self.decay <= 1.0 or self.young_steps < 0:
-            raise ValueError("explore shares must be in [0, 1), decay in (0, 1] and young_steps >= 0")
+                or not 0.0 < self.decay <= 1.0 or self.young_steps < 0 or not self.confidence >= 0.0:
+            raise ValueError("explore shares must be in [0, 1), decay in (0, 1], young_steps >= 0 "
+                             "and confidence >= 0")
         self._buckets = {}
         self._last = 1
         self._rng = random.Random(self.seed)
@@ -183,11 +219,12 @@ class SpeculationGuard:
         b = self._bucket(rows)
         may_move_to = self._others(b)  # judged by the bucket's age before this step
         b.seen += 1
-        b.yields[level] = self.decay * b.yields[level] + tokens_per_request
-        b.times[level] = self.decay * b.times[level] + plain_steps
-        b.steps[level] = self.decay * b.steps[level] + 1.0
+        b.add(level, tokens_per_request, plain_steps, self.decay)
         enough = self.min_steps_for(rows)
-        if level == b.current or b.steps[level] < enough or b.steps[b.current] < enough:
+        if level == b.current or level not in may_move_to or b.steps[level] < enough \
+                or b.steps[b.current] < enough:
             return
-        if level in may_move_to and b.goodput(level) > b.goodput(b.current) * (1.0 + self.margin):
+        lead = b.goodput(level) - b.goodput(b.current)
+        if lead > b.goodput(b.current) * self.margin \
+                and lead > self.confidence * math.sqrt(b.variance(level) + b.variance(b.current)):
             b.current = level
