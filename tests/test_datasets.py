@@ -153,3 +153,30 @@ def test_bench_system_overrides_take_lists_and_reject_bad_values():
     assert system.step == {"shared_drafters": ["ngram", "suffix"], "drafters_per_request": 1}
     with pytest.raises(CliError, match="routing"):
         bench.parse_systems("default@routing=nowhere")
+
+
+def test_bench_splits_acceptance_into_first_sends_and_repeats():
+    """The template workload repeats popular questions word for word; bench reports their
+    acceptance apart from first sends', and nothing when no conversation repeats."""
+    from types import SimpleNamespace
+
+    from cosine_ray import cli
+    from cosine_ray.cli import bench
+
+    def turn(steps: int, accepted: int) -> bench.Turn:
+        return bench.Turn([1] * (steps + accepted), "length",
+                          SimpleNamespace(num_verify_steps=steps, num_accepted_tokens=accepted,
+                                          num_draft_tokens=2 * accepted or 1))
+
+    prompts = [("a",), ("b",), ("a",), ("a",), ("c",)]
+    outs = [[turn(10, 10)], [turn(20, 0)], [turn(4, 28)], [turn(5, 30)], [turn(10, 5)]]
+    split = bench._by_repeat(outs, prompts)
+    assert split["first_sends"] == 3 and split["repeats"] == 2
+    assert split["first"]["mean_accepted_length"] == pytest.approx((15 + 40) / 40)
+    assert split["repeat"]["mean_accepted_length"] == pytest.approx((58 + 9) / 9)
+    assert bench._by_repeat(outs[:2], prompts[:2]) is None
+    args = cli.build_parser().parse_args(["bench", "--workload", "template", "--prompts-per-domain", "8",
+                                          "--prompt-dir", str(PACKAGED_PROMPT_DIR)])
+    _, measured = bench.build_conversations(args)
+    texts = [i.turns for i in measured]
+    assert len(set(texts)) < len(texts)  # 8 a domain from a pool of 6: the workload does repeat

@@ -298,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
                 first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer))
                 row["repeat_probe"] = {"first": _spec_figures([outs[0][:1]]), "again": _spec_figures(first),
                                        "identical": first[0][0].token_ids == outs[0][0].token_ids}
+            by_repeat = _by_repeat(outs, convs)
+            if by_repeat is not None:
+                row["by_repeat"] = by_repeat
             row["index_bytes"] = _index_bytes(engine)
             guard = engine.core.scheduler.guard
             if guard is not None:  # κ the speculation guard ended the run at (0 = speculation off)
@@ -358,6 +361,22 @@ def _spec_figures(outs: list[list[Turn]]) -> dict[str, float]:
     drafted = sum(s.num_draft_tokens for s in stats)
     return {"mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0, "verify_steps": steps}
+
+
+def _by_repeat(outs: list[list[Turn]], prompts: list[tuple[str, ...]]) -> dict[str, Any] | None:
+    """Speculation figures of the measured conversations split into first sends and repeats (a
+    conversation whose turns equal an earlier measured one's, word for word: the template
+    workload's popular questions); None when nothing repeats."""
+    seen: set[tuple[str, ...]] = set()
+    first, again = [], []
+    for conv, turns in zip(outs, prompts):
+        key = tuple(turns)
+        (again if key in seen else first).append(conv)
+        seen.add(key)
+    if not again:
+        return None
+    return {"first": _spec_figures(first), "repeat": _spec_figures(again),
+            "first_sends": len(first), "repeats": len(again)}
 
 
 def _routing_shares(outs: list[list[Turn]], domains: list[str]) -> dict[str, dict[str, float]]:
@@ -437,6 +456,12 @@ def _print_table(report: dict[str, Any]) -> None:
                   f"{p['first']['mean_accepted_length']:.2f} (acceptance {p['first']['acceptance_rate']:.2f}), "
                   f"again {p['again']['mean_accepted_length']:.2f} (acceptance {p['again']['acceptance_rate']:.2f}), "
                   f"identical text: {p['identical']}")
+    for r in rows:
+        if "by_repeat" in r:
+            b = r["by_repeat"]
+            print(f"first sends / repeats, {r['system']} c={r['concurrency']}: mean accepted length "
+                  f"{b['first']['mean_accepted_length']:.2f} over {b['first_sends']} first sends, "
+                  f"{b['repeat']['mean_accepted_length']:.2f} over {b['repeats']} repeats of an earlier measured one")
     for r in rows:
         if r.get("routing_shares") and any(len(v) > 1 for v in r["routing_shares"].values()):
             print(f"routing shares, {r['system']} c={r['concurrency']}: " + "; ".join(
