@@ -388,6 +388,55 @@ def test_ingest_reaches_running_requests_at_their_next_call():
     assert propose_one(drafter, context, 8).paths == [[50, 51, 52, 53, 54]]  # same context object
 
 
+# ---- peers: requests in flight ------------------------------------------------------------------
+
+def _random_text(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(5000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("use_local", [True, False])
+def test_identical_request_in_flight_drafts_from_the_first_ones_output(use_local):
+    """The global index learns a request only when it finishes: an identical request sent while
+    the first is still writing drafts from the first one's context, and from nothing without peers."""
+    prompt, output = _random_text(5, 40), _random_text(6, 120)
+    for max_peers, want in ((8, output[20:28]), (0, None)):
+        drafter = SuffixDrafter(SuffixConfig(max_branches=1, max_peers=max_peers, use_local=use_local))
+        propose_one(drafter, prompt + output[:1], 8, "first")  # its first step: the drafter sees the prompt
+        propose_one(drafter, prompt + output[:100], 8, "first")  # 100 tokens written so far
+        propose_one(drafter, prompt + output[:1], 8, "again")
+        paths = propose_one(drafter, prompt + output[:20], 8, "again").paths
+        assert paths == ([want] if want else [])
+        assert propose_one(drafter, prompt + output[:100], 8, "first").paths == []  # nothing ahead of it
+
+
+def test_a_request_with_another_prompt_is_no_peer():
+    """Peers share the prompt: another request in flight is not searched, even where it holds a
+    long run of the asker's text, and an expert without a local index indexes nobody's context."""
+    shared, rest = _random_text(7, 8), _random_text(8, 30)
+    for use_local in (True, False):
+        drafter = SuffixDrafter(SuffixConfig(max_branches=1, max_cached_requests=0, use_local=use_local))
+        propose_one(drafter, _random_text(9, 20) + shared + rest, 8, "other")
+        assert propose_one(drafter, _random_text(10, 20) + shared, 8, "asker").paths == []
+        assert drafter.state_size()["local_tokens"] == (20 + 8 + 30 + 20 + 8 if use_local else 0)
+
+
+def test_peers_are_the_latest_with_the_prompt_and_a_released_one_is_gone():
+    prompt, output = _random_text(11, 30), _random_text(12, 60)
+    drafter = SuffixDrafter(SuffixConfig(max_branches=1, max_peers=1, max_cached_requests=0))
+    for request_id, written in (("writer", 60), ("other", 5)):
+        propose_one(drafter, prompt + output[:1], 8, request_id)
+        propose_one(drafter, prompt + output[:written], 8, request_id)
+    assert propose_one(drafter, prompt + output[:1], 8, "asker").paths == [output[1:5]]  # "other" only
+    drafter.release("other")
+    assert propose_one(drafter, prompt + output[:2], 8, "asker").paths == [output[2:10]]  # now "writer"
+    drafter.release("writer")
+    assert propose_one(drafter, prompt + output[:3], 8, "asker").paths == []
+    assert drafter._by_origin.keys() == {hash(tuple(prompt))}  # only the asker's group is left
+    drafter.release("asker")
+    assert drafter._by_origin == {}
+
+
 def test_eviction_bounds_memory_and_drops_oldest_first():
     rng = random.Random(4)
     cfg = SuffixConfig(max_indexed_tokens=2_000, max_cached_requests=15, num_prompt_context_tokens=0)
@@ -521,7 +570,7 @@ def test_is_a_drafter_with_name():
     ({"min_token_prob": 1.5}, "min_token_prob"), ({"max_branches": 0}, "max_branches"),
     ({"count_smoothing": -1.0}, "count_smoothing"), ({"max_cached_requests": -1}, "max_cached_requests"),
     ({"max_indexed_tokens": 0}, "max_indexed_tokens"), ({"num_prompt_context_tokens": -1}, "num_prompt_context"),
-    ({"max_tracked_requests": 0}, "max_tracked_requests"),
+    ({"max_tracked_requests": 0}, "max_tracked_requests"), ({"max_peers": -1}, "max_peers"),
 ])
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -26,6 +26,14 @@ tokens and stops where the cumulative probability (product of count ratios) fall
 number of accepted tokens); the best-scoring node of the local and global indexes wins
 (ties: the longer match, then local) and is the step's *anchor*; drafts walk down the
 implicit suffix tree below it (``suffix_tree``).
+
+*Peers* stand in for the paper's updating the global tree with every accepted token: the
+global index learns a request when it finishes, and until then its context lives in its
+local index. A request also looks for long matches (``key_lengths[-1]`` tokens or more) in
+the local indexes of up to ``max_peers`` other requests in flight with the same prompt, so
+two users sending the same question a few seconds apart share the first one's output while
+it is being written. (Any request in flight as a peer, gated by one 8-gram lookup each, cost
+15 µs a peer per request-step on our CPU, most of it on template text every prompt shares.)
 """
 
 from __future__ import annotations
@@ -84,6 +92,13 @@ class SuffixConfig:
     use_local: bool = True
     """Keep a per-request index of the request's own context. A domain expert drafting beside
     the context n-gram drafter leaves it off: that drafter already covers the context."""
+    max_peers: int = 8
+    """In-flight requests with the same prompt whose contexts (prompt + output so far) a
+    request may also draft from, the most recently drafted first (0 = none): the global index
+    learns a request only when it finishes, so without them an identical request that arrives
+    while the first is still generating drafts nothing from it. Peers are found by one
+    dictionary lookup of the prompt's hash, so a request whose prompt no other request in
+    flight shares costs nothing more; a peer is matched on ``key_lengths[-1]`` tokens or more."""
 
     def __post_init__(self) -> None:
         keys = tuple(self.key_lengths)
@@ -118,6 +133,8 @@ class SuffixConfig:
             raise ValueError(f"num_prompt_context_tokens must be >= 0, got {self.num_prompt_context_tokens}")
         if self.max_tracked_requests < 1:
             raise ValueError(f"max_tracked_requests must be >= 1, got {self.max_tracked_requests}")
+        if self.max_peers < 0:
+            raise ValueError(f"max_peers must be >= 0 (0 = no peer matches), got {self.max_peers}")
 
     def max_draft_len(self, match_len: int) -> int:
         """The paper's adaptive length: ``min(max_spec_tokens, ⌊L · factor + offset⌋)``."""
@@ -133,10 +150,16 @@ def _make_index(config: SuffixConfig, *, is_global: bool) -> SuffixIndex:
 
 
 class _RequestState:
-    __slots__ = ("index", "context", "anchor", "anchor_version")
+    __slots__ = ("index", "indexed", "context", "anchor", "anchor_version", "origin")
 
-    def __init__(self, config: SuffixConfig) -> None:
+    def __init__(self, config: SuffixConfig, origin: int) -> None:
+        self.origin = origin
+        """Hash of the context this drafter first saw, less its last token (the tree root):
+        the prompt, when the drafter is asked from the request's first step on."""
         self.index = _make_index(config, is_global=False)
+        self.indexed = config.use_local
+        """Whether ``index`` follows the context: always with ``use_local``, else from the
+        first time another request with the same origin needs it as a peer."""
         self.context: tuple[int, ...] = ()
         self.anchor: Anchor | None = None
         self.anchor_version = -1
@@ -147,13 +170,18 @@ class _RequestState:
         if context is old or context == old:
             self.context = context
             return
-        if config.use_local:
+        if self.indexed:
             if len(context) > n and context[:n] == old:
                 self.index.extend(context[n:])
             else:
                 self.index = _make_index(config, is_global=False)
                 self.index.add_sequence(context)
         self.context, self.anchor, self.anchor_version = context, None, -1
+
+    def start_indexing(self) -> None:
+        if not self.indexed:
+            self.index.add_sequence(self.context)
+            self.indexed = True
 
 
 class SuffixDrafter:
@@ -166,6 +194,8 @@ class SuffixDrafter:
         """Learn only from finished requests of this domain (``learn``): a live domain expert.
         None learns from every request."""
         self._states: OrderedDict[str, _RequestState] = OrderedDict()
+        self._by_origin: dict[int, dict[str, _RequestState]] = {}
+        """Tracked requests by ``origin`` (their prompt), in the order they were first seen."""
         self._global = _make_index(self.config, is_global=True) if self.config.max_cached_requests > 0 else None
 
     # ---- learning ----------------------------------------------------------------------------
@@ -263,7 +293,15 @@ class SuffixDrafter:
         global index learns from finished requests (``ingest``)."""
 
     def release(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self._forget(request_id, state)
+
+    def _forget(self, request_id: str, state: _RequestState) -> None:
+        group = self._by_origin[state.origin]
+        del group[request_id]
+        if not group:
+            del self._by_origin[state.origin]
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -297,10 +335,11 @@ class SuffixDrafter:
     def _anchor_for(self, request_id: str, context: Sequence[int]) -> Anchor | None:
         state = self._states.get(request_id)
         if state is None:
-            state = _RequestState(self.config)
+            state = _RequestState(self.config, hash(tuple(context[:-1])))
             self._states[request_id] = state
+            self._by_origin.setdefault(state.origin, {})[request_id] = state
             while len(self._states) > self.config.max_tracked_requests:
-                self._states.popitem(last=False)
+                self._forget(*self._states.popitem(last=False))
         else:
             self._states.move_to_end(request_id)
         state.update(context if isinstance(context, tuple) else tuple(context), self.config)
@@ -310,41 +349,61 @@ class SuffixDrafter:
         return state.anchor
 
     def _best_anchor(self, state: _RequestState) -> Anchor | None:
-        """The best-scoring node over every match length of the local and global indexes."""
+        """The best-scoring node over every match length of the local and global indexes, and
+        over the long matches in the peers' contexts (``_peers``)."""
         context = state.context
         if not context:
             return None
-        tail = [int(t) for t in context[-self.config.max_depth:]]
-        best = self._best_in(state.index, tail, "local") if self.config.use_local else None
-        if self._global is not None:
-            other = self._best_in(self._global, tail, "global")
+        cfg = self.config
+        tail = [int(t) for t in context[-cfg.max_depth:]]
+        best = self._best_in(state.index, tail, "local") if cfg.use_local else None
+        found = [self._best_in(self._global, tail, "global")] if self._global is not None else []
+        peer_len = max(cfg.min_match_len, cfg.key_lengths[-1])
+        found += [self._best_in(peer.index, tail, "peer", min_len=peer_len) for peer in self._peers(state)]
+        for other in found:
             if other is not None and (best is None or other.score > best.score):
                 best = other
         return best
 
-    def _best_in(self, index: SuffixIndex, tail: Sequence[int], source: str) -> Anchor | None:
+    def _peers(self, state: _RequestState) -> list[_RequestState]:
+        """Up to ``max_peers`` other tracked requests with the same origin (prompt), the latest
+        first: requests in flight (a finished one is released, and learnt by the global index)."""
+        if not self.config.max_peers:
+            return []
+        group = self._by_origin[state.origin]
+        if len(group) == 1:
+            return []
+        peers = [other for other in reversed(group.values()) if other is not state][:self.config.max_peers]
+        for peer in peers:
+            peer.start_indexing()
+        return peers
+
+    def _best_in(self, index: SuffixIndex, tail: Sequence[int], source: str, *,
+                 min_len: int | None = None) -> Anchor | None:
         """Every match length, longest first, lazily by key length.
 
         Key length k_j answers the match lengths L in ``[k_j, k_(j+1))`` (the longest key:
         up to ``max_depth``): their occurrences are the positions of its chain and of the
         longer keys' chains with match length >= L. A length is worth trying only while its
         cap exceeds the best score so far (a score never exceeds its cap), so the shorter
-        keys' chains are usually never walked."""
+        keys' chains are usually never walked. ``min_len`` (default ``min_match_len``) is the
+        shortest match length tried: a level whose lengths are all shorter is not looked up."""
         cfg = self.config
         keys = cfg.key_lengths
+        min_len = cfg.min_match_len if min_len is None else min_len
         pool: dict[int, tuple[int, list[int]]] = {}  # position → (match length, window)
         best: Anchor | None = None
         for level in range(len(keys) - 1, -1, -1):
             top = cfg.max_depth if level == len(keys) - 1 else keys[level + 1] - 1
-            if best is not None and cfg.max_draft_len(top) <= best.score:
-                break
+            low = max(keys[level], min_len)
+            if low > top or (best is not None and cfg.max_draft_len(top) <= best.score):
+                break  # the shorter keys' levels are shorter still
             positions, lengths = index.find_level(tail, level)
             fresh = [(p, n) for p, n in zip(positions, lengths) if p not in pool]
             if fresh:
                 windows = index.windows([p for p, _ in fresh], cfg.max_spec_tokens)
                 pool.update((p, (n, w)) for (p, n), w in zip(fresh, windows))
-            low = max(keys[level], cfg.min_match_len)
-            if not pool or low > top:
+            if not pool:
                 continue
             entries = sorted(pool.items(), reverse=True)  # most recent first
             for match_len in sorted({min(n, top) for _, (n, _) in entries if n >= low}, reverse=True):
