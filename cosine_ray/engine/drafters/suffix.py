@@ -94,7 +94,7 @@ class SuffixConfig:
     the context n-gram drafter leaves it off: that drafter already covers the context."""
     max_peers: int = 8
     """In-flight requests with the same prompt whose contexts (prompt + output so far) a
-    request may also draft from, the most recently drafted first (0 = none): the global index
+    request may also draft from, the latest to arrive first (0 = none): the global index
     learns a request only when it finishes, so without them an identical request that arrives
     while the first is still generating drafts nothing from it. Peers are found by one
     dictionary lookup of the prompt's hash, so a request whose prompt no other request in
