@@ -421,6 +421,19 @@ def test_a_request_with_another_prompt_is_no_peer():
         assert drafter.state_size()["local_tokens"] == (20 + 8 + 30 + 20 + 8 if use_local else 0)
 
 
+def test_a_peer_gives_long_matches_only():
+    """Within a prompt's peers, a match must be ``key_lengths[-1]`` (8) tokens long: a 5-token run
+    the asker shares with its peer after their outputs part drafts nothing, an 8-token run does."""
+    prompt, first, part, shared, after = (_random_text(s, n) for s, n in ((14, 30), (15, 1), (16, 10), (17, 8), (18, 10)))
+    for overlap, want in ((5, []), (8, [after[:8]])):
+        drafter = SuffixDrafter(SuffixConfig(max_branches=1, max_cached_requests=0))
+        propose_one(drafter, prompt + first, 8, "peer")
+        propose_one(drafter, prompt + first + part + shared + after, 8, "peer")
+        propose_one(drafter, prompt + first, 8, "asker")
+        context = prompt + first + _random_text(19, 10) + shared[8 - overlap:]
+        assert propose_one(drafter, context, 8, "asker").paths == want
+
+
 def test_peers_are_the_latest_with_the_prompt_and_a_released_one_is_gone():
     prompt, output = _random_text(11, 30), _random_text(12, 60)
     drafter = SuffixDrafter(SuffixConfig(max_branches=1, max_peers=1, max_cached_requests=0))
