@@ -12,9 +12,9 @@ costs time), then the operators and kernels with the most device time (CUDA only
 with the most host time. ``--trace`` also writes a Chrome trace (chrome://tracing, Perfetto).
 
 On an H200 it found why bf16 was slower than fp32: each eager attention call spent 1.35 ms of
-host time in ``aten::_cudnn_attention_forward`` (docs/measurements.md, "On a GPU"). Graph replays appear as
-``cudaGraphLaunch`` on the host and as their kernels on the device; CUPTI's tracing makes
-graph launches slower than they are without the profiler.
+host time in ``aten::_cudnn_attention_forward`` (docs/measurements.md, "On a GPU"). Graph
+replays appear as ``cudaGraphLaunch`` on the host and as their kernels on the device; CUPTI's
+tracing makes graph launches slower than they are without the profiler.
 """
 
 from __future__ import annotations

@@ -96,8 +96,9 @@ EMA_WEIGHT = 0.2
 PRE_VERIFY_MIN_DRAFT_SHARE = 0.5
 """``auto`` pre-verifies while drafting takes at least this share of a verification. At 1.0
 the simulated 70B testbed (drafting 5 tokens: 102 ms against a 110 ms verification) drafted
-first and lost 13 % against pre-verifying (docs/measurements.md, "Pipeline modes: PEARL"); lookup drafters
-take well under 1 % of a verification, so any share between keeps them drafting first."""
+first and lost 13 % against pre-verifying (docs/measurements.md, "Pipeline modes: PEARL");
+lookup drafters take well under 1 % of a verification, so any share between keeps them
+drafting first."""
 
 
 class Pearl:

@@ -179,11 +179,11 @@ class PipeDecSession:
 class ModeGuard:
     """For a request alone in the pool: PipeDec or lanes, whichever commits tokens faster on
     this deployment. PipeDec pays with many stages and a drafter whose layers catch the
-    target's token; with two stages on a CPU it does not (docs/measurements.md, "Pipeline modes"), and no
-    formula knows which case a deployment is in. So the guard measures: it runs each mode for
-    ``window_tokens`` tokens (PipeDec first), keeps the faster one, and every
-    ``reprobe_tokens`` tokens runs the other for one window again (a request's text, the
-    drafters' accuracy and the machine's load change). Rates are tokens per second of wall
+    target's token; with two stages on a CPU it does not (docs/measurements.md, "Pipeline
+    modes"), and no formula knows which case a deployment is in. So the guard measures: it
+    runs each mode for ``window_tokens`` tokens (PipeDec first), keeps the faster one, and
+    every ``reprobe_tokens`` tokens runs the other for one window again (a request's text,
+    the drafters' accuracy and the machine's load change). Rates are tokens per second of wall
     time of the solo request's steps, a switch's refill included; each window's rate is
     averaged with the mode's earlier ones (weight 1/2)."""
 

@@ -42,8 +42,8 @@ One owner for the request pool's scheduling. Per step (one lane's micro-batch):
    left (up to ``max_tokens``) over its measured tokens per step: the last to finish drafts at
    the full price, a request 10 % ahead of it at a fifth, one 20 % ahead hardly at all. The
    drain ends at the next admission. Measured on our CPU (16 held-back prompts, 64 tokens,
-   interleaved; docs/measurements.md): with it full CoSine was ahead of itself without it at c=8 and
-   c=16 on 1 and 2 threads, by 1–5 %.
+   interleaved; docs/measurements.md): with it full CoSine was ahead of itself without it at
+   c=8 and c=16 on 1 and 2 threads, by 1–5 %.
 6. **No drafting that cannot pay.** Once the price and the drain weights are known, a
    request whose first draft node could not pay even if it were accepted for certain
    (``TreePrice.node_can_pay``) gets γ_i = 0 *before* the drafters are asked: TreeSelection
@@ -53,7 +53,8 @@ One owner for the request pool's scheduling. Per step (one lane's micro-batch):
    out measured within noise: 1.04× against 1.03× at c=16 on 1 thread, 0.96× against 0.98× on
    2). PEARL, which drafts while the target verifies, keeps drafting (``skip_unpaying``). At
    c=16 on 2 threads, where the drain weights leave most requests worth next to nothing, full
-   CoSine went from 0.92× to 0.99× of speculation off with this (interleaved A/B, docs/measurements.md).
+   CoSine went from 0.92× to 0.99× of speculation off with this (interleaved A/B,
+   docs/measurements.md).
 
 NOTE(scheduler): the paper's order — batch assignment before drafting (Algorithm 2) — needs
 gains before the trees exist; the last tree's curve predicts them. Only the batch decision
