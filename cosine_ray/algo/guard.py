@@ -21,7 +21,9 @@ yields on this machine:
   in *plain-decode steps of the same shape* (the cost model's prediction of a γ = 0 step for
   these requests and contexts). A step without speculation yields about 1; normalising by the
   plain step makes steps of different contexts comparable, and a bias of the cost model
-  cancels (every level is divided by the same model);
+  cancels (every level is divided by the same model). When the cost model is refitted (every
+  16 verify steps), the stored times are re-expressed in the new model's plain steps
+  (``rescale_times``), so that stays true across refits and after the start-up default;
 - **explore**: each step runs at a neighbouring level (one below or one above, chosen at
   random) with probability ``explore_share`` (ε = 0.1), otherwise at the bucket's current level.
   A *young* bucket (fewer than ``young_steps`` = 60 steps seen) explores with
@@ -60,6 +62,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 LEVELS = (0.0, 0.5, 1.0, 1.5)
 """κ: multiplier on the value of an expected accepted token (0 = speculation off)."""
@@ -210,6 +213,21 @@ class SpeculationGuard:
         if g is None or bucket.steps[bucket.current] < self.min_steps_for(rows):
             return 1.0
         return max(g, 1.0)
+
+    def rescale_times(self, factor: Callable[[int], float]) -> None:
+        """The unit of time changed: the cost model was refitted, so a plain-decode step of a
+        bucket's rows is now predicted ``1 / factor(rows)`` times as long as before (``factor``
+        = old prediction / new one, at the bucket's smallest row count). Every stored normalised
+        time is re-expressed in the new unit, so steps observed before and after a refit (or
+        under the start-up default, on a machine it does not describe) are compared alike."""
+        for key, b in self._buckets.items():
+            f = factor(1 << (key - 1))
+            if not f > 0 or not math.isfinite(f) or f == 1.0:
+                continue
+            b.times = [t * f for t in b.times]
+            for sq in b.squares:
+                sq[1] *= f * f
+                sq[2] *= f
 
     def observe(self, level: int, tokens_per_request: float, plain_steps: float, rows: int = 1) -> None:
         """One step of ``rows`` requests at ``level``: committed tokens per request, and its wall

@@ -104,6 +104,8 @@ class Learner:
             stats.verify_predicted_s = latency.predict_llm(verified.context_lens, verified.num_new_tokens)
             self._observe_level(batch, verified, latency, pending.step_s)
             self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s)
+            if self.guard is not None and self.costs.latency is not latency:
+                self._renormalise_guard(latency, self.costs.latency, verified.context_lens)
             live = []
             for request, draft, result, step in pending.trees:
                 is_live = self.is_live(request.request_id)
@@ -129,6 +131,21 @@ class Learner:
         if plain_s > 0 and step_s > 0:
             tokens = sum(len(o.new_token_ids) for o in verified.outcomes) / len(verified.outcomes)
             self.guard.observe(batch.level, tokens, step_s / plain_s, len(verified.outcomes))
+
+    def _renormalise_guard(self, old, new, context_lens) -> None:
+        """The cost model was refitted: the guard's stored step times, in plain-decode steps of
+        the old model, become plain-decode steps of the new one (at this step's mean context).
+        Without it, the steps a young bucket saw under the start-up default (a 2-core CPU's
+        figures, on a GPU 12× too slow) kept their levels' goodput inflated for hundreds of
+        steps: on an H200 at 8 requests G read 6.4 and the guard fell to κ = 0 in half the runs."""
+        ctx = max(int(round(sum(context_lens) / len(context_lens))), 1)
+
+        def factor(rows: int) -> float:
+            before = old.predict_llm([ctx] * rows, [1] * rows)
+            after = new.predict_llm([ctx] * rows, [1] * rows)
+            return before / after if before > 0 and after > 0 else 1.0
+
+        self.guard.rescale_times(factor)
 
     def _count_tree(self, request: Request, draft: DraftTree, result: VerifyResult) -> RequestStepStats:
         """The step's counts for one request, added to its own stats at once."""

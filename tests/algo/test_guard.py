@@ -216,3 +216,27 @@ def test_with_evidence_required_a_better_level_is_still_found_at_eight_rows():
 def test_confidence_must_not_be_negative():
     with pytest.raises(ValueError):
         SpeculationGuard(confidence=-1.0)
+
+
+def test_rescaled_times_read_as_if_observed_in_the_new_unit():
+    """A refit of the cost model changes the unit of the stored times (plain-decode steps of the
+    old model): after ``rescale_times(f)`` each bucket's goodput and its variance are those of the
+    same steps observed with every time multiplied by f(its smallest row count)."""
+    rng = random.Random(5)
+    steps = [(rows, level, rng.uniform(0.5, 3.0), rng.uniform(0.8, 1.6))
+             for _ in range(40) for rows in (1, 8) for level in (1, 2)]
+    factor = {1: 0.25, 8: 3.0}
+    rescaled, direct = (SpeculationGuard(explore_share=0.0, young_explore_share=0.0, margin=10.0)
+                        for _ in range(2))
+    for rows, level, y, t in steps:
+        rescaled.observe(level, y, t, rows)
+        direct.observe(level, y, t * factor[rows], rows)
+    rescaled.rescale_times(lambda rows: factor[rows])
+    for rows in (1, 8):
+        for level in (1, 2):
+            assert rescaled.goodput(level, rows) == pytest.approx(direct.goodput(level, rows))
+            b, d = rescaled._buckets[bucket_of(rows)], direct._buckets[bucket_of(rows)]
+            assert b.variance(level) == pytest.approx(d.variance(level))
+    before = rescaled.goodput(2, 1)
+    rescaled.rescale_times(lambda rows: float("nan"))  # an unusable factor leaves the times alone
+    assert rescaled.goodput(2, 1) == before

@@ -12,6 +12,8 @@ from collections import defaultdict
 
 import pytest
 
+from cosine_ray.algo.guard import SpeculationGuard
+from cosine_ray.algo.latency_model import LatencyModel
 from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.config import StepConfig
@@ -627,3 +629,35 @@ def test_the_tree_bias_learns_every_verified_tree_and_scales_the_gains_and_the_e
     assert sum(s[0] for s in sums.values()) == pytest.approx(sum(e for _, e in drafted))
     assert set(sums) == {d for d, _ in drafted} and len(sums) == 2
     assert all(router.speculator.bias.factor(d) > 1.0 for d in sums)  # so the scaling above was tested
+
+
+def test_the_guards_goodput_follows_the_refitted_cost_model():
+    """The guard's step times are in plain-decode steps of the cost model of their time. An
+    engine without a profile starts from the default model (a 2-core CPU's 57+ ms steps); once
+    the model is refitted to this target (5 ms here, like a GPU), the times stored before are
+    re-expressed in the new unit, so the goodput is what the final model says about the same
+    steps, not the 3× the default's early steps made it (an H200 read G = 6.4 and fell to κ = 0)."""
+
+    class FiveMsTarget(TableTarget):
+        async def score(self, items):
+            time.sleep(0.005)
+            return await super().score(items)
+
+    target = FiveMsTarget()
+    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    guard = SpeculationGuard(decay=1.0, explore_share=0.0, young_explore_share=0.0, seed=0)
+    router.scheduler.guard = router.learner.guard = guard  # one level, every step weighs the same
+    observed, observe_level = [], router.learner._observe_level
+
+    def spy(batch, verified, latency, step_s):
+        if batch.level is not None and not any(o.is_prefill for o in verified.outcomes):
+            tokens = sum(len(o.new_token_ids) for o in verified.outcomes) / len(verified.outcomes)
+            observed.append((list(verified.context_lens), step_s, tokens))
+        return observe_level(batch, verified, latency, step_s)
+
+    router.learner._observe_level = spy
+    run(router, prompts_for(0, 3), max_tokens=120)
+    final = router.learner.costs.latency
+    assert final.c0 < 0.02 < LatencyModel.default().c0  # refitted to the 5 ms target
+    reference = sum(y for *_, y in observed) / sum(s / final.predict_llm(c, [1] * len(c)) for c, s, _ in observed)
+    assert guard.goodput(guard.start, 3) == pytest.approx(reference, rel=0.25)
