@@ -28,13 +28,17 @@ Which copy. ``$COSINE_RAY_STANDALONE_SOURCE`` picks it:
   would either fail for no reason or pass without seeing the change. The chosen mode is
   printed.
 
-Why the venv uses the system's packages. A fully fresh venv that installs every dependency
-(torch, Ray, transformers, ...) took 13 minutes and 2 GB on our 2-core development machines (a
-plain ``pip install .``, with other jobs running). That is far too long for every CI run. So
-the venv is created with ``--system-site-packages`` and the project is installed with
-``pip install --no-deps --no-build-isolation``. That is only meaningful if the
-imported package really is the venv's copy: the system site-packages holds the developer's
-*editable* install, whose setuptools finder sits on ``sys.meta_path``. The check therefore
+Why the venv uses the test environment's packages. A fully fresh venv that installs every
+dependency (torch, Ray, transformers, ...) took 13 minutes and 2 GB on our 2-core development
+machines (a plain ``pip install .``, with other jobs running). That is far too long for every CI
+run. So the venv sees the site-packages of the interpreter running the tests (through a ``.pth``
+file after its own site-packages: a venv's packages when the tests run in one, the system's
+otherwise) and the project is installed with ``pip install --no-deps --no-build-isolation``.
+(``--system-site-packages`` would show the *base* interpreter's packages instead: in a fresh
+virtualenv on a bare Python, that is a setuptools too old to build a wheel and none of the
+dependencies.) That is only meaningful if the imported package really is the venv's copy: the
+test environment holds the developer's *editable* install, whose setuptools finder sits on
+``sys.meta_path``. The check therefore
 runs ``python -I`` (no cwd, no PYTHONPATH, no user site) from a folder outside both the
 repository and the copy, and it asserts:
 - ``cosine_ray.__file__``, ``loadgen.__file__``, the prompt folder and the datastores lie
@@ -256,10 +260,17 @@ def test_non_editable_install_in_a_fresh_venv(copy, tmp_path_factory):
     venv = tmp_path_factory.mktemp("venv") / "venv"
     outside = tmp_path_factory.mktemp("outside")
     env = _base_env()
-    proc = _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], outside, env)
+    proc = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], outside, env)
     assert proc.returncode == 0, proc.stderr
     python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
-    # the system's pip, run by the venv's interpreter, installs into the venv
+    proc = _run([python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], outside, env)
+    assert proc.returncode == 0, proc.stderr
+    # the packages of the environment running the tests (a venv's own, or the system's), seen by
+    # the new venv after its own site-packages: a .pth line appends a folder to sys.path
+    # without running the .pth files inside it (the editable install's finder stays out)
+    outer = [p for p in sys.path if p and os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages")]
+    (Path(proc.stdout.strip().splitlines()[-1]) / "_test_environment.pth").write_text("\n".join(outer) + "\n")
+    # that environment's pip and build backend, run by the venv's interpreter, install into the venv
     proc = _run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-cache-dir",
                  "--disable-pip-version-check", "-q", str(copy.path)], outside, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
