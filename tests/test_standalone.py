@@ -268,7 +268,8 @@ def test_non_editable_install_in_a_fresh_venv(copy, tmp_path_factory):
     # the packages of the environment running the tests (a venv's own, or the system's), seen by
     # the new venv after its own site-packages: a .pth line appends a folder to sys.path
     # without running the .pth files inside it (the editable install's finder stays out)
-    outer = [p for p in sys.path if p and os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages")]
+    outer = [p for p in sys.path
+             if p and os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages")]
     (Path(proc.stdout.strip().splitlines()[-1]) / "_test_environment.pth").write_text("\n".join(outer) + "\n")
     # that environment's pip and build backend, run by the venv's interpreter, install into the venv
     proc = _run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-cache-dir",

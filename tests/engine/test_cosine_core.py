@@ -636,7 +636,8 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
     engine without a profile starts from the default model (a 2-core CPU's 57+ ms steps); once
     the model is refitted to this target (5 ms here, like a GPU), the times stored before are
     re-expressed in the new unit, so the goodput is what the final model says about the same
-    steps, not the 3× the default's early steps made it (an H200 read G = 6.4 and fell to κ = 0)."""
+    steps, not the about 3× that the default's early steps made it here (without the rescale: 16.0
+    against 4.8; on an H200 the 8-15 bucket's G read 30.9 and the guard fell to κ = 0)."""
 
     class FiveMsTarget(TableTarget):
         async def score(self, items):
