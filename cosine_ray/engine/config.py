@@ -71,6 +71,10 @@ class StepConfig:
     """While the pool drains (nothing waits, fewer run than at the last admission), a token
     is worth what it shortens the drain: only the requests that will finish last draft at
     the full price (``engine.scheduler``). False: every request at the full price always."""
+    twins: bool = True
+    """Identical greedy requests in flight draft from each other: a follower takes the text
+    its leader already wrote as its draft, and waits while the leader is less than a whole
+    tree ahead (``engine.twins``). Needs drafters and γ_max > 0. False: they run apart."""
     drafter_deadline_s: float = 2.0
     """A drafter's answer later than this is dropped for the step."""
     max_model_len: int = 8192

@@ -44,6 +44,7 @@ from cosine_ray.engine.pool import RequestPool, Verified
 from cosine_ray.engine.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, RequestOutput, SamplingParams
 from cosine_ray.engine.routing import DraftRouting
+from cosine_ray.engine.twins import Twins
 from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch, needs_prefill
 from cosine_ray.engine.speculator import (ConfidenceCutSelection, Drafts, FixedSelection, FusedDrafting,
                                           PathDrafting, PricedSelection, Speculator)
@@ -97,7 +98,9 @@ class EngineCore:
                                         costs, gains, kv_bytes_per_token=kv_bytes_per_token,
                                         priced=is_lp and adaptive, guard=guard, clock=clock,
                                         # PEARL drafts ahead while the target verifies: not host time to save
-                                        skip_unpaying=config.pearl == "off")
+                                        skip_unpaying=config.pearl == "off",
+                                        twins=Twins() if config.twins and self.drafters
+                                        and config.num_speculative_tokens > 0 else None)
         participation = None
         if adaptive and config.fusion != "single":
             participation = ParticipationController(

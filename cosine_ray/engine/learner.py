@@ -35,6 +35,7 @@ from cosine_ray.engine.request import Request
 from cosine_ray.engine.routing import DraftRouting
 from cosine_ray.engine.scheduler import StepBatch
 from cosine_ray.engine.speculator import Drafts, DraftTree, Speculator
+from cosine_ray.engine.twins import TWIN
 from cosine_ray.engine.verifier import VerifiedBatch
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.stats import RequestStepStats, StepStats
@@ -179,7 +180,7 @@ class Learner:
             if tree.parent_ids[node] in reachable:  # its confidence is conditional on an accepted parent
                 levels = node_levels(owners[node], request.domain, depths[node], draft.selected.is_trunk(node))
                 self.calibrator.observe(levels, raws[node], node in accepted)
-        if tree.num_draft_tokens:
+        if tree.num_draft_tokens and owners[1] != TWIN:  # the bias is the drafters' (a twin's text is certain)
             self.speculator.bias.observe(request.domain, sum(draft.selected.node_acceptance()), len(accepted))
         if calibration_only:
             return

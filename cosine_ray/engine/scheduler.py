@@ -74,6 +74,7 @@ from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.economics import CostModel, GainModel
 from cosine_ray.engine.pool import RequestPool
 from cosine_ray.engine.request import Request
+from cosine_ray.engine.twins import Twins
 
 
 @dataclass(slots=True)
@@ -97,6 +98,9 @@ class StepBatch:
     weights: dict[str, float] = field(default_factory=dict)
     """While the pool drains: what an accepted token of each decoding request is worth, in
     [0, 1] (``BatchScheduler._drain_weights``); empty otherwise (every request 1)."""
+    twins: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Decoding requests that draft from an identical request ahead of them (``engine.twins``):
+    its tokens beyond theirs, at most their budget. Not routed to the drafters; verified whole."""
 
     @property
     def prefills(self) -> list[Request]:
@@ -148,7 +152,7 @@ class BatchScheduler:
     def __init__(self, config: StepConfig, pool: RequestPool, policy: BatchPolicy, costs: CostModel,
                  gains: GainModel, *, kv_bytes_per_token: int = 0, priced: bool = True,
                  guard: SpeculationGuard | None = None, clock: Callable[[], float] = time.monotonic,
-                 skip_unpaying: bool = True) -> None:
+                 skip_unpaying: bool = True, twins: Twins | None = None) -> None:
         self.config = config
         self.pool = pool
         self.policy = policy
@@ -163,6 +167,8 @@ class BatchScheduler:
         self.clock = clock
         self.skip_unpaying = skip_unpaying
         """Give γ_i = 0 before drafting where no node could pay (point 6 above)."""
+        self.twins = twins
+        """Identical greedy requests: followers wait for, then draft from, their leader."""
         self._last_step: dict[str, float] = {}
         self._num_steps: dict[str, int] = {}
         self._holds_kv: set[str] = set()
@@ -181,6 +187,9 @@ class BatchScheduler:
         self._peak = len(pool.running) if len(pool.running) > before else max(self._peak, len(pool.running))
         now = self.clock()
         requests = pool.lane(lane)
+        twins = self.twins.plan(pool.running.values(), requests, self._budget) if self.twins is not None else None
+        if twins is not None and twins.held:
+            requests = [r for r in requests if r.request_id not in twins.held]
         if not requests:
             return StepBatch.make_empty()
         budgets = {r.request_id: self._budget(r) for r in requests if not needs_prefill(r)}
@@ -207,8 +216,9 @@ class BatchScheduler:
                 lam /= self.guard.operating_goodput(len(requests))
                 level = self.guard.choose(len(requests))
                 kappa = self.guard.levels[level]
-                if kappa == 0.0:  # speculation off for this step: nobody drafts
-                    budgets = dict.fromkeys(budgets, 0)
+                if kappa == 0.0:  # speculation off for this step: nobody drafts (twins aside)
+                    budgets = {rid: g if twins is not None and rid in twins.drafts else 0
+                               for rid, g in budgets.items()}
             base_tokens = sum(1 if r.request_id in budgets else r.num_tokens for r in requests)
             price = TreePrice(lam * kappa, len(requests), latency.c_tok, latency.c_attn, latency.c_knee,
                               latency.knee_tokens, base_tokens)
@@ -217,10 +227,13 @@ class BatchScheduler:
             for r in requests:
                 rid = r.request_id
                 if budgets.get(rid) and self._num_steps[rid] % PROBE_EVERY \
+                        and not (twins is not None and rid in twins.drafts) \
                         and not price.node_can_pay(r.num_tokens, weights.get(rid, 1.0)):
                     budgets[rid] = 0
+        twin_drafts = {rid: twins.drafts[rid][:budgets[rid]] for rid in budgets
+                       if budgets[rid] and rid in twins.drafts} if twins is not None and twins.drafts else {}
         return StepBatch(requests, budgets, price, {rid: self._num_steps[rid] for rid in budgets},
-                         time.perf_counter() - start, level, now, weights)
+                         time.perf_counter() - start, level, now, weights, twin_drafts)
 
     def _drain_weights(self) -> dict[str, float]:
         """While the pool drains, what an accepted token of each decoding request is worth
@@ -244,13 +257,16 @@ class BatchScheduler:
 
     @property
     def num_tracked_requests(self) -> int:
-        return len(self._last_step.keys() | self._num_steps.keys() | self._holds_kv)
+        return len(self._last_step.keys() | self._num_steps.keys() | self._holds_kv) \
+            + (self.twins.num_tracked if self.twins is not None else 0)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._last_step.pop(rid, None)
             self._num_steps.pop(rid, None)
             self._holds_kv.discard(rid)
+        if self.twins is not None:
+            self.twins.forget(request_ids)
 
     def _budget(self, request: Request) -> int:
         left = request.params.max_tokens - len(request.output_token_ids) - 1

@@ -35,6 +35,7 @@ from cosine_ray.engine.drafting import DrafterClient, DraftingStats, fuse_drafts
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.routing import Route
 from cosine_ray.engine.scheduler import PROBE_EVERY, StepBatch
+from cosine_ray.engine.twins import TWIN
 
 FUSION_MIN_CUMULATIVE = 0.02
 """With the LP's price, fusion stops growing a trunk (and drops branches) below this
@@ -201,6 +202,12 @@ class Speculator:
         return lambda drafter, confidence, depth=1, is_trunk=True: self.calibrator.calibrate(
             node_levels(drafter, domain, depth, is_trunk), confidence)
 
+    def _twin(self, request: Request, tokens: Sequence[int]) -> Drafted:
+        """A follower's draft: its leader's text as one trunk chain (``engine.twins``)."""
+        calibrate = self.calibration(request.domain)
+        confidences = tuple(calibrate(TWIN, 1.0, depth) for depth in range(1, len(tokens) + 1))
+        return Drafted([FusedPath(tuple(tokens), confidences, (TWIN,) * len(tokens), (1.0,) * len(tokens))])
+
     async def draft(self, batch: StepBatch, routes: Mapping[str, Route]) -> Drafts:
         """A tree per decoding request (root only where nothing was drafted), and how drafting went."""
         stats = DraftingStats()
@@ -226,6 +233,9 @@ class Speculator:
         decodes = batch.decodes
         cut = self.selection.cut
         start = time.perf_counter()
+        if batch.twins:
+            drafted = {**drafted, **{rid: self._twin(r, batch.twins[r.request_id])
+                                     for r in decodes if (rid := r.request_id) in batch.twins}}
         fulls: dict[str, tuple[SelectedTree, tuple[float, ...]]] = {}
         for r in decodes:
             rid = r.request_id
@@ -233,6 +243,8 @@ class Speculator:
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid], min_confidence=cut)
             fulls[rid] = (full, expected_gains(self.node_acceptance(r.domain, full), batch.budgets[rid]))
         chosen = self.selection.gammas(batch, [(r, *fulls[r.request_id]) for r in decodes]) if decodes else []
+        if batch.twins:  # a twin's text is the target's own: verified whole, whatever the price
+            chosen = [batch.budgets[r.request_id] if r.request_id in batch.twins else g for r, g in zip(decodes, chosen)]
         # no more than was drafted (a request with no paths has a root-only tree: γ = 0)
         gammas = {r.request_id: min(g, fulls[r.request_id][0].tree.num_draft_tokens) for r, g in zip(decodes, chosen)}
         gammas = trim_gammas(gammas, self.total_gamma_max)  # Algorithm 2

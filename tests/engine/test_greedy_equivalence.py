@@ -376,6 +376,26 @@ def test_real_learning_experts_learn_and_stay_lossless(real_checkpoint, hf_tops,
 
 
 @pytest.mark.real_model
+def test_real_twins_follow_their_leaders_and_equal_hf_greedy(real_engines, hf_tops, real_prompts):
+    """Each of 4 prompts sent twice at once (``engine.twins``): the second of each pair drafts
+    from the first one's text; all 8 outputs are HF's greedy text."""
+    engine = real_engines("ngram", 8)
+    prompts = [p for p in real_prompts[::5] for _ in range(2)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=REAL_MAX_TOKENS))
+    eos = engine.eos_token_ids()
+    for k, (prompt, out) in enumerate(zip(prompts, outs)):
+        check_hf_greedy(f"twins prompt {k}", prompt, out.new_token_ids, hf_tops, eos)
+    twin_tokens = 0
+    for a, b in zip(outs[::2], outs[1::2]):
+        assert a.new_token_ids == b.new_token_ids
+        follower = max((a, b), key=lambda o: o.stats.accepted_by.get("twin", 0))
+        twin_tokens += follower.stats.accepted_by.get("twin", 0)
+        assert follower.stats.num_verify_steps <= len(follower.new_token_ids) // 4, follower.stats
+    print(f"\n[twins] the followers committed {twin_tokens} tokens drafted from their leaders")
+    assert twin_tokens >= sum(len(o.new_token_ids) for o in outs[::2]) // 2
+
+
+@pytest.mark.real_model
 def test_real_none_equals_hf_generate(real_engines, real_hf_model, real_prompts):
     """Literal HF ``generate`` (KV cache, one prompt at a time) on one prompt per domain file."""
     prompts = real_prompts[::REAL_PER_FILE]

@@ -1,0 +1,131 @@
+"""Twins: identical greedy requests in flight draft from each other instead of racing.
+
+Many users asking the same question send the same prompt; a client retries a request that
+timed out; an agent re-runs a step. With greedy decoding the target writes the same text for
+each of them, so the request that is ahead (the *leader*) has already written what the others
+(its *followers*) are about to verify. Two rules follow, applied by the scheduler each step:
+
+- **a follower takes its leader's text as its draft**: the tokens the leader wrote beyond the
+  follower's output, up to its draft budget, as one chain owned by ``twin`` (calibrated like
+  every drafter's nodes; in fp32 it is accepted whole). The follower is not routed to the
+  drafters that step: their work would be spent on a tree already known;
+- **a follower waits while its leader is less than a whole tree ahead** (fewer than its
+  budget + 1 tokens, the most one step can commit): run now, it would verify only what the
+  leader wrote since its last step (its suffix peers draft the same), take a row of the batch,
+  and then compute the leader's next tokens a second time. Held back, it commits budget + 1
+  tokens a step and finishes right after its leader.
+
+Who leads: among requests with the same prompt (compared token for token), the one with the
+longest output, the earlier admitted on a tie; a follower follows the most advanced request
+whose output starts with its own, so a request whose text left the others' (another
+precision path's near-tie, or different stop tokens) is nobody's follower. The first in that
+order is never held, so the group always advances. A leader that finished (or was aborted)
+still lends its text to the followers that remain, until none does; a follower is never held
+more than ``max_hold_steps`` steps in a row (a leader stuck in a stage's recovery does not
+stop it). Sampled requests are never twins (their texts differ by design).
+
+Lossless as ever: the target verifies every token a follower commits. Measured on the
+template workload (``docs/measurements.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from cosine_ray.engine.request import Request
+
+TWIN = "twin"
+"""Owner of a twin draft's nodes (calibration, stats and metrics count it like a drafter)."""
+
+
+@dataclass(slots=True)
+class TwinPlan:
+    held: set[str] = field(default_factory=set)
+    """Followers that wait this step."""
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Follower id → its leader's tokens beyond the follower's output (at most its budget)."""
+
+
+def _admitted(request: Request) -> float:
+    return request.arrival_time if request.admitted_time is None else request.admitted_time
+
+
+def _needs_prefill(request: Request) -> bool:
+    return not request.output_token_ids or request.kv_lost
+
+
+class Twins:
+    def __init__(self, *, max_hold_steps: int = 32) -> None:
+        self.max_hold_steps = max_hold_steps
+        self._keys: dict[str, int] = {}
+        """Running request id → hash of its prompt (computed once; equal prompts are then
+        compared in full)."""
+        self._best: dict[int, Request] = {}
+        """Per prompt hash shared by running requests: the most advanced request seen with it,
+        kept when it leaves the pool (its text still drafts the others)."""
+        self._held_for: dict[str, int] = {}
+        """Follower id → steps held in a row."""
+
+    def plan(self, running: Iterable[Request], lane: Sequence[Request], budget: Callable[[Request], int]) -> TwinPlan:
+        """Who of ``lane`` waits and who drafts from a twin, given every running request."""
+        groups: dict[int, list[Request]] = {}
+        keys: dict[str, int] = {}
+        for r in running:
+            if not r.params.is_greedy or not r.output_token_ids:
+                continue
+            key = self._keys.get(r.request_id)
+            if key is None:
+                key = hash(tuple(r.prompt_token_ids))
+            keys[r.request_id] = key
+            groups.setdefault(key, []).append(r)
+        self._keys = keys
+        best = {}
+        for key, members in groups.items():
+            top = max(members, key=lambda r: len(r.output_token_ids))
+            old = self._best.get(key)
+            best[key] = old if old is not None and len(old.output_token_ids) > len(top.output_token_ids) \
+                and old.prompt_token_ids == top.prompt_token_ids else top
+        self._best = best
+        plan = TwinPlan()
+        in_lane = {r.request_id for r in lane}
+        for key, members in groups.items():
+            gone = [best[key]] if all(r is not best[key] for r in members) else []
+            if len(members) + len(gone) < 2:
+                continue
+            # most advanced first; on a tie the earlier admitted
+            order = sorted(members + gone, key=lambda r: (-len(r.output_token_ids), _admitted(r)))
+            for k, follower in enumerate(order):
+                rid = follower.request_id
+                if rid not in in_lane or gone and follower is gone[0] or _needs_prefill(follower):
+                    continue
+                out = follower.output_token_ids
+                leader = next((r for r in order[:k] if r.prompt_token_ids == follower.prompt_token_ids
+                               and r.output_token_ids[:len(out)] == out), None)
+                if leader is None:
+                    continue
+                lead = leader.output_token_ids[len(out):]
+                need = budget(follower) + 1
+                leader_runs = not (gone and leader is gone[0])
+                if leader_runs and len(lead) < need and self._held_for.get(rid, 0) < self.max_hold_steps:
+                    plan.held.add(rid)
+                    self._held_for[rid] = self._held_for.get(rid, 0) + 1
+                    continue
+                self._held_for.pop(rid, None)
+                if lead and need > 1:
+                    plan.drafts[rid] = tuple(lead[:need - 1])
+        self._held_for = {rid: n for rid, n in self._held_for.items() if rid in keys}
+        return plan
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests released from the pool: their keys go; a prompt no running request shares
+        any more drops its kept leader."""
+        for rid in request_ids:
+            self._keys.pop(rid, None)
+            self._held_for.pop(rid, None)
+        live = set(self._keys.values())
+        self._best = {k: r for k, r in self._best.items() if k in live}
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._keys) + len(self._best) + len(self._held_for)
