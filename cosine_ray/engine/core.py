@@ -99,7 +99,7 @@ class EngineCore:
                                         priced=is_lp and adaptive, guard=guard, clock=clock,
                                         # PEARL drafts ahead while the target verifies: not host time to save
                                         skip_unpaying=config.pearl == "off",
-                                        twins=Twins() if config.twins and self.drafters
+                                        twins=Twins(clock=clock) if config.twins and self.drafters
                                         and config.num_speculative_tokens > 0 else None)
         participation = None
         if adaptive and config.fusion != "single":

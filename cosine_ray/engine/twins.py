@@ -20,9 +20,12 @@ longest output, the earlier admitted on a tie; a follower follows the most advan
 whose output starts with its own, so a request whose text left the others' (another
 precision path's near-tie, or different stop tokens) is nobody's follower. The first in that
 order is never held, so the group always advances. A leader that finished (or was aborted)
-still lends its text to the followers that remain, until none does; a follower is never held
-more than ``max_hold_steps`` steps in a row (a leader stuck in a stage's recovery does not
-stop it). Sampled requests are never twins (their texts differ by design).
+still lends its text to the followers that remain, until none does; a follower is not held
+behind a leader that has not advanced for ``max_stall_s`` (a leader stuck in a stage's
+recovery does not stop it). The stall is measured in time, not in scheduling calls: with
+pipeline lanes a follower may sit in another lane than its leader, and its lane's loop asks
+again every millisecond while the leader's step runs. Sampled requests are never twins
+(their texts differ by design).
 
 Lossless as ever: the target verifies every token a follower commits. Measured on the
 template workload (``docs/measurements.md``).
@@ -30,6 +33,7 @@ template workload (``docs/measurements.md``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -56,16 +60,17 @@ def _needs_prefill(request: Request) -> bool:
 
 
 class Twins:
-    def __init__(self, *, max_hold_steps: int = 32) -> None:
-        self.max_hold_steps = max_hold_steps
+    def __init__(self, *, max_stall_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_stall_s = max_stall_s
+        self.clock = clock
         self._keys: dict[str, int] = {}
         """Running request id → hash of its prompt (computed once; equal prompts are then
         compared in full)."""
         self._best: dict[int, Request] = {}
         """Per prompt hash shared by running requests: the most advanced request seen with it,
         kept when it leaves the pool (its text still drafts the others)."""
-        self._held_for: dict[str, int] = {}
-        """Follower id → steps held in a row."""
+        self._advanced: dict[str, tuple[int, float]] = {}
+        """Request id (in a group of twins) → its output length and when it last grew."""
 
     def plan(self, running: Iterable[Request], lane: Sequence[Request], budget: Callable[[Request], int]) -> TwinPlan:
         """Who of ``lane`` waits and who drafts from a twin, given every running request."""
@@ -89,10 +94,16 @@ class Twins:
         self._best = best
         plan = TwinPlan()
         in_lane = {r.request_id for r in lane}
+        now = self.clock()
+        advanced = {}
         for key, members in groups.items():
             gone = [best[key]] if all(r is not best[key] for r in members) else []
             if len(members) + len(gone) < 2:
                 continue
+            for r in members:
+                length, since = self._advanced.get(r.request_id, (-1, now))
+                advanced[r.request_id] = (length, since) if length == len(r.output_token_ids) \
+                    else (len(r.output_token_ids), now)
             # most advanced first; on a tie the earlier admitted
             order = sorted(members + gone, key=lambda r: (-len(r.output_token_ids), _admitted(r)))
             for k, follower in enumerate(order):
@@ -107,14 +118,12 @@ class Twins:
                 lead = leader.output_token_ids[len(out):]
                 need = budget(follower) + 1
                 leader_runs = not (gone and leader is gone[0])
-                if leader_runs and len(lead) < need and self._held_for.get(rid, 0) < self.max_hold_steps:
+                if leader_runs and len(lead) < need and now - advanced[leader.request_id][1] < self.max_stall_s:
                     plan.held.add(rid)
-                    self._held_for[rid] = self._held_for.get(rid, 0) + 1
                     continue
-                self._held_for.pop(rid, None)
                 if lead and need > 1:
                     plan.drafts[rid] = tuple(lead[:need - 1])
-        self._held_for = {rid: n for rid, n in self._held_for.items() if rid in keys}
+        self._advanced = advanced
         return plan
 
     def forget(self, request_ids: Iterable[str]) -> None:
@@ -122,10 +131,10 @@ class Twins:
         any more drops its kept leader."""
         for rid in request_ids:
             self._keys.pop(rid, None)
-            self._held_for.pop(rid, None)
+            self._advanced.pop(rid, None)
         live = set(self._keys.values())
         self._best = {k: r for k, r in self._best.items() if k in live}
 
     @property
     def num_tracked(self) -> int:
-        return len(self._keys) + len(self._best) + len(self._held_for)
+        return len(self._keys) + len(self._best) + len(self._advanced)
