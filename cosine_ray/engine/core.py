@@ -42,10 +42,10 @@ from cosine_ray.engine.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.pool import RequestPool, Verified
 from cosine_ray.engine.recovery import RecoveringTarget
-from cosine_ray.engine.request import Request, RequestOutput, SamplingParams
+from cosine_ray.engine.request import Request, RequestOutput, SamplingParams, needs_prefill
 from cosine_ray.engine.routing import DraftRouting
 from cosine_ray.engine.twins import Twins
-from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch, needs_prefill
+from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch
 from cosine_ray.engine.speculator import (ConfidenceCutSelection, Drafts, FixedSelection, FusedDrafting,
                                           PathDrafting, PricedSelection, Speculator)
 from cosine_ray.engine.target import TargetClient

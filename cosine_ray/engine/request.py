@@ -155,3 +155,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     stats: RequestStats | None = None
     error: str | None = None
+
+
+def needs_prefill(request: Request) -> bool:
+    """No token yet, or its KV was lost (a stage restarted): the whole context goes through."""
+    return not request.output_token_ids or request.kv_lost

@@ -73,7 +73,7 @@ from cosine_ray.algo.tree_selection import TreePrice
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.economics import CostModel, GainModel
 from cosine_ray.engine.pool import RequestPool
-from cosine_ray.engine.request import Request
+from cosine_ray.engine.request import Request, needs_prefill
 from cosine_ray.engine.twins import Twins
 
 
@@ -113,11 +113,6 @@ class StepBatch:
     @classmethod
     def make_empty(cls) -> "StepBatch":
         return cls([])
-
-
-def needs_prefill(request: Request) -> bool:
-    """No token yet, or its KV was lost (a stage restarted): the whole context goes through."""
-    return not request.output_token_ids or request.kv_lost
 
 
 PROBE_EVERY = 8
@@ -203,6 +198,8 @@ class BatchScheduler:
         chosen = set(schedule.batch)
         requests = [r for r in requests if r.request_id in chosen]
         budgets = {rid: g for rid, g in budgets.items() if rid in chosen}
+        twin_drafts = {rid: d for rid, d in twins.drafts.items() if rid in budgets} if twins is not None else {}
+        twin_budgets = {rid: budgets[rid] for rid in twin_drafts}
         for rid in budgets:
             self._num_steps[rid] = self._num_steps.get(rid, 0) + 1
         for r in requests:
@@ -216,9 +213,8 @@ class BatchScheduler:
                 lam /= self.guard.operating_goodput(len(requests))
                 level = self.guard.choose(len(requests))
                 kappa = self.guard.levels[level]
-                if kappa == 0.0:  # speculation off for this step: nobody drafts (twins aside)
-                    budgets = {rid: g if twins is not None and rid in twins.drafts else 0
-                               for rid, g in budgets.items()}
+                if kappa == 0.0:  # speculation off for this step: nobody drafts
+                    budgets = dict.fromkeys(budgets, 0)
             base_tokens = sum(1 if r.request_id in budgets else r.num_tokens for r in requests)
             price = TreePrice(lam * kappa, len(requests), latency.c_tok, latency.c_attn, latency.c_knee,
                               latency.knee_tokens, base_tokens)
@@ -227,11 +223,9 @@ class BatchScheduler:
             for r in requests:
                 rid = r.request_id
                 if budgets.get(rid) and self._num_steps[rid] % PROBE_EVERY \
-                        and not (twins is not None and rid in twins.drafts) \
                         and not price.node_can_pay(r.num_tokens, weights.get(rid, 1.0)):
                     budgets[rid] = 0
-        twin_drafts = {rid: twins.drafts[rid][:budgets[rid]] for rid in budgets
-                       if budgets[rid] and rid in twins.drafts} if twins is not None and twins.drafts else {}
+        budgets.update(twin_budgets)  # a twin's text is verified whole, at any level or price
         return StepBatch(requests, budgets, price, {rid: self._num_steps[rid] for rid in budgets},
                          time.perf_counter() - start, level, now, weights, twin_drafts)
 

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from cosine_ray.engine.request import Request
+from cosine_ray.engine.request import Request, needs_prefill
 
 TWIN = "twin"
 """Owner of a twin draft's nodes (calibration, stats and metrics count it like a drafter)."""
@@ -53,10 +53,6 @@ class TwinPlan:
 
 def _admitted(request: Request) -> float:
     return request.arrival_time if request.admitted_time is None else request.admitted_time
-
-
-def _needs_prefill(request: Request) -> bool:
-    return not request.output_token_ids or request.kv_lost
 
 
 class Twins:
@@ -108,7 +104,7 @@ class Twins:
             order = sorted(members + gone, key=lambda r: (-len(r.output_token_ids), _admitted(r)))
             for k, follower in enumerate(order):
                 rid = follower.request_id
-                if rid not in in_lane or gone and follower is gone[0] or _needs_prefill(follower):
+                if rid not in in_lane or gone and follower is gone[0] or needs_prefill(follower):
                     continue
                 out = follower.output_token_ids
                 leader = next((r for r in order[:k] if r.prompt_token_ids == follower.prompt_token_ids

@@ -23,8 +23,8 @@ from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_keyed
 from cosine_ray.engine.pool import Verified
 from cosine_ray.engine.recovery import RecoveringTarget
-from cosine_ray.engine.request import Request
-from cosine_ray.engine.scheduler import StepBatch, needs_prefill
+from cosine_ray.engine.request import Request, needs_prefill
+from cosine_ray.engine.scheduler import StepBatch
 from cosine_ray.engine.speculator import Drafts
 from cosine_ray.engine.scoring import KVCommit, ScoreItem
 
