@@ -37,10 +37,6 @@ from cosine_ray.engine.routing import Route
 from cosine_ray.engine.scheduler import PROBE_EVERY, StepBatch
 from cosine_ray.engine.twins import TWIN
 
-FUSION_MIN_CUMULATIVE = 0.02
-"""With the LP's price, fusion stops growing a trunk (and drops branches) below this
-cumulative confidence: such nodes never pay for their verify slot on any hardware we have."""
-
 Answers = dict[str, list[tuple[int | None, float]]]
 """Per drafter, per depth: its token after the fused prefix and raw confidence (eq. 1-2)."""
 
@@ -149,9 +145,20 @@ class TreePolicy(Protocol):
 
 
 class PricedSelection:
-    """The LP's γ_i: each node pays its marginal verify time at this step or is left out (eq. 8)."""
+    """The LP's γ_i: each node pays its marginal verify time at this step or is left out (eq. 8),
+    among the nodes at or above the floor ``cut`` (``StepConfig.min_tree_confidence``).
 
-    cut = FUSION_MIN_CUMULATIVE
+    NOTE(selection): the floor is there because the price alone drafted too much under load.
+    At c=8 on our 2-core CPU the price verified nodes down to a cumulative confidence of 0.11
+    (median last node 0.21 at the guard's κ = 1.5), whose extra nodes were accepted about one
+    time in nine; the latency fit there prices a token at 1.1 ms where the steps measure
+    1.4 ms (no knee found), and the guard's goodput per level is too flat to tell κ = 1 from
+    1.5. With fusion and selection floored at 0.25 (before: 0.02), full CoSine went from 1.22×
+    to 1.27× speculation off on 1 thread and 1.17× to 1.21× on 2 (first come: 1.23×, 1.18×),
+    interleaved, 5 rounds (docs/measurements.md)."""
+
+    def __init__(self, cut: float) -> None:
+        self.cut = cut
 
     def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:
         weights = [batch.weights.get(request.request_id, 1.0) for request, _, _ in trees] if batch.weights else None
@@ -240,7 +247,9 @@ class Speculator:
         for r in decodes:
             rid = r.request_id
             paths = drafted[rid].paths if rid in drafted else []
-            full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid], min_confidence=cut)
+            # a twin's chain is the target's own text: no floor (its calibration may lag)
+            full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid],
+                              min_confidence=0.0 if rid in batch.twins else cut)
             fulls[rid] = (full, expected_gains(self.node_acceptance(r.domain, full), batch.budgets[rid]))
         chosen = self.selection.gammas(batch, [(r, *fulls[r.request_id]) for r in decodes]) if decodes else []
         if batch.twins:  # a twin's text is the target's own: verified whole, whatever the price
