@@ -41,12 +41,8 @@ class StepConfig:
     num_speculative_tokens: int = 8
     """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
     min_tree_confidence: float = 0.25
-    """Draft nodes whose cumulative confidence (product of calibrated confidences along their
-    path: their chance of acceptance) is below this are neither drafted nor verified. With
-    ``scheduler="lp"`` the price picks γ_i among the nodes above it (the floor keeps the price
-    from verifying long shots its cost model says pay and the steps say do not:
-    ``engine.speculator.PricedSelection``); with ``fcfs`` (LP off) it is the fixed cut. A twin's
-    chain (``twins``) has no floor."""
+    """With ``scheduler="fcfs"`` (LP off): draft nodes whose cumulative confidence (product
+    along their path) is below this are not verified. The LP decides γ_i itself."""
     routing: str = "expertise"
     """expertise (CoSine eq. 1-3) | random (ablation: routing off, k drafters at random)."""
     fusion: str = "confidence"

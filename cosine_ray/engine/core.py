@@ -113,8 +113,7 @@ class EngineCore:
                                   is_live=self.pool.is_live) if config.fusion == "confidence" else
                     PathDrafting(clients, vocab_size=vocab_size, deadline_s=config.drafter_deadline_s))
         selection = (FixedSelection() if not adaptive else
-                     PricedSelection(config.min_tree_confidence) if is_lp
-                     else ConfidenceCutSelection(config.min_tree_confidence))
+                     PricedSelection() if is_lp else ConfidenceCutSelection(config.min_tree_confidence))
         self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=config.total_gamma_max)
         self.verifier = Verifier(self.target, is_live=self.pool.is_live, clock=clock)
         self.learner = Learner(speculator=self.speculator, routing=self.routing, costs=costs, gains=gains,

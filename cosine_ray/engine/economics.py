@@ -18,13 +18,50 @@ The scheduler reads both; the learner updates them after each verify step.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Sequence
 
+from cosine_ray.algo.guard import bucket_of
 from cosine_ray.algo.latency_model import LatencyModel, LlmSample
 
 REFIT_EVERY = 16
 LIVE_SAMPLES = 256
 BASE_WEIGHT = 0.1
+SLOPE_DECAY = 0.98
+"""Per tree step of a batch-size bucket, its older samples weigh this much less (a window of
+about 50 steps)."""
+SLOPE_MIN_WEIGHT = 16.0
+"""Decayed samples a bucket needs before its measured slope prices nodes."""
+SLOPE_MIN_SPREAD = 1.5
+"""Standard deviation of the new tokens per step (tokens) the samples need: a slope needs
+steps of different sizes."""
+SLOPE_CLAMP = (0.25, 4.0)
+"""The measured slope is kept within these multiples of the fit's ``c_tok`` (a guard
+against a few outliers, not a prior)."""
+
+
+@dataclass(slots=True)
+class _SlopeSums:
+    """Decayed least-squares sums of (x = new tokens, y = seconds less attention) of one bucket."""
+
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = SLOPE_DECAY
+        self.w, self.x, self.y = d * self.w + 1.0, d * self.x + x, d * self.y + y
+        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
+
+    def slope(self) -> float | None:
+        if self.w < SLOPE_MIN_WEIGHT:
+            return None
+        var = self.xx / self.w - (self.x / self.w) ** 2
+        if var < SLOPE_MIN_SPREAD ** 2:
+            return None
+        return (self.xy / self.w - (self.x / self.w) * (self.y / self.w)) / var
 
 
 class CostModel:
@@ -34,10 +71,31 @@ class CostModel:
         self._base = self.latency
         self._live: deque[LlmSample] = deque(maxlen=LIVE_SAMPLES)
         self._since_refit = 0
+        self._slopes: dict[int, _SlopeSums] = {}
+        """Per batch-size bucket (``algo.guard.bucket_of``): tree steps' seconds against their new tokens."""
 
-    def observe_verify(self, context_lens: Sequence[int], num_new_tokens: Sequence[int], seconds: float) -> None:
-        """One verify forward's shape and wall time."""
+    def token_slope(self, rows: int) -> float | None:
+        """Seconds one more new token adds to a tree step of ``rows`` requests, as this bucket's
+        recent tree steps measure it (their time less the fit's attention term, regressed on
+        their new tokens); None until the bucket has enough steps of different sizes. The
+        scheduler prices draft nodes at it (``engine.scheduler``)."""
+        sums = self._slopes.get(bucket_of(rows))
+        slope = sums.slope() if sums is not None else None
+        if slope is None:
+            return None
+        lo, hi = SLOPE_CLAMP
+        c_tok = self.latency.c_tok
+        return min(max(slope, lo * c_tok), hi * c_tok) if c_tok > 0 else max(slope, 0.0)
+
+    def observe_verify(self, context_lens: Sequence[int], num_new_tokens: Sequence[int], seconds: float, *,
+                       trees: bool = False) -> None:
+        """One verify forward's shape and wall time; ``trees``: a step of decoding requests only
+        (no prefill), which also measures its batch-size bucket's token slope."""
         self._live.append(LlmSample(tuple(context_lens), tuple(num_new_tokens), seconds))
+        if trees and num_new_tokens:
+            attention = self.latency.c_attn * sum(n * (l + n) for l, n in zip(context_lens, num_new_tokens))
+            self._slopes.setdefault(bucket_of(len(num_new_tokens)), _SlopeSums()).add(
+                float(sum(num_new_tokens)), seconds - attention)
         self._since_refit += 1
         if self._since_refit >= REFIT_EVERY:
             self._since_refit = 0

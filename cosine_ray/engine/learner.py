@@ -104,7 +104,8 @@ class Learner:
             latency = self.costs.latency
             stats.verify_predicted_s = latency.predict_llm(verified.context_lens, verified.num_new_tokens)
             self._observe_level(batch, verified, latency, pending.step_s)
-            self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s)
+            self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s,
+                                      trees=not any(o.is_prefill for o in verified.outcomes))
             if self.guard is not None and self.costs.latency is not latency:
                 self._renormalise_guard(latency, self.costs.latency, verified.context_lens)
             live = []

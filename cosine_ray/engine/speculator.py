@@ -37,6 +37,11 @@ from cosine_ray.engine.routing import Route
 from cosine_ray.engine.scheduler import PROBE_EVERY, StepBatch
 from cosine_ray.engine.twins import TWIN
 
+FUSION_MIN_CUMULATIVE = 0.02
+"""With the LP's price, fusion stops growing a trunk (and drops branches) below this
+cumulative confidence, and selection keeps no node below it: such nodes never pay for their
+verify slot on any hardware we have. Above it, the price decides (``PricedSelection``)."""
+
 Answers = dict[str, list[tuple[int | None, float]]]
 """Per drafter, per depth: its token after the fused prefix and raw confidence (eq. 1-2)."""
 
@@ -146,18 +151,16 @@ class TreePolicy(Protocol):
 
 class PricedSelection:
     """The LP's γ_i: each node pays its marginal verify time at this step or is left out (eq. 8),
-    among the nodes at or above the floor ``cut`` (``StepConfig.min_tree_confidence``).
+    among the nodes at or above the floor ``cut``.
 
-    NOTE(selection): the floor is there because the price alone drafted too much under load.
-    At c=8 on our 2-core CPU the price verified nodes down to a cumulative confidence of 0.11
-    (median last node 0.21 at the guard's κ = 1.5), whose extra nodes were accepted about one
-    time in nine; the latency fit there prices a token at 1.1 ms where the steps measure
-    1.4 ms (no knee found), and the guard's goodput per level is too flat to tell κ = 1 from
-    1.5. With fusion and selection floored at 0.25 (before: 0.02), full CoSine went from 1.22×
-    to 1.27× speculation off on 1 thread and 1.17× to 1.21× on 2 (first come: 1.23×, 1.18×),
-    interleaved, 5 rounds (docs/measurements.md)."""
+    NOTE(selection): a floor of 0.25 (first come's cut) instead of 0.02 was measured, because
+    at c=8 on our CPU the price verified nodes down to 0.11 while the fit priced a token 20-30 %
+    below what the steps measured. The cause was the price, so the price was fixed: nodes are
+    priced at the token slope their batch size's tree steps measure (``CostModel.token_slope``).
+    With it, the floor of 0.25 gained nothing at c=8 and cost at c=1, where long shots pay
+    (docs/measurements.md)."""
 
-    def __init__(self, cut: float) -> None:
+    def __init__(self, cut: float = FUSION_MIN_CUMULATIVE) -> None:
         self.cut = cut
 
     def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:

@@ -662,3 +662,54 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
     assert final.c0 < 0.02 < LatencyModel.default().c0  # refitted to the 5 ms target
     reference = sum(y for *_, y in observed) / sum(s / final.predict_llm(c, [1] * len(c)) for c, s, _ in observed)
     assert guard.goodput(guard.start, 3) == pytest.approx(reference, rel=0.25)
+
+
+def _select_one(cut: float, *, twin: bool) -> int:
+    """γ the priced selection gives one request whose drafted chain has cumulative calibrated
+    confidences 0.9, 0.54, 0.32, 0.19, 0.11, at a price under which every node pays."""
+    from cosine_ray.algo.calibration import ConfidenceCalibrator
+    from cosine_ray.algo.fusion import FusedPath
+    from cosine_ray.algo.tree_selection import TreePrice
+    from cosine_ray.engine.drafting import DraftingStats
+    from cosine_ray.engine.request import Request
+    from cosine_ray.engine.scheduler import StepBatch
+    from cosine_ray.engine.speculator import Drafted, PricedSelection, Speculator
+
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=64))
+    r.output_token_ids = [4]
+    tokens, confs = (5, 6, 7, 8, 9), (0.9, 0.6, 0.6, 0.6, 0.6)
+    batch = StepBatch([r], {"a": 5}, TreePrice(lam=1.0, batch_size=1, c_tok=1e-6, c_attn=0.0), {"a": 1},
+                      twins={"a": tokens} if twin else {})
+    spec = Speculator(None, PricedSelection(cut), ConfidenceCalibrator(), total_gamma_max=64)
+    drafted = {} if twin else {"a": Drafted([FusedPath(tokens, confs, ("ngram",) * 5)])}
+    if twin:  # a twin's chain: calibrated as the "twin" drafter, whatever calibration says of it
+        spec.calibration = lambda domain: (lambda drafter, c, depth=1, is_trunk=True: 0.5)
+    return spec.select(batch, drafted, DraftingStats()).trees["a"].tree.num_draft_tokens
+
+
+def test_the_price_picks_only_among_nodes_above_the_floor_and_a_twin_has_no_floor():
+    assert _select_one(0.02, twin=False) == 5  # every node pays at this price
+    assert _select_one(0.25, twin=False) == 3  # 0.19 and 0.11 are under the floor
+    assert _select_one(0.6, twin=False) == 1
+    assert _select_one(0.25, twin=True) == 5  # 0.5, 0.25, 0.125, ...: verified whole
+    assert make(TableTarget(), []).speculator.selection.cut == 0.02  # the LP's floor
+
+
+def test_nodes_are_priced_at_the_slope_their_batch_size_measures_once_it_has_one():
+    target = TableTarget()
+    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    scheduler, schedule, seen = router.scheduler, router.scheduler.schedule, []
+
+    def spy(lane):
+        batch = schedule(lane)
+        if batch.price is not None and not batch.prefills:
+            seen.append((batch.price.c_tok, batch.price.c_knee, scheduler.costs.token_slope(len(batch.requests)),
+                         scheduler.costs.latency.c_tok))
+        return batch
+
+    scheduler.schedule = spy
+    tokens, _ = run(router, prompts_for(0, 3), max_tokens=200)
+    assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 200) for p in prompts_for(0, 3)]
+    measured = [(c_tok, slope) for c_tok, knee, slope, _ in seen if slope is not None]
+    assert measured and all(c_tok == slope for c_tok, slope in measured)
+    assert all(c_tok == fit for c_tok, _, slope, fit in seen if slope is None)  # until then: the fit's
