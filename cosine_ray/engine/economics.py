@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cosine_ray.algo.guard import bucket_of
-from cosine_ray.algo.latency_model import LatencyModel, LlmSample
+from cosine_ray.algo.latency_model import LatencyModel, LlmSample, llm_features
 
 REFIT_EVERY = 16
 LIVE_SAMPLES = 256
@@ -93,9 +93,9 @@ class CostModel:
         (no prefill), which also measures its batch-size bucket's token slope."""
         self._live.append(LlmSample(tuple(context_lens), tuple(num_new_tokens), seconds))
         if trees and num_new_tokens:
-            attention = self.latency.c_attn * sum(n * (l + n) for l, n in zip(context_lens, num_new_tokens))
+            _, _, n_tok, _, attention = llm_features(context_lens, num_new_tokens)
             self._slopes.setdefault(bucket_of(len(num_new_tokens)), _SlopeSums()).add(
-                float(sum(num_new_tokens)), seconds - attention)
+                n_tok, seconds - self.latency.c_attn * attention)
         self._since_refit += 1
         if self._since_refit >= REFIT_EVERY:
             self._since_refit = 0

@@ -103,9 +103,10 @@ class Learner:
         if not verified.lost and verified.outcomes:
             latency = self.costs.latency
             stats.verify_predicted_s = latency.predict_llm(verified.context_lens, verified.num_new_tokens)
-            self._observe_level(batch, verified, latency, pending.step_s)
-            self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s,
-                                      trees=not any(o.is_prefill for o in verified.outcomes))
+            trees = not any(o.is_prefill for o in verified.outcomes)  # no prompt's cost in the step
+            if trees:
+                self._observe_level(batch, verified, latency, pending.step_s)
+            self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s, trees=trees)
             if self.guard is not None and self.costs.latency is not latency:
                 self._renormalise_guard(latency, self.costs.latency, verified.context_lens)
             live = []
@@ -126,8 +127,8 @@ class Learner:
     def _observe_level(self, batch: StepBatch, verified: VerifiedBatch, latency, step_s: float) -> None:
         """The guard learns what a step at its level yielded: committed tokens per request over
         the step's wall time in predicted plain-decode steps of the same shape. Steps with a
-        prefill are skipped (a prompt's cost is not the speculation level's doing)."""
-        if self.guard is None or batch.level is None or any(o.is_prefill for o in verified.outcomes):
+        prefill are not passed here (a prompt's cost is not the speculation level's doing)."""
+        if self.guard is None or batch.level is None:
             return
         plain_s = latency.predict_llm(verified.context_lens, [1] * len(verified.context_lens))
         if plain_s > 0 and step_s > 0:

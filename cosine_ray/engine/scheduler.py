@@ -221,11 +221,10 @@ class BatchScheduler:
                     budgets = dict.fromkeys(budgets, 0)
             base_tokens = sum(1 if r.request_id in budgets else r.num_tokens for r in requests)
             slope = self.costs.token_slope(len(requests)) if len(budgets) == len(requests) else None
-            if slope is None:  # the fit's convex token cost
-                price = TreePrice(lam * kappa, len(requests), latency.c_tok, latency.c_attn, latency.c_knee,
-                                  latency.knee_tokens, base_tokens)
-            else:  # the slope this batch size's tree steps measure (point 4 above)
-                price = TreePrice(lam * kappa, len(requests), slope, latency.c_attn, 0.0, 0, base_tokens)
+            # the slope this batch size's tree steps measure (point 4 above), else the fit's convex token cost
+            c_tok, c_knee, knee = (latency.c_tok, latency.c_knee, latency.knee_tokens) if slope is None \
+                else (slope, 0.0, 0)
+            price = TreePrice(lam * kappa, len(requests), c_tok, latency.c_attn, c_knee, knee, base_tokens)
         weights = self._drain_weights() if price is not None and cfg.drain_pricing else {}
         if price is not None and self.skip_unpaying:  # no drafting where no node could pay: host time saved
             for r in requests:
