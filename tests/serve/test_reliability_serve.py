@@ -15,9 +15,10 @@ In file order:
 * overload: 20 + 5 concurrent long requests → exactly 5 answered 503 + Retry-After;
   a flood with a 0.5 s client timeout leaves nothing behind;
 * soak: 16 concurrent clients (mixed streaming / non-streaming) for ``--soak-seconds``
-  (default 300): no 5xx, one ``[DONE]`` per stream, every text equal to the reference, the
+  (default 420): no 5xx, one ``[DONE]`` per stream, every text equal to the reference, the
   server's HTTP counters equal to the client ledger, nothing in flight 5 s after, and the
-  resident memory of every actor flat after warm-up (slope reported, bound asserted);
+  resident memory of every actor flat after warm-up (slope reported, bound asserted), and every
+  actor's C heap in use no higher idle after the soak than under load after warm-up (bound 8 MiB);
 * faults under concurrent load, each with a client-side ledger (lost = duplicated = hung = 0):
   a drafter killed (``ray.kill``, then SIGKILL of its process: a hard exit), a stage killed
   (SIGKILL; Ray restarts it, the engine re-prefills), the engine replica killed (``ray.kill``,
@@ -546,6 +547,12 @@ def slope_mib_per_min(samples: list[tuple[float, float]]) -> float:
     return float((tc * (ys - ys.mean())).sum() / (tc * tc).sum()) * 60.0
 
 
+async def actors_heap_in_use(actors: dict[str, Any]) -> dict[str, float]:
+    """Each actor's C heap in use (MiB), asked of the actors themselves (name -> actor handle)."""
+    values = await asyncio.wait_for(asyncio.gather(*(a.malloc_in_use_mib.remote() for a in actors.values())), 30)
+    return {n: v for n, v in zip(actors, values) if v is not None}
+
+
 def http_counts(url: str) -> dict[tuple[str, str], float]:
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -592,6 +599,7 @@ def test_soak_sixteen_clients(server, request):
     pids = engine_call("actor_pids")
     assert set(pids) == {"engine", *STAGES, DRAFTER}, pids
     counts_before = http_counts(server.url)
+    actors = {name: engine_actor(name) for name in (*STAGES, DRAFTER)}
     samples: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in pids}
     memory: dict[str, Any] = {}
     ledger = Ledger()
@@ -608,6 +616,7 @@ def test_soak_sixteen_clients(server, request):
             if now >= warmup and "warm" not in memory:
                 memory["warm"] = await engine_handle().memory_stats.remote()
                 memory["served_at_warm"] = ledger.summary()["requests"]
+                memory["actors_warm"] = await actors_heap_in_use(actors)
             await asyncio.sleep(5.0)
         stop.set()
         await load
@@ -618,6 +627,7 @@ def test_soak_sixteen_clients(server, request):
     state, _ = wait_free(5.0)
     idle_after = time.monotonic() - stopped
     memory["idle"] = engine_call("memory_stats", timeout_s=60)
+    actors_idle = asyncio.run(actors_heap_in_use(actors))
     summary = ledger.summary()
     records = ledger.all()
     tokens = sum(SHORT_TOKENS for r in records if r.status == 200 and r.error is None)
@@ -632,6 +642,8 @@ def test_soak_sixteen_clients(server, request):
              f"{pts[-1][1]['RssShmem']:.0f}); slope after {warmup:.0f} s warm-up: private {slopes[name]:+.2f} MiB/min, "
              f"all {total:+.2f} ({len(post)} samples); private every 30 s: "
              + " ".join(f"{m['RssAnon']:.1f}" for t, m in pts[::6]))
+    for name, at_warm in memory["actors_warm"].items():
+        note(f"  {name}: C heap in use {at_warm:.1f} MiB under load after warm-up -> {actors_idle[name]:.1f} idle")
     warm, idle = memory["warm"], memory["idle"]
     grown = int(idle["python_objects"] - warm["python_objects"])
     heap_grown = idle.get("malloc_in_use_mib", 0.0) - warm.get("malloc_in_use_mib", 0.0)
@@ -655,6 +667,9 @@ def test_soak_sixteen_clients(server, request):
                for route, status in counts_after), "the server counted 5xx responses during the soak"
     for name, slope in slopes.items():
         assert slope < bound, f"{name}: private RSS grows {slope:.2f} MiB/min after warm-up (bound {bound})"
+    for name, at_warm in memory["actors_warm"].items():
+        assert actors_idle[name] - at_warm < MALLOC_IN_USE_BOUND_MIB, \
+            f"{name}: C heap in use grew {actors_idle[name] - at_warm:.1f} MiB after warm-up"
 
 
 # ---- faults under load ---------------------------------------------------------------------------
