@@ -22,7 +22,7 @@ from cosine_ray.engine.build import build_stage, make_drafter_worker
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.target import StageWorker, kv_budgets
-from cosine_ray.runtime.memory import malloc_in_use_bytes, start_heap_trimmer
+from cosine_ray.runtime import memory
 
 
 class _Hosted:
@@ -35,7 +35,7 @@ class _Hosted:
         # trim a stage's private RSS climbed in steps well past warm-up in the serving soak test
         # (236 -> 264 MiB from 2 to 5 minutes: +6.5 MiB/min fitted, bound 2). With it the stages
         # fitted +0.15 and -0.47 MiB/min, their C heap in use +1.1 and +3.5 MiB warm -> idle.
-        self._heap_trimmer = start_heap_trimmer()
+        self._heap_trimmer = memory.start_heap_trimmer()
 
     def ping(self) -> str:
         """Liveness; the value changes when Ray restarts the actor (its state is new)."""
@@ -46,8 +46,7 @@ class _Hosted:
 
     def malloc_in_use_mib(self) -> float | None:
         """Bytes this process's C heap has handed out and not had back (MiB; None off glibc)."""
-        in_use = malloc_in_use_bytes()
-        return None if in_use is None else in_use / 2**20
+        return memory.malloc_in_use_mib()
 
 
 class StageHost(_Hosted, StageWorker):

@@ -37,7 +37,7 @@ from cosine_ray.runtime.actors import DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.engine_client import ACCEPTED
-from cosine_ray.runtime.memory import malloc_in_use_bytes, start_heap_trimmer
+from cosine_ray.runtime.memory import malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import actor_options
 
@@ -192,9 +192,9 @@ class EngineServer:
         other C libraries). RSS alone also counts freed pages the allocator keeps."""
         gc.collect()
         out: dict[str, float] = {"python_objects": len(gc.get_objects())}
-        in_use = malloc_in_use_bytes()
+        in_use = malloc_in_use_mib()
         if in_use is not None:
-            out["malloc_in_use_mib"] = in_use / 2**20
+            out["malloc_in_use_mib"] = in_use
         return out
 
     async def actor_handles(self) -> dict[str, Any]:

@@ -51,6 +51,12 @@ def malloc_in_use_bytes() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
+def malloc_in_use_mib() -> float | None:
+    """``malloc_in_use_bytes`` in MiB (None on another C library)."""
+    in_use = malloc_in_use_bytes()
+    return None if in_use is None else in_use / 2**20
+
+
 def release_free_heap() -> bool:
     """Return the free pages of every malloc arena to the OS (glibc ``malloc_trim(0)``)."""
     trim = _glibc("malloc_trim")
