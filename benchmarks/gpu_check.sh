@@ -6,6 +6,8 @@
 #    for the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes (random weights, bf16);
 # 3. the embedded model end to end, fp32 and bf16, one request and 8 at once, against HF greedy
 #    (the JSON's results[].runner_steps.captures says whether a graph was captured while measuring);
+#    then c=8 over 16 conversations with fixed γ and the drain price off beside full CoSine, each
+#    priced run printing how the price cut its trees (results[].price);
 # 4. bf16 speculative output against our own bf16 decode, every divergence with its logit gap;
 # 5. torch.profiler over full CoSine's measured window at c=8 in bf16 (device and host time).
 # Each step has its own time limit and the next one runs whatever happened; outputs go to OUT_DIR.
@@ -29,6 +31,11 @@ for dtype in float32 bfloat16; do
     --warmup-per-domain 2 --max-tokens 128 --systems "hf-greedy;none;default;ngram" --concurrency 1,8 \
     --out "$out/bench_$dtype.json" 2>&1 | grep -v "^routing" | tee "$out/bench_$dtype.log"
 done
+
+step "c=8, what cuts full CoSine's trees: 16 conversations, fixed γ and the drain price off beside it"
+timeout 300 python3 -m cosine_ray.cli bench --device cuda --prompts-per-domain 4 --warmup-per-domain 1 \
+  --max-tokens 96 --concurrency 8 --systems "none;default;default@adaptive=false;default@drain_pricing=false" \
+  --out "$out/bench_c8_price.json" 2>&1 | grep -v "^routing" | tee "$out/bench_c8_price.log"
 
 step "bf16 against our own bf16 decode"
 timeout 300 python3 benchmarks/bf16_divergence.py --device cuda --prompts-per-domain 3 --max-tokens 128 \

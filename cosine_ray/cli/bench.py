@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
                 row["warmup"] = {"tokens": _count(warm_outs), "seconds": time.perf_counter() - start,
                                  **_spec_figures(warm_outs)}
             busy, steps = _gpu_busy_seconds(engine), dict(engine.target.stages[0].runner.stats)
-            phases = _phase_seconds(engine)
+            phases, priced = _phase_seconds(engine), _price_counts(engine)
             start = time.perf_counter()
             outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer))
             secs = time.perf_counter() - start
@@ -306,12 +306,21 @@ def run(args: argparse.Namespace) -> int:
             if guard is not None:  # κ the speculation guard ended the run at (0 = speculation off)
                 row["speculation_level"] = guard.levels[guard.current_level(c)]
                 row["speculation_levels"] = guard.levels_by_bucket()
+            price = _price_figures(engine, priced, c)
+            if price is not None:
+                row["price"] = price
             rows.append(row)
             gpu = f", GPU busy {row['gpu_busy_share']:.0%} of the time" if "gpu_busy_share" in row else ""
             gpu += f", guard at κ={row['speculation_level']:g}" if "speculation_level" in row else ""
             split = ", ".join(f"{k} {v:.2f}" for k, v in row["step_ms"].items() if k != "steps")
             print(f"  {system.name} c={c}: {row['tokens'] / secs:.2f} tok/s, mean accepted length "
                   f"{row['mean_accepted_length']:.2f}{gpu}; ms per step: {split}", flush=True)
+            if price is not None:
+                print(f"    trees: {price['verified_nodes_per_request_step']:.2f} nodes verified of "
+                      f"{price['drafted_nodes_per_request_step']:.2f} drafted per request-step; priced steps: "
+                      f"{price['drained_share']:.0%} of request-steps in a drain, {price['held_back_share']:.0%} "
+                      f"held back before drafting; token price {_ms(price['token_slope_ms'])} ms measured, "
+                      f"{price['fit_c_tok_ms']:.3f} ms fit", flush=True)
             del engine
             gc.collect()  # the next engine sizes its KV pool from the memory this one leaves free
 
@@ -412,6 +421,34 @@ def _step_ms(engine, before: dict[str, float]) -> dict[str, float]:
     out = {p: 1e3 * (now[p] - before[p]) / steps if steps else 0.0 for p in STEP_PHASES}
     out["steps"] = steps
     return out
+
+
+def _price_counts(engine) -> tuple[int, int, int, int, int]:
+    """The scheduler's price tally and the speculator's node counts so far (``_price_figures``)."""
+    t, sp = engine.core.scheduler.tally, engine.core.speculator
+    return t.request_steps, t.drained, t.held_back, sp.drafted_nodes, sp.verified_nodes
+
+
+def _price_figures(engine, before: tuple[int, int, int, int, int], concurrency: int) -> dict | None:
+    """How the price cut the trees since ``before``: nodes drafted and verified per decoding
+    request-step, the share of priced request-steps in a drain and held back at γ = 0 before
+    drafting, and the token price at this concurrency (the batch size's measured slope, None
+    before it has one; the latency fit's). None for systems without a price."""
+    if not engine.core.scheduler.priced or not engine.core.drafters:
+        return None
+    steps, drained, held, drafted, verified = (a - b for a, b in zip(_price_counts(engine), before))
+    costs = engine.core.scheduler.costs
+    slope = costs.token_slope(concurrency)
+    return {"request_steps": steps, "drained_share": drained / steps if steps else 0.0,
+            "held_back_share": held / steps if steps else 0.0,
+            "drafted_nodes_per_request_step": drafted / steps if steps else 0.0,
+            "verified_nodes_per_request_step": verified / steps if steps else 0.0,
+            "token_slope_ms": 1e3 * slope if slope is not None else None,
+            "fit_c_tok_ms": 1e3 * costs.latency.c_tok}
+
+
+def _ms(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3f}"
 
 
 def _decision_ms(engine) -> float:

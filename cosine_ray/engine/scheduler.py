@@ -119,6 +119,20 @@ class StepBatch:
         return cls([])
 
 
+@dataclass(slots=True)
+class PriceTally:
+    """What the price did to the decoding requests' budgets, summed over the priced steps
+    (``cosine-ray bench`` reports it per measured run, to tell which part of the price cut the
+    trees on a given machine)."""
+
+    request_steps: int = 0
+    """Decoding requests scheduled in priced steps, summed over the steps."""
+    drained: int = 0
+    """Of those, the ones scheduled while the pool drained (their tokens weighted below 1)."""
+    held_back: int = 0
+    """Of those, the ones given γ_i = 0 before drafting: the guard's level 0 or no node could pay."""
+
+
 PROBE_EVERY = 8
 """A request priced at γ = 0 still drafts and verifies one node every this many steps
 (``engine.speculator.PricedSelection``), so calibration keeps measuring its drafters and
@@ -177,6 +191,7 @@ class BatchScheduler:
         self._peak = 0
         """Running requests at the last admission, or more since: fewer now, and nothing
         waiting, means the pool drains."""
+        self.tally = PriceTally()
 
     def schedule(self, lane: int | None) -> StepBatch:
         start = time.perf_counter()
@@ -210,6 +225,7 @@ class BatchScheduler:
             self._last_step[r.request_id] = now
             self._holds_kv.add(r.request_id)
         price, level = None, None
+        offered = [rid for rid, g in budgets.items() if g]  # budgets before the level and the pay test
         if self.priced and budgets:
             latency = self.costs.latency
             lam, kappa = schedule.lam, 1.0
@@ -232,6 +248,11 @@ class BatchScheduler:
                 if budgets.get(rid) and self._num_steps[rid] % PROBE_EVERY \
                         and not price.node_can_pay(r.num_tokens, weights.get(rid, 1.0)):
                     budgets[rid] = 0
+        if price is not None:
+            tally = self.tally
+            tally.request_steps += len(budgets)
+            tally.drained += sum(1 for rid in budgets if rid in weights)
+            tally.held_back += sum(1 for rid in offered if not budgets[rid])
         budgets.update(twin_budgets)  # a twin's text is verified whole, at any level or price
         return StepBatch(requests, budgets, price, {rid: self._num_steps[rid] for rid in budgets},
                          time.perf_counter() - start, level, now, weights, twin_drafts)

@@ -200,6 +200,10 @@ class Speculator:
         self.total_gamma_max = total_gamma_max
         self.bias = bias if bias is not None else TreeBias()
         """Per-domain correction of a tree's expected accepted tokens (``algo.calibration.TreeBias``)."""
+        self.drafted_nodes = 0
+        """Draft nodes drafted (after fusion's floor) over every step so far."""
+        self.verified_nodes = 0
+        """Of those, the nodes selection sent to verification (Σ γ_i)."""
 
     def node_acceptance(self, domain: str, selected: SelectedTree) -> list[float]:
         """Each draft node's chance of acceptance, as the gains and the metrics count it."""
@@ -269,4 +273,6 @@ class Speculator:
             trees[rid] = DraftTree(selected, d.route, d.answers, d.trunk, gains)
         stats.selection_s = time.perf_counter() - start
         stats.num_drafted_nodes = sum(full.tree.num_draft_tokens for full, _ in fulls.values())
+        self.drafted_nodes += stats.num_drafted_nodes
+        self.verified_nodes += sum(gammas.values())
         return Drafts(trees, stats)

@@ -502,6 +502,38 @@ def test_a_request_the_drain_rules_out_is_drafted_only_to_probe():
     assert skipped > 0 and probes > 0
 
 
+def test_the_price_tally_counts_what_the_scheduler_and_selection_decided():
+    """``BatchScheduler.tally`` and the speculator's node counts, which ``cosine-ray bench``
+    reports to tell which part of the price cut the trees: the decoding request-steps of priced
+    steps, those in a drain, those held at γ = 0 before drafting (a budget the step would have
+    had), and the nodes drafted and verified (Σ γ_i, the ``scheduler_gamma`` histogram's sum)."""
+    target = TableTarget()
+    oracle = OracleDrafter("oracle", target, max_len=2)
+    router = make(target, [oracle], drafters_per_request=1)
+    steps = drafted_per_step(router, oracle)
+    prompts, lengths = prompts_for(0, 3), (6, 200, 30)
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        router.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+    asyncio.run(drain(router))
+    priced = [(batch, now) for batch, now, _ in steps() if batch.price is not None]
+    tally = router.scheduler.tally
+    assert tally.request_steps == sum(len(batch.budgets) for batch, _ in priced) > 0
+    assert tally.drained == sum(rid in batch.weights for batch, _ in priced for rid in batch.budgets) > 0
+    assert tally.held_back == sum(batch.budgets[rid] == 0 and left >= 2
+                                  for batch, now in priced for rid, (_, left) in now.items()) > 0
+    speculator, gamma = router.speculator, router.metrics.get("cosine_ray:scheduler_gamma")
+    assert speculator.verified_nodes == gamma.sum
+    assert 0 < speculator.verified_nodes <= speculator.drafted_nodes
+    from types import SimpleNamespace
+
+    from cosine_ray.cli.bench import _price_figures
+    figures = _price_figures(SimpleNamespace(core=router), (0, 0, 0, 0, 0), 2)
+    assert figures["request_steps"] == tally.request_steps
+    assert figures["drained_share"] == pytest.approx(tally.drained / tally.request_steps)
+    assert figures["held_back_share"] == pytest.approx(tally.held_back / tally.request_steps)
+    assert figures["verified_nodes_per_request_step"] == pytest.approx(speculator.verified_nodes / tally.request_steps)
+
+
 def test_where_the_price_rules_every_node_out_only_probe_steps_draft(monkeypatch):
     """No drain: where even a certain node could not pay (here: ``node_can_pay`` says so),
     the request is drafted only on its probe steps, so calibration keeps measuring."""
