@@ -91,6 +91,24 @@ def test_a_chain_is_what_continue_drafts_answers_level_by_level(stores, tiny_dra
     assert checked > 200
 
 
+def test_the_n_gram_and_retrieval_drafters_own_chains_equal_the_level_by_level_ones(stores):
+    """Their ``continue_chains`` walks each chain in one pass (``ngram.walk_chains``); it must
+    answer exactly what ``base.continue_chains`` builds from ``continue_drafts``, for every k,
+    depth (0 included) and prefix, on real contexts and datastores."""
+    contexts = real_contexts(stores, seed=3)
+    rng = random.Random(4)
+    compared = 0
+    for drafter in real_drafters(stores):
+        for i, c in enumerate(contexts):
+            prefixes = ((), (c[-1],), tuple(rng.choice(c) for _ in range(rng.randrange(1, 5))))
+            for k, depth in ((1, 0), (1, 1), (1, 6), (3, 8), (2, 24)):
+                q = [ContinueQuery(f"r{i}", c, prefixes, k, depth=depth)]
+                own = drafter.continue_chains(q)
+                assert own == continue_chains(drafter, q)
+                compared += sum(len(chain) for chain in own[0])
+    assert compared > 2000
+
+
 def fuse(clients, contexts, depth):
     states = {f"r{i}": FusionState(tuple(c.name for c in clients), depth) for i in range(len(contexts))}
     calls = asyncio.run(fuse_drafts({c.name: c for c in clients}, states,

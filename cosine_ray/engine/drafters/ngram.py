@@ -78,6 +78,31 @@ class NgramConfig:
             raise ValueError(f"max_tracked_requests must be >= 1, got {self.max_tracked_requests}")
 
 
+def walk_chains(lookup: DraftLookup, context: Sequence[int], prefixes: Sequence[Sequence[int]], depth: int,
+                k: int, max_n: int) -> list[list[Candidates]]:
+    """``Drafter.continue_chains`` for a drafter whose answer depends only on the last ``max_n``
+    tokens (``lookup(tail, k)``): per prefix, up to ``depth`` candidate lists, each after the
+    prefix and the top tokens of the lists before it; a chain ends after an empty list. The same
+    answers as ``base.continue_chains`` gives level by level, walked in one pass per chain (no
+    query objects per level: this runs for every request at every fusion round of every step)."""
+    base = list(context[-max_n:])
+    out: list[list[Candidates]] = []
+    for prefix in prefixes:
+        chain: list[Candidates] = []
+        if depth > 0:
+            tail = (base + list(prefix))[-max_n:]
+            while True:
+                cands = lookup(tail, k)
+                chain.append(list(cands))
+                if not cands or len(chain) >= depth:
+                    break
+                tail.append(int(cands[0][0]))
+                if len(tail) > max_n:
+                    del tail[0]
+        out.append(chain)
+    return out
+
+
 def grow_paths(lookup: DraftLookup, tail_token_ids: list[int], budget: int, *,
                max_branches: int, min_confidence: float) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy branches from ``lookup``, trimmed best-first to ``budget`` tokens in total.
@@ -207,6 +232,16 @@ class NgramDrafter:
             index.update(context if isinstance(context, tuple) else tuple(context))
             tail = list(context[-self.config.max_n:])
             out.append([index.lookup((tail + list(prefix))[-self.config.max_n:], q.k) for prefix in q.prefixes])
+        return out
+
+    def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+        """``continue_drafts`` level by level, walked in one pass per chain (``walk_chains``)."""
+        out = []
+        for q in queries:
+            index = self._index_for(q.request_id)
+            context = q.context_token_ids
+            index.update(context if isinstance(context, tuple) else tuple(context))
+            out.append(walk_chains(index.lookup, context, q.prefixes, q.depth, q.k, self.config.max_n))
         return out
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
 from cosine_ray.engine.drafters.datastore import ContinuationIndex, Datastore
-from cosine_ray.engine.drafters.ngram import grow_paths
+from cosine_ray.engine.drafters.ngram import grow_paths, walk_chains
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +78,11 @@ class RetrievalDrafter:
         max_n = self.config.max_n
         return [[self._lookup((list(q.context_token_ids[-max_n:]) + list(prefix))[-max_n:], q.k)
                  for prefix in q.prefixes] for q in queries]
+
+    def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+        """``continue_drafts`` level by level, walked in one pass per chain (``walk_chains``)."""
+        max_n = self.config.max_n
+        return [walk_chains(self._lookup, q.context_token_ids, q.prefixes, q.depth, q.k, max_n) for q in queries]
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:
         """Nothing to learn: the datastore is fixed."""
