@@ -439,10 +439,10 @@ def _price_figures(engine, before: tuple[int, int, int, int, int], concurrency: 
     steps, drained, held, drafted, verified = (a - b for a, b in zip(_price_counts(engine), before))
     costs = engine.core.scheduler.costs
     slope = costs.token_slope(concurrency)
-    return {"request_steps": steps, "drained_share": drained / steps if steps else 0.0,
-            "held_back_share": held / steps if steps else 0.0,
-            "drafted_nodes_per_request_step": drafted / steps if steps else 0.0,
-            "verified_nodes_per_request_step": verified / steps if steps else 0.0,
+    per_step = 1.0 / steps if steps else 0.0
+    return {"request_steps": steps, "drained_share": drained * per_step, "held_back_share": held * per_step,
+            "drafted_nodes_per_request_step": drafted * per_step,
+            "verified_nodes_per_request_step": verified * per_step,
             "token_slope_ms": 1e3 * slope if slope is not None else None,
             "fit_c_tok_ms": 1e3 * costs.latency.c_tok}
 

@@ -225,8 +225,8 @@ class BatchScheduler:
             self._last_step[r.request_id] = now
             self._holds_kv.add(r.request_id)
         price, level = None, None
-        offered = [rid for rid, g in budgets.items() if g]  # budgets before the level and the pay test
         if self.priced and budgets:
+            offered = [rid for rid, g in budgets.items() if g]  # before the level and the pay test (tally)
             latency = self.costs.latency
             lam, kappa = schedule.lam, 1.0
             if self.guard is not None:

@@ -227,9 +227,8 @@ class NgramDrafter:
         """Index the committed context, look up ``context ⊕ prefix`` (the prefix is not indexed)."""
         out = []
         for q in queries:
-            index = self._index_for(q.request_id)
             context = q.context_token_ids
-            index.update(context if isinstance(context, tuple) else tuple(context))
+            index = self._indexed(q.request_id, context)
             tail = list(context[-self.config.max_n:])
             out.append([index.lookup((tail + list(prefix))[-self.config.max_n:], q.k) for prefix in q.prefixes])
         return out
@@ -238,10 +237,8 @@ class NgramDrafter:
         """``continue_drafts`` level by level, walked in one pass per chain (``walk_chains``)."""
         out = []
         for q in queries:
-            index = self._index_for(q.request_id)
-            context = q.context_token_ids
-            index.update(context if isinstance(context, tuple) else tuple(context))
-            out.append(walk_chains(index.lookup, context, q.prefixes, q.depth, q.k, self.config.max_n))
+            index = self._indexed(q.request_id, q.context_token_ids)
+            out.append(walk_chains(index.lookup, q.context_token_ids, q.prefixes, q.depth, q.k, self.config.max_n))
         return out
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:
@@ -256,15 +253,20 @@ class NgramDrafter:
 
     def _propose_one(self, item: DraftInput) -> DraftProposal:
         cfg = self.config
-        index = self._index_for(item.request_id)
         context = item.context_token_ids
-        index.update(context if isinstance(context, tuple) else tuple(context))
+        index = self._indexed(item.request_id, context)
         if item.max_draft_tokens <= 0 or not context:
             return DraftProposal.empty(item.request_id, self.name)
         tail = list(context[-cfg.max_n:])
         paths, confidences = grow_paths(index.lookup, tail, item.max_draft_tokens,
                                         max_branches=cfg.max_branches, min_confidence=cfg.min_confidence)
         return DraftProposal(item.request_id, paths, confidences, self.name)
+
+    def _indexed(self, request_id: str, context: Sequence[int]) -> _ContextIndex:
+        """The request's index, updated with its committed context."""
+        index = self._index_for(request_id)
+        index.update(context if isinstance(context, tuple) else tuple(context))
+        return index
 
     def _index_for(self, request_id: str) -> _ContextIndex:
         index = self._indexes.get(request_id)
