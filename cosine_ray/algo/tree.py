@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -154,12 +155,13 @@ class TokenTree:
     def attention_mask(self) -> torch.Tensor:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  # [n, n] bool"""
         n = self.num_nodes
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            if i:
-                mask[i] = mask[self.parent_ids[i]]
+        mask = np.zeros((n, n), dtype=np.bool_)  # rows built in numpy: a torch op per row cost
+        parents = self.parent_ids               # ~0.5 ms of host time a step at c = 8 on a GPU host
+        mask[0, 0] = True
+        for i in range(1, n):
+            mask[i] = mask[parents[i]]
             mask[i, i] = True
-        return mask
+        return torch.from_numpy(mask)
 
     def cumulative_confidences(self) -> list[float]:
         """Product of confidences along the path from the root (TreeSelection's score)."""

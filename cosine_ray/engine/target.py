@@ -189,7 +189,7 @@ class StageWorker:
         failure is logged and leaves capture to first use. Returns the graphs captured (0 unless
         the runner replays graphs)."""
         keys = startup_keys(step.max_batch_size, step.num_speculative_tokens + 1, step.max_model_len,
-                            self.cache.block_size)
+                            self.cache.block_size, prefills=True)
         try:
             return self.runner.capture(self.cache, keys)
         except Exception as exc:  # noqa: BLE001 - capture on first use still works

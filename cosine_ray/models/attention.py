@@ -280,16 +280,21 @@ class PaddedInputs:
     """[B] int64: its new tokens (0 = a padding row)."""
     tables: torch.Tensor
     """[B, L / block_size] int64 block table (padding: the scratch block)."""
-    ancestors: torch.Tensor
+    ancestors: torch.Tensor | None
     """[B, n, n] int64 0/1: query i sees new token j (a tree's ancestor bits, a chain's
-    causal triangle; a padded query row sees itself only)."""
+    causal triangle; a padded query row sees itself only). None: every row is a causal chain
+    (a prefill bucket, where n is too large for a dense [B, n, n] copy; query i sees new
+    tokens 0..i, a padded row real ones too, whose outputs are dropped)."""
     scratch_slot: torch.Tensor
     """[] int64: first slot of the scratch block."""
+    logit_rows: torch.Tensor | None = None
+    """[R] int64 padded rows the last stage computes logits for (a prefill bucket: one per
+    request row, its prompt's last token); None: every row (a verify tree needs them all)."""
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        b, n, _ = self.ancestors.shape
-        return b, n, int(self.tables.shape[1])
+        b = int(self.start.shape[0])
+        return b, int(self.positions.shape[0]) // b, int(self.tables.shape[1])
 
 
 @dataclass(slots=True)
@@ -307,7 +312,7 @@ class PaddedPlan:
 def padded_plan(inputs: PaddedInputs, kv_cache: KVCache) -> PaddedPlan:
     """Slot mapping, gather index and mask of a fixed-shape step, built on the device from the
     block tables (vLLM computes its slot mapping the same way): no host work, no host sync."""
-    b, n, _ = inputs.ancestors.shape
+    b, n, _ = inputs.shape
     bs = kv_cache.block_size
     device = inputs.tables.device
     num_slots = inputs.tables.shape[1] * bs
@@ -319,7 +324,10 @@ def padded_plan(inputs: PaddedInputs, kv_cache: KVCache) -> PaddedPlan:
     slot_mapping = torch.where(real, gather_index.gather(1, new_logical), inputs.scratch_slot)
     rel = logical[None, :] - inputs.start[:, None]  # [B, L]: column's index among the new tokens
     in_new = (rel >= 0) & (rel < n)
-    tree = inputs.ancestors.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, num_slots)) != 0
+    if inputs.ancestors is None:  # causal chains
+        tree = rel[:, None, :] <= j[None, :, None]
+    else:
+        tree = inputs.ancestors.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, num_slots)) != 0
     mask = (rel < 0)[:, None, :] | (tree & in_new[:, None, :])  # committed slots, then tree bits
     return PaddedPlan(b, n, slot_mapping.reshape(-1), gather_index, mask[:, None])
 

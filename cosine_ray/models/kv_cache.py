@@ -283,7 +283,7 @@ class KVCache:
             entry.num_speculative = len(slots) - num_committed
         if src:
             src_t, dst_t = indices_to([src, dst], self.device)  # no wait for queued kernels
-            self.pool[:, :, dst_t] = self.pool[:, :, src_t]  # the gather copies before the scatter
+            self.pool.index_copy_(2, dst_t, self.pool.index_select(2, src_t))  # gather, then scatter
         for entry, _, _ in plan:
             self._release_tail(entry)
 

@@ -352,10 +352,12 @@ class LlamaStage:
         logical slots, every index and mask built here on the device from the block tables
         (nothing read back to the host, so the whole call can be captured in a CUDA graph).
         Returns hidden states [B * n, hidden] or, on the last stage, fp32 logits [B * n, vocab]
-        of every padded row."""
+        of every padded row (with ``inputs.logit_rows``: [R, vocab] of those rows)."""
         x = self.embed(inputs.tokens) if self.is_first else hidden
         plan = padded_plan(inputs, kv_cache)
         x = self._layers(x, inputs.positions,
                          lambda local, q, k, v: attend_padded(plan, kv_cache, local, q, k, v,
                                                               scale=self.attention_scale))
-        return self.head(x) if self.is_last else x
+        if not self.is_last:
+            return x
+        return self.head(x if inputs.logit_rows is None else x.index_select(0, inputs.logit_rows))

@@ -15,9 +15,15 @@ Slot mapping, gather index and the tree mask are computed inside the graph from 
 (``attention.padded_plan``). A bucket's graph is captured the first time a step needs it, after
 two eager warm-up runs on a side stream, all graphs of a stage sharing one memory pool.
 
-Steps that do not fit a bucket run eagerly: a request with more than ``max(GRAPH_NEW_TOKENS)``
-new tokens (prefills), more requests than the largest batch bucket, PipeDec's tree layers
-(``extend``), or more than ``MAX_GRAPH_SLOTS`` slots of context. A graph reads the KV pool at the
+A step with prompts (more than ``max(GRAPH_NEW_TOKENS)`` new tokens: prefills) runs them as
+causal chains through a *prefill bucket* (``PREFILL_NEW_TOKENS`` query rows, no dense ancestor
+bits, logits of each prompt's last token only) and its other requests through a verify bucket:
+two replays. Before, such a step ran eagerly, and on an H200 the eager forwards were half of a
+speculative c = 8 run's step time on the host (docs/measurements.md). Steps that fit no bucket
+still run eagerly: prompts past ``max(PREFILL_NEW_TOKENS)`` or ``MAX_PREFILL_ROWS``, a prompt
+that needs more logits than its last (prompt log-probabilities), more requests than the largest
+batch bucket, PipeDec's tree layers (``extend``), or more than ``MAX_GRAPH_SLOTS`` slots of
+context. A graph reads the KV pool at the
 address it was captured with, so graphs are dropped if the pool is ever reallocated (a CPU pool
 that grows; a CUDA pool is preallocated from its budget and never moves).
 
@@ -42,6 +48,13 @@ from cosine_ray.models.llama import LlamaStage, StageBatch
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GRAPH_NEW_TOKENS = (1, 2, 4, 8, 16, 32)
+PREFILL_NEW_TOKENS = (64, 128, 256, 512)
+"""Query rows of a prefill bucket: causal chains only (no dense ancestor bits), logits of each
+request row's last token only. A step with prompts past ``GRAPH_NEW_TOKENS`` runs them
+through one of these and its other requests through a verify bucket: two replays instead of
+one eager forward."""
+MAX_PREFILL_ROWS = 2048
+"""B × n above this runs eagerly (padding a few long prompts to many rows costs real compute)."""
 MIN_GRAPH_SLOTS = 256
 MAX_GRAPH_SLOTS = 16384
 STARTUP_MAX_SLOTS = 1024
@@ -61,11 +74,13 @@ def _slots_bucket(value: int, block_size: int) -> int | None:
     return size if size <= MAX_GRAPH_SLOTS else None
 
 
-def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block_size: int) -> list[tuple[int, int, int]]:
+def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block_size: int, *,
+                 prefills: bool = False) -> list[tuple[int, int, int]]:
     """Buckets worth capturing at start: batch sizes up to ``max_batch_size``'s bucket, query
     rows up to ``max_new_tokens``'s (a verify tree: the draft budget + its root), contexts up to
-    ``min(max_slots, STARTUP_MAX_SLOTS)``; largest first, so smaller graphs reuse its memory.
-    Anything else is captured the first time a step needs it."""
+    ``min(max_slots, STARTUP_MAX_SLOTS)``; with ``prefills`` also the prefill buckets of those
+    batch sizes and contexts; largest first, so smaller graphs reuse its memory. Anything else
+    is captured the first time a step needs it."""
     b_max = _bucket(min(max_batch_size, GRAPH_BATCH_SIZES[-1]), GRAPH_BATCH_SIZES)
     n_max = _bucket(min(max_new_tokens, GRAPH_NEW_TOKENS[-1]), GRAPH_NEW_TOKENS)
     slots_max = _slots_bucket(min(max_slots, STARTUP_MAX_SLOTS), block_size)
@@ -76,7 +91,11 @@ def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block
     while size <= slots_max:
         slots.append(size)
         size = _slots_bucket(size + 1, block_size)
-    return sorted(((b, n, s) for b in batches for n in news for s in slots), reverse=True)
+    keys = [(b, n, s) for b in batches for n in news for s in slots]
+    if prefills:  # prompts: every prefill bucket whose context fits the startup slots
+        keys += [(b, n, s) for b in batches for n in PREFILL_NEW_TOKENS for s in slots
+                 if n <= s and b * n <= MAX_PREFILL_ROWS]
+    return sorted(keys, reverse=True)
 
 
 @dataclass(slots=True)
@@ -119,20 +138,60 @@ class StepRunner:
         """Steps run each way and graphs captured (benchmarks and tests read them)."""
 
     # ---- the decision -------------------------------------------------------------------------
-    def _key(self, batch: StageBatch, cache: KVCache) -> tuple[int, int, int] | None:
+    def _key(self, batch: StageBatch, cache: KVCache,
+             news: tuple[int, ...] = GRAPH_NEW_TOKENS) -> tuple[int, int, int] | None:
         if self.mode == "eager" or batch.extend:
             return None
         b = _bucket(len(batch.request_ids), GRAPH_BATCH_SIZES)
-        n = _bucket(max(batch.num_new_tokens), GRAPH_NEW_TOKENS)
-        if b is None or n is None:
+        n = _bucket(max(batch.num_new_tokens), news)
+        if b is None or n is None or (n > GRAPH_NEW_TOKENS[-1] and b * n > MAX_PREFILL_ROWS):
             return None
         longest = max(cache.committed_length(rid) for rid in batch.request_ids) + n
         slots = _slots_bucket(longest, cache.block_size)
         return None if slots is None else (b, n, slots)
 
+    def _prefill_split(self, batch: StageBatch, cache: KVCache) -> list[tuple] | None:
+        """A step whose only obstacle to a bucket is prompts past ``GRAPH_NEW_TOKENS``: its
+        other requests as one sub-batch for a verify bucket, the prompts (causal chains whose
+        last stage needs at most one logit row each) as one for a prefill bucket. Each part is
+        (sub-batch, key, its rows of the step's flat tokens, its positions among the step's
+        logit rows); None when the step must run eagerly."""
+        if self.mode == "eager" or batch.extend:
+            return None
+        counts = batch.num_new_tokens
+        limit = GRAPH_NEW_TOKENS[-1]
+        prompts = [i for i, k in enumerate(counts) if k > limit]
+        if not prompts or any(batch.tree_masks[i] is not None for i in prompts):
+            return None
+        others = [i for i, k in enumerate(counts) if k <= limit]
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        total = int(offsets[-1])
+        logits = np.arange(total) if batch.logit_indices is None else batch.logit_indices.numpy()
+        parts = []
+        for members, news in ((others, GRAPH_NEW_TOKENS), (prompts, PREFILL_NEW_TOKENS)):
+            if not members:
+                continue
+            token_rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
+            local = np.full(total, -1)
+            local[token_rows] = np.arange(len(token_rows))
+            mine = local[logits] >= 0
+            rows = torch.from_numpy(token_rows)
+            sub = StageBatch([batch.request_ids[i] for i in members], [counts[i] for i in members],
+                             batch.positions.index_select(0, rows), [batch.tree_masks[i] for i in members],
+                             None if batch.logit_indices is None else torch.from_numpy(local[logits[mine]]),
+                             None if batch.token_ids is None else batch.token_ids.index_select(0, rows))
+            key = self._key(sub, cache, news)
+            if key is None or (news is PREFILL_NEW_TOKENS and self.stage.is_last and int(mine.sum()) > key[0]):
+                return None
+            parts.append((sub, key, token_rows, np.flatnonzero(mine)))
+        return parts
+
     def forward(self, batch: StageBatch, cache: KVCache, hidden: torch.Tensor | None = None) -> torch.Tensor:
         key = self._key(batch, cache)
-        if key is None:
+        split = self._prefill_split(batch, cache) if key is None else None
+        if split is not None:
+            out, begin = self._forward_split(split, hidden, cache)
+        elif key is None:
             self.stats["eager"] += 1
             begin = self._mark()
             out = self.stage.forward(batch, cache, hidden)
@@ -176,8 +235,10 @@ class StepRunner:
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         parts = packed.split(sizes)
         tokens, positions, start, count, tables, ancestors, rows, scratch = parts
-        inputs = PaddedInputs(tokens, positions, start, count, tables.view(b, -1), ancestors.view(b, n, n),
-                              scratch.view(()))
+        chains = n > GRAPH_NEW_TOKENS[-1]
+        inputs = PaddedInputs(tokens, positions, start, count, tables.view(b, -1),
+                              None if chains else ancestors.view(b, n, n), scratch.view(()),
+                              rows[b * n:b * n + b] if chains and self.stage.is_last else None)
         hidden = None
         if not self.stage.is_first:
             hidden = torch.zeros(b * n, self.stage.config.hidden_size, dtype=self.stage.dtype, device=device)
@@ -187,7 +248,8 @@ class StepRunner:
     @staticmethod
     def _sizes(key: tuple[int, int, int], block_size: int) -> list[int]:
         b, n, slots = key
-        return [b * n, b * n, b, b, b * slots // block_size, b * n * n, 2 * b * n, 1]
+        ancestors = 0 if n > GRAPH_NEW_TOKENS[-1] else b * n * n  # a prefill bucket: causal chains
+        return [b * n, b * n, b, b, b * slots // block_size, ancestors, 2 * b * n, 1]
 
     def _host_buffer(self, size: int) -> torch.Tensor:
         """One of two host buffers, taken in turn; pinned on CUDA so the copy is asynchronous.
@@ -217,14 +279,18 @@ class StepRunner:
         host = host_t.numpy()
         tokens, positions, start, count, tables, ancestors, rows, scratch_slot = np.split(host, np.cumsum(sizes)[:-1])
         tables = tables.reshape(b, -1)
-        ancestors = ancestors.reshape(b, n, n)
+        chains = n > GRAPH_NEW_TOKENS[-1]
         tokens[:] = 0
         positions[:] = 0
         start[:] = 0
         count[:] = 0
         tables[:] = scratch
-        ancestors[:] = 0
-        ancestors[:, np.arange(n), np.arange(n)] = 1  # padded query rows see themselves only
+        if not chains:
+            ancestors = ancestors.reshape(b, n, n)
+            ancestors[:] = 0
+            ancestors[:, np.arange(n), np.arange(n)] = 1  # padded query rows see themselves only
+        else:
+            rows[b * n:b * n + b] = 0  # logit rows past the real ones: any valid row
         scratch_slot[0] = scratch * cache.block_size
         counts = batch.num_new_tokens
         total = sum(counts)
@@ -240,7 +306,8 @@ class StepRunner:
             table = cache.block_table(rid)
             tables[i, :len(table)] = table
             tree = batch.tree_masks[i]
-            ancestors[i, :k, :k] = np.tril(np.ones((k, k), dtype=np.int64)) if tree is None else tree.numpy()
+            if not chains:
+                ancestors[i, :k, :k] = np.tril(np.ones((k, k), dtype=np.int64)) if tree is None else tree.numpy()
             rows[offset:offset + k] = np.arange(lo, lo + k)
             offset += k
         logit_index = (np.arange(total) if batch.logit_indices is None else batch.logit_indices.numpy())
@@ -291,8 +358,28 @@ class StepRunner:
             out = self._run(bucket, cache)
             self.stats["static"] += 1
         if self.stage.is_last:
+            if bucket.inputs.logit_rows is not None:  # the graph computed only these rows
+                return out[:num_logits].clone(), begin
             return out.index_select(0, rows[b * n:b * n + num_logits]), begin
         return out.index_select(0, rows[:total]), begin
+
+    def _forward_split(self, parts: list[tuple], hidden: torch.Tensor | None,
+                       cache: KVCache) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """The parts of ``_prefill_split`` through their buckets, outputs back in the step's order."""
+        outs, begin, order = [], None, []
+        for sub, key, token_rows, logit_positions in parts:
+            part_hidden = None
+            if hidden is not None:
+                part_hidden = hidden.index_select(0, torch.from_numpy(token_rows).to(hidden.device))
+            out, mark = self._forward_bucket(key, sub, cache, part_hidden)
+            begin = begin or mark
+            outs.append(out)
+            order.append(logit_positions if self.stage.is_last else token_rows)
+        order = np.concatenate(order)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.index_select(0, torch.from_numpy(inverse).to(out.device)), begin
 
     def _replay(self, bucket: _Bucket, cache: KVCache) -> None:
         pool_ptr = cache.pool.data_ptr()

@@ -22,7 +22,9 @@ from runner_steps import compare_runners
 def test_static_path_equals_eager_over_mixed_steps(tiny_checkpoint):
     static = compare_runners(tiny_checkpoint, "static")
     stats = [s.runner.stats for s in static.stages]
-    assert all(s["static"] == 10 and s["eager"] == 4 for s in stats), stats  # prefill steps eager, the rest static
+    # 10 steps through one bucket; the 4 with a prompt past the verify buckets through two (the
+    # prompt in a prefill bucket, the rest in a verify bucket), none eagerly
+    assert all(s["static"] == 10 + 2 * 4 and s["eager"] == 0 for s in stats), stats
     grown = [s.cache.num_blocks for s in static.stages]
     assert all(b > 16 for b in grown), grown  # the CPU pool grew under the static path
 
@@ -74,8 +76,11 @@ def test_idle_bucket_touches_only_the_scratch_block(tiny_checkpoint):
     cache.commit("r")
     before = cache.pool.clone()
     scratch = cache.scratch_block()
-    keys = startup_keys(4, 9, 300, cache.block_size)
-    assert (4, 16, 512) in keys and (1, 1, 256) in keys and len(keys) == 3 * 5 * 2
+    assert len(startup_keys(4, 9, 300, cache.block_size)) == 3 * 5 * 2
+    keys = startup_keys(4, 9, 300, cache.block_size, prefills=True)
+    # verify buckets, then prefill buckets whose rows fit their context: 64-256 in 256 slots, 64-512 in 512
+    assert (4, 16, 512) in keys and (1, 1, 256) in keys and (4, 512, 512) in keys and (2, 512, 256) not in keys
+    assert len(keys) == 3 * 5 * 2 + 3 * (3 + 4)
     for key in keys:
         bucket = runner._bucket_for(key, cache)
         assert runner._fill(bucket, None, cache) == (0, 0)
@@ -87,3 +92,53 @@ def test_idle_bucket_touches_only_the_scratch_block(tiny_checkpoint):
     bs = cache.block_size
     assert slots and all(s // bs == scratch for s in slots), slots
     assert runner.capture(cache, keys) == 0  # graphs only in graph mode
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_prompts_go_through_a_prefill_bucket_or_run_eagerly(tiny_checkpoint, num_stages):
+    """Several prompts of different lengths in one step, with and without decoding requests
+    beside them: the static runner's two buckets give the eager forward's logits. A prompt past
+    the largest prefill bucket, or one that needs every row's logits, runs the step eagerly."""
+    from cosine_ray.models.config import stage_slices
+    from cosine_ray.models.llama import StageBatch
+    from cosine_ray.models.runner import MAX_PREFILL_ROWS, PREFILL_NEW_TOKENS
+
+    state = tiny_checkpoint.load_state_dict()
+
+    def chain(runner_mode):
+        stages = [LlamaStage(tiny_checkpoint.config, state, a, b)
+                  for a, b in stage_slices(tiny_checkpoint.config.num_layers, num_stages)]
+        return [(StepRunner(st, runner_mode), st.new_kv_cache()) for st in stages]
+
+    def run(pipe, batch):
+        hidden = None
+        with torch.inference_mode():
+            for runner, cache in pipe:
+                hidden = runner.forward(batch, cache, hidden)
+        for _, cache in pipe:
+            for rid, n in zip(batch.request_ids, batch.num_new_tokens):
+                cache.commit(rid)
+        return hidden
+
+    g = torch.Generator().manual_seed(5)
+    eager, static = chain("eager"), chain("static")
+    for pipe in (eager, static):
+        for _, cache in pipe:
+            for rid in ("a", "b", "c", "d", "e", "f"):
+                cache.allocate(rid)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    steps = [
+        StageBatch.from_chains(["a", "b", "c"], [ids(33), ids(100), ids(70)], [0, 0, 0]),  # prompts alone
+        StageBatch.from_chains(["a", "b", "c", "d"], [ids(1), ids(2), ids(1), ids(90)], [33, 100, 70, 0]),
+        StageBatch.from_chains(["a", "e"], [ids(1), ids(PREFILL_NEW_TOKENS[-1] + 1)], [34, 0]),  # too long
+        StageBatch.from_chains(["b", "f"], [ids(1), ids(40)], [102, 0], last_logits_only=False),  # all logits
+    ]
+    for step, batch in enumerate(steps):
+        want, got = run(eager, batch), run(static, batch)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stats = [runner.stats for runner, _ in static]
+    # the last stage runs the all-logits step eagerly; a stage before it hands on hidden states
+    # and takes the buckets there too
+    assert stats[-1] == {"eager": 2, "static": 3, "graph": 0, "captures": 0}, stats
+    assert all(s == {"eager": 1, "static": 5, "graph": 0, "captures": 0} for s in stats[:-1]), stats
+    assert 8 * PREFILL_NEW_TOKENS[-1] > MAX_PREFILL_ROWS  # wide batches of long prompts stay eager
