@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Issue 16's GPU measurements in one go, on a machine with a CUDA GPU (its pieces took about 5 minutes on an H200):
+# Issue 16's GPU measurements in one go, on a machine with a CUDA GPU, most important first (about
+# 9 minutes on an H200 in all; each step has its own time limit and the next one runs whatever happened):
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
-# 1. the CUDA tests (tests/engine/test_gpu.py: graphs = eager, fp32 = HF greedy, bf16, startup capture);
-# 2. verify-forward time, ours eager / ours graph / HF eager / a static CUDA-graph step / roofline,
+# 1. the CUDA tests (tests/engine/test_gpu.py: graphs = eager, prompts in prefill buckets, fp32 =
+#    HF greedy, bf16, startup capture);
+# 2. the bar at c = 8: the issue's 16 conversations, no drafters / full CoSine / fixed γ, 3 rounds
+#    each in a shuffled order (plain decoding's own speed swings ±20 % between runs on a GPU
+#    host, so one pair of runs says little), fp32 then bf16; each priced run prints how the
+#    price cut its trees (results[].price), the JSON's summary holds the medians and min-max;
+# 3. one request end to end, fp32 and bf16, against HF greedy (the 5× bar);
+# 4. verify-forward time, ours eager / ours graph / HF eager / a static CUDA-graph step / roofline,
 #    for the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes (random weights, bf16);
-# 3. the embedded model end to end, fp32 and bf16, one request and 8 at once, against HF greedy
-#    (the JSON's results[].runner_steps.captures says whether a graph was captured while measuring);
-#    then c=8 over 16 conversations with fixed γ and the drain price off beside full CoSine, each
-#    priced run printing how the price cut its trees (results[].price);
-# 4. bf16 speculative output against our own bf16 decode, every divergence with its logit gap;
-# 5. torch.profiler over full CoSine's measured window at c=8 in bf16 (device and host time).
-# Each step has its own time limit and the next one runs whatever happened; outputs go to OUT_DIR.
+# 5. bf16 speculative output against our own bf16 decode, every divergence with its logit gap;
+# 6. torch.profiler over full CoSine's measured window at c=8 in bf16 (device and host time).
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -21,21 +23,23 @@ step() { echo "== $1 ($(date +%T))"; }
 step "CUDA tests"
 timeout 300 python3 -m pytest -q -m gpu tests/engine/test_gpu.py -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.log"
 
+for dtype in float32 bfloat16; do
+  step "c=8, 16 conversations, 3 interleaved rounds, $dtype"
+  timeout 330 python3 -m cosine_ray.cli bench --device cuda --dtype "$dtype" --prompts-per-domain 4 \
+    --warmup-per-domain 1 --max-tokens 96 --concurrency 8 --rounds 3 --systems "none;default;default@adaptive=false" \
+    --out "$out/bench_c8_$dtype.json" 2>&1 | grep -v "^routing" | tee "$out/bench_c8_$dtype.log"
+done
+
+for dtype in float32 bfloat16; do
+  step "one request end to end, $dtype"
+  timeout 200 python3 -m cosine_ray.cli bench --device cuda --dtype "$dtype" --prompts-per-domain 2 \
+    --warmup-per-domain 1 --max-tokens 128 --systems "hf-greedy;none;default" --concurrency 1 \
+    --out "$out/bench_c1_$dtype.json" 2>&1 | grep -v "^routing" | tee "$out/bench_c1_$dtype.log"
+done
+
 step "verify forward, bf16"
 timeout 300 python3 benchmarks/verify_forward.py --shapes smollm2-135m,llama-3.2-1b,llama-3.1-8b --batches 1,8,32 \
   --tokens 1,8 --device cuda --dtype bfloat16 --context 512 --reps 10 2>&1 | tee "$out/verify_forward.log"
-
-for dtype in float32 bfloat16; do
-  step "end to end, $dtype"
-  timeout 400 python3 -m cosine_ray.cli bench --device cuda --dtype "$dtype" --prompts-per-domain 2 \
-    --warmup-per-domain 2 --max-tokens 128 --systems "hf-greedy;none;default;ngram" --concurrency 1,8 \
-    --out "$out/bench_$dtype.json" 2>&1 | grep -v "^routing" | tee "$out/bench_$dtype.log"
-done
-
-step "c=8, what cuts full CoSine's trees: 16 conversations, fixed γ and the drain price off beside it"
-timeout 300 python3 -m cosine_ray.cli bench --device cuda --prompts-per-domain 4 --warmup-per-domain 1 \
-  --max-tokens 96 --concurrency 8 --systems "none;default;default@adaptive=false;default@drain_pricing=false" \
-  --out "$out/bench_c8_price.json" 2>&1 | grep -v "^routing" | tee "$out/bench_c8_price.log"
 
 step "bf16 against our own bf16 decode"
 timeout 300 python3 benchmarks/bf16_divergence.py --device cuda --prompts-per-domain 3 --max-tokens 128 \

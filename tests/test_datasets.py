@@ -180,3 +180,33 @@ def test_bench_splits_acceptance_into_first_sends_and_repeats():
     _, measured = bench.build_conversations(args)
     texts = [i.turns for i in measured]
     assert len(set(texts)) < len(texts)  # 8 a domain from a pool of 6: the workload does repeat
+
+
+def test_bench_rounds_interleave_in_shuffled_orders_and_pair_each_ratio_with_its_round():
+    """``--rounds``: every system × concurrency once a round, each round in its own seeded
+    order; each ratio is to the same round's ``none``; the summary holds median and min-max."""
+    from cosine_ray import cli
+    from cosine_ray.cli import bench
+
+    work = [("none", 8), ("default", 8), ("fixed", 8)]
+    assert bench.round_order(work, 1, 0) == [(1, w) for w in work]  # one round: as given
+    order = bench.round_order(work, 4, 0)
+    assert [r for r, _ in order] == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+    for r in range(1, 5):
+        assert sorted(w for k, w in order if k == r) == sorted(work)
+    assert len({tuple(w for k, w in order if k == r) for r in range(1, 5)}) > 1  # not one fixed order
+    assert bench.round_order(work, 4, 0) == order and bench.round_order(work, 4, 1) != order
+
+    def row(system, rnd, tok_s, same="8/8"):
+        return {"system": system, "concurrency": 8, "round": rnd, "tokens_per_s": tok_s, "lossless_identical": same,
+                "ratio_vs_off": tok_s / {1: 100.0, 2: 200.0, 3: 150.0}[rnd]}
+
+    rows = [row("none", 1, 100.0), row("none", 2, 200.0), row("none", 3, 150.0),
+            row("default", 1, 130.0), row("default", 2, 220.0), row("default", 3, 180.0, "7/8")]
+    summary = {e["system"]: e for e in bench.summarize_rounds(rows)}
+    d = summary["default"]
+    assert d["rounds"] == 3 and d["tokens_per_s"] == 180.0
+    assert d["ratio_vs_off"] == pytest.approx(1.2) and d["ratio_min"] == pytest.approx(1.1)
+    assert d["ratio_max"] == pytest.approx(1.3) and d["identical_every_round"] is False
+    assert summary["none"]["identical_every_round"] is True and summary["none"]["ratio_vs_off"] == 1.0
+    assert cli.main(["bench", "--rounds", "0"]) == 2  # one line on stderr, exit 2

@@ -18,6 +18,11 @@ same tokens; with ``hf-greedy`` left out, with the first system's).
 
 ``--repeat-probe`` sends the first measured request once more after the measured traffic and
 reports its acceptance (how much of an identical request the drafters take from the first's output).
+
+``--rounds N`` runs every cosine_ray system × concurrency N times, each round in its own shuffled
+order (seeded by ``--seed``), and prints each one's median tok/s and its median ratio to ``none``
+of the same round with the rounds' min–max: on a machine whose speed drifts (a GPU host's plain
+decoding swung ±20 % between runs, docs/measurements.md) a ratio from one pair of runs is noise.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import gc
 import json
 import platform
+import random
 import re
 import statistics
 import time
@@ -69,7 +75,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-lookup-tokens", type=int, default=8, help="HF prompt_lookup_num_tokens")
     p.add_argument("--repeat-probe", action="store_true",
                    help="send the first measured request again at the end and report its acceptance")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (and the rounds' order)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every cosine_ray system x concurrency this many times, interleaved in a "
+                        "shuffled order per round; prints medians and min-max of each ratio to none")
     p.add_argument("--threads", type=int, default=None)
     add_device_args(p)
     p.add_argument("--out", default="bench-results/bench.json")
@@ -229,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
     if not concurrencies or min(concurrencies) < 1:
         raise CliError("--concurrency values must be >= 1")
+    if args.rounds < 1:
+        raise CliError("--rounds must be >= 1")
     text = f"{';'.join(HF_SYSTEMS)};{args.drafter_sets}" if args.drafter_sets else args.systems
     systems = parse_systems(text)
     check_local_device(args.device)
@@ -259,85 +270,88 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"system": system.name, "concurrency": 1, "tokens": _count(outs), "seconds": secs})
         print(f"  {system.name}: {rows[-1]['tokens'] / secs:.2f} tok/s", flush=True)
 
-    for system in [s for s in systems if not s.is_hf]:
-        for c in concurrencies:
-            config = config_from_dict({"model": args.model, "drafters": system.drafters,
-                                       "device": args.device, "dtype": args.dtype,
-                                       "kv_cache_memory": args.kv_cache_memory,
-                                       "runner": runner_from_args(args),
-                                       "step": {"max_batch_size": max(c, 8),
-                                                "num_speculative_tokens": args.num_speculative_tokens,
-                                                **system.step}})
-            from cosine_ray.engine.local import LocalEngine
-            try:
-                engine = LocalEngine(config, checkpoint=checkpoint)
-            except (ValueError, OSError) as exc:
-                raise CliError(str(exc).splitlines()[0]) from None
-            row: dict[str, Any] = {"system": system.name, "concurrency": c}
-            start = time.perf_counter()
-            warm_outs = asyncio.run(run_conversations(engine, warm_convs or [("Hello",)],
-                                                      params if warm_convs else SamplingParams(max_tokens=4),
-                                                      8, tokenizer))
-            if warm_convs:
-                row["warmup"] = {"tokens": _count(warm_outs), "seconds": time.perf_counter() - start,
-                                 **_spec_figures(warm_outs)}
-            busy, steps = _gpu_busy_seconds(engine), dict(engine.target.stages[0].runner.stats)
-            phases, priced = _phase_seconds(engine), _price_counts(engine)
-            start = time.perf_counter()
-            outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer))
-            secs = time.perf_counter() - start
-            if engine.config.device != "cpu":
-                row["gpu_busy_share"] = (_gpu_busy_seconds(engine) - busy) / secs
-                # steps the first stage ran eagerly / as graphs, and graphs captured, while measured
-                row["runner_steps"] = {k: v - steps[k] for k, v in engine.target.stages[0].runner.stats.items()}
-            outputs[f"{system.name} c={c}"] = outs
-            row.update(tokens=_count(outs), seconds=secs, **_spec_figures(outs),
-                       routing_shares=_routing_shares(outs, domains),
-                       decision_ms=_decision_ms(engine), step_ms=_step_ms(engine, phases))
-            if args.repeat_probe:
-                first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer))
-                row["repeat_probe"] = {"first": _spec_figures([outs[0][:1]]), "again": _spec_figures(first),
-                                       "identical": first[0][0].token_ids == outs[0][0].token_ids}
-            by_repeat = _by_repeat(outs, convs)
-            if by_repeat is not None:
-                row["by_repeat"] = by_repeat
-            row["index_bytes"] = _index_bytes(engine)
-            guard = engine.core.scheduler.guard
-            if guard is not None:  # κ the speculation guard ended the run at (0 = speculation off)
-                row["speculation_level"] = guard.levels[guard.current_level(c)]
-                row["speculation_levels"] = guard.levels_by_bucket()
-            price = _price_figures(engine, priced, c)
-            if price is not None:
-                row["price"] = price
-            rows.append(row)
-            gpu = f", GPU busy {row['gpu_busy_share']:.0%} of the time" if "gpu_busy_share" in row else ""
-            gpu += f", guard at κ={row['speculation_level']:g}" if "speculation_level" in row else ""
-            split = ", ".join(f"{k} {v:.2f}" for k, v in row["step_ms"].items() if k != "steps")
-            print(f"  {system.name} c={c}: {row['tokens'] / secs:.2f} tok/s, mean accepted length "
-                  f"{row['mean_accepted_length']:.2f}{gpu}; ms per step: {split}", flush=True)
-            if price is not None:
-                print(f"    trees: {price['verified_nodes_per_request_step']:.2f} nodes verified of "
-                      f"{price['drafted_nodes_per_request_step']:.2f} drafted per request-step; priced steps: "
-                      f"{price['drained_share']:.0%} of request-steps in a drain, {price['held_back_share']:.0%} "
-                      f"held back before drafting; token price {_ms(price['token_slope_ms'])} ms measured, "
-                      f"{price['fit_c_tok_ms']:.3f} ms fit", flush=True)
-            del engine
-            gc.collect()  # the next engine sizes its KV pool from the memory this one leaves free
+    work = [(s, c) for s in systems if not s.is_hf for c in concurrencies]
+    for rnd, (system, c) in round_order(work, args.rounds, args.seed):
+        config = config_from_dict({"model": args.model, "drafters": system.drafters,
+                                   "device": args.device, "dtype": args.dtype,
+                                   "kv_cache_memory": args.kv_cache_memory,
+                                   "runner": runner_from_args(args),
+                                   "step": {"max_batch_size": max(c, 8),
+                                            "num_speculative_tokens": args.num_speculative_tokens,
+                                            **system.step}})
+        from cosine_ray.engine.local import LocalEngine
+        try:
+            engine = LocalEngine(config, checkpoint=checkpoint)
+        except (ValueError, OSError) as exc:
+            raise CliError(str(exc).splitlines()[0]) from None
+        row: dict[str, Any] = {"system": system.name, "concurrency": c}
+        if args.rounds > 1:
+            row["round"] = rnd
+        start = time.perf_counter()
+        warm_outs = asyncio.run(run_conversations(engine, warm_convs or [("Hello",)],
+                                                  params if warm_convs else SamplingParams(max_tokens=4),
+                                                  8, tokenizer))
+        if warm_convs:
+            row["warmup"] = {"tokens": _count(warm_outs), "seconds": time.perf_counter() - start,
+                             **_spec_figures(warm_outs)}
+        busy, steps = _gpu_busy_seconds(engine), dict(engine.target.stages[0].runner.stats)
+        phases, priced = _phase_seconds(engine), _price_counts(engine)
+        start = time.perf_counter()
+        outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer))
+        secs = time.perf_counter() - start
+        if engine.config.device != "cpu":
+            row["gpu_busy_share"] = (_gpu_busy_seconds(engine) - busy) / secs
+            # steps the first stage ran eagerly / as graphs, and graphs captured, while measured
+            row["runner_steps"] = {k: v - steps[k] for k, v in engine.target.stages[0].runner.stats.items()}
+        outputs[_output_key(row)] = outs
+        row.update(tokens=_count(outs), seconds=secs, **_spec_figures(outs),
+                   routing_shares=_routing_shares(outs, domains),
+                   decision_ms=_decision_ms(engine), step_ms=_step_ms(engine, phases))
+        if args.repeat_probe:
+            first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer))
+            row["repeat_probe"] = {"first": _spec_figures([outs[0][:1]]), "again": _spec_figures(first),
+                                   "identical": first[0][0].token_ids == outs[0][0].token_ids}
+        by_repeat = _by_repeat(outs, convs)
+        if by_repeat is not None:
+            row["by_repeat"] = by_repeat
+        row["index_bytes"] = _index_bytes(engine)
+        guard = engine.core.scheduler.guard
+        if guard is not None:  # κ the speculation guard ended the run at (0 = speculation off)
+            row["speculation_level"] = guard.levels[guard.current_level(c)]
+            row["speculation_levels"] = guard.levels_by_bucket()
+        price = _price_figures(engine, priced, c)
+        if price is not None:
+            row["price"] = price
+        rows.append(row)
+        gpu = f", GPU busy {row['gpu_busy_share']:.0%} of the time" if "gpu_busy_share" in row else ""
+        gpu += f", guard at κ={row['speculation_level']:g}" if "speculation_level" in row else ""
+        split = ", ".join(f"{k} {v:.2f}" for k, v in row["step_ms"].items() if k != "steps")
+        print(f"  {_output_key(row)}: {row['tokens'] / secs:.2f} tok/s, mean accepted length "
+              f"{row['mean_accepted_length']:.2f}{gpu}; ms per step: {split}", flush=True)
+        if price is not None:
+            print(f"    trees: {price['verified_nodes_per_request_step']:.2f} nodes verified of "
+                  f"{price['drafted_nodes_per_request_step']:.2f} drafted per request-step; priced steps: "
+                  f"{price['drained_share']:.0%} of request-steps in a drain, {price['held_back_share']:.0%} "
+                  f"held back before drafting; token price {_ms(price['token_slope_ms'])} ms measured, "
+                  f"{price['fit_c_tok_ms']:.3f} ms fit", flush=True)
+        del engine
+        gc.collect()  # the next engine sizes its KV pool from the memory this one leaves free
 
     ref_name = "hf-greedy" if "hf-greedy" in outputs else next(iter(outputs))
+    if args.rounds > 1 and ref_name not in HF_SYSTEMS:  # the first listed system's first round, not
+        ref_name = _output_key({"system": work[0][0].name, "concurrency": work[0][1], "round": 1})  # whichever ran first
     ref = outputs[ref_name]
     base = next((r["tokens"] / r["seconds"] for r in rows if r["system"] == "hf-greedy"), None)
-    off = {r["concurrency"]: r["tokens"] / r["seconds"] for r in rows if r["system"] == "none"}
+    off = {(r["concurrency"], r.get("round")): r["tokens"] / r["seconds"] for r in rows if r["system"] == "none"}
     for row in rows:
-        key = row["system"] if row["system"] in HF_SYSTEMS else f"{row['system']} c={row['concurrency']}"
-        outs = outputs[key]
+        outs = outputs[_output_key(row)]
         same = sum(same_output(t, r) for conv, rconv in zip(outs, ref) for t, r in zip(conv, rconv))
         row["lossless_identical"] = f"{same}/{sum(len(c) for c in outs)}"
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
         if base:
             row["ratio_vs_hf_greedy"] = row["tokens_per_s"] / base
-        if row["concurrency"] in off:
-            row["ratio_vs_off"] = row["tokens_per_s"] / off[row["concurrency"]]
+        if (row["concurrency"], row.get("round")) in off:  # the same round's plain decoding
+            row["ratio_vs_off"] = row["tokens_per_s"] / off[row["concurrency"], row.get("round")]
 
     report = {
         "command": "cosine-ray bench", "model": checkpoint.name, "workload": args.workload,
@@ -351,12 +365,59 @@ def run(args: argparse.Namespace) -> int:
         "python": platform.python_version(), "torch": torch.__version__,
         "results": rows,
     }
+    if args.rounds > 1:
+        report["rounds"] = args.rounds
+        report["summary"] = summarize_rounds(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=float))
     _print_table(report)
     print(f"wrote {out}")
     return 0
+
+
+def round_order(work: list, rounds: int, seed: int) -> list[tuple[int, Any]]:
+    """(round, item) for every item of ``work`` in every round: one round in ``work``'s order,
+    several each in its own shuffled order (seeded), so no system always runs first or last."""
+    if rounds == 1:
+        return [(1, item) for item in work]
+    rng = random.Random(seed)
+    order = []
+    for r in range(1, rounds + 1):
+        items = list(work)
+        rng.shuffle(items)
+        order += [(r, item) for item in items]
+    return order
+
+
+def _output_key(row: dict[str, Any]) -> str:
+    if row["system"] in HF_SYSTEMS:
+        return row["system"]
+    return f"{row['system']} c={row['concurrency']}" + (f" round {row['round']}" if "round" in row else "")
+
+
+def summarize_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cosine_ray system and concurrency over the rounds: median tok/s, the median, min and
+    max of its ratio to the same round's ``none``, and whether every round's output matched."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        if "round" in r:
+            groups.setdefault((r["system"], r["concurrency"]), []).append(r)
+    summary = []
+    for (system, c), members in groups.items():
+        entry: dict[str, Any] = {"system": system, "concurrency": c, "rounds": len(members),
+                                 "tokens_per_s": statistics.median(m["tokens_per_s"] for m in members),
+                                 "identical_every_round": all(_all_same(m["lossless_identical"]) for m in members)}
+        ratios = [m["ratio_vs_off"] for m in members if "ratio_vs_off" in m]
+        if ratios:
+            entry.update(ratio_vs_off=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        summary.append(entry)
+    return summary
+
+
+def _all_same(identical: str) -> bool:
+    same, total = identical.split("/")
+    return same == total
 
 
 def _count(outs: list[list[Turn]]) -> int:
@@ -476,7 +537,7 @@ def _print_table(report: dict[str, Any]) -> None:
     print(f"\nworkload {report['workload']}: {report['measured_conversations']} measured conversations "
           f"({report['warmup_conversations']} warm-up before), {report['max_tokens']} new tokens per turn, greedy")
     header = (f"{'system':<36} {'c':>3} {'tok/s':>7} {'vs HF':>6} {'vs off':>6} {'acc. len':>8} "
-              f"{'acc. rate':>9} {'identical':>9}")
+              f"{'acc. rate':>9} {'identical':>9}" + (f" {'round':>5}" if "rounds" in report else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -484,8 +545,17 @@ def _print_table(report: dict[str, Any]) -> None:
         vs_off = f"{r['ratio_vs_off']:.2f}x" if "ratio_vs_off" in r else ""
         acc = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else ""
         rate = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
+        rnd = f" {r['round']:>5}" if "round" in r else ""
         print(f"{r['system']:<36} {r['concurrency']:>3} {r['tokens_per_s']:>7.2f} {vs_hf:>6} {vs_off:>6} "
-              f"{acc:>8} {rate:>9} {r['lossless_identical']:>9}")
+              f"{acc:>8} {rate:>9} {r['lossless_identical']:>9}{rnd}")
+    if "summary" in report:
+        print(f"\nover {report['rounds']} rounds (each in its own shuffled order; ratio to the same round's none)")
+        print(f"{'system':<36} {'c':>3} {'median tok/s':>12} {'vs off: median':>14} {'min-max':>13} {'identical':>9}")
+        for e in report["summary"]:
+            ratio = f"{e['ratio_vs_off']:.2f}x" if "ratio_vs_off" in e else ""
+            spread = f"{e['ratio_min']:.2f}-{e['ratio_max']:.2f}x" if "ratio_vs_off" in e else ""
+            same = "all" if e["identical_every_round"] else "NOT all"
+            print(f"{e['system']:<36} {e['concurrency']:>3} {e['tokens_per_s']:>12.2f} {ratio:>14} {spread:>13} {same:>9}")
     for r in rows:
         if "repeat_probe" in r:
             p = r["repeat_probe"]
