@@ -20,8 +20,8 @@ causal chains through a *prefill bucket* (``PREFILL_NEW_TOKENS`` query rows, no 
 bits, logits of each prompt's last token only) and its other requests through a verify bucket:
 two replays. Before, such a step ran eagerly, and on an H200 the eager forwards were half of a
 speculative c = 8 run's step time on the host (docs/measurements.md). Steps that fit no bucket
-still run eagerly: prompts past ``max(PREFILL_NEW_TOKENS)`` or ``MAX_PREFILL_ROWS``, a prompt
-that needs more logits than its last (prompt log-probabilities), more requests than the largest
+still run eagerly: prompts past ``max(PREFILL_NEW_TOKENS)`` or ``MAX_PREFILL_ROWS``, prompts that
+need more logit rows in all than the prefill bucket has request rows, more requests than the largest
 batch bucket, PipeDec's tree layers (``extend``), or more than ``MAX_GRAPH_SLOTS`` slots of
 context. A graph reads the KV pool at the
 address it was captured with, so graphs are dropped if the pool is ever reallocated (a CPU pool
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from cosine_ray.models.attention import PaddedInputs
-from cosine_ray.models.device import RUNNER_MODES
+from cosine_ray.models.device import RUNNER_MODES, indices_to
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
@@ -79,8 +79,9 @@ def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block
     """Buckets worth capturing at start: batch sizes up to ``max_batch_size``'s bucket, query
     rows up to ``max_new_tokens``'s (a verify tree: the draft budget + its root), contexts up to
     ``min(max_slots, STARTUP_MAX_SLOTS)``; with ``prefills`` also the prefill buckets of those
-    batch sizes and contexts; largest first, so smaller graphs reuse its memory. Anything else
-    is captured the first time a step needs it."""
+    batch sizes and contexts that a prompt of at most ``max_slots`` tokens can reach; most rows
+    first, so smaller graphs reuse the memory of the largest. Anything else is captured the
+    first time a step needs it."""
     b_max = _bucket(min(max_batch_size, GRAPH_BATCH_SIZES[-1]), GRAPH_BATCH_SIZES)
     n_max = _bucket(min(max_new_tokens, GRAPH_NEW_TOKENS[-1]), GRAPH_NEW_TOKENS)
     slots_max = _slots_bucket(min(max_slots, STARTUP_MAX_SLOTS), block_size)
@@ -92,10 +93,11 @@ def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block
         slots.append(size)
         size = _slots_bucket(size + 1, block_size)
     keys = [(b, n, s) for b in batches for n in news for s in slots]
-    if prefills:  # prompts: every prefill bucket whose context fits the startup slots
+    if prefills:  # prompts: every prefill bucket a prompt of at most max_slots tokens can reach
+        smallest = dict(zip(PREFILL_NEW_TOKENS, (GRAPH_NEW_TOKENS[-1] + 1,) + tuple(n + 1 for n in PREFILL_NEW_TOKENS)))
         keys += [(b, n, s) for b in batches for n in PREFILL_NEW_TOKENS for s in slots
-                 if n <= s and b * n <= MAX_PREFILL_ROWS]
-    return sorted(keys, reverse=True)
+                 if smallest[n] <= min(max_slots, s) and n <= s and b * n <= MAX_PREFILL_ROWS]
+    return sorted(keys, key=lambda k: (k[0] * k[1], k[2], k[0]), reverse=True)  # most rows first
 
 
 @dataclass(slots=True)
@@ -190,7 +192,8 @@ class StepRunner:
         key = self._key(batch, cache)
         split = self._prefill_split(batch, cache) if key is None else None
         if split is not None:
-            out, begin = self._forward_split(split, hidden, cache)
+            out, begin = self._forward_split(split, hidden, cache)  # times its parts itself
+            self._fold(wait=False)
         elif key is None:
             self.stats["eager"] += 1
             begin = self._mark()
@@ -366,20 +369,23 @@ class StepRunner:
     def _forward_split(self, parts: list[tuple], hidden: torch.Tensor | None,
                        cache: KVCache) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         """The parts of ``_prefill_split`` through their buckets, outputs back in the step's order."""
-        outs, begin, order = [], None, []
+        outs, order = [], []
         for sub, key, token_rows, logit_positions in parts:
             part_hidden = None
             if hidden is not None:
-                part_hidden = hidden.index_select(0, torch.from_numpy(token_rows).to(hidden.device))
-            out, mark = self._forward_bucket(key, sub, cache, part_hidden)
-            begin = begin or mark
+                part_hidden = hidden.index_select(0, indices_to(token_rows.tolist(), hidden.device))
+            out, begin = self._forward_bucket(key, sub, cache, part_hidden)
+            if begin is not None:  # each part's own GPU span (the other's packing is host time)
+                self._timed.append((begin, self._mark()))
             outs.append(out)
             order.append(logit_positions if self.stage.is_last else token_rows)
         order = np.concatenate(order)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if np.array_equal(order, np.arange(len(order))):  # the prompts came last: already in order
+            return out, None
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.index_select(0, torch.from_numpy(inverse).to(out.device)), begin
+        return out.index_select(0, indices_to(inverse.tolist(), out.device)), None  # pinned: no wait for the GPU
 
     def _replay(self, bucket: _Bucket, cache: KVCache) -> None:
         pool_ptr = cache.pool.data_ptr()

@@ -81,6 +81,10 @@ def test_idle_bucket_touches_only_the_scratch_block(tiny_checkpoint):
     # verify buckets, then prefill buckets whose rows fit their context: 64-256 in 256 slots, 64-512 in 512
     assert (4, 16, 512) in keys and (1, 1, 256) in keys and (4, 512, 512) in keys and (2, 512, 256) not in keys
     assert len(keys) == 3 * 5 * 2 + 3 * (3 + 4)
+    rows = [b * n for b, n, _ in keys]
+    assert rows == sorted(rows, reverse=True)  # most rows first: the others reuse that memory
+    short = startup_keys(4, 9, 100, cache.block_size, prefills=True)  # prompts of at most 100 tokens
+    assert {n for _, n, _ in short if n > 32} == {64, 128}
     for key in keys:
         bucket = runner._bucket_for(key, cache)
         assert runner._fill(bucket, None, cache) == (0, 0)
