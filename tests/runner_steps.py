@@ -35,12 +35,17 @@ def accepted_path(tree: TokenTree, g: torch.Generator) -> tuple[int, ...]:
     return tuple(reversed(path))
 
 
-def compare_runners(ckpt, runner: str, device: str = "cpu", *, steps: int = 14, atol: float = 1e-5) -> TargetWorker:
+def compare_runners(ckpt, runner: str, device: str = "cpu", *, steps: int = 14, atol: float = 1e-5,
+                    tree_size: int | None = None) -> TargetWorker:
     """Mixed steps (new requests every 4th step: one prompt past the largest bucket, one
     short; random trees of 1-17 nodes for the others; random accepted paths committed; one
-    request leaving every 5th step) on an eager worker and one of ``runner``: the same ids,
-    logits within ``atol``. Returns the ``runner`` worker (its stats say which path ran)."""
+    request leaving every 5th step) on an eager worker and one of ``runner`` (with a verify
+    bucket of ``tree_size`` rows if given): the same ids, logits within ``atol``. Returns the
+    ``runner`` worker (its stats say which path ran)."""
     eager, other = workers(ckpt, "eager", device), workers(ckpt, runner, device)
+    if tree_size is not None:  # a verify bucket of exactly that many rows, as an engine adds
+        for stage in other.stages:
+            stage.runner.tree_size(tree_size)
     g = torch.Generator().manual_seed(3)
     lengths: dict[str, int] = {}
     for step in range(steps):

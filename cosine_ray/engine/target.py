@@ -188,8 +188,9 @@ class StageWorker:
         verify tree is the draft budget plus its root), captured now so no step pays for one; a
         failure is logged and leaves capture to first use. Returns the graphs captured (0 unless
         the runner replays graphs)."""
+        self.runner.tree_size(step.num_speculative_tokens + 1)
         keys = startup_keys(step.max_batch_size, step.num_speculative_tokens + 1, step.max_model_len,
-                            self.cache.block_size, prefills=True)
+                            self.cache.block_size, prefills=True, new_tokens=self.runner.new_tokens)
         try:
             return self.runner.capture(self.cache, keys)
         except Exception as exc:  # noqa: BLE001 - capture on first use still works

@@ -48,6 +48,9 @@ from cosine_ray.models.llama import LlamaStage, StageBatch
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GRAPH_NEW_TOKENS = (1, 2, 4, 8, 16, 32)
+"""Query rows of a verify bucket; a runner adds its engine's whole tree (``tree_size``: γ_max
++ 1, 9 by default), so full trees are not padded to the next power of two (8 × 16 rows for
+8 × 9 real ones)."""
 PREFILL_NEW_TOKENS = (64, 128, 256, 512)
 """Query rows of a prefill bucket: causal chains only (no dense ancestor bits), logits of each
 request row's last token only. A step with prompts past ``GRAPH_NEW_TOKENS`` runs them
@@ -75,7 +78,7 @@ def _slots_bucket(value: int, block_size: int) -> int | None:
 
 
 def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block_size: int, *,
-                 prefills: bool = False) -> list[tuple[int, int, int]]:
+                 prefills: bool = False, new_tokens: tuple[int, ...] = GRAPH_NEW_TOKENS) -> list[tuple[int, int, int]]:
     """Buckets worth capturing at start: batch sizes up to ``max_batch_size``'s bucket, query
     rows up to ``max_new_tokens``'s (a verify tree: the draft budget + its root), contexts up to
     ``min(max_slots, STARTUP_MAX_SLOTS)``; with ``prefills`` also the prefill buckets of those
@@ -83,10 +86,10 @@ def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block
     first, so smaller graphs reuse the memory of the largest. Anything else is captured the
     first time a step needs it."""
     b_max = _bucket(min(max_batch_size, GRAPH_BATCH_SIZES[-1]), GRAPH_BATCH_SIZES)
-    n_max = _bucket(min(max_new_tokens, GRAPH_NEW_TOKENS[-1]), GRAPH_NEW_TOKENS)
+    n_max = _bucket(min(max_new_tokens, new_tokens[-1]), new_tokens)
     slots_max = _slots_bucket(min(max_slots, STARTUP_MAX_SLOTS), block_size)
     batches = [b for b in GRAPH_BATCH_SIZES if b <= b_max]
-    news = [n for n in GRAPH_NEW_TOKENS if n <= n_max]
+    news = [n for n in new_tokens if n <= n_max]
     slots = []
     size = _slots_bucket(1, block_size)
     while size <= slots_max:
@@ -138,12 +141,20 @@ class StepRunner:
         self._gpu_busy_ms = 0.0
         self.stats = {"eager": 0, "static": 0, "graph": 0, "captures": 0}
         """Steps run each way and graphs captured (benchmarks and tests read them)."""
+        self.new_tokens = GRAPH_NEW_TOKENS
+        """Query-row sizes of the verify buckets (``tree_size`` adds one)."""
 
     # ---- the decision -------------------------------------------------------------------------
+    def tree_size(self, num_tokens: int) -> None:
+        """Add a verify bucket of ``num_tokens`` query rows (the engine's whole tree, γ_max + 1)."""
+        if 1 <= num_tokens <= GRAPH_NEW_TOKENS[-1]:
+            self.new_tokens = tuple(sorted(set(self.new_tokens) | {num_tokens}))
+
     def _key(self, batch: StageBatch, cache: KVCache,
-             news: tuple[int, ...] = GRAPH_NEW_TOKENS) -> tuple[int, int, int] | None:
+             news: tuple[int, ...] | None = None) -> tuple[int, int, int] | None:
         if self.mode == "eager" or batch.extend:
             return None
+        news = self.new_tokens if news is None else news
         b = _bucket(len(batch.request_ids), GRAPH_BATCH_SIZES)
         n = _bucket(max(batch.num_new_tokens), news)
         if b is None or n is None or (n > GRAPH_NEW_TOKENS[-1] and b * n > MAX_PREFILL_ROWS):
@@ -170,7 +181,7 @@ class StepRunner:
         total = int(offsets[-1])
         logits = np.arange(total) if batch.logit_indices is None else batch.logit_indices.numpy()
         parts = []
-        for members, news in ((others, GRAPH_NEW_TOKENS), (prompts, PREFILL_NEW_TOKENS)):
+        for members, news in ((others, self.new_tokens), (prompts, PREFILL_NEW_TOKENS)):
             if not members:
                 continue
             token_rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])

@@ -46,7 +46,9 @@ def test_fp32_on_cuda_equals_hf_greedy(tiny_checkpoint, prompts, drafters, num_l
     engine = make_engine(tiny_checkpoint, drafters, num_lanes=num_lanes)
     assert engine.target.stages[0].stage.device.type == "cuda"
     at_start = engine.target.stages[0].runner.stats["captures"]
-    assert at_start == 4 * 5 * 3, at_start  # batches 1-8 × trees 1-16 rows × contexts 256-1024, at start
+    # at start: batches 1-8 × trees of 1, 2, 4, 8, 9 rows (γ_max + 1) × contexts 256-1024, and the
+    # prefill buckets of batches 1-8 × 64-512 rows within those contexts and 2,048 rows (42)
+    assert at_start == 4 * 5 * 3 + 42, at_start
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == want
     stats = engine.target.stages[0].runner.stats
@@ -54,7 +56,7 @@ def test_fp32_on_cuda_equals_hf_greedy(tiny_checkpoint, prompts, drafters, num_l
 
 
 def test_graph_runner_equals_eager_on_cuda(tiny_checkpoint):
-    graph = compare_runners(tiny_checkpoint, "graph", "cuda", atol=1e-4)
+    graph = compare_runners(tiny_checkpoint, "graph", "cuda", atol=1e-4, tree_size=9)
     stats = [s.runner.stats for s in graph.stages]
     assert all(s["graph"] == 10 + 2 * 4 and s["eager"] == 0 and s["captures"] >= 3 for s in stats), stats
 

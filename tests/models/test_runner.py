@@ -29,6 +29,36 @@ def test_static_path_equals_eager_over_mixed_steps(tiny_checkpoint):
     assert all(b > 16 for b in grown), grown  # the CPU pool grew under the static path
 
 
+def test_a_verify_bucket_of_the_engines_whole_tree_equals_eager(tiny_checkpoint):
+    """``StepRunner.tree_size(9)`` (γ_max 8 + the root, what an engine adds at start): a step
+    whose largest tree has 9 nodes takes a 9-row bucket instead of 16, with the eager forward's
+    logits; the mixed steps of ``compare_runners`` still match with the extra bucket."""
+    from cosine_ray.engine.config import StepConfig as Step
+    from cosine_ray.engine.scoring import KVCommit, ScoreItem
+    from cosine_ray.models.runner import startup_keys
+    from runner_steps import random_tree, workers
+
+    compare_runners(tiny_checkpoint, "static", tree_size=9)
+    eager, static = workers(tiny_checkpoint, "eager"), workers(tiny_checkpoint, "static")
+    for stage in static.stages:
+        stage.runner.tree_size(9)
+        assert stage.runner.new_tokens == (1, 2, 4, 8, 9, 16, 32)
+    g = torch.Generator().manual_seed(9)
+    prompts = {"a": torch.randint(0, 256, (12,), generator=g).tolist(), "b": torch.randint(0, 256, (7,), generator=g).tolist()}
+    for w in (eager, static):
+        w.score([ScoreItem.prefill(rid, p) for rid, p in prompts.items()])
+        w.commit([KVCommit(rid, tuple(range(len(p)))) for rid, p in prompts.items()])
+    trees = {"a": random_tree(9, g), "b": random_tree(3, g)}
+    items = [ScoreItem.for_tree(rid, t, len(prompts[rid]), None, ids_only=False) for rid, t in trees.items()]
+    want, got = eager.score(items), static.score(items)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for stage in static.stages:
+        assert (2, 9, 256) in stage.runner._buckets, list(stage.runner._buckets)
+    keys = startup_keys(8, Step().num_speculative_tokens + 1, 8192, 16, new_tokens=static.stages[0].runner.new_tokens)
+    assert {n for _, n, _ in keys} == {1, 2, 4, 8, 9} and len(keys) == 4 * 5 * 3
+
+
 def test_buckets():
     assert _slots_bucket(1, 16) == 256 and _slots_bucket(257, 16) == 512
     assert _slots_bucket(10**6, 16) is None
