@@ -5,7 +5,7 @@
 # 1. the CUDA tests (tests/engine/test_gpu.py: graphs = eager, prompts in prefill buckets, fp32 =
 #    HF greedy, bf16, startup capture);
 # 2. the bar at c = 8: the 16 conversations, no drafters / full CoSine / fixed γ, 3 rounds
-#    each in a shuffled order (plain decoding's own speed swings ±20 % between runs on a GPU
+#    each in a shuffled order (plain decoding ran at 947 and 1,244 tok/s in two runs of the same code on an H200
 #    host, so one pair of runs says little), fp32 then bf16; each priced run prints how the
 #    price cut its trees (results[].price), the JSON's summary holds the medians and min-max;
 # 3. one request end to end, fp32 and bf16, against HF greedy (the 5× bar);
