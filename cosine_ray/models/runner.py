@@ -65,6 +65,11 @@ STARTUP_MAX_SLOTS = 1024
 first use."""
 
 
+def _is_prefill(num_rows: int) -> bool:
+    """Whether a bucket of this many query rows is a prefill bucket (causal chains, no ancestor bits)."""
+    return num_rows > GRAPH_NEW_TOKENS[-1]
+
+
 def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
     return next((s for s in sizes if s >= value), None)
 
@@ -99,7 +104,7 @@ def startup_keys(max_batch_size: int, max_new_tokens: int, max_slots: int, block
     if prefills:  # prompts: every prefill bucket a prompt of at most max_slots tokens can reach
         smallest = dict(zip(PREFILL_NEW_TOKENS, (GRAPH_NEW_TOKENS[-1] + 1,) + tuple(n + 1 for n in PREFILL_NEW_TOKENS)))
         keys += [(b, n, s) for b in batches for n in PREFILL_NEW_TOKENS for s in slots
-                 if smallest[n] <= min(max_slots, s) and n <= s and b * n <= MAX_PREFILL_ROWS]
+                 if smallest[n] <= max_slots and n <= s and b * n <= MAX_PREFILL_ROWS]
     return sorted(keys, key=lambda k: (k[0] * k[1], k[2], k[0]), reverse=True)  # most rows first
 
 
@@ -157,7 +162,7 @@ class StepRunner:
         news = self.new_tokens if news is None else news
         b = _bucket(len(batch.request_ids), GRAPH_BATCH_SIZES)
         n = _bucket(max(batch.num_new_tokens), news)
-        if b is None or n is None or (n > GRAPH_NEW_TOKENS[-1] and b * n > MAX_PREFILL_ROWS):
+        if b is None or n is None or (_is_prefill(n) and b * n > MAX_PREFILL_ROWS):
             return None
         longest = max(cache.committed_length(rid) for rid in batch.request_ids) + n
         slots = _slots_bucket(longest, cache.block_size)
@@ -172,11 +177,10 @@ class StepRunner:
         if self.mode == "eager" or batch.extend:
             return None
         counts = batch.num_new_tokens
-        limit = GRAPH_NEW_TOKENS[-1]
-        prompts = [i for i, k in enumerate(counts) if k > limit]
+        prompts = [i for i, k in enumerate(counts) if _is_prefill(k)]
         if not prompts or any(batch.tree_masks[i] is not None for i in prompts):
             return None
-        others = [i for i, k in enumerate(counts) if k <= limit]
+        others = [i for i, k in enumerate(counts) if not _is_prefill(k)]
         offsets = np.concatenate([[0], np.cumsum(counts)])
         total = int(offsets[-1])
         logits = np.arange(total) if batch.logit_indices is None else batch.logit_indices.numpy()
@@ -204,7 +208,6 @@ class StepRunner:
         split = self._prefill_split(batch, cache) if key is None else None
         if split is not None:
             out, begin = self._forward_split(split, hidden, cache)  # times its parts itself
-            self._fold(wait=False)
         elif key is None:
             self.stats["eager"] += 1
             begin = self._mark()
@@ -213,7 +216,7 @@ class StepRunner:
             out, begin = self._forward_bucket(key, batch, cache, hidden)
         if begin is not None:
             self._timed.append((begin, self._mark()))
-            self._fold(wait=False)
+        self._fold(wait=False)
         return out
 
     def _mark(self) -> "torch.cuda.Event | None":
@@ -249,7 +252,7 @@ class StepRunner:
         packed = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         parts = packed.split(sizes)
         tokens, positions, start, count, tables, ancestors, rows, scratch = parts
-        chains = n > GRAPH_NEW_TOKENS[-1]
+        chains = _is_prefill(n)
         inputs = PaddedInputs(tokens, positions, start, count, tables.view(b, -1),
                               None if chains else ancestors.view(b, n, n), scratch.view(()),
                               rows[b * n:b * n + b] if chains and self.stage.is_last else None)
@@ -262,7 +265,7 @@ class StepRunner:
     @staticmethod
     def _sizes(key: tuple[int, int, int], block_size: int) -> list[int]:
         b, n, slots = key
-        ancestors = 0 if n > GRAPH_NEW_TOKENS[-1] else b * n * n  # a prefill bucket: causal chains
+        ancestors = 0 if _is_prefill(n) else b * n * n  # a prefill bucket: causal chains
         return [b * n, b * n, b, b, b * slots // block_size, ancestors, 2 * b * n, 1]
 
     def _host_buffer(self, size: int) -> torch.Tensor:
@@ -293,7 +296,7 @@ class StepRunner:
         host = host_t.numpy()
         tokens, positions, start, count, tables, ancestors, rows, scratch_slot = np.split(host, np.cumsum(sizes)[:-1])
         tables = tables.reshape(b, -1)
-        chains = n > GRAPH_NEW_TOKENS[-1]
+        chains = _is_prefill(n)
         tokens[:] = 0
         positions[:] = 0
         start[:] = 0
