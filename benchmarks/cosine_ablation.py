@@ -55,7 +55,6 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "LP off (first come)": (DEFAULT_DRAFTERS, {"scheduler": "fcfs"}),
     "adaptive off (fixed γ)": (DEFAULT_DRAFTERS, {"adaptive": False}),
     "drain price off": (DEFAULT_DRAFTERS, {"drain_pricing": False}),
-    "price alone": (DEFAULT_DRAFTERS, {"verify_confident": False}),
 }
 OFF = "speculation off"
 FULL = "CoSine (full)"

@@ -42,14 +42,7 @@ class StepConfig:
     """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
     min_tree_confidence: float = 0.25
     """With ``scheduler="fcfs"`` (LP off): draft nodes whose cumulative confidence (product
-    along their path) is below this are not verified. With the LP and ``verify_confident``,
-    the nodes at or above it are verified whatever the price."""
-    verify_confident: bool = True
-    """With the LP: a draft node whose cumulative calibrated confidence is at least
-    ``min_tree_confidence`` is verified whatever the price; the price adds the nodes below it
-    that pay (long shots where a node is cheap: one request on a CPU, any batch on a GPU). The
-    guard's level 0 still drafts nothing. False: the price alone decides γ_i, and a request no
-    node of which could pay is not drafted at all (docs/algorithms.md, "TreeSelection")."""
+    along their path) is below this are not verified. The LP decides γ_i itself."""
     routing: str = "expertise"
     """expertise (CoSine eq. 1-3) | random (ablation: routing off, k drafters at random)."""
     fusion: str = "confidence"

@@ -97,9 +97,8 @@ class EngineCore:
         self.scheduler = BatchScheduler(config, self.pool, LpBatchPolicy() if is_lp else FirstComeBatchPolicy(),
                                         costs, gains, kv_bytes_per_token=kv_bytes_per_token,
                                         priced=is_lp and adaptive, guard=guard, clock=clock,
-                                        # nothing to skip where PEARL drafts while the target verifies, or
-                                        # where the confident nodes are verified whatever the price
-                                        skip_unpaying=config.pearl == "off" and not config.verify_confident,
+                                        # PEARL drafts ahead while the target verifies: not host time to save
+                                        skip_unpaying=config.pearl == "off",
                                         twins=Twins(clock=clock) if config.twins and self.drafters
                                         and config.num_speculative_tokens > 0 else None)
         participation = None
@@ -114,8 +113,7 @@ class EngineCore:
                                   is_live=self.pool.is_live) if config.fusion == "confidence" else
                     PathDrafting(clients, vocab_size=vocab_size, deadline_s=config.drafter_deadline_s))
         selection = (FixedSelection() if not adaptive else
-                     PricedSelection(keep=config.min_tree_confidence if config.verify_confident else 0.0)
-                     if is_lp else ConfidenceCutSelection(config.min_tree_confidence))
+                     PricedSelection() if is_lp else ConfidenceCutSelection(config.min_tree_confidence))
         self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=config.total_gamma_max)
         self.verifier = Verifier(self.target, is_live=self.pool.is_live, clock=clock)
         self.learner = Learner(speculator=self.speculator, routing=self.routing, costs=costs, gains=gains,

@@ -160,18 +160,13 @@ class PricedSelection:
     With it, the floor of 0.25 gained nothing at c=8 and cost at c=1, where long shots pay
     (docs/measurements.md)."""
 
-    def __init__(self, cut: float = FUSION_MIN_CUMULATIVE, keep: float = 0.0) -> None:
+    def __init__(self, cut: float = FUSION_MIN_CUMULATIVE) -> None:
         self.cut = cut
-        self.keep = keep
-        """Nodes whose cumulative calibrated confidence is at least this are verified whatever
-        the price (``StepConfig.verify_confident``; 0 = the price alone)."""
 
     def gammas(self, batch: StepBatch, trees: Sequence[tuple[Request, SelectedTree, tuple[float, ...]]]) -> list[int]:
         weights = [batch.weights.get(request.request_id, 1.0) for request, _, _ in trees] if batch.weights else None
         gammas = batch.price.gammas_for([(request.num_tokens, gains) for request, _, gains in trees], weights)
         for k, (request, full, _) in enumerate(trees):
-            if self.keep > 0.0:  # the confident nodes are the top ones: γ_i covers them
-                gammas[k] = max(gammas[k], sum(a >= self.keep for a in full.node_acceptance()))
             if gammas[k] == 0 and batch.num_steps.get(request.request_id, 0) % PROBE_EVERY == 0:
                 gammas[k] = min(1, full.tree.num_draft_tokens)  # probe: keep measuring the drafters
         return gammas

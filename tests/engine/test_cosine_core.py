@@ -476,12 +476,10 @@ def drafted_per_step(router, drafter):
 def test_a_request_the_drain_rules_out_is_drafted_only_to_probe():
     """While the pool drains, a request far ahead of the last one is worth next to nothing:
     no draft node of it could pay, so it is not drafted at all (its budget is 0 before the
-    drafters are asked) except on its probe steps. Output stays the target's greedy text.
-    (With the price alone: ``verify_confident`` verifies confident nodes at any price, so it
-    drafts every request.)"""
+    drafters are asked) except on its probe steps. Output stays the target's greedy text."""
     target = TableTarget()
     oracle = OracleDrafter("oracle", target, max_len=2)  # slow enough to reach probe steps
-    router = make(target, [oracle], drafters_per_request=1, verify_confident=False)
+    router = make(target, [oracle], drafters_per_request=1)
     steps = drafted_per_step(router, oracle)
     prompts, lengths = prompts_for(0, 3), (6, 200, 30)
     for i, (p, n) in enumerate(zip(prompts, lengths)):
@@ -511,7 +509,7 @@ def test_the_price_tally_counts_what_the_scheduler_and_selection_decided():
     had), and the nodes drafted and verified (Σ γ_i, the ``scheduler_gamma`` histogram's sum)."""
     target = TableTarget()
     oracle = OracleDrafter("oracle", target, max_len=2)
-    router = make(target, [oracle], drafters_per_request=1, verify_confident=False)
+    router = make(target, [oracle], drafters_per_request=1)
     steps = drafted_per_step(router, oracle)
     prompts, lengths = prompts_for(0, 3), (6, 200, 30)
     for i, (p, n) in enumerate(zip(prompts, lengths)):
@@ -538,14 +536,13 @@ def test_the_price_tally_counts_what_the_scheduler_and_selection_decided():
 
 def test_where_the_price_rules_every_node_out_only_probe_steps_draft(monkeypatch):
     """No drain: where even a certain node could not pay (here: ``node_can_pay`` says so),
-    the request is drafted only on its probe steps, so calibration keeps measuring (with the
-    price alone, as above)."""
+    the request is drafted only on its probe steps, so calibration keeps measuring."""
     from cosine_ray.algo.tree_selection import TreePrice
 
     monkeypatch.setattr(TreePrice, "node_can_pay", lambda self, context_len, weight=1.0: False)
     target = TableTarget()
     oracle = OracleDrafter("oracle", target, max_len=1)
-    router = make(target, [oracle], drafters_per_request=1, verify_confident=False)
+    router = make(target, [oracle], drafters_per_request=1)
     steps = drafted_per_step(router, oracle)
     prompt = prompts_for(0, 1)[0]
     router.add_request("r0", prompt, SamplingParams(max_tokens=40))
@@ -680,9 +677,7 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
             return await super().score(items)
 
     target = FiveMsTarget()
-    # the price alone: its trees vary in size, so the refit can tell c0 from c_tok (the oracle's
-    # confident nodes, verified at any price, fill every tree alike: c0 stays 60 ms)
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1, verify_confident=False)
+    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
     guard = SpeculationGuard(decay=1.0, explore_share=0.0, young_explore_share=0.0, seed=0)
     router.scheduler.guard = router.learner.guard = guard  # one level, every step weighs the same
     observed, observe_level = [], router.learner._observe_level
@@ -701,7 +696,7 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
     assert guard.goodput(guard.start, 3) == pytest.approx(reference, rel=0.25)
 
 
-def _select_one(cut: float, *, twin: bool, keep: float = 0.0, lam: float = 1.0) -> int:
+def _select_one(cut: float, *, twin: bool) -> int:
     """γ the priced selection gives one request whose drafted chain has cumulative calibrated
     confidences 0.9, 0.54, 0.32, 0.19, 0.11, at a price under which every node pays."""
     from cosine_ray.algo.calibration import ConfidenceCalibrator
@@ -715,9 +710,9 @@ def _select_one(cut: float, *, twin: bool, keep: float = 0.0, lam: float = 1.0) 
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=64))
     r.output_token_ids = [4]
     tokens, confs = (5, 6, 7, 8, 9), (0.9, 0.6, 0.6, 0.6, 0.6)
-    batch = StepBatch([r], {"a": 5}, TreePrice(lam=lam, batch_size=1, c_tok=1e-6, c_attn=0.0), {"a": 1},
+    batch = StepBatch([r], {"a": 5}, TreePrice(lam=1.0, batch_size=1, c_tok=1e-6, c_attn=0.0), {"a": 1},
                       twins={"a": tokens} if twin else {})
-    spec = Speculator(None, PricedSelection(cut, keep), ConfidenceCalibrator(), total_gamma_max=64)
+    spec = Speculator(None, PricedSelection(cut), ConfidenceCalibrator(), total_gamma_max=64)
     drafted = {} if twin else {"a": Drafted([FusedPath(tokens, confs, ("ngram",) * 5)])}
     if twin:  # a twin's chain: calibrated as the "twin" drafter, whatever calibration says of it
         spec.calibration = lambda domain: (lambda drafter, c, depth=1, is_trunk=True: 0.5)
@@ -730,19 +725,6 @@ def test_the_price_picks_only_among_nodes_above_the_floor_and_a_twin_has_no_floo
     assert _select_one(0.6, twin=False) == 1
     assert _select_one(0.25, twin=True) == 5  # 0.5, 0.25, 0.125, ...: verified whole
     assert make(TableTarget(), []).speculator.selection.cut == 0.02  # the LP's floor
-
-
-def test_confident_nodes_are_verified_whatever_the_price_and_the_price_adds_the_rest():
-    """``verify_confident`` (the default): nodes at or above ``min_tree_confidence`` (0.9, 0.54,
-    0.32 of 0.9, 0.54, 0.32, 0.19, 0.11) are verified even where no node pays; where every node
-    pays the price takes the rest too. Off: the price alone (nothing where nothing pays)."""
-    assert _select_one(0.02, twin=False, keep=0.25, lam=0.0) == 3
-    assert _select_one(0.02, twin=False, keep=0.25, lam=1.0) == 5
-    assert _select_one(0.02, twin=False, keep=0.0, lam=0.0) == 0
-    assert _select_one(0.02, twin=False, keep=0.6, lam=0.0) == 1
-    on, off = make(TableTarget(), []), make(TableTarget(), [], verify_confident=False)
-    assert on.speculator.selection.keep == 0.25 and not on.scheduler.skip_unpaying
-    assert off.speculator.selection.keep == 0.0 and off.scheduler.skip_unpaying
 
 
 def test_nodes_are_priced_at_the_slope_their_batch_size_measures_once_it_has_one():
