@@ -48,6 +48,10 @@ class _Hosted:
         """Bytes this process's C heap has handed out and not had back (MiB; None off glibc)."""
         return memory.malloc_in_use_mib()
 
+    def held_mib(self) -> dict[str, float]:
+        """This process's resident memory between two calls, after a heap trim (``memory.held_mib``)."""
+        return memory.held_mib()
+
 
 class StageHost(_Hosted, StageWorker):
     """The stage worker, hosted: every method is ``StageWorker``'s."""

@@ -63,6 +63,28 @@ def release_free_heap() -> bool:
     return trim is not None and bool(trim(0))
 
 
+def resident_mib(pid: int | str = "self") -> dict[str, float]:
+    """Resident memory of a process in MiB, from ``/proc/PID/status``: ``VmRSS`` in all,
+    ``RssAnon`` its private memory, ``RssShmem`` the shared pages it touched (Linux only)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssShmem"):
+                out[key] = int(line.split()[1]) / 1024
+    if len(out) != 3:
+        raise ValueError(f"no RSS figures for process {pid}")
+    return out
+
+
+def held_mib() -> dict[str, float]:
+    """``resident_mib`` of this process right after ``release_free_heap``: what it holds, without
+    the free pages glibc keeps until the next trim. Called between two of an actor's calls
+    (its step buffers freed), it reads what a leak would raise and not the phase of a step."""
+    release_free_heap()
+    return resident_mib()
+
+
 def start_heap_trimmer(interval_s: float = TRIM_INTERVAL_S) -> threading.Thread | None:
     """A daemon thread that calls ``release_free_heap`` every ``interval_s`` seconds."""
     if _glibc("malloc_trim") is None:

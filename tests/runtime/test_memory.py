@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 HOLES_SCRIPT = r"""
 import ctypes, json
-from cosine_ray.runtime.memory import malloc_in_use_bytes, release_free_heap
+from cosine_ray.runtime.memory import held_mib, malloc_in_use_bytes, resident_mib
 
 def rss_anon_kib():
     for line in open("/proc/self/status"):
@@ -37,10 +37,12 @@ for ptr in holes:
     libc.free(ptr)
 in_use_after_free = malloc_in_use_bytes() - before
 returned_by_free = touched - rss_anon_kib()
-release_free_heap()
+untrimmed = resident_mib()
+held = held_mib()  # trims, then reads
 returned_by_trim = touched - rss_anon_kib()
 print(json.dumps(dict(allocated=allocated, in_use_after_free=in_use_after_free,
-                      returned_by_free=returned_by_free, returned_by_trim=returned_by_trim)))
+                      returned_by_free=returned_by_free, returned_by_trim=returned_by_trim,
+                      untrimmed=untrimmed, held=held, vm_rss_kib=int(open("/proc/self/statm").read().split()[1]) * 4)))
 """
 
 
@@ -55,6 +57,12 @@ def test_in_use_follows_allocations_and_trim_returns_freed_pages():
     assert m["in_use_after_free"] < 2 * 2**20
     assert m["returned_by_free"] < 4096, "premise: free() kept the holes' pages"
     assert m["returned_by_trim"] > 16_000, "malloc_trim gave back most of the 31 MiB of holes"
+    # the soak test's two readings: from outside, the kept holes count; held_mib reads after a trim
+    untrimmed, held = m["untrimmed"], m["held"]
+    assert set(untrimmed) == set(held) == {"VmRSS", "RssAnon", "RssShmem"}
+    assert 0 < held["RssAnon"] <= held["VmRSS"]
+    assert untrimmed["RssAnon"] - held["RssAnon"] > 15, "held_mib read before the trim"
+    assert abs(held["VmRSS"] - m["vm_rss_kib"] / 1024) < 2
 
 
 def test_trimmer_thread_runs_in_the_background():
