@@ -592,9 +592,9 @@ def test_soak_sixteen_clients(server, request):
     their RSS (``held_mib``), so a sample falls between two of their forwards and holds no
     pages glibc merely kept since its last trim. Read from outside, the last stage's private
     RSS jumped by ±10 MiB from one 30-s sample to the next (244.3, 254.8, 255.7, 244.9, 251.3)
-    while its C heap in use stayed at 162.9 -> 162.7 MiB, and every change was in the main
-    arena's ``[heap]`` mapping (/proc/PID/smaps), not in thread arenas or other mappings;
-    most likely freed step buffers (its logits are the largest) caught before the 5-s trimmer
+    while its C heap in use stayed at 162.9 -> 162.7 MiB; in another run, probed through
+    /proc/PID/smaps, every change of the stages' private memory was in the main arena's
+    ``[heap]`` mapping, none in thread arenas or other mappings. Most likely freed step buffers (its logits are the largest) caught before the 5-s trimmer
     ran. Those jumps fitted 2.67 and 5.04 MiB/min in two of three runs of unchanged code. Memory a leak holds is not trimmed and still shows;
     both series are printed."""
     duration = float(request.config.getoption("--soak-seconds"))
