@@ -17,9 +17,7 @@ import ctypes, json
 from cosine_ray.runtime.memory import held_mib, malloc_in_use_bytes, resident_mib
 
 def rss_anon_kib():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
+    return resident_mib()["RssAnon"] * 1024
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

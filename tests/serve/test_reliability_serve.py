@@ -534,17 +534,23 @@ def slope_mib_per_min(samples: list[tuple[float, float]]) -> float:
     return float((tc * (ys - ys.mean())).sum() / (tc * tc).sum()) * 60.0
 
 
+async def ask_actors(actors: dict[str, Any], method: str) -> dict[str, Any]:
+    """Each actor's answer to ``method`` (no arguments), all asked at once (name -> actor handle);
+    actors that answer None are left out."""
+    calls = (getattr(a, method).remote() for a in actors.values())
+    values = await asyncio.wait_for(asyncio.gather(*calls), 30)
+    return {n: v for n, v in zip(actors, values) if v is not None}
+
+
 async def actors_held(actors: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Each actor's resident memory right after a heap trim, between two of its calls
-    (``runtime.memory.held_mib``; name -> actor handle)."""
-    values = await asyncio.wait_for(asyncio.gather(*(a.held_mib.remote() for a in actors.values())), 30)
-    return dict(zip(actors, values))
+    (``runtime.memory.held_mib``)."""
+    return await ask_actors(actors, "held_mib")
 
 
 async def actors_heap_in_use(actors: dict[str, Any]) -> dict[str, float]:
-    """Each actor's C heap in use (MiB), asked of the actors themselves (name -> actor handle)."""
-    values = await asyncio.wait_for(asyncio.gather(*(a.malloc_in_use_mib.remote() for a in actors.values())), 30)
-    return {n: v for n, v in zip(actors, values) if v is not None}
+    """Each actor's C heap in use (MiB), asked of the actors themselves (None off glibc: left out)."""
+    return await ask_actors(actors, "malloc_in_use_mib")
 
 
 def http_counts(url: str) -> dict[tuple[str, str], float]:
@@ -594,9 +600,10 @@ def test_soak_sixteen_clients(server, request):
     RSS jumped by ±10 MiB from one 30-s sample to the next (244.3, 254.8, 255.7, 244.9, 251.3)
     while its C heap in use stayed at 162.9 -> 162.7 MiB; in another run, probed through
     /proc/PID/smaps, every change of the stages' private memory was in the main arena's
-    ``[heap]`` mapping, none in thread arenas or other mappings. Most likely freed step buffers (its logits are the largest) caught before the 5-s trimmer
-    ran. Those jumps fitted 2.67 and 5.04 MiB/min in two of three runs of unchanged code. Memory a leak holds is not trimmed and still shows;
-    both series are printed."""
+    ``[heap]`` mapping, none in thread arenas or other mappings. Most likely freed step
+    buffers (its logits are the largest) caught before the 5-s trimmer ran. Those jumps fitted
+    2.67 and 5.04 MiB/min in two of three runs of unchanged code. Memory a leak holds is not
+    trimmed and still shows; both series are printed."""
     duration = float(request.config.getoption("--soak-seconds"))
     warmup = min(240.0, duration / 2)
     bound = RSS_SLOPE_BOUND_MIB_PER_MIN if duration < 600 else 1.0
@@ -651,7 +658,7 @@ def test_soak_sixteen_clients(server, request):
              f"{pts[-1][1]['RssShmem']:.0f}); slope after {warmup:.0f} s warm-up: private {slopes[name]:+.2f} MiB/min, "
              f"all {total:+.2f} ({len(post)} samples); private every 30 s: "
              + " ".join(f"{m['RssAnon']:.1f}" for t, m in pts[::6])
-             + (f"; read from outside, untrimmed: " + " ".join(f"{m:.1f}" for m in raw[name][::6]) if raw.get(name) else ""))
+             + ("; read from outside, untrimmed: " + " ".join(f"{m:.1f}" for m in raw[name][::6]) if raw.get(name) else ""))
     for name, at_warm in memory["actors_warm"].items():
         note(f"  {name}: C heap in use {at_warm:.1f} MiB under load after warm-up -> {actors_idle[name]:.1f} idle")
     warm, idle = memory["warm"], memory["idle"]
