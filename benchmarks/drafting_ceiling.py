@@ -40,6 +40,9 @@ Routes (``DRAFTERS/ROUTE`` in ``--policies``; domain experts are the drafters na
 - ``random1`` / ``random2``: 1 or 2 experts drawn per step (CoSine's ``routing=random``);
 - ``own+random1``: the own expert and one other drawn per step (a perfect router at k = 2).
 
+The output JSON holds the decoded turns too: ``--turns FILE`` replays them again (other policies,
+budgets) without decoding.
+
     python benchmarks/drafting_ceiling.py [--workload mixed] [--prompts-per-domain 12]
         [--warmup-per-domain 8] [--max-tokens 64] [--budget 8] [--threads 2] [--out FILE]
 """
@@ -262,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="';'-separated DRAFTERS/ROUTE")
     p.add_argument("--threads", type=int, default=2, help="torch threads for decoding and the profile")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", default=None,
+                   help="replay the turns an earlier run wrote to its --out file instead of decoding "
+                        "(the workload flags then come from that file)")
     p.add_argument("--out", default="bench-results/drafting_ceiling.json")
     args = p.parse_args(argv)
 
@@ -292,21 +298,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cosine_ray.models.loader import resolve_checkpoint
 
     torch.set_num_threads(args.threads)
-    ns = argparse.Namespace(workload=args.workload, prompt_dir=str(DEFAULT_PROMPT_DIR), seed=args.seed,
-                            prompts_per_domain=args.prompts_per_domain, warmup_per_domain=args.warmup_per_domain,
-                            max_tokens=args.max_tokens)
-    try:
-        warm_items, measured_items = build_conversations(ns)
-    except CliError as exc:
-        return fail(str(exc))
     checkpoint = resolve_checkpoint("smollm2-135m")
-    tokenizer = checkpoint.load_tokenizer()
-    started = time.perf_counter()
-    warm = decode_turns(warm_items, checkpoint, tokenizer, args.max_tokens) if warm_items else []
-    measured = decode_turns(measured_items, checkpoint, tokenizer, args.max_tokens)
-    print(f"decoded {len(warm)} warm-up and {len(measured)} measured turns "
-          f"({sum(len(t.output) for t in measured)} measured tokens) in {time.perf_counter() - started:.0f} s",
-          flush=True)
+    if args.turns:
+        try:
+            earlier = json.loads(Path(args.turns).read_text())
+            warm, measured = ([Turn(t["domain"], tuple(t["prompt"]), tuple(t["output"])) for t in earlier["turns"][k]]
+                              for k in ("warm", "measured"))
+            for key in ("workload", "prompts_per_domain", "warmup_per_domain", "max_tokens", "seed"):
+                setattr(args, key, earlier["args"][key])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return fail(f"--turns: {args.turns} is not a drafting_ceiling output ({str(exc).splitlines()[0]})")
+        print(f"replaying {len(warm)} warm-up and {len(measured)} measured turns from {args.turns}", flush=True)
+    else:
+        ns = argparse.Namespace(workload=args.workload, prompt_dir=str(DEFAULT_PROMPT_DIR), seed=args.seed,
+                                prompts_per_domain=args.prompts_per_domain,
+                                warmup_per_domain=args.warmup_per_domain, max_tokens=args.max_tokens)
+        try:
+            warm_items, measured_items = build_conversations(ns)
+        except CliError as exc:
+            return fail(str(exc))
+        tokenizer = checkpoint.load_tokenizer()
+        started = time.perf_counter()
+        warm = decode_turns(warm_items, checkpoint, tokenizer, args.max_tokens) if warm_items else []
+        measured = decode_turns(measured_items, checkpoint, tokenizer, args.max_tokens)
+        print(f"decoded {len(warm)} warm-up and {len(measured)} measured turns ({sum(len(t.output) for t in measured)}"
+              f" measured tokens) in {time.perf_counter() - started:.0f} s", flush=True)
     config = config_from_dict({"model": checkpoint.name, "drafters": "none", "num_threads": args.threads})
     latency = load_or_profile(config, quick=True)
     print(f"latency model: {latency.c_tok * 1e3:.2f} ms a new token, one request at 200 tokens of context: "
@@ -346,7 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "benchmarks/drafting_ceiling.py", "args": vars(args),
                                "measured_turns": len(measured), "warmup_turns": len(warm),
-                               "latency_model": latency.to_dict(), "results": rows}, indent=2))
+                               "latency_model": latency.to_dict(), "results": rows,
+                               "turns": {k: [{"domain": t.domain, "prompt": t.prompt, "output": t.output}
+                                             for t in turns] for k, turns in (("warm", warm), ("measured", measured))}},
+                              indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -149,6 +149,7 @@ def test_routes_choose_the_experts_they_name():
     (["--budget", "0"], "drafting_ceiling: --prompts-per-domain, --budget and --threads must be >= 1"),
     (["--max-tokens", "1"], "drafting_ceiling: --prompts-per-domain, --budget and --threads must be >= 1, "
                             "--max-tokens >= 2"),
+    (["--turns", "/nonexistent.json"], "drafting_ceiling: --turns: /nonexistent.json is not a drafting_ceiling output"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
@@ -175,3 +176,12 @@ def test_the_script_replays_the_real_model_outputs(tmp_path):
         if key[2] == 4:
             assert row["nodes_per_step"] <= 4
     assert "| suffix/all |" in proc.stdout and "projected ÷ suffix" in proc.stdout
+
+    again = subprocess.run([sys.executable, str(SCRIPT), "--turns", str(out), "--tree-budgets", "4",
+                            "--policies", "suffix/all", "--out", str(tmp_path / "again.json")],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "replaying 4 warm-up and 4 measured turns" in again.stdout and "decoded" not in again.stdout
+    (row,) = json.loads((tmp_path / "again.json").read_text())["results"]
+    assert {k: row[k] for k in ("tokens", "steps", "nodes_per_step")} == \
+        {k: rows["suffix", "all", 4][k] for k in ("tokens", "steps", "nodes_per_step")}
