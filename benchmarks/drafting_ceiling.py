@@ -95,11 +95,10 @@ class Replay:
     """Predicted time of plain decoding, one step per token."""
 
     def figures(self) -> dict[str, float]:
-        out = {"steps": self.steps, "tokens": self.tokens,
-               "tokens_per_step": self.tokens / self.steps if self.steps else 0.0,
-               "nodes_per_step": self.nodes / self.steps if self.steps else 0.0,
-               "oracle_nodes_per_step": self.oracle_nodes / self.steps if self.steps else 0.0,
-               "draft_ms_per_step": 1e3 * self.draft_seconds / self.steps if self.steps else 0.0}
+        per_step = 1 / self.steps if self.steps else 0.0
+        out = {"steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens * per_step,
+               "nodes_per_step": self.nodes * per_step, "oracle_nodes_per_step": self.oracle_nodes * per_step,
+               "draft_ms_per_step": 1e3 * self.draft_seconds * per_step}
         if self.plain_seconds:
             out["projected_speedup"] = self.plain_seconds / (self.verify_seconds + self.draft_seconds)
             out["oracle_speedup"] = self.plain_seconds / (self.oracle_seconds + self.draft_seconds)
@@ -175,8 +174,9 @@ def replay(warm: Sequence[Turn], measured: Sequence[Turn], drafters: Mapping[str
                         value[node] = max(value.get(node, 0.0), cumulative)
             trie = set(value)
             if tree_budget and len(trie) > tree_budget:
-                # the most confident nodes; a node never outranks its parent (ties: the shorter path)
-                ranked = sorted(trie, key=lambda n: (-min(value[n[:k]] for k in range(1, len(n) + 1)), len(n)))
+                # the most confident nodes. Confidences are at most 1, so no node's value exceeds its
+                # parent's, and with ties going to the shorter path the kept nodes stay a tree.
+                ranked = sorted(trie, key=lambda n: (-value[n], len(n)))
                 trie = set(ranked[:tree_budget])
             best = 0
             while best < len(truth) and truth[:best + 1] in trie:
@@ -218,15 +218,12 @@ def build_drafters(text: str, checkpoint: Checkpoint, config: Any) -> dict[str, 
             for s in parse_drafters(text)}
 
 
-def decode_turns(items: Sequence[Any], checkpoint: Checkpoint, tokenizer: Any, max_tokens: int) -> list[Turn]:
-    """Every turn of every conversation, decoded greedily by the engine with no drafters."""
+def decode_turns(engine: Any, items: Sequence[Any], tokenizer: Any, max_tokens: int) -> list[Turn]:
+    """Every turn of every conversation, decoded greedily by ``engine`` (a ``LocalEngine`` with no
+    drafters), 8 conversations at a time."""
     from cosine_ray.cli.bench import encode_messages
-    from cosine_ray.engine.config import config_from_dict
-    from cosine_ray.engine.local import LocalEngine
     from cosine_ray.engine.request import SamplingParams
 
-    engine = LocalEngine(config_from_dict({"model": checkpoint.name, "drafters": "none",
-                                           "step": {"max_batch_size": 8}}), checkpoint=checkpoint)
     params = SamplingParams(max_tokens=max_tokens)
 
     async def one(item) -> list[Turn]:
@@ -317,10 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             warm_items, measured_items = build_conversations(ns)
         except CliError as exc:
             return fail(str(exc))
+        from cosine_ray.engine.local import LocalEngine
         tokenizer = checkpoint.load_tokenizer()
         started = time.perf_counter()
-        warm = decode_turns(warm_items, checkpoint, tokenizer, args.max_tokens) if warm_items else []
-        measured = decode_turns(measured_items, checkpoint, tokenizer, args.max_tokens)
+        engine = LocalEngine(config_from_dict({"model": checkpoint.name, "drafters": "none",
+                                               "step": {"max_batch_size": 8}}), checkpoint=checkpoint)
+        warm = decode_turns(engine, warm_items, tokenizer, args.max_tokens) if warm_items else []
+        measured = decode_turns(engine, measured_items, tokenizer, args.max_tokens)
+        del engine
         print(f"decoded {len(warm)} warm-up and {len(measured)} measured turns ({sum(len(t.output) for t in measured)}"
               f" measured tokens) in {time.perf_counter() - started:.0f} s", flush=True)
     config = config_from_dict({"model": checkpoint.name, "drafters": "none", "num_threads": args.threads})
@@ -332,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for tree_budget in tree_budgets:
         for drafters_text, route in policies:
-            drafters = build_drafters(drafters_text, checkpoint, config) if drafters_text != "none" else {}
+            drafters = build_drafters(drafters_text, checkpoint, config)  # "none": no drafters
             figures = replay(warm, measured, drafters, route, budget=args.budget, tree_budget=tree_budget,
                              seed=args.seed, latency=latency).figures()
             rows.append({"drafters": drafters_text, "route": route, "tree_budget": tree_budget, **figures})
