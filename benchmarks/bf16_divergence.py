@@ -26,8 +26,8 @@ from cosine_ray.engine.build import build_target_stages
 from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.scoring import ScoreItem
-from cosine_ray.engine.target import TargetWorker
+from cosine_ray.engine.worker.scoring import ScoreItem
+from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models.device import require_device
 from cosine_ray.models.loader import resolve_checkpoint
 

@@ -10,7 +10,7 @@ PipeDec's case). Systems:
 - ``S=N lanes``: CoSine's trees, the stages working one after another on each tree;
 - ``S=N pipedec wW``: PipeDec's timestep loop with W nodes per tree layer (guard off);
 - ``S=N pipedec+guard wW``: the same with its mode guard (the default): it measures the
-  request in PipeDec and in lanes and keeps the faster (``engine.pipedec.ModeGuard``);
+  request in PipeDec and in lanes and keeps the faster (``engine.modes.pipedec.ModeGuard``);
 - ``S=N lanes [D]`` / ``S=N pearl on [D]`` / ``S=N pearl auto [D]`` for each ``--pearl-drafters``
   set D: lanes without and with PEARL (``step.pearl``: verify what was drafted ahead while
   drafting ahead of it; ``auto`` pre-verifies only while drafting is the slower), with
@@ -43,7 +43,7 @@ from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_con
 from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import DEFAULT_DRAFTERS, config_from_dict
 from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.drafting import LocalDrafterClient
+from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.local import encode_prompt
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams

@@ -72,7 +72,7 @@ def main() -> None:
 def real_stages(num_stages: int, iters: int) -> None:
     from cosine_ray.algo.tree import TokenTree
     from cosine_ray.engine.config import config_from_dict
-    from cosine_ray.engine.scoring import ScoreItem
+    from cosine_ray.engine.worker.scoring import ScoreItem
     from cosine_ray.runtime.actors import StageActor
     config = config_from_dict({"num_stages": num_stages})
     stages = [StageActor.options(num_cpus=0).remote(config, i) for i in range(num_stages)]

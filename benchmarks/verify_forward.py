@@ -137,8 +137,8 @@ def run_shapes(args) -> None:
     warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)  # still accepted
 
     from cosine_ray.algo.tree import TokenTree
-    from cosine_ray.engine.scoring import KVCommit, ScoreItem
-    from cosine_ray.engine.target import StageWorker
+    from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
+    from cosine_ray.engine.worker.target import StageWorker
     from cosine_ray.models.config import ModelConfig
     from cosine_ray.models.device import require_device
 

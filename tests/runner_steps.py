@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.engine.scoring import KVCommit, ScoreItem
-from cosine_ray.engine.target import TargetWorker
+from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
+from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
 

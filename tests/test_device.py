@@ -141,7 +141,7 @@ def test_kv_cache_memory_is_a_byte_count():
 def test_kv_budgets_per_stage(monkeypatch):
     from types import SimpleNamespace
 
-    from cosine_ray.engine.target import CUDA_KV_MEMORY_SHARE, kv_budgets
+    from cosine_ray.engine.worker.target import CUDA_KV_MEMORY_SHARE, kv_budgets
     cpu, gpu0, gpu1 = (SimpleNamespace(device=torch.device(d)) for d in ("cpu", "cuda:0", "cuda:1"))
     assert kv_budgets([cpu, cpu], None) == [None, None]  # CPU: the pool grows as needed
     assert kv_budgets([cpu, gpu0], 10**6) == [10**6, 10**6]

@@ -16,7 +16,7 @@ yields on this machine:
   which the large ones then paid for. A new bucket starts at κ = 1;
 - **operating goodput** G (``operating_goodput``): the bucket's current level's goodput, at
   least 1. The scheduler divides λ by it, so a token is valued at the time per token where the
-  step runs (see ``engine.scheduler``); the levels then correct what the models still get wrong;
+  step runs (see ``engine.owners.scheduler``); the levels then correct what the models still get wrong;
 - **yield of a step**: committed tokens per request, divided by the step's wall time measured
   in *plain-decode steps of the same shape* (the cost model's prediction of a γ = 0 step for
   these requests and contexts). A step without speculation yields about 1; normalising by the
@@ -205,7 +205,7 @@ class SpeculationGuard:
     def operating_goodput(self, rows: int = 1) -> float:
         """Goodput of the current level of ``rows``' bucket, at least 1 (1 until it has
         ``min_steps`` steps): how many plain-decode steps' worth of tokens a step yields at the
-        operating point. The scheduler divides the LP's λ by it (see ``engine.scheduler``)."""
+        operating point. The scheduler divides the LP's λ by it (see ``engine.owners.scheduler``)."""
         bucket = self._buckets.get(bucket_of(rows))
         if bucket is None:
             return 1.0

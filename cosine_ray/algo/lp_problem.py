@@ -154,7 +154,7 @@ class Schedule:
     lam: float = math.nan
     """λ of eq. 8 this decision used (seconds per expected accepted token); TreeSelection
     prices the drafted trees with it, divided by the measured goodput and times the guard's
-    level (``engine.scheduler``, ``algo.tree_selection.TreePrice``)."""
+    level (``engine.owners.scheduler``, ``algo.tree_selection.TreePrice``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,11 +70,11 @@ class StepConfig:
     drain_pricing: bool = True
     """While the pool drains (nothing waits, fewer run than at the last admission), a token
     is worth what it shortens the drain: only the requests that will finish last draft at
-    the full price (``engine.scheduler``). False: every request at the full price always."""
+    the full price (``engine.owners.scheduler``). False: every request at the full price always."""
     twins: bool = True
     """Identical greedy requests in flight draft from each other: a follower takes the text
     its leader already wrote as its draft, and waits while the leader is less than a whole
-    tree ahead (``engine.twins``). Needs drafters and γ_max > 0. False: they run apart."""
+    tree ahead (``engine.modes.twins``). Needs drafters and γ_max > 0. False: they run apart."""
     drafter_deadline_s: float = 2.0
     """A drafter's answer later than this is dropped for the step."""
     max_model_len: int = 8192
@@ -89,7 +89,7 @@ class StepConfig:
     n while stage s+1 works on lane n-1. 1 for the in-process engine."""
     pipeline_mode: str = "lanes"
     """lanes: every step verifies whole speculation trees (micro-batches in lanes) | pipedec:
-    a request alone in the pool runs PipeDec's timestep loop instead (``engine.pipedec``:
+    a request alone in the pool runs PipeDec's timestep loop instead (``engine.modes.pipedec``:
     every stage works on another layer of one growing prediction tree; the request goes back
     to lanes when another request arrives)."""
     pipedec_width: int = 4
@@ -100,9 +100,9 @@ class StepConfig:
     timestep can use)."""
     pipedec_guard: bool = True
     """PipeDec: measure a request alone in PipeDec and in lanes and keep the faster mode,
-    probing the other now and then (``engine.pipedec.ModeGuard``); False: always PipeDec."""
+    probing the other now and then (``engine.modes.pipedec.ModeGuard``); False: always PipeDec."""
     pearl: str = "off"
-    """PEARL (``engine.pearl``): each step verifies the tree the previous step drafted ahead
+    """PEARL (``engine.modes.pearl``): each step verifies the tree the previous step drafted ahead
     while the drafters draft ahead of it (post-verify), so drafting and verification overlap.
     off | on: with nothing drafted ahead, a step verifies its root alone while the drafters
     draft (pre-verify, the paper's rule) | auto: it does so only while drafting measures at

@@ -14,7 +14,7 @@ Each part's wall time goes to ``cosine_ray:step_phase_seconds{phase}`` (``cosine
 prints it in ms per step): verify is the target's call, the rest is host work.
 
 With ``pipeline_mode="pipedec"`` a request alone in the pool runs PipeDec's timestep loop
-instead (``engine.pipedec``: one layer of a prediction tree per stage), while the mode guard
+instead (``engine.modes.pipedec``: one layer of a prediction tree per stage), while the mode guard
 measures it faster than lanes here; the step then is one timestep.
 
 The core never touches a model or an actor: the target and drafters are behind
@@ -35,21 +35,21 @@ from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.engine.config import StepConfig
-from cosine_ray.engine.drafting import DrafterClient, DraftingStats
-from cosine_ray.engine.economics import CostModel, GainModel
-from cosine_ray.engine.learner import Learner, PendingLearning
-from cosine_ray.engine.pearl import Pearl, trunk_tokens
-from cosine_ray.engine.pipedec import ModeGuard, PipeDec
-from cosine_ray.engine.pool import RequestPool, Verified
-from cosine_ray.engine.recovery import RecoveringTarget
+from cosine_ray.engine.owners.drafting import DrafterClient, DraftingStats
+from cosine_ray.engine.owners.economics import CostModel, GainModel
+from cosine_ray.engine.owners.learner import Learner, PendingLearning
+from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
+from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
+from cosine_ray.engine.owners.pool import RequestPool, Verified
+from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, RequestOutput, SamplingParams, needs_prefill
-from cosine_ray.engine.routing import DraftRouting
-from cosine_ray.engine.twins import Twins
-from cosine_ray.engine.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch
-from cosine_ray.engine.speculator import (ConfidenceCutSelection, Drafts, FixedSelection, FusedDrafting,
+from cosine_ray.engine.owners.routing import DraftRouting
+from cosine_ray.engine.modes.twins import Twins
+from cosine_ray.engine.owners.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch
+from cosine_ray.engine.owners.speculator import (ConfidenceCutSelection, Drafts, FixedSelection, FusedDrafting,
                                           PathDrafting, PricedSelection, Speculator)
-from cosine_ray.engine.target import TargetClient
-from cosine_ray.engine.verifier import VerifiedBatch, Verifier
+from cosine_ray.engine.worker.target import TargetClient
+from cosine_ray.engine.owners.verifier import VerifiedBatch, Verifier
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
 
@@ -198,7 +198,7 @@ class EngineCore:
             self._hold(batch, -1)
 
     async def _pearl_draft_verify(self, batch: StepBatch, routes) -> tuple[Drafts, VerifiedBatch]:
-        """PEARL (``engine.pearl``): verify the trees the previous step drafted ahead (or just
+        """PEARL (``engine.modes.pearl``): verify the trees the previous step drafted ahead (or just
         the roots: pre-verify) while the drafters draft ahead of them, from committed + trunk."""
         stats = DraftingStats()
         drafted = self.pearl.take(batch.decodes)

@@ -12,10 +12,10 @@ from cosine_ray.engine.components import EMBEDDING_KEY, cosine_components
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.drafting import LocalDrafterClient
+from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.target import LocalTargetClient, TargetWorker
+from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 
 

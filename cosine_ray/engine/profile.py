@@ -43,8 +43,8 @@ from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
-from cosine_ray.engine.scoring import ScoreItem
-from cosine_ray.engine.target import TargetWorker
+from cosine_ray.engine.worker.scoring import ScoreItem
+from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models.loader import cache_root, resolve_checkpoint
 from cosine_ray.models.device import synchronize
 from cosine_ray.models.llama import projection_kernel

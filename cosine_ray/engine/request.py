@@ -62,7 +62,7 @@ class RequestStats:
     domain: str = "other"
     """The request's domain (``Request.domain``), copied here by the engine loop for clients."""
     pipedec_timesteps: int = 0
-    """Timesteps this request ran in PipeDec mode (``engine.pipedec``)."""
+    """Timesteps this request ran in PipeDec mode (``engine.modes.pipedec``)."""
     pipedec_tokens: int = 0
     """Tokens committed by those timesteps (one per timestep once the root reaches the last stage)."""
     pipedec_hits: int = 0

@@ -34,7 +34,7 @@ Derived figures (PromQL):
   rate(X_count[1m])`` (mean γ from ``scheduler_gamma``, mean Γ from ``scheduler_total_gamma``).
 
 Who records what: the engine's exporter (``metrics/exporter.py``, fed one ``StepStats`` per
-step by ``engine/learner.py``) the speculation, routing, fusion and scheduler series; the
+step by ``engine/owners/learner.py``) the speculation, routing, fusion and scheduler series; the
 engine loop (``engine/loop.py``) the serving series; the HTTP edge ``http_requests``; the
 engine deployment at scrape time ``stage_*_seconds`` (read from the stage
 workers), ``drafter_restarts`` (from the actor slots) and the running/waiting gauges. One

@@ -1,6 +1,6 @@
 """What one engine step did, as plain counters (vLLM's ``SpecDecodingStats`` idea).
 
-The learner (``engine/learner.py``) builds one ``StepStats`` per step; calibration, routing,
+The learner (``engine/owners/learner.py``) builds one ``StepStats`` per step; calibration, routing,
 drafter feedback and the metrics exporter (``metrics/exporter.py``) all read the same object,
 so every figure is counted once. Nothing here knows a metric name.
 """

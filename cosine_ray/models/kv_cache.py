@@ -20,7 +20,7 @@ accepted path, in depth order) onto the end of their committed levels with one g
 over all layers, and drops the rest (PipeDec §3.4's two-level cache). ``rollback(n)`` drops the
 last n committed tokens. Keys are stored after RoPE, so moving a slot never changes it.
 
-PipeDec (``engine.pipedec``) grows the speculative level a tree layer at a time instead:
+PipeDec (``engine.modes.pipedec``) grows the speculative level a tree layer at a time instead:
 ``extend(n)`` appends n slots after the ones already there, and ``keep(slots, num_committed)``
 prunes the level to ``slots`` of which the first ``num_committed`` join the committed level.
 

@@ -1,6 +1,6 @@
 """Ray actors: plain engine workers, decorated late (no logic here beyond hosting).
 
-* ``StageActor``: one layer slice of the target + its KV cache (``engine.target.StageWorker``).
+* ``StageActor``: one layer slice of the target + its KV cache (``engine.worker.target.StageWorker``).
 * ``DrafterActor``: one drafter with its per-request state (``engine.drafters.worker.DrafterWorker``).
 * The engine itself (request pool and step loop) is a Ray Serve deployment
   (``runtime.engine_server.EngineServer``, deployed by ``serve.app.build_app``).
@@ -21,7 +21,7 @@ import torch
 from cosine_ray.engine.build import build_stage, make_drafter_worker
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.target import StageWorker, kv_budgets
+from cosine_ray.engine.worker.target import StageWorker, kv_budgets
 from cosine_ray.runtime import memory
 
 

@@ -17,8 +17,8 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.scoring import KVCommit, LayerItem, ScoreItem, split_output
-from cosine_ray.engine.target import TargetUnavailable
+from cosine_ray.engine.worker.scoring import KVCommit, LayerItem, ScoreItem, split_output
+from cosine_ray.engine.worker.target import TargetUnavailable
 from cosine_ray.runtime.cluster import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class RayTargetClient:
                 slot.respawn_if_dead(exc)
             raise TargetUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}") from exc
 
-    # ---- PipeDec (engine.target.PipelineTarget) ----------------------------------------------
+    # ---- PipeDec (engine.worker.target.PipelineTarget) ----------------------------------------------
     @property
     def num_stages(self) -> int:
         return len(self.slots)

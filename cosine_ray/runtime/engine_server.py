@@ -29,7 +29,7 @@ from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_con
 from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import EngineConfig, config_from_dict
 from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.drafting import LocalDrafterClient
+from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint

@@ -36,7 +36,7 @@ import torch
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.scoring import KVCommit, LayerItem, ScoreItem
+from cosine_ray.engine.worker.scoring import KVCommit, LayerItem, ScoreItem
 from cosine_ray.sim.clock import Link, Resource
 from cosine_ray.sim.latency import DrafterCost, TargetCost
 
@@ -180,7 +180,7 @@ class SimTarget:
             out[i, oracle.token(rid, position) if on_path[i] else oracle.other(rid, position, i)] = 1.0
         return out
 
-    # ---- PipeDec (engine.target.PipelineTarget) -----------------------------------------------
+    # ---- PipeDec (engine.worker.target.PipelineTarget) -----------------------------------------------
     @property
     def num_stages(self) -> int:
         return len(self.stages)

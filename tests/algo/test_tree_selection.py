@@ -9,7 +9,7 @@ import pytest
 from cosine_ray.algo.adaptive import expected_gains
 from cosine_ray.algo.tree_selection import TreePrice, build_tree
 from cosine_ray.engine.drafters.base import DraftProposal
-from cosine_ray.engine.drafting import proposals_to_paths
+from cosine_ray.engine.owners.drafting import proposals_to_paths
 
 
 def merge_proposals(root_token_id, proposals, budget, *, min_confidence=0.0):
@@ -174,7 +174,7 @@ def weighted_objective(price, requests, gammas, weights):
 
 @pytest.mark.parametrize("weights", [(1.0, 0.0, 1.0), (0.3, 1.0, 0.05), (1.0, 1.0, 1.0)])
 def test_weighted_tokens_reach_the_brute_force_optimum_and_weight_zero_drafts_nothing(weights):
-    """The drain price (``engine.scheduler``) weights each request's expected accepted tokens:
+    """The drain price (``engine.owners.scheduler``) weights each request's expected accepted tokens:
     the greedy allocation is still the joint optimum, a request worth nothing drafts nothing,
     and weights of one change nothing."""
     rng = random.Random(7)

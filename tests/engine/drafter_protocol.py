@@ -8,7 +8,7 @@ from typing import Sequence
 
 from cosine_ray.engine.drafters.base import ContinueQuery, DraftFeedback, DraftInput
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.drafting import is_valid_candidates, is_valid_chains, is_valid_proposal
+from cosine_ray.engine.owners.drafting import is_valid_candidates, is_valid_chains, is_valid_proposal
 
 
 def assert_speaks_drafter_protocol(drafter, contexts: Sequence[Sequence[int]], vocab_size: int) -> int:

@@ -20,8 +20,8 @@ from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.drafting import LocalDrafterClient
-from cosine_ray.engine.target import LocalTargetClient, TargetWorker
+from cosine_ray.engine.owners.drafting import LocalDrafterClient
+from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
 from fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafter, GarbageDrafter, HangingDrafter,  # noqa: E402

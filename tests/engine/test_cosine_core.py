@@ -18,7 +18,7 @@ from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.scheduler import PROBE_EVERY
+from cosine_ray.engine.owners.scheduler import PROBE_EVERY
 
 from fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
@@ -348,7 +348,7 @@ def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without
     and verify together, and the GPU idles)."""
     from cosine_ray.engine.drafters.ngram import NgramDrafter
     from cosine_ray.engine.drafters.worker import DrafterWorker
-    from cosine_ray.engine.drafting import LocalDrafterClient
+    from cosine_ray.engine.owners.drafting import LocalDrafterClient
     from cosine_ray.engine.loop import EngineLoop
 
     target = ExclusiveSlowTarget(0.0005)
@@ -702,10 +702,10 @@ def _select_one(cut: float, *, twin: bool) -> int:
     from cosine_ray.algo.calibration import ConfidenceCalibrator
     from cosine_ray.algo.fusion import FusedPath
     from cosine_ray.algo.tree_selection import TreePrice
-    from cosine_ray.engine.drafting import DraftingStats
+    from cosine_ray.engine.owners.drafting import DraftingStats
     from cosine_ray.engine.request import Request
-    from cosine_ray.engine.scheduler import StepBatch
-    from cosine_ray.engine.speculator import Drafted, PricedSelection, Speculator
+    from cosine_ray.engine.owners.scheduler import StepBatch
+    from cosine_ray.engine.owners.speculator import Drafted, PricedSelection, Speculator
 
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=64))
     r.output_token_ids = [4]

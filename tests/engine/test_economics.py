@@ -1,4 +1,4 @@
-"""The cost model's measured token slope per batch-size bucket (``engine.economics``): what the
+"""The cost model's measured token slope per batch-size bucket (``engine.owners.economics``): what the
 scheduler prices a draft node's verify time at once a bucket has tree steps of several sizes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cosine_ray.engine.economics import SLOPE_CLAMP, SLOPE_MIN_WEIGHT, CostModel
+from cosine_ray.engine.owners.economics import SLOPE_CLAMP, SLOPE_MIN_WEIGHT, CostModel
 
 
 def feed(costs: CostModel, rows: int, slope_s: float, steps: int, *, spread: bool = True, trees: bool = True,

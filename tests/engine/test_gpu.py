@@ -89,8 +89,8 @@ def test_stage_actor_output_crosses_processes(tiny_checkpoint):
     import pickle
 
     from cosine_ray.algo.tree import TokenTree
-    from cosine_ray.engine.scoring import ScoreItem
-    from cosine_ray.engine.target import StageWorker
+    from cosine_ray.engine.worker.scoring import ScoreItem
+    from cosine_ray.engine.worker.target import StageWorker
     from cosine_ray.models.llama import LlamaStage
 
     stage = LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict(), device="cuda")

@@ -377,7 +377,7 @@ def test_real_learning_experts_learn_and_stay_lossless(real_checkpoint, hf_tops,
 
 @pytest.mark.real_model
 def test_real_twins_follow_their_leaders_and_equal_hf_greedy(real_engines, hf_tops, real_prompts):
-    """Each of 4 prompts sent twice at once (``engine.twins``): the second of each pair drafts
+    """Each of 4 prompts sent twice at once (``engine.modes.twins``): the second of each pair drafts
     from the first one's text; all 8 outputs are HF's greedy text."""
     engine = real_engines("ngram", 8)
     prompts = [p for p in real_prompts[::5] for _ in range(2)]
@@ -472,8 +472,8 @@ BF16_NEAR_TIE = 1.0
 @pytest.mark.parametrize("drafters", ["default", "ngram"])
 def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prompts, drafters):
     from cosine_ray.engine.build import build_target_stages
-    from cosine_ray.engine.scoring import ScoreItem
-    from cosine_ray.engine.target import TargetWorker
+    from cosine_ray.engine.worker.scoring import ScoreItem
+    from cosine_ray.engine.worker.target import TargetWorker
 
     def engine(drafter_set):
         return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set),

@@ -1,4 +1,4 @@
-"""PEARL (``step.pearl``, ``engine.pearl``): drafting ahead while the target verifies.
+"""PEARL (``step.pearl``, ``engine.modes.pearl``): drafting ahead while the target verifies.
 
 The bookkeeping (the trunk a step drafts ahead of, the drafts kept below the target's token)
 and losslessness through the in-process engine for S = 1, 2, 3 stages: token-identical to HF
@@ -20,10 +20,10 @@ from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.algo.tree_selection import build_tree
 from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
-from cosine_ray.engine.pearl import Pearl, after_token, trunk_tokens
-from cosine_ray.engine.pool import Verified
+from cosine_ray.engine.modes.pearl import Pearl, after_token, trunk_tokens
+from cosine_ray.engine.owners.pool import Verified
 from cosine_ray.engine.request import Request, SamplingParams
-from cosine_ray.engine.speculator import Drafted
+from cosine_ray.engine.owners.speculator import Drafted
 from hf_reference import hf_greedy
 
 MAX_TOKENS = 30

@@ -1,4 +1,4 @@
-"""PipeDec mode (``--pipeline-mode pipedec``, ``engine.pipedec``): the prediction tree's
+"""PipeDec mode (``--pipeline-mode pipedec``, ``engine.modes.pipedec``): the prediction tree's
 bookkeeping, and losslessness through the in-process engine for S = 1, 2, 3 stages.
 
 Tiny random model (no near-ties: exact comparison with HF greedy) for every drafter path: the
@@ -19,7 +19,7 @@ import torch
 
 from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
-from cosine_ray.engine.pipedec import ModeGuard, PipeDecSession
+from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDecSession
 from cosine_ray.engine.request import Request, SamplingParams
 from hf_reference import hf_greedy
 

@@ -11,8 +11,8 @@ import torch
 
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.build import build_target_stages
-from cosine_ray.engine.scoring import KVCommit, ScoreItem, ScoreOutput
-from cosine_ray.engine.target import TargetWorker
+from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem, ScoreOutput
+from cosine_ray.engine.worker.target import TargetWorker
 
 
 def tree(tokens, parents):
@@ -88,9 +88,9 @@ def test_local_client_steps_other_lanes_while_the_gpu_verifies():
     CUDA's: not ready twice, then ready."""
     import asyncio
 
-    from cosine_ray.engine.scoring import ScoreOutput
+    from cosine_ray.engine.worker.scoring import ScoreOutput
 
-    from cosine_ray.engine.target import LocalTargetClient, PendingScore
+    from cosine_ray.engine.worker.target import LocalTargetClient, PendingScore
 
     class FakeEvent:
         def __init__(self):

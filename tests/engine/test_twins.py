@@ -1,4 +1,4 @@
-"""Twins (``engine.twins``): identical greedy requests in flight. The follower waits for its
+"""Twins (``engine.modes.twins``): identical greedy requests in flight. The follower waits for its
 leader and drafts from its text; outputs stay the target's greedy text.
 
 Fakes only (tests/engine/fakes.py): a lookup-table target and a drafter that is always wrong,
@@ -13,7 +13,7 @@ import pytest
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.request import Request, SamplingParams
-from cosine_ray.engine.twins import TWIN, Twins
+from cosine_ray.engine.modes.twins import TWIN, Twins
 
 from fakes import VOCAB, AdversarialDrafter, TableTarget, drain  # noqa: E402
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from cosine_ray.engine.scoring import ScoreItem
+from cosine_ray.engine.worker.scoring import ScoreItem
 
-from cosine_ray.engine.target import StageWorker
+from cosine_ray.engine.worker.target import StageWorker
 from cosine_ray.metrics.registry import MetricsRegistry
 from cosine_ray.metrics.serving import RequestTimeline
 

@@ -34,7 +34,7 @@ def test_a_verify_bucket_of_the_engines_whole_tree_equals_eager(tiny_checkpoint)
     whose largest tree has 9 nodes takes a 9-row bucket instead of 16, with the eager forward's
     logits; the mixed steps of ``compare_runners`` still match with the extra bucket."""
     from cosine_ray.engine.config import StepConfig as Step
-    from cosine_ray.engine.scoring import KVCommit, ScoreItem
+    from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
     from cosine_ray.models.runner import startup_keys
     from runner_steps import random_tree, workers
 

@@ -1,6 +1,6 @@
 """One drafter with its per-request state, as a plain worker.
 
-The in-process engine wraps it in ``engine.drafting.LocalDrafterClient``; the Ray runtime
+The in-process engine wraps it in ``engine.owners.drafting.LocalDrafterClient``; the Ray runtime
 makes it an actor (``runtime.actors.DrafterActor`` subclasses it) behind
 ``runtime.clients.RayDrafterClient``. Both therefore run exactly this code.
 """

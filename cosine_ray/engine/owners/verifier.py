@@ -1,7 +1,7 @@
 """Verification of one step: the whole batch through the target in one call, then acceptance.
 
 Prefills (a new request's prompt, or a restore after a lost stage) and token trees go through
-the stage chain as one varlen batch (``engine.target``). Acceptance is lossless
+the stage chain as one varlen batch (``engine.worker.target``). Acceptance is lossless
 (``algo.verify``): greedy requests take the longest tree path that matches the target's argmax
 plus the bonus token. Sampled requests draw each position's token by the Gumbel-max race with
 noise keyed by (request seed, position) (``algo.sampling.sample_keyed``), so verifying a tree is
@@ -21,12 +21,12 @@ import torch
 from cosine_ray.algo.sampling import logits_to_probs, sample_keyed
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_keyed
-from cosine_ray.engine.pool import Verified
-from cosine_ray.engine.recovery import RecoveringTarget
+from cosine_ray.engine.owners.pool import Verified
+from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, needs_prefill
-from cosine_ray.engine.scheduler import StepBatch
-from cosine_ray.engine.speculator import Drafts
-from cosine_ray.engine.scoring import KVCommit, ScoreItem
+from cosine_ray.engine.owners.scheduler import StepBatch
+from cosine_ray.engine.owners.speculator import Drafts
+from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from cosine_ray.algo.domains import DomainClassifier
 from cosine_ray.algo.routing import ExpertiseRouter, RoutingConfig
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.scheduler import StepBatch
+from cosine_ray.engine.owners.scheduler import StepBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,7 @@ class DraftRouting:
     # ---- eq. 3 ------------------------------------------------------------------------------
     def route(self, batch: StepBatch) -> dict[str, Route]:
         """Drafters for every decoding request with a draft budget (others draft nothing, and
-        a twin's follower drafts from its leader, ``engine.twins``)."""
+        a twin's follower drafts from its leader, ``engine.modes.twins``)."""
         if not self._has_drafters:
             return {}
         drafting = [r for r in batch.decodes if batch.budgets[r.request_id] > 0 and r.request_id not in batch.twins]

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from cosine_ray.engine.drafters.base import ContinueQuery
-from cosine_ray.engine.drafting import DrafterClient, call_drafters, is_valid_candidates
-from cosine_ray.engine.recovery import RecoveringTarget
+from cosine_ray.engine.owners.drafting import DrafterClient, call_drafters, is_valid_candidates
+from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.scoring import LayerItem
-from cosine_ray.engine.verifier import target_token
+from cosine_ray.engine.worker.scoring import LayerItem
+from cosine_ray.engine.owners.verifier import target_token
 
 
 @dataclass(slots=True)

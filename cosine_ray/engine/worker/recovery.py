@@ -19,9 +19,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from cosine_ray.engine.scoring import KVCommit, LayerItem, ScoreItem
+from cosine_ray.engine.worker.scoring import KVCommit, LayerItem, ScoreItem
 
-from cosine_ray.engine.target import TargetClient, TargetUnavailable
+from cosine_ray.engine.worker.target import TargetClient, TargetUnavailable
 
 
 class RecoveringTarget:
@@ -46,7 +46,7 @@ class RecoveringTarget:
         return logits if epoch == self.epoch else None
 
     async def timestep(self, items: Sequence[LayerItem | None]) -> tuple[bool, torch.Tensor | None]:
-        """A PipeDec timestep (``engine.target.PipelineTarget``): (False, None) when the KV was
+        """A PipeDec timestep (``engine.worker.target.PipelineTarget``): (False, None) when the KV was
         lost (recovered as for ``score``), else (True, the last stage's logits or None)."""
         epoch = self.epoch
         try:

@@ -75,10 +75,10 @@ from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.algo.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch
 from cosine_ray.algo.tree_selection import TreePrice
 from cosine_ray.engine.config import StepConfig
-from cosine_ray.engine.economics import CostModel, GainModel
-from cosine_ray.engine.pool import RequestPool
+from cosine_ray.engine.owners.economics import CostModel, GainModel
+from cosine_ray.engine.owners.pool import RequestPool
 from cosine_ray.engine.request import Request, needs_prefill
-from cosine_ray.engine.twins import Twins
+from cosine_ray.engine.modes.twins import Twins
 
 
 @dataclass(slots=True)
@@ -103,7 +103,7 @@ class StepBatch:
     """While the pool drains: what an accepted token of each decoding request is worth, in
     [0, 1] (``BatchScheduler._drain_weights``); empty otherwise (every request 1)."""
     twins: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Decoding requests that draft from an identical request ahead of them (``engine.twins``):
+    """Decoding requests that draft from an identical request ahead of them (``engine.modes.twins``):
     its tokens beyond theirs, at most their budget. Not routed to the drafters; verified whole."""
 
     @property
@@ -135,7 +135,7 @@ class PriceTally:
 
 PROBE_EVERY = 8
 """A request priced at γ = 0 still drafts and verifies one node every this many steps
-(``engine.speculator.PricedSelection``), so calibration keeps measuring its drafters and
+(``engine.owners.speculator.PricedSelection``), so calibration keeps measuring its drafters and
 speculation can come back."""
 
 DRAIN_SHARPNESS = 16.0

@@ -78,7 +78,7 @@ class CostModel:
         """Seconds one more new token adds to a tree step of ``rows`` requests, as this bucket's
         recent tree steps measure it (their time less the fit's attention term, regressed on
         their new tokens); None until the bucket has enough steps of different sizes. The
-        scheduler prices draft nodes at it (``engine.scheduler``)."""
+        scheduler prices draft nodes at it (``engine.owners.scheduler``)."""
         sums = self._slopes.get(bucket_of(rows))
         slope = sums.slope() if sums is not None else None
         if slope is None:

@@ -27,7 +27,7 @@ acceptance, eq. 8) per segment, and segments chain while the drafters keep agree
 the target.
 
 Lossless: whatever tree a step verifies, acceptance is the same lossless rule
-(``engine.verifier``); PEARL only changes which tree that is and when it was drafted.
+(``engine.owners.verifier``); PEARL only changes which tree that is and when it was drafted.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Mapping, Sequence
 
 from cosine_ray.algo.fusion import FusedPath
 from cosine_ray.algo.tree_selection import SelectedTree
-from cosine_ray.engine.pool import Verified
+from cosine_ray.engine.owners.pool import Verified
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.speculator import Drafted
+from cosine_ray.engine.owners.speculator import Drafted
 
 
 def trunk_tokens(selected: SelectedTree) -> tuple[int, ...]:

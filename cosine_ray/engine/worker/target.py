@@ -5,7 +5,7 @@
 own actor and chains the hidden states). The router talks to it through ``TargetClient``.
 
 What a step sends and gets back (``ScoreItem``, ``ScoreOutput``, ``KVCommit``) is in
-``engine.scoring``.
+``engine.worker.scoring``.
 
 After verification the engine calls ``TargetClient.commit`` with each request's kept slots
 (root + accepted path, or the whole prefill chain). The in-process client applies it at once;
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from cosine_ray.engine.scoring import (KVCommit, LayerItem, ScoreItem, ScoreOutput, apply_commits,
+from cosine_ray.engine.worker.scoring import (KVCommit, LayerItem, ScoreItem, ScoreOutput, apply_commits,
                                        build_stage_batch, score_output, split_output)
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import StepRunner, startup_keys

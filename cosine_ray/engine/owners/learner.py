@@ -7,7 +7,7 @@ Per verified tree:
 - **routing** (eq. 1-2, ``algo.routing``): each routed drafter's per-depth answers are scored
   against what the target committed (bonus included), and folded into the request's M_r and
   its domain's prior; eq. 3's L_acc is the accepted draft count;
-- **gains** (``engine.economics.GainModel``): the full tree's calibrated curve predicts the
+- **gains** (``engine.owners.economics.GainModel``): the full tree's calibrated curve predicts the
   request's next step for the batch decision;
 - **drafter feedback**: per drafter, its drafted and accepted counts (``DraftFeedback``);
 - **request stats** (the ``cosine_ray`` block of a response) and the **metrics exporter**.
@@ -29,14 +29,14 @@ from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.algo.routing import routing_score, verification_accuracy
 from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.engine.drafters.base import DraftFeedback, FinishedText
-from cosine_ray.engine.drafting import DrafterClient
-from cosine_ray.engine.economics import CostModel, GainModel
+from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.owners.economics import CostModel, GainModel
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.routing import DraftRouting
-from cosine_ray.engine.scheduler import StepBatch
-from cosine_ray.engine.speculator import Drafts, DraftTree, Speculator
-from cosine_ray.engine.twins import TWIN
-from cosine_ray.engine.verifier import VerifiedBatch
+from cosine_ray.engine.owners.routing import DraftRouting
+from cosine_ray.engine.owners.scheduler import StepBatch
+from cosine_ray.engine.owners.speculator import Drafts, DraftTree, Speculator
+from cosine_ray.engine.modes.twins import TWIN
+from cosine_ray.engine.owners.verifier import VerifiedBatch
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.stats import RequestStepStats, StepStats
 

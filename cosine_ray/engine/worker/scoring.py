@@ -6,7 +6,7 @@ prompt chain at prefill, or a token tree's nodes afterwards — and, on the Ray 
 speculative slots of the previous step to keep (``commit_previous``). ``ScoreOutput`` is what
 the last stage sends back, ``KVCommit`` what the router keeps after verification, and
 ``LayerItem`` one PipeDec tree layer: plain data (picklable for Ray) and the pure functions
-on it. The workers that run the model are in ``engine.target``.
+on it. The workers that run the model are in ``engine.worker.target``.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class LayerItem:
-    """One PipeDec tree layer for one stage (``engine.pipedec``): the stage first prunes its
+    """One PipeDec tree layer for one stage (``engine.modes.pipedec``): the stage first prunes its
     speculative level (``keep``, of which the first ``num_committed`` become committed), then
     appends these nodes to it. Each node attends to the committed tokens, the speculative
     slots in its ``ancestors`` and itself."""

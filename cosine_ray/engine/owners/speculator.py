@@ -6,7 +6,7 @@ per decoding request whose nodes carry their owner and confidence. Two choices a
 once, at construction (the ablations are strategies, not branches in the hot path):
 
 - **drafting**: ``FusedDrafting`` (confidence fusion, eq. 4, round by round with chained
-  answers, ``engine.drafting.fuse_drafts``) or ``PathDrafting`` (each routed drafter's whole
+  answers, ``engine.owners.drafting.fuse_drafts``) or ``PathDrafting`` (each routed drafter's whole
   paths, merged: the union mode, and "fusion off" where routing gives one drafter);
 - **selection**: ``PricedSelection`` (the LP's price: a node is verified when its expected
   gain pays for its marginal verify time at this batch, ``algo.tree_selection.TreePrice``),
@@ -31,11 +31,11 @@ from cosine_ray.algo.lp_schedule import trim_gammas
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.tree_selection import SelectedTree, build_tree
 from cosine_ray.engine.drafters.base import DraftInput
-from cosine_ray.engine.drafting import DrafterClient, DraftingStats, fuse_drafts, gather_proposals, proposals_to_paths
+from cosine_ray.engine.owners.drafting import DrafterClient, DraftingStats, fuse_drafts, gather_proposals, proposals_to_paths
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.routing import Route
-from cosine_ray.engine.scheduler import PROBE_EVERY, StepBatch
-from cosine_ray.engine.twins import TWIN
+from cosine_ray.engine.owners.routing import Route
+from cosine_ray.engine.owners.scheduler import PROBE_EVERY, StepBatch
+from cosine_ray.engine.modes.twins import TWIN
 
 FUSION_MIN_CUMULATIVE = 0.02
 """With the LP's price, fusion stops growing a trunk (and drops branches) below this
@@ -217,7 +217,7 @@ class Speculator:
             node_levels(drafter, domain, depth, is_trunk), confidence)
 
     def _twin(self, request: Request, tokens: Sequence[int]) -> Drafted:
-        """A follower's draft: its leader's text as one trunk chain (``engine.twins``)."""
+        """A follower's draft: its leader's text as one trunk chain (``engine.modes.twins``)."""
         calibrate = self.calibration(request.domain)
         confidences = tuple(calibrate(TWIN, 1.0, depth) for depth in range(1, len(tokens) + 1))
         return Drafted([FusedPath(tuple(tokens), confidences, (TWIN,) * len(tokens), (1.0,) * len(tokens))])
