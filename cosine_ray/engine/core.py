@@ -35,21 +35,21 @@ from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.engine.config import StepConfig
-from cosine_ray.engine.owners.drafting import DrafterClient, DraftingStats
+from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.owners.economics import CostModel, GainModel
 from cosine_ray.engine.owners.learner import Learner, PendingLearning
 from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
-from cosine_ray.engine.owners.pool import RequestPool, Verified
+from cosine_ray.engine.owners.pool import RequestPool
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, RequestOutput, SamplingParams, needs_prefill
 from cosine_ray.engine.owners.routing import DraftRouting
 from cosine_ray.engine.modes.twins import Twins
-from cosine_ray.engine.owners.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy, StepBatch
-from cosine_ray.engine.owners.speculator import (ConfidenceCutSelection, Drafts, FixedSelection, FusedDrafting,
-                                          PathDrafting, PricedSelection, Speculator)
+from cosine_ray.engine.owners.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy
+from cosine_ray.engine.owners.speculator import ConfidenceCutSelection, FixedSelection, FusedDrafting, PathDrafting, PricedSelection, Speculator
 from cosine_ray.engine.worker.target import TargetClient
-from cosine_ray.engine.owners.verifier import VerifiedBatch, Verifier
+from cosine_ray.engine.owners.verifier import Verifier
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
 

@@ -702,10 +702,11 @@ def _select_one(cut: float, *, twin: bool) -> int:
     from cosine_ray.algo.calibration import ConfidenceCalibrator
     from cosine_ray.algo.fusion import FusedPath
     from cosine_ray.algo.tree_selection import TreePrice
-    from cosine_ray.engine.owners.drafting import DraftingStats
+    from cosine_ray.engine.types import DraftingStats
     from cosine_ray.engine.request import Request
-    from cosine_ray.engine.owners.scheduler import StepBatch
-    from cosine_ray.engine.owners.speculator import Drafted, PricedSelection, Speculator
+    from cosine_ray.engine.types import StepBatch
+    from cosine_ray.engine.owners.speculator import PricedSelection, Speculator
+    from cosine_ray.engine.types import Drafted
 
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=64))
     r.output_token_ids = [4]

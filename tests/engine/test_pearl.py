@@ -21,9 +21,8 @@ from cosine_ray.algo.tree_selection import build_tree
 from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pearl import Pearl, after_token, trunk_tokens
-from cosine_ray.engine.owners.pool import Verified
+from cosine_ray.engine.types import Drafted, Verified
 from cosine_ray.engine.request import Request, SamplingParams
-from cosine_ray.engine.owners.speculator import Drafted
 from hf_reference import hf_greedy
 
 MAX_TOKENS = 30

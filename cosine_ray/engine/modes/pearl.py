@@ -37,9 +37,8 @@ from typing import Mapping, Sequence
 
 from cosine_ray.algo.fusion import FusedPath
 from cosine_ray.algo.tree_selection import SelectedTree
-from cosine_ray.engine.owners.pool import Verified
+from cosine_ray.engine.types import Drafted, Verified
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.owners.speculator import Drafted
 
 
 def trunk_tokens(selected: SelectedTree) -> tuple[int, ...]:

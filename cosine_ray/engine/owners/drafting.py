@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
 from cosine_ray.engine.drafters.worker import DrafterWorker
+from cosine_ray.engine.types import DraftingStats
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +81,6 @@ class LocalDrafterClient:
 
     async def learn(self, texts: Sequence[FinishedText]) -> None:
         self.worker.learn(texts)
-
-
-@dataclass(slots=True)
-class DraftingStats:
-    """One step's drafting as it happened (the learner puts it into ``StepStats``)."""
-
-    failures: list[str] = field(default_factory=list)
-    """Drafter of each dropped call or malformed answer (error, deadline, garbage)."""
-    rounds: int = 0
-    """Fusion rounds (trunk positions decided)."""
-    calling_rounds: int = 0
-    """Rounds that waited for at least one drafter: the step's drafting latency in round trips."""
-    calls: int = 0
-    """Drafter calls made (one per drafter per round that needed it)."""
-    num_drafted_nodes: int = 0
-    """Draft nodes of the full trees, before TreeSelection cut them to γ_i."""
-    selection_s: float = 0.0
-    """Time TreeSelection took (part of the step's scheduling decision)."""
-
-    def failed(self, name: str) -> None:
-        self.failures.append(name)
 
 
 def is_valid_proposal(p: object, item: DraftInput, vocab_size: int) -> bool:

@@ -33,10 +33,9 @@ from cosine_ray.engine.owners.drafting import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel, GainModel
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.owners.routing import DraftRouting
-from cosine_ray.engine.owners.scheduler import StepBatch
-from cosine_ray.engine.owners.speculator import Drafts, DraftTree, Speculator
+from cosine_ray.engine.types import DraftTree, Drafts, StepBatch, VerifiedBatch
+from cosine_ray.engine.owners.speculator import Speculator
 from cosine_ray.engine.modes.twins import TWIN
-from cosine_ray.engine.owners.verifier import VerifiedBatch
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.stats import RequestStepStats, StepStats
 

@@ -15,29 +15,10 @@ release; the step frees their state on the target and the drafters (``take_relea
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Sequence
 
-from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    """What one verify step decided for one request."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    """Accepted draft tokens then the bonus token, or a prefill's first token."""
-    keep: tuple[int, ...]
-    """Slots of this step's new tokens whose KV is kept (root + accepted path, or the whole
-    prefill chain): the KV commit."""
-    result: VerifyResult | None = None
-    """The tree verification (None for a prefill)."""
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.result is None
+from cosine_ray.engine.types import Verified
 
 
 class RequestPool:

@@ -14,7 +14,6 @@ The ablations are chosen once here: ``routing="random"`` draws the k experts uni
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from cosine_ray.algo.adaptive import ParticipationController
@@ -22,20 +21,7 @@ from cosine_ray.algo.domains import DomainClassifier
 from cosine_ray.algo.routing import ExpertiseRouter, RoutingConfig
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.owners.scheduler import StepBatch
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    drafters: tuple[str, ...]
-    """Drafters of this request's step: the routed ones best-scoring first, then the shared ones."""
-    mode: str
-    """eq. 3's mode for the routed ones: explore | exploit | random."""
-    num_shared: int = 0
-    """How many of ``drafters`` (at the end) are shared drafters."""
-
-    def mode_of(self, drafter: str) -> str:
-        return "shared" if drafter in self.drafters[len(self.drafters) - self.num_shared:] else self.mode
+from cosine_ray.engine.types import Route, StepBatch
 
 
 class DraftRouting:

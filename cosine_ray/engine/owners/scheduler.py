@@ -68,7 +68,7 @@ uses the prediction; γ_i uses the real tree.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from cosine_ray.algo.guard import SpeculationGuard
@@ -79,44 +79,7 @@ from cosine_ray.engine.owners.economics import CostModel, GainModel
 from cosine_ray.engine.owners.pool import RequestPool
 from cosine_ray.engine.request import Request, needs_prefill
 from cosine_ray.engine.modes.twins import Twins
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """What one step runs (one lane's micro-batch)."""
-
-    requests: list[Request]
-    """Scheduled requests, running ones first, then the ones admitted now."""
-    budgets: dict[str, int] = field(default_factory=dict)
-    """Draft-token cap γ_i of each decoding request (0 = no drafting); prefills are absent."""
-    price: TreePrice | None = None
-    """The LP's price for TreeSelection; None for the fixed-cut and fixed-γ policies."""
-    num_steps: dict[str, int] = field(default_factory=dict)
-    """Steps each decoding request has been scheduled for, this one included."""
-    decision_s: float = 0.0
-    """Time this scheduling decision took (the LP solve included)."""
-    level: int | None = None
-    """The guard's speculation level this step runs at (``algo.guard``); None: no guard."""
-    started_at: float = 0.0
-    """Clock at the start of the decision (the step's wall time is measured from here)."""
-    weights: dict[str, float] = field(default_factory=dict)
-    """While the pool drains: what an accepted token of each decoding request is worth, in
-    [0, 1] (``BatchScheduler._drain_weights``); empty otherwise (every request 1)."""
-    twins: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Decoding requests that draft from an identical request ahead of them (``engine.modes.twins``):
-    its tokens beyond theirs, at most their budget. Not routed to the drafters; verified whole."""
-
-    @property
-    def prefills(self) -> list[Request]:
-        return [r for r in self.requests if r.request_id not in self.budgets]
-
-    @property
-    def decodes(self) -> list[Request]:
-        return [r for r in self.requests if r.request_id in self.budgets]
-
-    @classmethod
-    def make_empty(cls) -> "StepBatch":
-        return cls([])
+from cosine_ray.engine.types import StepBatch
 
 
 @dataclass(slots=True)

@@ -21,67 +21,24 @@ calibrated per drafter, domain, role and depth before fusion and selection
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from cosine_ray.algo.adaptive import expected_gains
 from cosine_ray.algo.calibration import ConfidenceCalibrator, TreeBias, node_levels
 from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
 from cosine_ray.algo.lp_schedule import trim_gammas
-from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.tree_selection import SelectedTree, build_tree
 from cosine_ray.engine.drafters.base import DraftInput
-from cosine_ray.engine.owners.drafting import DrafterClient, DraftingStats, fuse_drafts, gather_proposals, proposals_to_paths
+from cosine_ray.engine.owners.drafting import DrafterClient, fuse_drafts, gather_proposals, proposals_to_paths
+from cosine_ray.engine.types import Answers, DraftTree, Drafted, DraftingStats, Drafts, Route, StepBatch
 from cosine_ray.engine.request import Request
-from cosine_ray.engine.owners.routing import Route
-from cosine_ray.engine.owners.scheduler import PROBE_EVERY, StepBatch
+from cosine_ray.engine.owners.scheduler import PROBE_EVERY
 from cosine_ray.engine.modes.twins import TWIN
 
 FUSION_MIN_CUMULATIVE = 0.02
 """With the LP's price, fusion stops growing a trunk (and drops branches) below this
 cumulative confidence, and selection keeps no node below it: such nodes never pay for their
 verify slot on any hardware we have. Above it, the price decides (``PricedSelection``)."""
-
-Answers = dict[str, list[tuple[int | None, float]]]
-"""Per drafter, per depth: its token after the fused prefix and raw confidence (eq. 1-2)."""
-
-
-@dataclass(slots=True)
-class DraftTree:
-    """One request's speculation for this step."""
-
-    selected: SelectedTree
-    route: Route | None = None
-    answers: Answers = field(default_factory=dict)
-    trunk: tuple[int, ...] = ()
-    """The fused trunk's tokens (fusion mode), to count fusion picks."""
-    full_gains: tuple[float, ...] = (0.0,)
-    """Expected-gain curve of everything drafted, before γ_i cut it (predicts the next step)."""
-
-    @property
-    def tree(self) -> TokenTree:
-        return self.selected.tree
-
-
-@dataclass(slots=True)
-class Drafts:
-    """The step's trees (one per decoding request) and how drafting went."""
-
-    trees: dict[str, DraftTree]
-    stats: DraftingStats
-
-    @classmethod
-    def make_empty(cls) -> "Drafts":
-        return cls({}, DraftingStats())
-
-
-@dataclass(slots=True)
-class Drafted:
-    paths: list[FusedPath] = field(default_factory=list)
-    answers: Answers = field(default_factory=dict)
-    trunk: tuple[int, ...] = ()
-    route: Route | None = None
-    """The route that drafted it (the learner scores its drafters' answers, eq. 1-2)."""
 
 
 class DraftingStrategy(Protocol):

@@ -13,7 +13,7 @@ slots to keep (the commit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,31 +21,10 @@ import torch
 from cosine_ray.algo.sampling import logits_to_probs, sample_keyed
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_keyed
-from cosine_ray.engine.owners.pool import Verified
+from cosine_ray.engine.types import Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request, needs_prefill
-from cosine_ray.engine.owners.scheduler import StepBatch
-from cosine_ray.engine.owners.speculator import Drafts
-from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
-
-
-@dataclass(slots=True)
-class VerifiedBatch:
-    outcomes: list[Verified] = field(default_factory=list)
-    context_lens: tuple[int, ...] = ()
-    """Committed tokens of each scored item before this step (the latency model's l_i)."""
-    num_new_tokens: tuple[int, ...] = ()
-    """Tokens each scored item sent (n_i)."""
-    verify_s: float = 0.0
-    """Wall time of the target call."""
-    verifier_idle_fraction: float = 0.0
-    """Share of wall time since the last step that no score call was in flight (all lanes)."""
-    lost: bool = False
-    """The target lost this step's KV (a stage restarted): nothing was verified."""
-
-    @property
-    def commits(self) -> list[KVCommit]:
-        return [KVCommit(o.request_id, o.keep) for o in self.outcomes]
+from cosine_ray.engine.worker.scoring import ScoreItem
 
 
 @dataclass(slots=True)
