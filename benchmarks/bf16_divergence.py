@@ -23,7 +23,7 @@ import torch
 
 from cosine_ray.datasets import held_back_prompts
 from cosine_ray.engine.build import build_target_stages
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.worker.scoring import ScoreItem
@@ -55,8 +55,7 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens)
 
     def decode(drafters: str) -> list[list[int]]:
-        engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(drafters), device=args.device,
-                                          dtype=args.dtype, step=StepConfig(max_batch_size=max(8, args.concurrency))),
+        engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(drafters), device=args.device, dtype=args.dtype).replace(max_num_seqs=max(8, args.concurrency)),
                              checkpoint=checkpoint)
         out = []
         for i in range(0, len(prompts), args.concurrency):

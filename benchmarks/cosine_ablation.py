@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from cosine_ray.datasets import DOMAIN_FILES, default_prompt_dir, read_prompts
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
@@ -184,8 +184,7 @@ def main() -> None:
     meas_ids = [encode_prompt(tokenizer, p) for _, p in meas]
     domains = [d for d, _ in meas]
     params = SamplingParams(max_tokens=args.max_tokens)
-    engines = {name: LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(SYSTEMS[name][0]),
-                                              step=StepConfig(max_batch_size=16, **SYSTEMS[name][1])),
+    engines = {name: LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(SYSTEMS[name][0])).replace(max_num_seqs=16, **SYSTEMS[name][1]),
                                  checkpoint=checkpoint) for name in names}
     rng = random.Random(args.seed)
     results: dict[str, Any] = {}

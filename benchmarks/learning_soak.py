@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from cosine_ray.datasets import DOMAIN_FILES, default_prompt_dir, read_prompts
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
@@ -159,9 +159,8 @@ def main() -> None:
     texts = [row["prompt"] for name in DOMAIN_FILES.values() for row in read_prompts(Path(args.prompt_dir) / name)]
     random.Random(args.seed).shuffle(texts)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    engine = LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
-                                      suffix_index_tokens=args.index_tokens,
-                                      step=StepConfig(max_batch_size=args.concurrency)), checkpoint=checkpoint)
+    engine = LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(args.drafters)).replace(
+        suffix_index_tokens=args.index_tokens, max_num_seqs=args.concurrency), checkpoint=checkpoint)
     samples = asyncio.run(soak(engine, prompts, SamplingParams(max_tokens=args.max_tokens), args))
 
     names = sorted(samples[0]["indexes"])

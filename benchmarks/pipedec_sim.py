@@ -111,7 +111,7 @@ def load_sweep(base: Scenario, args: argparse.Namespace) -> list[dict]:
             sc.data["workload"] = {**sc.data["workload"], "num_requests": args.load_requests, "max_concurrency": None,
                                    "arrival": {"request_rate": rate, "burstiness": 1.0}}
             # under load the engine batches: up to 16 requests, one micro-batch lane per stage
-            sc.data["engine"]["step"].update(max_batch_size=16, num_lanes=num_stages)
+            sc.data["engine"]["step"].update(max_num_seqs=16, num_lanes=num_stages)
             out[mode] = simulate(sc).summary()
         tokens = out["PipeDec"]["output_tokens"]
         share = out["PipeDec"]["pipedec_timesteps"] * out["PipeDec"]["pipedec_tokens_per_timestep"] / tokens

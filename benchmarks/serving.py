@@ -21,7 +21,6 @@ from cosine_ray.datasets import default_prompt_dir, held_back_prompts
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.config import StepConfig
 
 DEFAULT_PROMPT_DIR = default_prompt_dir()
 
@@ -64,8 +63,7 @@ def main() -> None:
     prompts = [t for _, t in held_back_prompts(DEFAULT_PROMPT_DIR, args.prompts_per_domain, ValueError)]
     results: dict[str, dict[str, float]] = {}
 
-    engine = LocalEngine(EngineConfig(drafters=parse_drafters(args.drafters), num_threads=2,
-                                      step=StepConfig(max_batch_size=args.concurrency)))
+    engine = LocalEngine(EngineConfig(drafters=parse_drafters(args.drafters), num_threads=2).replace(max_num_seqs=args.concurrency))
     ids = [encode_prompt(engine.tokenizer, t) for t in prompts]
     engine.generate([ids[0]], SamplingParams(max_tokens=4))
     start = time.perf_counter()
@@ -87,7 +85,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{args.port}"
     for label, drafters in ((f"http, {args.drafters}", args.drafters), ("http, speculation off", "none")):
         serve.run(build_app({"drafters": drafters, "num_stages": args.stages,
-                             "step": {"num_lanes": args.stages, "max_batch_size": args.concurrency}}),
+                             "step": {"num_lanes": args.stages, "max_num_seqs": args.concurrency}}),
                   name="cosine_ray", route_prefix="/")
         results[label] = asyncio.run(_http_figures(base, prompts, args.max_tokens, args.concurrency,
                                                    single=True))

@@ -40,7 +40,7 @@ import torch
 
 from cosine_ray.cli.bench import encode_messages
 from cosine_ray.datasets import held_back_prompts
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, parse_drafters
 from cosine_ray.algo.latency_model import LinearFit
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.profile import load_or_profile, profile_path
@@ -327,7 +327,7 @@ def scenario_for(config: EngineConfig, profile: Path, calib: dict, requests: lis
     s = config.num_stages
     data = {
         "name": f"validation-s{s}-{'spec' if calib['skills'] else 'off'}-c{concurrency}",
-        "engine": {"step": {"max_batch_size": config.step.max_batch_size,
+        "engine": {"step": {"max_num_seqs": config.max_num_seqs,
                             "num_speculative_tokens": config.step.num_speculative_tokens}},
         "target": {"hidden_size": hidden, "vocab_size": vocab},
         "latency": {"cpu": {"profile": profile.name, "source": "cosine-ray profile on this machine"}},
@@ -389,8 +389,7 @@ def main(argv=None) -> int:
     calib_set = [(d, p) for d, ps in per_domain.items() for p in ps[n:]]
     results, calibrations = [], {}
     for s in stages:
-        configs = {"off": EngineConfig(drafters=parse_drafters("none"), num_stages=s, num_threads=args.threads,
-                                       step=StepConfig(num_speculative_tokens=0)),
+        configs = {"off": EngineConfig(drafters=parse_drafters("none"), num_stages=s, num_threads=args.threads).replace(num_speculative_tokens=0),
                    "on": EngineConfig(drafters=parse_drafters(DEFAULT_DRAFTERS), num_stages=s,
                                       num_threads=args.threads)}
         for mode, config in configs.items():

@@ -32,7 +32,7 @@ import cosine_ablation as ablation  # noqa: E402  (the workload and run helpers)
 
 from cosine_ray.algo.guard import LEVELS, SpeculationGuard  # noqa: E402
 from cosine_ray.datasets import default_prompt_dir  # noqa: E402
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, StepConfig, parse_drafters  # noqa: E402
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, parse_drafters  # noqa: E402
 from cosine_ray.engine.local import LocalEngine, encode_prompt  # noqa: E402
 from cosine_ray.engine.request import SamplingParams  # noqa: E402
 from cosine_ray.models.loader import resolve_checkpoint  # noqa: E402
@@ -65,8 +65,7 @@ class _RecordingGuard(SpeculationGuard):
 def held_engine(checkpoint, level: int, current: Callable[[], Run | None]) -> LocalEngine:
     """A full-CoSine engine whose guard stays at ``LEVELS[level]``; every step, and what the
     guard observes, recorded into ``current()`` (None: not recorded, as in warm-up)."""
-    engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(DEFAULT_DRAFTERS),
-                                      step=StepConfig(max_batch_size=16)), checkpoint=checkpoint)
+    engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(DEFAULT_DRAFTERS)).replace(max_num_seqs=16), checkpoint=checkpoint)
     core = engine.core
     guard = _RecordingGuard(start=level, explore_share=0.0, young_explore_share=0.0)  # no exploring: nothing to move to
 

@@ -204,21 +204,25 @@ class RouteChoice:
 
 
 @dataclass(slots=True)
-class _RequestState:
+class RoutingVector:
+    """One request's M_r (drafter → score) and what eq. 3 needs of it; the caller keeps it
+    (the engine on its ``Request``), so a finished request leaves nothing behind here."""
+
+    request_id: str
     domain: str
     scores: dict[str, float]
+    """M_r of the drafters scored so far; a drafter not in it scores its prior."""
     last_accepted_len: int | None = None
 
 
 class ExpertiseRouter:
-    """Per-request routing vectors M_r, per-domain priors, and eq. 3's choice; see module doc."""
+    """Per-domain priors and eq. 3's choice over the requests' routing vectors; see module doc."""
 
     def __init__(self, drafter_names: Sequence[str], config: RoutingConfig = RoutingConfig(), *,
                  seed: int | None = 0) -> None:
         self.config = config
         self._rng = random.Random(seed)
         self._drafters: list[str] = []
-        self._requests: dict[str, _RequestState] = {}
         self._domain_priors: dict[str, dict[str, float]] = {}
         self._global_prior: dict[str, float] = {}
         for name in drafter_names:
@@ -230,65 +234,55 @@ class ExpertiseRouter:
         return tuple(self._drafters)
 
     def add_drafter(self, name: str) -> None:
-        """Join the pool (last in tie order); live requests get the drafter's prior score."""
+        """Join the pool (last in tie order); live requests score it at its prior until they
+        observe it."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"drafter name must be a non-empty string, got {name!r}")
         if name in self._drafters:
             raise ValueError(f"drafter {name!r} is already in the pool")
         self._drafters.append(name)
-        for state in self._requests.values():
-            state.scores[name] = self._prior_score(state.domain, name)
 
     def remove_drafter(self, name: str) -> None:
         """Leave the pool; it is never chosen again. Its learned priors are kept."""
         if name not in self._drafters:
             raise KeyError(f"drafter {name!r} is not in the pool {self._drafters}")
         self._drafters.remove(name)
-        for state in self._requests.values():
-            state.scores.pop(name, None)
 
     # ---- request lifecycle -------------------------------------------------------------------
-    def start(self, request_id: str, domain: str) -> None:
-        """Track a new request; M_r starts from the domain prior (see module doc)."""
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} already started; finish() it first")
-        scores = {name: self._prior_score(domain, name) for name in self._drafters}
-        self._requests[request_id] = _RequestState(domain=domain, scores=scores)
+    def start(self, request_id: str, domain: str) -> RoutingVector:
+        """A new request's routing vector: M_r starts from the domain prior (see module doc)."""
+        return RoutingVector(request_id, domain, {name: self._prior_score(domain, name) for name in self._drafters})
 
-    def finish(self, request_id: str) -> None:
-        """Forget the request (idempotent); what it taught is already in the priors."""
-        self._requests.pop(request_id, None)
-
-    def update(self, request_id: str, scores: Mapping[str, float], accepted_len: int | None) -> None:
+    def update(self, vector: RoutingVector, scores: Mapping[str, float], accepted_len: int | None) -> None:
         """Fold this step's m[n] (eq. 2) into M_r and the priors; remember L_acc for eq. 3.
 
         ``scores``: m[n] of the drafters that drafted this step (others keep their M_r).
         ``accepted_len``: draft tokens accepted this step, bonus not counted; None when no draft
         was verified this step (the scheduler gave it γ = 0): eq. 3's mode stays as it was.
         """
-        state = self._state(request_id)
         if accepted_len is not None and accepted_len < 0:
             raise ValueError(f"accepted_len={accepted_len}: must be 0 or more")
         cfg = self.config
-        domain_prior = self._domain_priors.setdefault(state.domain, {})
+        domain_prior = self._domain_priors.setdefault(vector.domain, {})
         for name, value in scores.items():
             value = float(value)
             if not 0.0 <= value <= 1.0:  # also rejects NaN
                 raise ValueError(f"score of {name!r} is {value}; routing scores lie in [0, 1]")
-            if name not in state.scores:
+            if name not in self._drafters:
                 continue  # removed from the pool meanwhile
-            state.scores[name] += cfg.score_ema * (value - state.scores[name])
+            old_score = self._score(vector, name)
+            vector.scores[name] = old_score + cfg.score_ema * (value - old_score)
             for prior in (domain_prior, self._global_prior):
                 old = prior.get(name, cfg.initial_score)
                 prior[name] = old + cfg.prior_ema * (value - old)
         if accepted_len is not None:
-            state.last_accepted_len = int(accepted_len)
+            vector.last_accepted_len = int(accepted_len)
 
     # ---- eq. 3 ---------------------------------------------------------------------------------
-    def choose(self, request_ids: Sequence[str], *, k: int | None = None,
+    def choose(self, vectors: Sequence[RoutingVector], *, k: int | None = None,
                loads: Mapping[str, float] | None = None,
                available: Collection[str] | None = None) -> dict[str, RouteChoice]:
-        """Drafters for every request of the batch (one call per step).
+        """Drafters for every request of the batch (one call per step), by request id.
 
         ``k``: drafters per request (default ``config.drafters_per_request``), capped by the
         number available. ``loads``: external load per drafter (e.g. queued requests).
@@ -301,15 +295,15 @@ class ExpertiseRouter:
         allowed = set(self._drafters) if available is None else set(available)
         candidates = [name for name in self._drafters if name in allowed]  # pool order
         load = {name: float((loads or {}).get(name, 0.0)) for name in candidates}
-        batch_size = max(len(request_ids), 1)
+        batch_size = max(len(vectors), 1)
         out: dict[str, RouteChoice] = {}
-        for request_id in request_ids:
-            state = self._state(request_id)
+        for vector in vectors:
+            request_id = vector.request_id
             if self.config.mode == "random":
                 picked = tuple(self._rng.sample(candidates, min(k, len(candidates))))
                 out[request_id] = RouteChoice(picked, "random", len(picked))
                 continue
-            mode = self.mode_of(request_id)
+            mode = self.mode_of(vector)
             share = self.config.explore_random_share if mode == "explore" else self.config.exploit_random_share
             remaining = list(candidates)
             picked_list: list[str] = []
@@ -319,7 +313,7 @@ class ExpertiseRouter:
                     name = remaining[self._rng.randrange(len(remaining))]
                     num_random += 1
                 else:  # max() keeps the first of equal values: pool order breaks ties
-                    name = max(remaining, key=lambda n: state.scores[n]
+                    name = max(remaining, key=lambda n: self._score(vector, n)
                                - self.config.load_weight * load[n] / batch_size)
                 remaining.remove(name)
                 picked_list.append(name)
@@ -327,38 +321,31 @@ class ExpertiseRouter:
             out[request_id] = RouteChoice(tuple(picked_list), mode, num_random)
         return out
 
-    def mode_of(self, request_id: str) -> RouteMode:
+    def mode_of(self, vector: RoutingVector) -> RouteMode:
         """Eq. 3's mode for the request's next step."""
         if self.config.mode == "random":
             return "random"
-        last = self._state(request_id).last_accepted_len
+        last = vector.last_accepted_len
         return "explore" if last is not None and last < self.config.tau else "exploit"
 
     # ---- inspection ------------------------------------------------------------------------------
-    def scores(self, request_id: str) -> dict[str, float]:
-        """A copy of M_r (drafter → score) for the request."""
-        return dict(self._state(request_id).scores)
+    def scores(self, vector: RoutingVector) -> dict[str, float]:
+        """M_r (drafter → score) over the pool, for the request."""
+        return {name: self._score(vector, name) for name in self._drafters}
 
     def prior(self, domain: str) -> dict[str, float]:
         """The score a new request of ``domain`` would start with, per drafter in the pool."""
         return {name: self._prior_score(domain, name) for name in self._drafters}
 
-    def domain_of(self, request_id: str) -> str:
-        return self._state(request_id).domain
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     # ---- internals -------------------------------------------------------------------------------
+    def _score(self, vector: RoutingVector, name: str) -> float:
+        score = vector.scores.get(name)
+        if score is None:  # joined the pool after the request started: its prior, from now on
+            score = vector.scores[name] = self._prior_score(vector.domain, name)
+        return score
+
     def _prior_score(self, domain: str, name: str) -> float:
         domain_prior = self._domain_priors.get(domain, {})
         if name in domain_prior:
             return domain_prior[name]
         return self._global_prior.get(name, self.config.initial_score)
-
-    def _state(self, request_id: str) -> _RequestState:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise KeyError(f"unknown request {request_id!r}: call start() first") from None

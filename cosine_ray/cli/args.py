@@ -106,14 +106,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
-    from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+    from cosine_ray.engine.config import EngineConfig, parse_drafters
     check_local_device(args.device)
     try:
-        return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
-                            num_stages=args.stages, num_threads=args.threads, device=args.device,
-                            dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                            runner=runner_from_args(args),
-                            step=StepConfig(max_batch_size=batch_size, **cosine_step_overrides(args)))
+        config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters), num_stages=args.stages,
+                              num_threads=args.threads, device=args.device, dtype=args.dtype,
+                              kv_cache_memory=args.kv_cache_memory, max_num_seqs=batch_size)
+        return config.replace(runner=runner_from_args(args), **cosine_step_overrides(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                                    "device": args.device, "dtype": args.dtype,
                                    "kv_cache_memory": args.kv_cache_memory,
                                    "runner": runner_from_args(args),
-                                   "step": {"max_batch_size": max(c, 8),
+                                   "step": {"max_num_seqs": max(c, 8),
                                             "num_speculative_tokens": args.num_speculative_tokens,
                                             **system.step}})
         from cosine_ray.engine.local import LocalEngine

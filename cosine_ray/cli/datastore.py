@@ -47,14 +47,13 @@ def _datastore_rows(args: argparse.Namespace) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     rows = _datastore_rows(args)  # input checks before the engine (torch) is imported
     from cosine_ray.engine.build import datastore_path
-    from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+    from cosine_ray.engine.config import EngineConfig, parse_drafters
     from cosine_ray.engine.drafters.datastore import Datastore
     from cosine_ray.engine.local import encode_prompt
     from cosine_ray.engine.request import SamplingParams
 
     # The ngram drafter only changes speed (lossless), never the stored outputs.
-    engine = load_engine(EngineConfig(model=args.model, drafters=parse_drafters("ngram"),
-                                      step=StepConfig(max_batch_size=args.batch_size)))
+    engine = load_engine(EngineConfig(model=args.model, drafters=parse_drafters("ngram")).replace(max_num_seqs=args.batch_size))
     prompt_ids = [encode_prompt(engine.tokenizer, r["prompt"]) for r in rows]
     start = time.perf_counter()
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=args.max_tokens))

@@ -14,7 +14,6 @@ ignored (``serve run FILE`` applies them). Every user error is one line and exit
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
 import os
 import signal
@@ -52,7 +51,8 @@ def add_parser(sub) -> None:
     srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
     add_device_args(srv, defaults=False)
     srv.add_argument("--num-speculative-tokens", type=int, default=None)
-    srv.add_argument("--max-batch-size", type=int, default=None)
+    srv.add_argument("--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int, default=None,
+                     help="requests running at once")
     srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
                      metavar="KINDS",
                      help="drafter kinds run inside the engine process (default: ngram,retrieval, table "
@@ -167,32 +167,23 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
     for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
                       ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
                       ("kv_cache_memory", getattr(args, "kv_cache_memory", None)),
-                      ("runner", runner_from_args(args))):
+                      ("num_speculative_tokens", args.num_speculative_tokens),
+                      ("max_num_seqs", args.max_num_seqs)):
         if flag is not None:
             data[key] = flag
-    if "step" in data and "router" in data:
-        raise ValueError("give the step settings once: 'step' (or its old name 'router'), not both")
-    step = data.pop("step", None) or data.pop("router", None) or {}
-    if not isinstance(step, dict):
-        raise ValueError("'step' and 'cluster' must be mappings")
-    step = {**step, **cosine_step_overrides(args)}
-    if args.max_batch_size is not None:
-        step["max_batch_size"] = args.max_batch_size
-    cluster = data.get("cluster") or {}
-    if not isinstance(cluster, dict):
-        raise ValueError("'step' and 'cluster' must be mappings")
-    cluster = dict(cluster)
+    config = config_from_dict(data)
+    cluster = {}
     if args.address:
         cluster["address"] = args.address
     if getattr(args, "drafters_in_engine", None) is not None:
-        cluster.pop("drafters_in_router", None)
         cluster["drafters_in_engine"] = args.drafters_in_engine
-    data["step"], data["cluster"] = step, cluster
-    config = config_from_dict(data)
-    if "num_lanes" not in step:
+    runner = runner_from_args(args)
+    config = config.replace(**cluster, **cosine_step_overrides(args), **({"runner": runner} if runner else {}))
+    given = {**(data.get("step") or data.get("router") or {}), **(data.get("experiments") or {})}
+    if "num_lanes" not in given:
         # one micro-batch lane per pipeline stage, so every stage has work (a config file
         # that sets num_lanes keeps it: `serve run` of the same file must run the same engine)
-        config = dataclasses.replace(config, step=dataclasses.replace(config.step, num_lanes=config.num_stages))
+        config = config.replace(num_lanes=config.num_stages)
     return config_to_dict(config)
 
 

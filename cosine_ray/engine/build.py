@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from cosine_ray.engine.config import DOMAINS, DrafterSpec, EngineConfig, StepConfig
+from cosine_ray.engine.config import EngineConfig, StepConfig
+from cosine_ray.engine.drafters.spec import DOMAINS, DrafterSpec
 from cosine_ray.engine.drafters.base import Drafter
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.drafters.model import ModelDrafter, check_same_tokenizer
@@ -67,7 +68,7 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
                                 RetrievalConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "suffix":
         return build_suffix_drafter(spec, target.name, config.datastore_dir,
-                                    max_indexed_tokens=config.suffix_index_tokens)
+                                    max_indexed_tokens=config.experiments.suffix_index_tokens)
     if spec.kind == "self":
         return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
                             name="self", runner=config.runner)

@@ -10,7 +10,8 @@ from cosine_ray.algo.domains import DomainClassifier
 from cosine_ray.algo.latency_model import LatencyModel
 from cosine_ray.algo.routing import normalise_embeddings
 from cosine_ray.engine.build import datastore_path, kv_bytes_per_token
-from cosine_ray.engine.config import DOMAINS, EngineConfig
+from cosine_ray.engine.config import EngineConfig
+from cosine_ray.engine.drafters.spec import DOMAINS
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.profile import load_or_profile, profile_path
 from cosine_ray.models.loader import Checkpoint

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
+from cosine_ray.engine.drafters.spec import (DEFAULT_DRAFTERS, DRAFTER_KINDS, DrafterSpec,  # noqa: F401 (re-exported)
+                                            parse_drafters)
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
-
-
-DRAFTER_KINDS = ("none", "ngram", "retrieval", "suffix", "model", "self")
-LEARNING_KINDS = ("suffix",)
-"""Drafter kinds that learn from the requests the server finishes."""
-DOMAINS = ("code", "math", "instruction", "chat")
-DEFAULT_DRAFTERS = "ngram," + ",".join(f"retrieval:{d}" for d in DOMAINS)
-"""CoSine's default speculation cluster: the context n-gram drafter and one retrieval
-drafter per domain (the expertise router learns which serves which request)."""
-LEARNING_DRAFTERS = "ngram," + ",".join(f"suffix:{d}" for d in DOMAINS)
-"""The context n-gram drafter and one live suffix expert per domain: each is seeded from its
-domain's datastore and keeps learning from the requests of its domain the server finishes."""
 
 
 ROUTING_MODES = ("expertise", "random")
@@ -31,15 +21,10 @@ OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
-class StepConfig:
-    """One engine step: batching, speculation budgets, CoSine's components and their
-    ablation switches, deadlines and recovery (config key ``step``; ``router`` is accepted
-    too, the name it had before the step loop was split into its owners)."""
+class ExperimentsConfig:
+    """Research modes, ablations and tuning knobs (config key ``experiments``). The defaults are
+    what measures best; a user serving a model needs none of them (docs/configuration.md)."""
 
-    max_batch_size: int = 8
-    """Requests running at once (continuous batching admits new ones as others finish)."""
-    num_speculative_tokens: int = 8
-    """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
     min_tree_confidence: float = 0.25
     """With ``scheduler="fcfs"`` (LP off): draft nodes whose cumulative confidence (product
     along their path) is below this are not verified. The LP decides γ_i itself."""
@@ -77,8 +62,6 @@ class StepConfig:
     tree ahead (``engine.modes.twins``). Needs drafters and γ_max > 0. False: they run apart."""
     drafter_deadline_s: float = 2.0
     """A drafter's answer later than this is dropped for the step."""
-    max_model_len: int = 8192
-    """Prompt + output tokens a request may reach."""
     stage_recovery_s: float = 60.0
     """How long a lost stage may take to come back before its requests fail."""
     max_restores: int = 3
@@ -118,11 +101,20 @@ class StepConfig:
     (on a CPU the forward holds the host, so deferring would only make learning a step
     late). YAML booleans mean off and on."""
 
+    runner: str = "auto"
+    """How stages run a step (``models.runner``): ``auto`` (CUDA graphs on CUDA, eager on CPU),
+    ``eager`` (``--enforce-eager``: never capture), ``graph``, or ``static`` (the graphs'
+    fixed-shape step run eagerly, on any device: how CPU tests check the graph path)."""
+    suffix_index_tokens: int = 1_000_000
+    """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
+    evicted first (about 60 MB a drafter at the default)."""
+
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.runner not in RUNNER_MODES:
+            raise ValueError(f"runner {self.runner!r}: use {', '.join(RUNNER_MODES)}")
+        if isinstance(self.suffix_index_tokens, bool) or not isinstance(self.suffix_index_tokens, int) \
+                or self.suffix_index_tokens < 1:
+            raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
         if self.drafter_deadline_s <= 0:
             raise ValueError("drafter_deadline_s must be > 0")
         if self.num_lanes < 1:
@@ -155,61 +147,23 @@ class StepConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class DrafterSpec:
-    kind: str
-    """ngram | retrieval | suffix | model | self (the target as its own drafter)."""
-    source: str = ""
-    """retrieval: a domain name, a datastore .parquet path, or "" for every default
-    datastore merged; suffix: a domain name (a live expert of that domain, seeded from its
-    datastore), a snapshot .parquet path, or "" (one index over every domain); model: a model
-    spec (embedded name, HF dir or .gguf)."""
+class StepConfig(ExperimentsConfig):
+    """What the engine core's owners read: the user's step settings (``EngineConfig``) and the
+    experiments, flattened (``EngineConfig.step``; tests build it directly)."""
 
-    @property
-    def name(self) -> str:
-        if self.kind in ("retrieval", "suffix"):
-            if not self.source:
-                return self.kind
-            return f"{self.kind}:{Path(self.source).stem if self.source.endswith('.parquet') else self.source}"
-        if self.kind == "model":
-            return f"model:{Path(self.source).name or self.source}"
-        return self.kind
+    max_num_seqs: int = 8
+    """Requests running at once (``EngineConfig.max_num_seqs``)."""
+    num_speculative_tokens: int = 8
+    """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
+    max_model_len: int = 8192
+    """Prompt + output tokens a request may reach."""
 
-    @property
-    def learns(self) -> bool:
-        """It learns from finished requests (the engine sends it their text)."""
-        return self.kind in LEARNING_KINDS
-
-
-def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
-    """``"none"`` | ``"default"`` (DEFAULT_DRAFTERS) | ``"learning"`` (LEARNING_DRAFTERS) | comma
-    list of ``ngram``, ``retrieval[:DOMAIN|:FILE.parquet]``, ``suffix[:DOMAIN|:FILE.parquet]``,
-    ``model:SPEC``, ``self``. Raises ValueError naming the accepted forms."""
-    text = text.strip()
-    if text in ("", "none"):
-        return ()
-    if text == "default":
-        text = DEFAULT_DRAFTERS
-    elif text == "learning":
-        text = LEARNING_DRAFTERS
-    specs = []
-    for part in text.split(","):
-        kind, _, source = part.strip().partition(":")
-        if kind not in DRAFTER_KINDS or kind == "none":
-            raise ValueError(f"unknown drafter {part.strip()!r}; use none, default, learning, or a comma list of "
-                             f"ngram, retrieval[:DOMAIN|:FILE.parquet], suffix[:DOMAIN|:FILE.parquet], model:MODEL, self")
-        if kind == "model" and not source:
-            raise ValueError("drafter 'model' needs a model: model:smollm2-135m, model:/path/to/hf_dir "
-                             "or model:/path/to/file.gguf")
-        if kind in ("retrieval", "suffix") and source and source not in DOMAINS and not source.endswith(".parquet"):
-            raise ValueError(f"{kind} drafter {source!r}: give a domain ({', '.join(DOMAINS)}) "
-                             f"or a {'datastore' if kind == 'retrieval' else 'snapshot'} .parquet file")
-        if kind in ("ngram", "self") and source:
-            raise ValueError(f"drafter {kind!r} takes no argument (got {part.strip()!r})")
-        specs.append(DrafterSpec(kind, source))
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"drafter listed twice in {text!r}")
-    return tuple(specs)
+    def __post_init__(self) -> None:
+        ExperimentsConfig.__post_init__(self)
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,50 +209,77 @@ class ClusterConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """What a user configures: the model, the drafters, where it runs and how much it batches.
+    Deployment settings are in ``cluster``, research modes and tuning knobs in ``experiments``."""
+
     model: str = "smollm2-135m"
     """Target model: embedded name, Hugging Face directory or .gguf file."""
     drafters: tuple[DrafterSpec, ...] = field(default_factory=lambda: parse_drafters(DEFAULT_DRAFTERS))
     """Speculation sources; () = plain decoding."""
     num_stages: int = 1
     """Contiguous layer slices of the target (pipeline stages)."""
-    step: StepConfig = field(default_factory=StepConfig)
-    dtype: str = "float32"
-    """float32 | bfloat16 | float16 (the half types pay on CUDA; on CPU they run, slowly)."""
     device: str = "cpu"
     """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""
-    num_threads: int | None = None
-    """torch intra-op threads for this process; None leaves torch's default."""
-    datastore_dir: str | None = None
-    """Where default retrieval datastores live; None = the packaged ones."""
-    suffix_index_tokens: int = 1_000_000
-    """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
-    evicted first. 53-65 B a token at 11-25 k tokens (``benchmarks/learning_soak.py``), so the
-    default bounds one drafter at roughly 60 MB; the ``learning`` set has one per domain."""
+    dtype: str = "float32"
+    """float32 | bfloat16 | float16 (the half types pay on CUDA; on CPU they run, slowly)."""
+    max_num_seqs: int = 8
+    """Requests running at once (continuous batching admits new ones as others finish)."""
+    max_model_len: int = 8192
+    """Prompt + output tokens a request may reach (capped at the model's context)."""
+    num_speculative_tokens: int = 8
+    """Draft-token budget of one request's tree per step (γ_max; 0 = plain decoding)."""
     kv_cache_memory: int | str | None = None
     """Bytes of each stage's paged KV pool (``models.kv_cache``), an integer or a size such as
     ``"2GiB"``, allocated at start and never grown. None: on CUDA 90 % of the device memory free
     after the weights (shared by the stages of one process on one device); on CPU the pool
     starts small and doubles as requests need it."""
-    runner: str = "auto"
-    """How stages run a step (``models.runner``): ``auto`` (CUDA graphs on CUDA, eager on CPU),
-    ``eager`` (``--enforce-eager``: never capture), ``graph``, or ``static`` (the graphs'
-    fixed-shape step run eagerly, on any device: how CPU tests check the graph path)."""
+    num_threads: int | None = None
+    """torch intra-op threads for this process; None leaves torch's default."""
+    datastore_dir: str | None = None
+    """Where default retrieval datastores live; None = the packaged ones."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """How the Ray runtime places and supervises actors."""
+    experiments: ExperimentsConfig = field(default_factory=ExperimentsConfig)
+    """Research modes, ablations and tuning knobs."""
 
     def __post_init__(self) -> None:
-        if self.runner not in RUNNER_MODES:
-            raise ValueError(f"runner {self.runner!r}: use {', '.join(RUNNER_MODES)}")
-        if self.runner == "graph" and not str(self.device).startswith("cuda"):
+        if self.experiments.runner == "graph" and not str(self.device).startswith("cuda"):
             raise ValueError("runner 'graph' (CUDA graphs) needs device cuda")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
-        if isinstance(self.suffix_index_tokens, bool) or not isinstance(self.suffix_index_tokens, int) \
-                or self.suffix_index_tokens < 1:
-            raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
         check_dtype_name(self.dtype)
         check_device_name(self.device)
+
+    @property
+    def step(self) -> StepConfig:
+        """The step settings the engine core reads (the user's and the experiments')."""
+        return StepConfig(max_num_seqs=self.max_num_seqs, num_speculative_tokens=self.num_speculative_tokens,
+                          max_model_len=self.max_model_len,
+                          **{f.name: getattr(self.experiments, f.name) for f in fields(ExperimentsConfig)})
+
+    @property
+    def runner(self) -> str:
+        return self.experiments.runner
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A copy with ``changes``, each key a field of this class, of ``experiments`` or of
+        ``cluster`` (one namespace: the names do not overlap)."""
+        top = {f.name for f in fields(EngineConfig)}
+        exp = {f.name for f in fields(ExperimentsConfig)}
+        clu = {f.name for f in fields(ClusterConfig)}
+        unknown = sorted(set(changes) - top - exp - clu)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
+        experiments = dataclasses.replace(self.experiments, **{k: v for k, v in changes.items() if k in exp})
+        cluster = dataclasses.replace(self.cluster, **{k: v for k, v in changes.items() if k in clu})
+        return dataclasses.replace(self, experiments=experiments, cluster=cluster,
+                                   **{k: v for k, v in changes.items() if k in top})
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -332,23 +313,46 @@ def _build(cls: type, data: dict[str, Any], where: str):
         raise ValueError(f"{where}: {exc}") from None
 
 
+STEP_KEYS = ("max_num_seqs", "max_model_len", "num_speculative_tokens")
+"""User keys that older configs gave under ``step`` (or ``router``)."""
+LEGACY_KEYS = {"max_batch_size": "max_num_seqs"}
+"""Old names still accepted in a config file."""
+
+
 def config_from_dict(data: dict[str, Any] | None) -> EngineConfig:
     """EngineConfig from plain data (YAML file, Serve ``args``); ValueError names bad keys.
 
-    ``drafters`` may be a string (``"ngram,retrieval"``) or a list of such names;
-    ``step`` and ``cluster`` are nested mappings of StepConfig / ClusterConfig fields
-    (``router`` is accepted for ``step``: configs written before the rename keep working).
-    """
+    ``drafters`` may be a string (``"ngram,retrieval"``) or a list of such names; ``cluster``
+    and ``experiments`` are mappings of ClusterConfig / ExperimentsConfig fields. Configs
+    written before the split keep working: a ``step`` (or ``router``) mapping is spread into
+    the user keys and ``experiments``, and ``max_batch_size`` is ``max_num_seqs``."""
     data = dict(data or {})
     if not isinstance(data, dict):
         raise ValueError("the config must be a mapping")
     drafters = data.pop("drafters", None)
     if "router" in data and "step" in data:
         raise ValueError("give the step settings once: 'step' (or its old name 'router'), not both")
-    step = data.pop("step", None) or data.pop("router", None) or {}
+    legacy = data.pop("step", None) or data.pop("router", None) or {}
     cluster = data.pop("cluster", None) or {}
-    if not isinstance(step, dict) or not isinstance(cluster, dict):
-        raise ValueError("'step' and 'cluster' must be mappings")
+    experiments = data.pop("experiments", None) or {}
+    if not isinstance(legacy, dict) or not isinstance(cluster, dict) or not isinstance(experiments, dict):
+        raise ValueError("'step' and 'cluster' must be mappings (and 'experiments')")
+    experiments = dict(experiments)
+    known = set(STEP_KEYS) | set(LEGACY_KEYS) | {f.name for f in fields(ExperimentsConfig)}
+    unknown = sorted(set(legacy) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)} in step; known: {', '.join(sorted(known))}")
+    for key, value in legacy.items():
+        key = LEGACY_KEYS.get(key, key)
+        target = data if key in STEP_KEYS else experiments
+        if key in target:
+            raise ValueError(f"{key} is given twice (once under 'step')")
+        target[key] = value
+    for key in ("suffix_index_tokens", "runner"):  # top-level keys before the split
+        if key in data:
+            if key in experiments:
+                raise ValueError(f"{key} is given twice (top level and 'experiments')")
+            experiments[key] = data.pop(key)
     if "drafters_in_router" in cluster:  # the name before the engine became a Serve deployment
         if "drafters_in_engine" in cluster:
             raise ValueError("give cluster.drafters_in_engine once (drafters_in_router is its old name)")
@@ -358,7 +362,7 @@ def config_from_dict(data: dict[str, Any] | None) -> EngineConfig:
         if isinstance(drafters, (list, tuple)):
             drafters = ",".join(str(d) for d in drafters) or "none"
         data["drafters"] = parse_drafters(str(drafters))
-    data["step"] = _build(StepConfig, step, "step")
+    data["experiments"] = _build(ExperimentsConfig, experiments, "experiments")
     data["cluster"] = _build(ClusterConfig, cluster, "cluster")
     return _build(EngineConfig, data, "the config")
 
@@ -366,6 +370,6 @@ def config_from_dict(data: dict[str, Any] | None) -> EngineConfig:
 def config_to_dict(config: EngineConfig) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in fields(config)}
     out["drafters"] = ",".join(s.kind + (f":{s.source}" if s.source else "") for s in config.drafters) or "none"
-    out["step"] = {f.name: getattr(config.step, f.name) for f in fields(config.step)}
+    out["experiments"] = {f.name: getattr(config.experiments, f.name) for f in fields(config.experiments)}
     out["cluster"] = {f.name: getattr(config.cluster, f.name) for f in fields(config.cluster)}
     return out

@@ -1,6 +1,6 @@
-"""The engine core: one ``step()`` is the whole algorithm (DESIGN §2, CoSine Algorithms 1-2).
+"""The engine core: one ``step()`` is the whole algorithm (CoSine Algorithms 1-2).
 
-NOTE(lead): each line of ``step`` is one call to the owner of that job::
+NOTE(lead): each line of ``_lanes_step`` is one call to the owner of that job::
 
     schedule  BatchScheduler   admission, prefills, which requests run, the LP's price (eq. 5-8)
     route     DraftRouting     k expert drafters + the shared ones per request (eq. 1-3)
@@ -10,17 +10,10 @@ NOTE(lead): each line of ``step`` is one call to the owner of that job::
     learn     Learner          one StepStats → calibration, routing, gains, latency, metrics
     advance   RequestPool      append tokens, stream them, finish
 
-Each part's wall time goes to ``cosine_ray:step_phase_seconds{phase}`` (``cosine-ray bench``
-prints it in ms per step): verify is the target's call, the rest is host work.
-
-With ``pipeline_mode="pipedec"`` a request alone in the pool runs PipeDec's timestep loop
-instead (``engine.modes.pipedec``: one layer of a prediction tree per stage), while the mode guard
-measures it faster than lanes here; the step then is one timestep.
-
-The core never touches a model or an actor: the target and drafters are behind
-``TargetClient`` and ``DrafterClient``, so the same loop drives in-process workers and Ray
-actors. A lost stage is handled by ``RecoveringTarget`` (the step just verifies nothing);
-the ablations are strategies chosen once in ``__init__``.
+The optional modes are rules chosen once in ``__init__``: PEARL replaces draft-then-verify,
+PipeDec takes a request that runs alone, and learning runs in the step or under the next
+forward. The core never touches a model or an actor: the target and drafters are behind
+``TargetClient`` and ``DrafterClient``, so the same loop drives in-process workers and Ray actors.
 """
 
 from __future__ import annotations
@@ -35,21 +28,22 @@ from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.engine.config import StepConfig
-from cosine_ray.engine.owners.drafting import DrafterClient
-from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
-from cosine_ray.engine.owners.economics import CostModel, GainModel
-from cosine_ray.engine.owners.learner import Learner, PendingLearning
 from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
-from cosine_ray.engine.owners.pool import RequestPool
-from cosine_ray.engine.worker.recovery import RecoveringTarget
-from cosine_ray.engine.request import Request, RequestOutput, SamplingParams, needs_prefill
-from cosine_ray.engine.owners.routing import DraftRouting
 from cosine_ray.engine.modes.twins import Twins
+from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.owners.economics import CostModel
+from cosine_ray.engine.owners.learner import Learner, PendingLearning
+from cosine_ray.engine.owners.pool import RequestPool
+from cosine_ray.engine.owners.routing import DraftRouting
 from cosine_ray.engine.owners.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy
-from cosine_ray.engine.owners.speculator import ConfidenceCutSelection, FixedSelection, FusedDrafting, PathDrafting, PricedSelection, Speculator
-from cosine_ray.engine.worker.target import TargetClient
+from cosine_ray.engine.owners.speculator import (ConfidenceCutSelection, FixedSelection, FusedDrafting,
+                                                 PathDrafting, PricedSelection, Speculator)
 from cosine_ray.engine.owners.verifier import Verifier
+from cosine_ray.engine.request import Request, RequestOutput, SamplingParams, needs_prefill
+from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
+from cosine_ray.engine.worker.recovery import RecoveringTarget
+from cosine_ray.engine.worker.target import TargetClient
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
 
@@ -84,23 +78,21 @@ class EngineCore:
         """Plain counters (cosine_ray.metrics.names); exported at the edge."""
         self.exporter = EngineMetrics(self.metrics)
         self.drafters = list(drafters)
-        self._in_flight: dict[str, int] = {}
-        """Request id → steps (lanes) working on it now."""
-        self.pool = RequestPool(max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
+        self.pool = RequestPool(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                                 num_lanes=config.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                 max_restores=config.max_restores, clock=clock)
         self.target = RecoveringTarget(target, recovery_s=config.stage_recovery_s, on_lost=self.pool.target_lost)
-        costs, gains = CostModel(latency_model), GainModel()
+        costs = CostModel(latency_model)
         # The ablations, chosen once: LP or first come, fusion or whole paths, and the tree policy.
         is_lp, adaptive = config.scheduler == "lp", config.adaptive
         guard = SpeculationGuard(seed=seed) if is_lp and adaptive and self.drafters else None
+        uses_twins = config.twins and self.drafters and config.num_speculative_tokens > 0
         self.scheduler = BatchScheduler(config, self.pool, LpBatchPolicy() if is_lp else FirstComeBatchPolicy(),
-                                        costs, gains, kv_bytes_per_token=kv_bytes_per_token,
+                                        costs, kv_bytes_per_token=kv_bytes_per_token,
                                         priced=is_lp and adaptive, guard=guard, clock=clock,
                                         # PEARL drafts ahead while the target verifies: not host time to save
                                         skip_unpaying=config.pearl == "off",
-                                        twins=Twins(clock=clock) if config.twins and self.drafters
-                                        and config.num_speculative_tokens > 0 else None)
+                                        twins=Twins(clock=clock) if uses_twins else None)
         participation = None
         if adaptive and config.fusion != "single":
             participation = ParticipationController(
@@ -116,12 +108,17 @@ class EngineCore:
                      PricedSelection() if is_lp else ConfidenceCutSelection(config.min_tree_confidence))
         self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=config.total_gamma_max)
         self.verifier = Verifier(self.target, is_live=self.pool.is_live, clock=clock)
-        self.learner = Learner(speculator=self.speculator, routing=self.routing, costs=costs, gains=gains,
+        self.learner = Learner(speculator=self.speculator, routing=self.routing, costs=costs,
                                drafters=self.drafters, metrics=self.exporter, is_live=self.pool.is_live,
                                clock=clock, participation=participation, guard=guard,
                                unit_embeddings=unit_embeddings)
         self.exporter.participation(self.routing.drafters_per_request)
+        # The optional modes, chosen once.
+        self.pearl = Pearl(config.pearl) if config.pearl != "off" and self.drafters else None
+        self._draft_and_verify = self._draft_then_verify if self.pearl is None else self._pearl_draft_verify
         self.pipedec: PipeDec | None = None
+        self.mode_guard: ModeGuard | None = None
+        self._step = self._lanes_step
         if config.pipeline_mode == "pipedec":
             if not self.target.supports_pipedec:
                 raise ValueError("pipeline_mode 'pipedec' needs a target client with PipeDec timesteps")
@@ -129,34 +126,20 @@ class EngineCore:
                                    max_depth=config.pipedec_depth or None, vocab_size=vocab_size,
                                    deadline_s=config.drafter_deadline_s,
                                    on_drafter_failure=self.exporter.drafter_failed)
-        self.mode_guard = ModeGuard() if self.pipedec is not None and config.pipedec_guard else None
-        self.pearl = Pearl(config.pearl) if config.pearl != "off" and self.drafters else None
+            self.mode_guard = ModeGuard() if config.pipedec_guard else None
+            self._step = self._solo_or_lanes_step
         self.overlap_learning = (config.overlap_learning == "on" or config.overlap_learning == "auto"
                                  and bool(getattr(target, "runs_async", False)))
         """Learn from step n while step n+1's forward runs (``StepConfig.overlap_learning``)."""
+        self._learn = self._learn_later if self.overlap_learning else self._learn_now
         self._unlearned: list[PendingLearning] = []
         """Recorded steps whose learning waits for the next forward (``overlap_learning``)."""
 
     # ---- the step ---------------------------------------------------------------------------
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
         """One iteration for the requests of ``lane`` (None: every running request)."""
-        await self.release(self.pool.take_released(in_flight=self._in_flight))
-        solo = None
-        if self.pipedec is not None:
-            solo = self._solo(lane)
-            if solo is not None and (self.mode_guard is None or self.mode_guard.current == "pipedec"):
-                return await self._pipedec_step(solo)
-            session = self.pipedec.session
-            if session is not None and (lane is None or lane == session.lane):
-                # another request came (or the guard chose lanes): back to lanes. Only the session's
-                # own lane leaves it, so a step of another lane never prunes the tree mid-timestep.
-                await self.pipedec.leave(keep_kv=self._keeps_kv(session.request_id))
-        if solo is not None:  # the guard measures a request alone in lanes too
-            started, before = self.clock(), solo.num_tokens
-            outputs = await self._lanes_step(lane)
-            self.mode_guard.record("lanes", solo.num_tokens - before, self.clock() - started)
-            return outputs
-        return await self._lanes_step(lane)
+        await self.release(self.pool.take_released())
+        return await self._step(lane)
 
     async def _lanes_step(self, lane: int | None) -> list[RequestOutput]:
         timer = PhaseTimer()
@@ -166,28 +149,14 @@ class EngineCore:
         try:
             routes = self.routing.route(batch)
             timer.mark("route")
-            if self.pearl is None:
-                drafts = await self.speculator.draft(batch, routes)
-                timer.mark("draft")
             # Learning from the steps before runs while this one's forward is on the GPU: the
             # task starts at verification's first wait (the poll for the GPU, a remote call).
-            absorbing = asyncio.ensure_future(self.flush_learning()) if self._unlearned else None
-            try:
-                if self.pearl is None:
-                    verified = await self.verifier.verify(batch, drafts)
-                else:  # drafting ahead overlaps the verification: the two are one phase
-                    drafts, verified = await self._pearl_draft_verify(batch, routes)
-            finally:
-                if absorbing is not None:
-                    await absorbing
+            drafts, verified = await self._draft_and_verify(batch, routes, timer)
             timer.mark("verify")
             self.target.commit(verified.commits)
             timer.mark("commit")
             pending = self.learner.record(batch, drafts, verified)
-            if self.overlap_learning and batch.requests:
-                self._unlearned.append(pending)
-            else:
-                await self.learner.absorb(pending)
+            await (self._learn(pending) if batch.requests else self.learner.absorb(pending))
             timer.mark("learn")
             outputs = self.pool.advance(verified.outcomes)
             timer.mark("advance")
@@ -197,9 +166,25 @@ class EngineCore:
         finally:
             self._hold(batch, -1)
 
-    async def _pearl_draft_verify(self, batch: StepBatch, routes) -> tuple[Drafts, VerifiedBatch]:
-        """PEARL (``engine.modes.pearl``): verify the trees the previous step drafted ahead (or just
-        the roots: pre-verify) while the drafters draft ahead of them, from committed + trunk."""
+    async def _draft_then_verify(self, batch: StepBatch, routes, timer: PhaseTimer) -> tuple[Drafts, VerifiedBatch]:
+        drafts = await self.speculator.draft(batch, routes)
+        timer.mark("draft")
+        return drafts, await self._verify_absorbing(batch, drafts)
+
+    async def _verify_absorbing(self, batch: StepBatch, drafts: Drafts) -> VerifiedBatch:
+        """Verify, and absorb what earlier steps taught while the forward runs (a no-op unless
+        learning was deferred)."""
+        absorbing = asyncio.ensure_future(self.flush_learning()) if self._unlearned else None
+        try:
+            return await self.verifier.verify(batch, drafts)
+        finally:
+            if absorbing is not None:
+                await absorbing
+
+    async def _pearl_draft_verify(self, batch: StepBatch, routes, timer: PhaseTimer) -> tuple[Drafts, VerifiedBatch]:
+        """PEARL (``engine.modes.pearl``): verify the trees the previous step drafted ahead (or
+        just the roots: pre-verify) while the drafters draft ahead of them, from committed +
+        trunk. Drafting ahead overlaps the verification: the two are one phase."""
         stats = DraftingStats()
         drafted = self.pearl.take(batch.decodes)
         post_verify = len(drafted)
@@ -224,13 +209,52 @@ class EngineCore:
             out = await self.speculator.draft_paths(ahead_of, routes, batch.budgets, stats, contexts)
             return out, self.clock() - start
 
-        verified, (ahead, draft_s) = await asyncio.gather(self.verifier.verify(batch, drafts), draft_ahead())
+        verified, (ahead, draft_s) = await asyncio.gather(self._verify_absorbing(batch, drafts), draft_ahead())
         self.pearl.observe(draft_s if ahead_of else None, verified.verify_s)
         if not verified.lost:
             self.pearl.keep(batch.decodes, trunks, ahead, verified.outcomes)
         return drafts, verified
 
+    async def _learn_now(self, pending: PendingLearning) -> None:
+        await self.learner.absorb(pending)
+
+    async def _learn_later(self, pending: PendingLearning) -> None:
+        """Queue the step's learning for the next forward (``overlap_learning``)."""
+        self._unlearned.append(pending)
+
+    async def flush_learning(self) -> None:
+        """Absorb every recorded step not learned from yet (``overlap_learning``): before the
+        next forward's end, when the loop goes idle, and at shutdown."""
+        while self._unlearned:
+            pending = self._unlearned.pop(0)
+            await self.learner.absorb(pending)
+
+    @staticmethod
+    def _hold(batch: StepBatch, delta: int) -> None:
+        """Count the steps working on each request: another lane's step releases none of them
+        until this one is done with its drafter and stage calls (``pool.take_released``)."""
+        for r in batch.requests:
+            r.num_in_flight += delta
+
     # ---- PipeDec: a request alone in the pool --------------------------------------------------
+    async def _solo_or_lanes_step(self, lane: int | None) -> list[RequestOutput]:
+        """A request alone in the pool runs PipeDec's timestep loop while the mode guard measures
+        it faster than lanes; any other step leaves the PipeDec session and runs in lanes."""
+        solo = self._solo(lane)
+        if solo is not None and (self.mode_guard is None or self.mode_guard.current == "pipedec"):
+            return await self._pipedec_step(solo)
+        session = self.pipedec.session
+        if session is not None and (lane is None or lane == session.lane):
+            # another request came (or the guard chose lanes): back to lanes. Only the session's
+            # own lane leaves it, so a step of another lane never prunes the tree mid-timestep.
+            await self.pipedec.leave(keep_kv=self._keeps_kv(session.request_id))
+        if solo is None:
+            return await self._lanes_step(lane)
+        started, before = self.clock(), solo.num_tokens  # the guard measures a request alone in lanes too
+        outputs = await self._lanes_step(lane)
+        self.mode_guard.record("lanes", solo.num_tokens - before, self.clock() - started)
+        return outputs
+
     def _solo(self, lane: int | None) -> Request | None:
         """The one running request, if nothing else runs or waits and it is decoding."""
         if self.pool.waiting or len(self.pool.running) != 1 or not self.drafters:
@@ -262,23 +286,6 @@ class EngineCore:
             await self.pipedec.leave(keep_kv=False)
         return outputs
 
-    async def flush_learning(self) -> None:
-        """Absorb every recorded step not learned from yet (``overlap_learning``): before the
-        next forward's end, when the loop goes idle, and at shutdown."""
-        while self._unlearned:
-            pending = self._unlearned.pop(0)
-            await self.learner.absorb(pending)
-
-    def _hold(self, batch: StepBatch, delta: int) -> None:
-        """Count the requests a step works on: another lane's step releases none of them
-        until this one is done with its drafter and stage calls (see ``pool.take_released``)."""
-        for r in batch.requests:
-            n = self._in_flight.get(r.request_id, 0) + delta
-            if n > 0:
-                self._in_flight[r.request_id] = n
-            else:
-                self._in_flight.pop(r.request_id, None)
-
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
         request = self.pool.add(request_id, prompt_token_ids, params)
@@ -293,24 +300,28 @@ class EngineCore:
         """Cancel a request; its state on the target and drafters is freed at the next step."""
         return self.pool.abort(request_id)
 
-    async def release(self, request_ids: Sequence[str]) -> None:
-        """Retire finished and aborted requests: the drafters that learn get the text of the
-        ones that finished normally; then their state is freed — KV on every stage, drafter
-        state, routing vectors (their domains' priors go to the metrics), scheduling history."""
+    async def release(self, requests: Sequence[Request]) -> None:
+        """Retire finished and aborted requests. What the engine knew of them lives on the
+        ``Request`` and goes with it; the drafters that learn get the text of the ones that
+        finished normally, the target and the drafters free their KV and indexes."""
         await self.learner.learn_from_completed(self.pool.take_completed())
-        if not request_ids:
+        if not requests:
             return
-        self.exporter.routing_priors(self.routing.finish(request_ids))
-        self.scheduler.forget(request_ids)
-        self.learner.gains.forget(request_ids)
-        if self.pearl is not None:
-            self.pearl.forget(request_ids)
+        self.exporter.routing_priors(self.routing.priors(requests))
+        self.scheduler.twins.forget(self.pool.running.values())
+        request_ids = [r.request_id for r in requests]
         await self.target.release(request_ids)
         for d in self.drafters:
             try:
                 await d.release(request_ids)
             except Exception:  # a dead drafter's state is gone anyway
                 self.exporter.drafter_failed(d.name)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests the engine still references anywhere (a leak check: 0 when idle)."""
+        pool = self.pool
+        return len(pool.running) + len(pool.waiting) + pool.num_to_release + self.scheduler.twins.num_tracked
 
     # ---- what the loop and the front ends read ----------------------------------------------------
     @property

@@ -7,7 +7,12 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from cosine_ray.algo.sampling import draw_seed
+
+if TYPE_CHECKING:
+    from cosine_ray.algo.routing import RoutingVector
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +99,31 @@ class Request:
     """A stage lost this request's KV: the next step re-prefills prompt + committed tokens."""
     num_restores: int = 0
     lane: int = 0
-    """Micro-batch lane the router steps this request in."""
+    """Micro-batch lane the engine steps this request in."""
     admitted_time: float | None = None
-    """When the router moved it from waiting to running (same clock as arrival_time)."""
+    """When the engine moved it from waiting to running (same clock as arrival_time)."""
     domain: str = "other"
-    """Domain the router classified the prompt into (code, math, instruction, chat, other)."""
+    """Domain the engine classified the prompt into (code, math, instruction, chat, other)."""
     stats: RequestStats = field(default_factory=RequestStats)
+    # ---- what the step's owners know about the request: it is freed with the request --------
+    num_in_flight: int = 0
+    """Steps (lanes) working on it now; its release waits until none does."""
+    last_scheduled_at: float | None = None
+    """When a step last scheduled it (the scheduler's waiting time)."""
+    num_decode_steps: int = 0
+    """Decoding steps it was scheduled for (the price's probe steps count them)."""
+    holds_kv: bool = False
+    """Scheduled at least once: its KV counts against M_max whether it runs or not."""
+    gain_curve: tuple[float, ...] = (0.0,)
+    """Expected accepted draft tokens of its last drafted tree for γ = 0.. (predicts its next step)."""
+    routing: "RoutingVector | None" = None
+    """Its routing vector M_r (eq. 2-3), from the domain prior on arrival."""
+    drafted_ahead: object | None = None
+    """PEARL: what was drafted ahead of its verification (``engine.modes.pearl``)."""
+    prompt_key: int | None = None
+    """Twins: hash of the prompt, computed once (``engine.modes.twins``)."""
+    twin_progress: tuple[int, float] | None = None
+    """Twins: its output length and when that last grew."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -17,6 +17,10 @@ from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.worker.scoring import KVCommit
 
+PROBE_EVERY = 8
+"""A request priced at γ = 0 still drafts and verifies one node every this many decoding
+steps, so calibration keeps measuring its drafters and speculation can come back."""
+
 
 @dataclass(slots=True)
 class StepBatch:

@@ -274,7 +274,7 @@ def test_more_requests_than_max_batch_size():
     prompts = [[i, i + 1, (3 * i) % VOCAB] for i in range(7)]
     router, out, finals = run_batch(target, [OracleDrafter("oracle", target)], prompts=prompts,
                                     params=SamplingParams(max_tokens=10), num_speculative_tokens=2,
-                                    max_batch_size=3)
+                                    max_num_seqs=3)
     assert out == reference(target, prompts, max_tokens=10)
     assert max(target.batch_sizes) == 3
     # FIFO admission: the first three requests were scored before any later one
@@ -318,7 +318,7 @@ def test_add_request_validation():
     with pytest.raises(ValueError, match="at least one token"):
         router.add_request("b", [], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError):
-        StepConfig(max_batch_size=0)
+        StepConfig(max_num_seqs=0)
     with pytest.raises(ValueError):
         StepConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError):
@@ -382,7 +382,7 @@ def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, to
     target = TableTarget(vocab=vocab, scale=1.0, seed=3)
     prompt = [1, 2]
     router = make_router(target, [RandomTreeDrafter("random", vocab)], vocab=vocab,
-                         num_speculative_tokens=3, max_batch_size=512, pearl=pearl)
+                         num_speculative_tokens=3, max_num_seqs=512, pearl=pearl)
     for i in range(n_requests):
         router.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, temperature=temperature,
                                                            top_k=top_k, top_p=top_p, seed=i))
@@ -455,7 +455,7 @@ def test_abort_frees_target_and_drafter_state(tiny_checkpoint, tiny_stages):
     ngram = NgramDrafter()
     model = ModelDrafter(LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict()), name="self")
     worker, router = tiny_router(tiny_stages, [ngram, model], num_speculative_tokens=3,
-                                 max_batch_size=2)
+                                 max_num_seqs=2)
     prompts = tiny_prompts()
     for i, p in enumerate(prompts):
         router.add_request(f"r{i}", p, SamplingParams(max_tokens=40))

@@ -680,7 +680,7 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
     router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
     guard = SpeculationGuard(decay=1.0, explore_share=0.0, young_explore_share=0.0, seed=0)
     router.scheduler.guard = router.learner.guard = guard  # one level, every step weighs the same
-    observed, observe_level = [], router.learner._observe_level
+    observed, observe_level = [], router.learner.levels.observe
 
     def spy(batch, verified, latency, step_s):
         if batch.level is not None and not any(o.is_prefill for o in verified.outcomes):
@@ -688,7 +688,7 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
             observed.append((list(verified.context_lens), step_s, tokens))
         return observe_level(batch, verified, latency, step_s)
 
-    router.learner._observe_level = spy
+    router.learner.levels.observe = spy
     run(router, prompts_for(0, 3), max_tokens=120)
     final = router.learner.costs.latency
     assert final.c0 < 0.02 < LatencyModel.default().c0  # refitted to the 5 ms target

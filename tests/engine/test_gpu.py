@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from hf_reference import hf_greedy
@@ -33,8 +33,7 @@ def prompts() -> list[list[int]]:
 
 
 def make_engine(ckpt, drafters: str, dtype: str = "float32", num_lanes: int = 1) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), device="cuda",
-                                    dtype=dtype, step=StepConfig(max_batch_size=8, num_lanes=num_lanes)),
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), device="cuda", dtype=dtype).replace(max_num_seqs=8, num_lanes=num_lanes),
                        checkpoint=ckpt)
 
 

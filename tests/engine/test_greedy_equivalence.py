@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosine_ray.engine.config import DOMAINS, EngineConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, parse_drafters
+from cosine_ray.engine.drafters.spec import DOMAINS
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.build import datastore_path
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.config import StepConfig
 
 NEAR_TIE = 1e-4
 NEAR_TIES: list[str] = []
@@ -58,8 +58,7 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, *, top: int 
 
 
 def make_engine(ckpt, drafters: str, **router) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters),
-                                    step=StepConfig(**router)), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters)).replace(**router), checkpoint=ckpt)
 
 
 # ==============================================================================================
@@ -110,7 +109,7 @@ def test_tiny_speculative_equals_hf_greedy(tiny_checkpoint, tiny_draft_checkpoin
                                            tiny_reference, tiny_datastore, drafters, gamma):
     spec = tiny_drafter_sets(tiny_draft_checkpoint.path, tiny_datastore)[drafters]
     # the random tiny model's probabilities are low: verify a fixed γ (no confidence cut, no LP)
-    engine = make_engine(tiny_checkpoint, spec, num_speculative_tokens=gamma, max_batch_size=8,
+    engine = make_engine(tiny_checkpoint, spec, num_speculative_tokens=gamma, max_num_seqs=8,
                          min_tree_confidence=0.0, adaptive=False)
     outs = engine.generate(tiny_prompts, SamplingParams(max_tokens=TINY_MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == tiny_reference
@@ -134,16 +133,15 @@ def test_tiny_cosine_and_ablations_equal_hf_greedy(tiny_checkpoint, tiny_draft_c
                                                    tiny_reference, tiny_datastore, config):
     """Full CoSine (routing, fusion, LP, adaptive γ) and each ablation switch: still HF greedy."""
     spec = tiny_drafter_sets(tiny_draft_checkpoint.path, tiny_datastore)["ngram+retrieval+model"]
-    engine = make_engine(tiny_checkpoint, spec, num_speculative_tokens=4, max_batch_size=8, **config)
+    engine = make_engine(tiny_checkpoint, spec, num_speculative_tokens=4, max_num_seqs=8, **config)
     outs = engine.generate(tiny_prompts, SamplingParams(max_tokens=TINY_MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == tiny_reference
     assert sum(o.stats.num_routed_steps for o in outs) > 0
 
 
 def test_tiny_pipeline_stages_and_continuous_batching(tiny_checkpoint, tiny_prompts, tiny_reference):
-    """3 pipeline stages, more requests than max_batch_size, mixed max_tokens in one call."""
-    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
-                                      num_stages=3, step=StepConfig(num_speculative_tokens=4, max_batch_size=3)),
+    """3 pipeline stages, more requests than max_num_seqs, mixed max_tokens in one call."""
+    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=3).replace(num_speculative_tokens=4, max_num_seqs=3),
                          checkpoint=tiny_checkpoint)
     limits = [TINY_MAX_TOKENS - 3 * i for i in range(len(tiny_prompts))]
     outs = engine.generate(tiny_prompts, [SamplingParams(max_tokens=n) for n in limits])
@@ -155,9 +153,7 @@ def test_tiny_pipeline_stages_and_continuous_batching(tiny_checkpoint, tiny_prom
 
 def test_tiny_micro_batch_lanes(tiny_checkpoint, tiny_prompts, tiny_reference):
     """Several lanes (micro-batches stepped by their own coroutines) change nothing."""
-    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
-                                      num_stages=2,
-                                      step=StepConfig(num_speculative_tokens=4, max_batch_size=5, num_lanes=2)),
+    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=2).replace(num_speculative_tokens=4, max_num_seqs=5, num_lanes=2),
                          checkpoint=tiny_checkpoint)
     outs = engine.generate(tiny_prompts, SamplingParams(max_tokens=TINY_MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == tiny_reference
@@ -254,7 +250,7 @@ def real_engines(real_checkpoint):
     def get(drafters: str, gamma: int) -> LocalEngine:
         if (drafters, gamma) not in cache:
             cache[(drafters, gamma)] = make_engine(real_checkpoint, drafters, num_speculative_tokens=gamma,
-                                                   max_batch_size=8)
+                                                   max_num_seqs=8)
         return cache[(drafters, gamma)]
 
     yield get
@@ -358,7 +354,7 @@ def test_real_learning_experts_learn_and_stay_lossless(real_checkpoint, hf_tops,
     first pass, about 220), while the fixed policy gives the same 413 -> 112 steps every run,
     under load too. The default economics with learning drafters stay lossless in
     ``test_real_speculative_equals_hf_greedy[learning]``."""
-    engine = make_engine(real_checkpoint, "learning", num_speculative_tokens=8, max_batch_size=8,
+    engine = make_engine(real_checkpoint, "learning", num_speculative_tokens=8, max_num_seqs=8,
                          scheduler="fcfs", adaptive=False)
     params = SamplingParams(max_tokens=REAL_MAX_TOKENS)
     first, second = engine.generate(real_prompts, params), engine.generate(real_prompts, params)
@@ -445,7 +441,7 @@ def test_real_cosine_and_ablations_equal_hf_greedy(real_checkpoint, hf_tops, rea
     datastores) with expertise routing, confidence fusion, LP scheduling and adaptive γ — and
     each ablation — is still HF greedy: full CoSine on the 20 held-back prompts, each ablation
     on 2 per domain file (the switches only change which drafts are verified)."""
-    engine = make_engine(real_checkpoint, "default", num_speculative_tokens=8, max_batch_size=8,
+    engine = make_engine(real_checkpoint, "default", num_speculative_tokens=8, max_num_seqs=8,
                          **REAL_COSINE_CONFIGS[name])
     prompts = real_prompts if name == "cosine" else [p for i, p in enumerate(real_prompts) if i % REAL_PER_FILE < 2]
     outs = engine.generate(prompts, SamplingParams(max_tokens=REAL_MAX_TOKENS))
@@ -476,8 +472,7 @@ def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prom
     from cosine_ray.engine.worker.target import TargetWorker
 
     def engine(drafter_set):
-        return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set),
-                                        dtype="bfloat16", step=StepConfig(max_batch_size=8)),
+        return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set), dtype="bfloat16").replace(max_num_seqs=8),
                            checkpoint=real_checkpoint)
 
     params = SamplingParams(max_tokens=REAL_MAX_TOKENS)

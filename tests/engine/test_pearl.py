@@ -18,7 +18,7 @@ import torch
 from cosine_ray.algo.fusion import FusedPath
 from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.algo.tree_selection import build_tree
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pearl import Pearl, after_token, trunk_tokens
 from cosine_ray.engine.types import Drafted, Verified
@@ -29,8 +29,7 @@ MAX_TOKENS = 30
 
 
 def make_engine(ckpt, drafters: str, num_stages: int = 1, **step) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages,
-                                    step=StepConfig(**{"pearl": "on", **step})), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages).replace(**{"pearl": "on", **step}), checkpoint=ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +177,7 @@ def test_real_model_pearl_equals_hf_greedy(real_checkpoint, real_hf_model):
     tokenizer = real_checkpoint.load_tokenizer()
     texts = ["Write a Python function that returns the factorial of n.", "What is 17 times 23?"]
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    engine = LocalEngine(EngineConfig(num_stages=2, step=StepConfig(pearl="auto")), checkpoint=real_checkpoint)
+    engine = LocalEngine(EngineConfig(num_stages=2).replace(pearl="auto"), checkpoint=real_checkpoint)
     outs = engine.generate(prompts, SamplingParams(max_tokens=40))
     refs = [hf_greedy(real_hf_model, p, 40) for p in prompts]
     for o, ref in zip(outs, refs):

@@ -60,7 +60,7 @@ def test_ids_for_greedy_items_logits_for_the_rest(tiny_checkpoint, num_stages):
 
 def test_greedy_requests_through_the_engine_never_ship_logits(tiny_checkpoint, monkeypatch):
     """A greedy engine's last stage returns no logit rows at all."""
-    from cosine_ray.engine import target as target_module
+    from cosine_ray.engine.worker import target as target_module
     from cosine_ray.engine.config import EngineConfig, parse_drafters
     from cosine_ray.engine.local import LocalEngine
     from cosine_ray.engine.request import SamplingParams

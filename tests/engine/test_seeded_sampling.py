@@ -15,7 +15,6 @@ from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.config import StepConfig
 
 MAX_TOKENS = 24
 SEEDED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=123)
@@ -28,8 +27,7 @@ SPECULATE = dict(num_speculative_tokens=4, min_tree_confidence=0.0, adaptive=Fal
 
 
 def make_engine(ckpt, drafters: str, **step) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters),
-                                    step=StepConfig(**step)), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters)).replace(**step), checkpoint=ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -605,9 +605,9 @@ def test_the_engine_config_caps_every_suffix_index():
         return [build_drafter(s, target=target, target_state={}, target_tokenizer=None,
                               config=config).state_size()["global_tokens"] for s in specs]
 
-    uncapped, capped = sizes(EngineConfig()), sizes(EngineConfig(suffix_index_tokens=5_000))
+    uncapped, capped = sizes(EngineConfig()), sizes(EngineConfig().replace(suffix_index_tokens=5_000))
     assert all(n > 5_000 for n in uncapped), uncapped
     assert all(0 < n <= 5_000 for n in capped), capped
     for bad in (0, -1, 2.5, True, "many"):
         with pytest.raises(ValueError, match="suffix_index_tokens must be an integer >= 1"):
-            EngineConfig(suffix_index_tokens=bad)
+            EngineConfig().replace(suffix_index_tokens=bad)

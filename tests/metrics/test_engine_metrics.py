@@ -13,7 +13,6 @@ from starlette.testclient import TestClient
 from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.serve.openai_app import build_openai_app
 
 MAX_TOKENS = 10
@@ -27,8 +26,7 @@ class IdTokenizer:
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
-                                    num_stages=2, step=StepConfig(min_tree_confidence=0.0)),
+    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=2).replace(min_tree_confidence=0.0),
                        checkpoint=tiny_checkpoint)
 
 

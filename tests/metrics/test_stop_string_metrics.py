@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from cosine_ray.engine.client import LocalEngineClient
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.serve.openai_app import build_openai_app
@@ -29,8 +29,7 @@ class IdTokenizer:
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"),
-                                    step=StepConfig(min_tree_confidence=0.0)), checkpoint=tiny_checkpoint)
+    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self")).replace(min_tree_confidence=0.0), checkpoint=tiny_checkpoint)
 
 
 def counts(engine) -> dict[str, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.models.llama import LlamaStage
@@ -73,9 +73,9 @@ def test_runner_modes(tiny_checkpoint):
     with pytest.raises(ValueError, match="runner"):
         StepRunner(stage, "fast")
     with pytest.raises(ValueError, match="runner"):
-        EngineConfig(runner="fast")
+        EngineConfig().replace(runner="fast")
     with pytest.raises(ValueError, match="cuda"):
-        EngineConfig(runner="graph", device="cpu")
+        EngineConfig(device="cpu").replace(runner="graph")
 
 
 @pytest.mark.parametrize("drafters", ["none", "ngram,self"])
@@ -84,8 +84,8 @@ def test_engine_on_static_runner_equals_hf_greedy(tiny_checkpoint, drafters):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 17, 45)] + [list(range(30, 40)) * 3]
     hf = tiny_checkpoint.load_hf_model()
     want = [hf_greedy(hf, p, 24) for p in prompts]
-    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters(drafters),
-                                      runner="static", step=StepConfig(max_batch_size=4)), checkpoint=tiny_checkpoint)
+    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters(drafters)).replace(
+        runner="static", max_num_seqs=4), checkpoint=tiny_checkpoint)
     outs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [o.new_token_ids for o in outs] == want
     assert engine.target.stages[0].runner.stats["static"] > 0

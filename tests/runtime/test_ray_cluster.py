@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray")
 
 from ray import serve  # noqa: E402
 
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters  # noqa: E402
+from cosine_ray.engine.config import EngineConfig, parse_drafters  # noqa: E402
 from cosine_ray.engine.local import LocalEngine, encode_prompt  # noqa: E402
 from cosine_ray.engine.request import RequestOutput, SamplingParams  # noqa: E402
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
@@ -106,7 +106,7 @@ def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
 
 def engine_config_data(tiny: Tiny, num_stages: int) -> dict[str, Any]:
     return {"model": str(tiny.ckpt.path), "drafters": DRAFTERS[num_stages], "num_stages": num_stages,
-            "step": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_batch_size": 8,
+            "step": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_num_seqs": 8,
                      "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE,
                      "adaptive": False},  # fixed γ: the random tiny model's drafts are verified
             "cluster": {"stage_deadline_s": 30.0, "drafters_in_engine": "none"}}  # every drafter an actor
@@ -245,10 +245,7 @@ def test_pipeline_matches_local_engine_and_hf_greedy(engines, tiny, num_stages):
     prompts, refs = tiny.prompts[:4] + tiny.prompts[-1:], tiny.refs[:4] + tiny.refs[-1:]
 
     start = time.perf_counter()
-    local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]),
-                                     num_stages=num_stages,
-                                     step=StepConfig(num_speculative_tokens=GAMMA, max_batch_size=8,
-                                                     min_tree_confidence=MIN_TREE_CONFIDENCE, adaptive=False)),
+    local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]), num_stages=num_stages).replace(num_speculative_tokens=GAMMA, max_num_seqs=8, min_tree_confidence=MIN_TREE_CONFIDENCE, adaptive=False),
                         checkpoint=tiny.ckpt)
     local_outs = local.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in local_outs] == refs, "in-process engine differs from HF greedy"

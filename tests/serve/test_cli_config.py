@@ -16,7 +16,7 @@ import yaml
 
 from cosine_ray.cli import build_parser, main
 from cosine_ray.cli import serve as serve_cli
-from cosine_ray.engine.config import ClusterConfig, EngineConfig, StepConfig
+from cosine_ray.engine.config import ClusterConfig, EngineConfig, ExperimentsConfig
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_YAML = REPO / "deploy" / "engine.yaml"
@@ -53,13 +53,13 @@ def test_engine_yaml_is_what_serve_runs_without_flags():
     from_file = plan("--config", str(ENGINE_YAML))
     assert from_file.engine == default.engine
     assert (from_file.host, from_file.port, from_file.app_args) == (default.host, default.port, default.app_args)
-    assert default.engine["num_stages"] == 2 and default.engine["step"]["num_lanes"] == 2
+    assert default.engine["num_stages"] == 2 and default.engine["experiments"]["num_lanes"] == 2
     assert default.engine["model"] == "smollm2-135m"
     # every field of the engine config is written out, each with a comment
     text = ENGINE_YAML.read_text()
     data = yaml.safe_load(text)
     assert set(data) == {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(data["step"]) == {f.name for f in dataclasses.fields(StepConfig)}
+    assert set(data["experiments"]) == {f.name for f in dataclasses.fields(ExperimentsConfig)}
     assert set(data["cluster"]) == {f.name for f in dataclasses.fields(ClusterConfig)}
     keyed = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert all("#" in line for line in keyed), [line for line in keyed if "#" not in line]
@@ -69,10 +69,10 @@ def test_engine_yaml_is_what_serve_runs_without_flags():
 
 
 def test_enforce_eager_flag_sets_the_runner(tmp_path):
-    assert plan().engine["runner"] == "auto"
-    assert plan("--enforce-eager").engine["runner"] == "eager"
+    assert plan().engine["experiments"]["runner"] == "auto"
+    assert plan("--enforce-eager").engine["experiments"]["runner"] == "eager"
     from_file = write(tmp_path, {"num_stages": 1, "runner": "eager"})
-    assert plan("--config", from_file).engine["runner"] == "eager"  # absent flag: the file's value stands
+    assert plan("--config", from_file).engine["experiments"]["runner"] == "eager"  # absent flag: the file's value stands
     from cosine_ray.cli.args import engine_config_from_args
     for argv, runner in ((["generate", "hi"], "auto"), (["generate", "hi", "--enforce-eager"], "eager")):
         assert engine_config_from_args(build_parser().parse_args(argv)).runner == runner
@@ -81,7 +81,7 @@ def test_enforce_eager_flag_sets_the_runner(tmp_path):
 def test_an_engine_config_file_takes_the_ingress_args_too(tmp_path):
     """An engine config file is the application builder's ``args``: ingress args included."""
     p = plan("--config", write(tmp_path, {"num_stages": 1, "api_key": "k", "metrics_require_key": True}))
-    assert p.engine["num_stages"] == 1 and p.engine["step"]["num_lanes"] == 1 and "api_key" not in p.engine
+    assert p.engine["num_stages"] == 1 and p.engine["experiments"]["num_lanes"] == 1 and "api_key" not in p.engine
     assert (p.app_args["api_key"], p.app_args["metrics_require_key"]) == ("k", True)
 
 
@@ -110,7 +110,7 @@ def test_serve_config_gives_engine_ingress_and_http_settings(tmp_path, monkeypat
          "return_spec_stats": True, "max_pending_requests": 7, "step": {"num_lanes": 1}},
         proxy_location="HeadOnly", logging_config={"encoding": "JSON"}))
     p = plan("--config", path)
-    assert p.engine["drafters"] == "ngram" and p.engine["num_stages"] == 1 and p.engine["step"]["num_lanes"] == 1
+    assert p.engine["drafters"] == "ngram" and p.engine["num_stages"] == 1 and p.engine["experiments"]["num_lanes"] == 1
     assert "api_key" not in p.engine
     assert {k: p.app_args[k] for k in ("api_key", "return_spec_stats", "max_pending_requests")} == {
         "api_key": "file-key", "return_spec_stats": True, "max_pending_requests": 7}

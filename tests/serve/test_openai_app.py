@@ -21,7 +21,6 @@ from tiny_checkpoint import write_tiny_checkpoint
 from uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.client import LocalEngineClient
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import RequestOutput, RequestStats, SamplingParams
@@ -53,8 +52,7 @@ class Served:
 def served(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", tokenizer_from=real_checkpoint)
     # the random tiny model's own probabilities are low: verify every draft it makes
-    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self"),
-                                      step=StepConfig(min_tree_confidence=0.0, adaptive=False)), checkpoint=ck)
+    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self")).replace(min_tree_confidence=0.0, adaptive=False), checkpoint=ck)
     tok = engine.tokenizer
     prompts = {"chat": encode_prompt(tok, CHAT_TEXT),
                "completion": tok(COMPLETION_TEXT, add_special_tokens=True)["input_ids"]}

@@ -25,7 +25,6 @@ from uvicorn_thread import serve_in_thread
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import RequestOutput
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.serve import openai_app
 from cosine_ray.serve.errors import OVERLOADED_CODE
 from cosine_ray.serve.metrics_http import METRICS_PATH
@@ -237,8 +236,7 @@ class Served:
 @pytest.fixture(scope="module")
 def timed_server(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("timeout") / "tiny", tokenizer_from=real_checkpoint)
-    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram"),
-                                      step=StepConfig(max_batch_size=2)), checkpoint=ck)
+    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram")).replace(max_num_seqs=2), checkpoint=ck)
     app = build_openai_app(_LocalClient(engine), engine.tokenizer, model_name="tiny",
                            request_timeout_s=TIMEOUT_S, max_pending_requests=8)
     url, stop = serve_in_thread(app)

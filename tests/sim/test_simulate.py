@@ -26,7 +26,7 @@ from cosine_ray.sim.world import Acceptance, DrafterModel, Oracle, SimDrafter
 SMALL = {
     "name": "small",
     "seed": 0,
-    "engine": {"step": {"max_batch_size": 8, "num_speculative_tokens": 8}},
+    "engine": {"step": {"max_num_seqs": 8, "num_speculative_tokens": 8}},
     "latency": {"cpu": {"linear": {"c0_ms": 40, "c_req_ms": 0.5, "c_tok_ms": 0.45, "c_knee_ms": 1.5,
                                    "knee_tokens": 16, "c_attn_us": 0.2}, "source": "hand"}},
     "devices": ["cpu0"],
@@ -117,7 +117,7 @@ def _one_drafter(alpha: float, depths: int = 6) -> list[dict]:
 def test_speculation_speed_follows_acceptance():
     good = simulate(scenario(drafters=_one_drafter(0.9)))
     useless = simulate(scenario(drafters=_one_drafter(0.0)))
-    off = simulate(scenario(engine={"step": {"max_batch_size": 8, "num_speculative_tokens": 0}},
+    off = simulate(scenario(engine={"step": {"max_num_seqs": 8, "num_speculative_tokens": 0}},
                             drafters=_one_drafter(0.9)))
     tpot = {name: r.summary()["tpot_mean_s"] for name, r in [("good", good), ("useless", useless), ("off", off)]}
 
@@ -218,7 +218,7 @@ def test_logits_return_slows_a_speculative_run_on_a_slow_router_link():
 
 PIPELINE = {
     "name": "two-stages",
-    "engine": {"step": {"max_batch_size": 4, "num_lanes": 2, "num_speculative_tokens": 0}},
+    "engine": {"step": {"max_num_seqs": 4, "num_lanes": 2, "num_speculative_tokens": 0}},
     "latency": {"whole": {"linear": {"c0_ms": 20, "c_tok_ms": 0.1}}},
     "devices": ["gpu0", "gpu1"],
     "stages": [{"device": "gpu0", "latency": "whole", "layers": 0.5},
@@ -229,7 +229,7 @@ PIPELINE = {
 
 def test_two_lanes_keep_both_stages_busy():
     two = simulate(scenario(PIPELINE)).summary()
-    one = simulate(scenario(PIPELINE, engine={"step": {"max_batch_size": 4, "num_lanes": 1,
+    one = simulate(scenario(PIPELINE, engine={"step": {"max_num_seqs": 4, "num_lanes": 1,
                                                        "num_speculative_tokens": 0}})).summary()
     u2, u1 = two["utilisation"], one["utilisation"]
     # equal halves of the same model: both devices work the same amount

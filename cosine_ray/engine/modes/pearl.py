@@ -101,12 +101,11 @@ drafting first."""
 
 
 class Pearl:
-    """What was drafted ahead, per request, until the step it applies to; and, for ``auto``,
-    how long drafting and verification take here."""
+    """What was drafted ahead (kept on each request until the step it applies to) and, for
+    ``auto``, how long drafting and verification take here."""
 
     def __init__(self, mode: str = "on") -> None:
         self.mode = mode
-        self._ahead: dict[str, _Ahead] = {}
         self.stats = PearlStats()
         self.draft_s: float | None = None
         """Moving average of a step's drafting call (all its requests), seconds."""
@@ -118,7 +117,7 @@ class Pearl:
         previous step and still matching their context)."""
         out = {}
         for r in requests:
-            ahead = self._ahead.pop(r.request_id, None)
+            ahead, r.drafted_ahead = r.drafted_ahead, None
             self.stats.steps += 1
             if ahead is not None and ahead.num_tokens == r.num_tokens and r.output_token_ids[-1:] == [ahead.root]:
                 out[r.request_id] = ahead.drafted
@@ -155,8 +154,5 @@ class Pearl:
                 continue  # a draft token was rejected: the ahead drafts continue a wrong text
             below = after_token(ahead[o.request_id], token)
             if below is not None:
-                self._ahead[o.request_id] = _Ahead(by_id[o.request_id].num_tokens + len(o.new_token_ids), token, below)
-
-    def forget(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            self._ahead.pop(rid, None)
+                request = by_id[o.request_id]
+                request.drafted_ahead = _Ahead(request.num_tokens + len(o.new_token_ids), token, below)

@@ -59,28 +59,19 @@ class Twins:
     def __init__(self, *, max_stall_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_stall_s = max_stall_s
         self.clock = clock
-        self._keys: dict[str, int] = {}
-        """Running request id → hash of its prompt (computed once; equal prompts are then
-        compared in full)."""
         self._best: dict[int, Request] = {}
         """Per prompt hash shared by running requests: the most advanced request seen with it,
         kept when it leaves the pool (its text still drafts the others)."""
-        self._advanced: dict[str, tuple[int, float]] = {}
-        """Request id (in a group of twins) → its output length and when it last grew."""
 
     def plan(self, running: Iterable[Request], lane: Sequence[Request], budget: Callable[[Request], int]) -> TwinPlan:
         """Who of ``lane`` waits and who drafts from a twin, given every running request."""
         groups: dict[int, list[Request]] = {}
-        keys: dict[str, int] = {}
         for r in running:
             if not r.params.is_greedy or not r.output_token_ids:
                 continue
-            key = self._keys.get(r.request_id)
-            if key is None:
-                key = hash(tuple(r.prompt_token_ids))
-            keys[r.request_id] = key
-            groups.setdefault(key, []).append(r)
-        self._keys = keys
+            if r.prompt_key is None:  # computed once; equal prompts are then compared in full
+                r.prompt_key = hash(tuple(r.prompt_token_ids))
+            groups.setdefault(r.prompt_key, []).append(r)
         best = {}
         for key, members in groups.items():
             top = max(members, key=lambda r: len(r.output_token_ids))
@@ -91,14 +82,15 @@ class Twins:
         plan = TwinPlan()
         in_lane = {r.request_id for r in lane}
         now = self.clock()
-        advanced = {}
         for key, members in groups.items():
             gone = [best[key]] if all(r is not best[key] for r in members) else []
             if len(members) + len(gone) < 2:
+                for r in members:  # not a twin now: its progress clock starts again if it becomes one
+                    r.twin_progress = None
                 continue
             for r in members:
-                length, since = self._advanced.get(r.request_id, (-1, now))
-                advanced[r.request_id] = (length, since) if length == len(r.output_token_ids) \
+                length, since = r.twin_progress or (-1, now)
+                r.twin_progress = (length, since) if length == len(r.output_token_ids) \
                     else (len(r.output_token_ids), now)
             # most advanced first; on a tie the earlier admitted
             order = sorted(members + gone, key=lambda r: (-len(r.output_token_ids), _admitted(r)))
@@ -114,23 +106,32 @@ class Twins:
                 lead = leader.output_token_ids[len(out):]
                 need = budget(follower) + 1
                 leader_runs = not (gone and leader is gone[0])
-                if leader_runs and len(lead) < need and now - advanced[leader.request_id][1] < self.max_stall_s:
+                leader_since = (leader.twin_progress or (0, now))[1]
+                if leader_runs and len(lead) < need and now - leader_since < self.max_stall_s:
                     plan.held.add(rid)
                     continue
                 if lead and need > 1:
                     plan.drafts[rid] = tuple(lead[:need - 1])
-        self._advanced = advanced
         return plan
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Requests released from the pool: their keys go; a prompt no running request shares
-        any more drops its kept leader."""
-        for rid in request_ids:
-            self._keys.pop(rid, None)
-            self._advanced.pop(rid, None)
-        live = set(self._keys.values())
+    def forget(self, running: Iterable[Request]) -> None:
+        """Drop the kept leaders of prompts no running request shares any more."""
+        live = {r.prompt_key for r in running}
         self._best = {k: r for k, r in self._best.items() if k in live}
 
     @property
     def num_tracked(self) -> int:
-        return len(self._keys) + len(self._best) + len(self._advanced)
+        """Requests kept here (finished leaders lending their text)."""
+        return len(self._best)
+
+
+class NoTwins:
+    """Twins off: nobody waits, nobody drafts from a twin."""
+
+    def plan(self, running: Iterable[Request], lane: Sequence[Request], budget: Callable[[Request], int]) -> TwinPlan:
+        return TwinPlan()
+
+    def forget(self, running: Iterable[Request]) -> None:
+        return None
+
+    num_tracked = 0

@@ -8,9 +8,9 @@
   ``BASE_WEIGHT`` of a live one: the profile still covers shapes the live traffic has not
   shown, but no longer outvotes what this machine is doing now (before, the start-up profile's
   verify times ran 21 % low on the median live step, measured on the held-back workload).
-- ``GainModel`` predicts each request's expected-gain curve (expected accepted draft tokens
-  for its best g nodes) before it drafts: the calibrated curve of its last drafted tree,
-  which is what the LP batch decision (eq. 8) needs before the trees exist.
+- ``predicted_gains`` predicts a request's expected-gain curve (expected accepted draft tokens
+  for its best g nodes) before it drafts: the calibrated curve of its last drafted tree
+  (``Request.gain_curve``), which is what the LP batch decision (eq. 8) needs.
 
 The scheduler reads both; the learner updates them after each verify step.
 """
@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from cosine_ray.algo.guard import bucket_of
 from cosine_ray.algo.latency_model import LatencyModel, LlmSample, llm_features
+
+if TYPE_CHECKING:
+    from cosine_ray.engine.request import Request
 
 REFIT_EVERY = 16
 LIVE_SAMPLES = 256
@@ -107,23 +110,9 @@ class CostModel:
                 llm_weights=[base_weight] * len(base.llm_samples) + [1.0] * len(self._live))
 
 
-class GainModel:
-    def __init__(self) -> None:
-        self._curves: dict[str, tuple[float, ...]] = {}
-
-    def predict(self, request_id: str, budget: int) -> tuple[float, ...]:
-        """Expected accepted draft tokens with γ = 0..budget (``gains[0] = 0``)."""
-        curve = self._curves.get(request_id, (0.0,))[:budget + 1]
-        return curve + (curve[-1],) * (budget + 1 - len(curve))
-
-    def observe(self, request_id: str, gains: tuple[float, ...]) -> None:
-        """The calibrated expected-gain curve of the request's latest drafted tree."""
-        self._curves[request_id] = gains
-
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self._curves)
-
-    def forget(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            self._curves.pop(rid, None)
+def predicted_gains(request: "Request", budget: int) -> tuple[float, ...]:
+    """Expected accepted draft tokens with γ = 0..budget (``gains[0] = 0``): the calibrated
+    curve of the request's last drafted tree, what the batch decision needs before this
+    step's tree exists."""
+    curve = request.gain_curve[:budget + 1]
+    return curve + (curve[-1],) * (budget + 1 - len(curve))

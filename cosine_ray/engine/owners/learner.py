@@ -30,7 +30,7 @@ from cosine_ray.algo.routing import routing_score, verification_accuracy
 from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.engine.drafters.base import DraftFeedback, FinishedText
 from cosine_ray.engine.owners.drafting import DrafterClient
-from cosine_ray.engine.owners.economics import CostModel, GainModel
+from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.owners.routing import DraftRouting
 from cosine_ray.engine.types import DraftTree, Drafts, StepBatch, VerifiedBatch
@@ -41,7 +41,7 @@ from cosine_ray.metrics.stats import RequestStepStats, StepStats
 
 
 class Learner:
-    def __init__(self, *, speculator: Speculator, routing: DraftRouting, costs: CostModel, gains: GainModel,
+    def __init__(self, *, speculator: Speculator, routing: DraftRouting, costs: CostModel,
                  drafters: Sequence[DrafterClient], metrics: EngineMetrics, is_live: Callable[[str], bool],
                  clock: Callable[[], float], participation: ParticipationController | None = None,
                  guard: SpeculationGuard | None = None, unit_embeddings: torch.Tensor | None = None) -> None:
@@ -49,7 +49,6 @@ class Learner:
         self.calibrator: ConfidenceCalibrator = speculator.calibrator
         self.routing = routing
         self.costs = costs
-        self.gains = gains
         self.drafters = list(drafters)
         self.metrics = metrics
         self.participation = participation
@@ -58,11 +57,10 @@ class Learner:
         """False for a request that finished or was aborted while this step was in flight: its
         state is (being) released, so it teaches nothing."""
         self.clock = clock
+        # the optional learners, chosen once: the guard's levels and the drafter participation
+        self.levels: GuardLearning | NoGuardLearning = NoGuardLearning()
         self.guard = guard
-
-    async def learn(self, batch: StepBatch, drafts: Drafts, verified: VerifiedBatch) -> StepStats:
-        """Everything a verified step teaches, now (``record`` then ``absorb``)."""
-        return await self.absorb(self.record(batch, drafts, verified))
+        self._learn_participation = self._observe_participation if participation is not None else _ignore
 
     def record(self, batch: StepBatch, drafts: Drafts, verified: VerifiedBatch) -> "PendingLearning":
         """What cannot wait for the next step: each request's own counts (its response's stats
@@ -92,6 +90,14 @@ class Learner:
                 pending.trees.append((request, draft, outcome.result, step))
         return pending
 
+    @property
+    def guard(self) -> SpeculationGuard | None:
+        return getattr(self.levels, "guard", None)
+
+    @guard.setter
+    def guard(self, guard: SpeculationGuard | None) -> None:
+        self.levels = GuardLearning(guard) if guard is not None else NoGuardLearning()
+
     async def absorb(self, pending: "PendingLearning") -> StepStats:
         """The rest of what a recorded step teaches: calibration, routing, gains, drafter
         feedback, the latency fit, the guard, participation and the metrics. Run at once, or
@@ -104,10 +110,10 @@ class Learner:
             stats.verify_predicted_s = latency.predict_llm(verified.context_lens, verified.num_new_tokens)
             trees = not any(o.is_prefill for o in verified.outcomes)  # no prompt's cost in the step
             if trees:
-                self._observe_level(batch, verified, latency, pending.step_s)
+                self.levels.observe(batch, verified, latency, pending.step_s)
             self.costs.observe_verify(verified.context_lens, verified.num_new_tokens, verified.verify_s, trees=trees)
-            if self.guard is not None and self.costs.latency is not latency:
-                self._renormalise_guard(latency, self.costs.latency, verified.context_lens)
+            if self.costs.latency is not latency:
+                self.levels.refitted(latency, self.costs.latency, verified.context_lens)
             live = []
             for request, draft, result, step in pending.trees:
                 is_live = self.is_live(request.request_id)
@@ -115,40 +121,16 @@ class Learner:
                 if is_live:
                     live.append(step)
             await self._feedback(live, stats)
-        if self.guard is not None:  # the current level for steps of this one's size
-            stats.speculation_level = self.guard.levels[self.guard.current_level(len(batch.requests))]
-        if self.participation is not None and verified.outcomes:
-            trimmed = 1.0 - stats.total_gamma / drafts.stats.num_drafted_nodes if drafts.stats.num_drafted_nodes else 0.0
-            stats.participation = self.participation.observe(verified.verifier_idle_fraction, trimmed)
+        self.levels.report(len(batch.requests), stats)
+        if verified.outcomes:
+            self._learn_participation(drafts, verified, stats)
         self.metrics.observe_step(stats)
         return stats
 
-    def _observe_level(self, batch: StepBatch, verified: VerifiedBatch, latency, step_s: float) -> None:
-        """The guard learns what a step at its level yielded: committed tokens per request over
-        the step's wall time in predicted plain-decode steps of the same shape. Steps with a
-        prefill are not passed here (a prompt's cost is not the speculation level's doing)."""
-        if self.guard is None or batch.level is None:
-            return
-        plain_s = latency.predict_llm(verified.context_lens, [1] * len(verified.context_lens))
-        if plain_s > 0 and step_s > 0:
-            tokens = sum(len(o.new_token_ids) for o in verified.outcomes) / len(verified.outcomes)
-            self.guard.observe(batch.level, tokens, step_s / plain_s, len(verified.outcomes))
-
-    def _renormalise_guard(self, old, new, context_lens) -> None:
-        """The cost model was refitted: the guard's stored step times, in plain-decode steps of
-        the old model, become plain-decode steps of the new one (at this step's mean context).
-        Without it, the steps a young bucket saw under the start-up default (a 2-core CPU's
-        figures, on an H200 11-13× too slow) kept their levels' goodput inflated for hundreds of
-        steps: at 8 requests G read 30.9, still 1.4 a hundred steps later, and full CoSine's
-        guard ended at κ = 0 in 3 of 7 runs."""
-        ctx = max(int(round(sum(context_lens) / len(context_lens))), 1)
-
-        def factor(rows: int) -> float:
-            before = old.predict_llm([ctx] * rows, [1] * rows)
-            after = new.predict_llm([ctx] * rows, [1] * rows)
-            return before / after if before > 0 and after > 0 else 1.0
-
-        self.guard.rescale_times(factor)
+    def _observe_participation(self, drafts: Drafts, verified: VerifiedBatch, stats: StepStats) -> None:
+        """Adaptive drafter participation from the verifier's idle share (Algorithm 2)."""
+        trimmed = 1.0 - stats.total_gamma / drafts.stats.num_drafted_nodes if drafts.stats.num_drafted_nodes else 0.0
+        stats.participation = self.participation.observe(verified.verifier_idle_fraction, trimmed)
 
     def _count_tree(self, request: Request, draft: DraftTree, result: VerifyResult) -> RequestStepStats:
         """The step's counts for one request, added to its own stats at once."""
@@ -185,7 +167,7 @@ class Learner:
             self.speculator.bias.observe(request.domain, sum(draft.selected.node_acceptance()), len(accepted))
         if calibration_only:
             return
-        self.gains.observe(request.request_id, draft.full_gains)
+        request.gain_curve = draft.full_gains
         if draft.route is not None:
             self._score_routes(request, draft, result)
 
@@ -207,7 +189,7 @@ class Learner:
             confidences = [calibrate(name, conf, depth) for depth, (_, conf) in enumerate(answer, start=1)]
             scores[name] = routing_score(confidences, self._accuracy(committed, drafted))
         # eq. 3's L_acc: drafts accepted; None when none was verified (the mode stays as it was)
-        self.routing.update(request.request_id, scores,
+        self.routing.update(request, scores,
                             len(result.accepted_token_ids) if draft.tree.num_draft_tokens else None)
 
     def _accuracy(self, accepted: list[int], drafted: list[int | None]) -> list[float]:
@@ -272,3 +254,55 @@ class PendingLearning:
     """Wall time from the step's schedule to its verification's end (the guard's yield)."""
     trees: list[tuple[Request, DraftTree, VerifyResult, RequestStepStats]] = field(default_factory=list)
     """Each live request's tree, its verification and the step's counts for it."""
+
+
+class GuardLearning:
+    """What the speculation guard (``algo.guard``) learns from each verified step."""
+
+    def __init__(self, guard: SpeculationGuard) -> None:
+        self.guard = guard
+
+    def observe(self, batch: StepBatch, verified: VerifiedBatch, latency, step_s: float) -> None:
+        """What a step at its level yielded: committed tokens per request over the step's wall
+        time in predicted plain-decode steps of the same shape. Steps with a prefill are not
+        passed here (a prompt's cost is not the level's doing)."""
+        if batch.level is None:
+            return
+        plain_s = latency.predict_llm(verified.context_lens, [1] * len(verified.context_lens))
+        if plain_s > 0 and step_s > 0:
+            tokens = sum(len(o.new_token_ids) for o in verified.outcomes) / len(verified.outcomes)
+            self.guard.observe(batch.level, tokens, step_s / plain_s, len(verified.outcomes))
+
+    def refitted(self, old, new, context_lens: Sequence[int]) -> None:
+        """The cost model was refitted: the guard's stored step times, in plain-decode steps of
+        the old model, become plain-decode steps of the new one (at this step's mean context),
+        so a start-up default far from this machine's speed does not skew the levels for long."""
+        ctx = max(int(round(sum(context_lens) / len(context_lens))), 1)
+
+        def factor(rows: int) -> float:
+            before = old.predict_llm([ctx] * rows, [1] * rows)
+            after = new.predict_llm([ctx] * rows, [1] * rows)
+            return before / after if before > 0 and after > 0 else 1.0
+
+        self.guard.rescale_times(factor)
+
+    def report(self, rows: int, stats: StepStats) -> None:
+        """The current level for steps of this size (metrics)."""
+        stats.speculation_level = self.guard.levels[self.guard.current_level(rows)]
+
+
+class NoGuardLearning:
+    """No guard: nothing to learn or report."""
+
+    def observe(self, batch, verified, latency, step_s) -> None:
+        return None
+
+    def refitted(self, old, new, context_lens) -> None:
+        return None
+
+    def report(self, rows: int, stats: StepStats) -> None:
+        return None
+
+
+def _ignore(*args) -> None:
+    """An optional learner that is off."""

@@ -15,17 +15,17 @@ release; the step frees their state on the target and the drafters (``take_relea
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Collection, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from cosine_ray.engine.types import Verified
 
 
 class RequestPool:
-    def __init__(self, *, max_batch_size: int, max_model_len: int, num_lanes: int, vocab_size: int,
+    def __init__(self, *, max_num_seqs: int, max_model_len: int, num_lanes: int, vocab_size: int,
                  eos_token_ids: Sequence[int] = (), max_restores: int = 3,
                  clock: Callable[[], float]) -> None:
-        self.max_batch_size = max_batch_size
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.num_lanes = num_lanes
         self.vocab_size = vocab_size
@@ -34,7 +34,8 @@ class RequestPool:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
-        self._released: list[str] = []
+        self._released: list[Request] = []
+        """Finished or aborted requests whose state on the target and drafters is still held."""
         self._completed: list[Request] = []
         """Requests that finished normally (stop, length) since the last ``take_completed``."""
         self._pending_outputs: list[RequestOutput] = []
@@ -66,13 +67,13 @@ class RequestPool:
             if r.request_id == request_id:
                 self.waiting.remove(r)
                 r.finish("abort")
-                self._released.append(request_id)
+                self._released.append(r)
                 return True
         request = self.running.pop(request_id, None)
         if request is None:
             return False
         request.finish("abort")
-        self._released.append(request_id)
+        self._released.append(request)
         return True
 
     # ---- lanes and admission ---------------------------------------------------------------
@@ -81,7 +82,7 @@ class RequestPool:
         return bool(self.waiting or self.running or self._released or self._pending_outputs)
 
     def lane_has_work(self, lane: int) -> bool:
-        can_admit = bool(self.waiting) and len(self.running) < self.max_batch_size
+        can_admit = bool(self.waiting) and len(self.running) < self.max_num_seqs
         return (can_admit or bool(self._released) or bool(self._pending_outputs)
                 or any(r.lane == lane for r in self.running.values()))
 
@@ -92,7 +93,7 @@ class RequestPool:
     def admit(self) -> None:
         """First come, while the batch has room: each waiting request joins the least loaded
         lane (S stages get S equal micro-batches). It prefills when the scheduler says so."""
-        while self.waiting and len(self.running) < self.max_batch_size:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.admitted_time = self.clock()
@@ -123,14 +124,14 @@ class RequestPool:
                 len(request.prompt_token_ids), len(request.output_token_ids), request.stats))
             if request.is_finished:
                 del self.running[request.request_id]
-                self._released.append(request.request_id)
+                self._released.append(request)
                 self._completed.append(request)
         return outputs
 
     @property
     def to_release(self) -> tuple[str, ...]:
         """Finished or aborted requests whose state is not freed yet."""
-        return tuple(self._released)
+        return tuple(r.request_id for r in self._released)
 
     @property
     def num_to_release(self) -> int:
@@ -141,14 +142,14 @@ class RequestPool:
         done, self._completed = self._completed, []
         return done
 
-    def take_released(self, in_flight: Collection[str] = ()) -> list[str]:
+    def take_released(self) -> list[Request]:
         """Finished or aborted requests whose state on the target and drafters is still held,
-        except those in ``in_flight`` (a step of another lane still works on them: its drafter
-        or stage calls may not have been sent yet, and a call sent after the release would
-        recreate the state it freed). Those stay queued for a later step."""
-        ids = [rid for rid in self._released if rid not in in_flight]
-        self._released = [rid for rid in self._released if rid in in_flight]
-        return ids
+        except those a step of another lane still works on (``Request.num_in_flight``: its
+        drafter or stage calls may not have been sent yet, and a call sent after the release
+        would recreate the state it freed). Those stay queued for a later step."""
+        ready = [r for r in self._released if not r.num_in_flight]
+        self._released = [r for r in self._released if r.num_in_flight]
+        return ready
 
     def target_lost(self, recovered: bool, reason: str) -> None:
         """The target dropped every request's KV (a stage restarted, or never came back):
@@ -161,7 +162,7 @@ class RequestPool:
                 continue
             request.finish("error")
             del self.running[request.request_id]
-            self._released.append(request.request_id)
+            self._released.append(request)
             self._pending_outputs.append(RequestOutput(
                 request.request_id, [], True, "error", len(request.prompt_token_ids),
                 len(request.output_token_ids), request.stats, error=f"target unavailable: {reason}"))

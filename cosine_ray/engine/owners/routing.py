@@ -51,23 +51,15 @@ class DraftRouting:
         if self.domain_classifier is not None:
             request.domain = self.domain_classifier.classify(request.prompt_token_ids)[0]
         request.stats.domain = request.domain
-        self.router.start(request.request_id, request.domain)
+        request.routing = self.router.start(request.request_id, request.domain)
 
-    def finish(self, request_ids: Sequence[str]) -> dict[str, dict[str, float]]:
-        """Forget finished requests; returns the priors of their domains (for the metrics)."""
-        priors = {}
-        for rid in request_ids:
-            try:
-                domain = self.router.domain_of(rid)
-            except KeyError:
-                continue
-            self.router.finish(rid)
-            priors[domain] = self.router.prior(domain)
-        return priors
+    def priors(self, requests: Sequence[Request]) -> dict[str, dict[str, float]]:
+        """The priors of these requests' domains (for the metrics, as requests finish)."""
+        return {r.domain: self.router.prior(r.routing.domain) for r in requests if r.routing is not None}
 
-    def update(self, request_id: str, scores: Mapping[str, float], accepted_len: int | None) -> None:
+    def update(self, request: Request, scores: Mapping[str, float], accepted_len: int | None) -> None:
         """Fold one verify step's eq. 2 scores into M_r and the domain priors (the learner)."""
-        self.router.update(request_id, scores, accepted_len)
+        self.router.update(request.routing, scores, accepted_len)
 
     # ---- eq. 3 ------------------------------------------------------------------------------
     def route(self, batch: StepBatch) -> dict[str, Route]:
@@ -76,11 +68,11 @@ class DraftRouting:
         if not self._has_drafters:
             return {}
         drafting = [r for r in batch.decodes if batch.budgets[r.request_id] > 0 and r.request_id not in batch.twins]
-        choices = self.router.choose([r.request_id for r in drafting], k=self.drafters_per_request)
+        choices = self.router.choose([r.routing for r in drafting], k=self.drafters_per_request)
         routes = {}
         for r in drafting:
             choice = choices[r.request_id]
-            scores = self.router.scores(r.request_id)
+            scores = self.router.scores(r.routing)
             routed = tuple(sorted(choice.drafters, key=lambda n: -scores.get(n, 0.0)))
             route = Route(routed + self.shared, choice.mode, len(self.shared))
             routes[r.request_id] = route

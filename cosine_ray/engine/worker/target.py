@@ -189,7 +189,7 @@ class StageWorker:
         failure is logged and leaves capture to first use. Returns the graphs captured (0 unless
         the runner replays graphs)."""
         self.runner.tree_size(step.num_speculative_tokens + 1)
-        keys = startup_keys(step.max_batch_size, step.num_speculative_tokens + 1, step.max_model_len,
+        keys = startup_keys(step.max_num_seqs, step.num_speculative_tokens + 1, step.max_model_len,
                             self.cache.block_size, prefills=True, new_tokens=self.runner.new_tokens)
         try:
             return self.runner.capture(self.cache, keys)
