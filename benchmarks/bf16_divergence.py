@@ -55,7 +55,8 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens)
 
     def decode(drafters: str) -> list[list[int]]:
-        engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(drafters), device=args.device, dtype=args.dtype).replace(max_num_seqs=max(8, args.concurrency)),
+        engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(drafters), device=args.device, dtype=args.dtype).replace(
+                max_num_seqs=max(8, args.concurrency)),
                              checkpoint=checkpoint)
         out = []
         for i in range(0, len(prompts), args.concurrency):

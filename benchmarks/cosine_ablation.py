@@ -184,7 +184,8 @@ def main() -> None:
     meas_ids = [encode_prompt(tokenizer, p) for _, p in meas]
     domains = [d for d, _ in meas]
     params = SamplingParams(max_tokens=args.max_tokens)
-    engines = {name: LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(SYSTEMS[name][0])).replace(max_num_seqs=16, **SYSTEMS[name][1]),
+    engines = {name: LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(SYSTEMS[name][0])).replace(
+            max_num_seqs=16, **SYSTEMS[name][1]),
                                  checkpoint=checkpoint) for name in names}
     rng = random.Random(args.seed)
     results: dict[str, Any] = {}

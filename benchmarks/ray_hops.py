@@ -72,7 +72,7 @@ def main() -> None:
 def real_stages(num_stages: int, iters: int) -> None:
     from cosine_ray.algo.tree import TokenTree
     from cosine_ray.engine.config import config_from_dict
-    from cosine_ray.engine.worker.scoring import ScoreItem
+    from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
     from cosine_ray.runtime.actors import StageActor
     config = config_from_dict({"num_stages": num_stages})
     stages = [StageActor.options(num_cpus=0).remote(config, i) for i in range(num_stages)]
@@ -85,12 +85,13 @@ def real_stages(num_stages: int, iters: int) -> None:
         ref = s.forward.remote(prefill, ref)
     ray.get(ref)
     tree = TokenTree.from_paths(5, [[1, 2, 3, 4, 5, 6], [7, 8]])
-    step = [ScoreItem.for_tree(f"r{i}", tree, 128, tuple(range(128))) for i in range(8)]
+    step = [ScoreItem.for_tree(f"r{i}", tree, 128) for i in range(8)]
+    commits = [KVCommit(f"r{i}", tuple(range(128))) for i in range(8)]
     ref = None
     for s in stages:  # commit the prefill once; later calls re-score the same speculative level
-        ref = s.forward.remote(step, ref)
+        ref = s.forward.remote(step, ref, commits)
     ray.get(ref)
-    step = [ScoreItem.for_tree(f"r{i}", tree, 128, None) for i in range(8)]
+    step = [ScoreItem.for_tree(f"r{i}", tree, 128) for i in range(8)]
 
     def plain():
         ref = None

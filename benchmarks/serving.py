@@ -63,7 +63,8 @@ def main() -> None:
     prompts = [t for _, t in held_back_prompts(DEFAULT_PROMPT_DIR, args.prompts_per_domain, ValueError)]
     results: dict[str, dict[str, float]] = {}
 
-    engine = LocalEngine(EngineConfig(drafters=parse_drafters(args.drafters), num_threads=2).replace(max_num_seqs=args.concurrency))
+    engine = LocalEngine(EngineConfig(drafters=parse_drafters(args.drafters), num_threads=2).replace(
+            max_num_seqs=args.concurrency))
     ids = [encode_prompt(engine.tokenizer, t) for t in prompts]
     engine.generate([ids[0]], SamplingParams(max_tokens=4))
     start = time.perf_counter()

@@ -389,7 +389,8 @@ def main(argv=None) -> int:
     calib_set = [(d, p) for d, ps in per_domain.items() for p in ps[n:]]
     results, calibrations = [], {}
     for s in stages:
-        configs = {"off": EngineConfig(drafters=parse_drafters("none"), num_stages=s, num_threads=args.threads).replace(num_speculative_tokens=0),
+        configs = {"off": EngineConfig(drafters=parse_drafters("none"), num_stages=s, num_threads=args.threads).replace(
+                num_speculative_tokens=0),
                    "on": EngineConfig(drafters=parse_drafters(DEFAULT_DRAFTERS), num_stages=s,
                                       num_threads=args.threads)}
         for mode, config in configs.items():

@@ -65,7 +65,8 @@ class _RecordingGuard(SpeculationGuard):
 def held_engine(checkpoint, level: int, current: Callable[[], Run | None]) -> LocalEngine:
     """A full-CoSine engine whose guard stays at ``LEVELS[level]``; every step, and what the
     guard observes, recorded into ``current()`` (None: not recorded, as in warm-up)."""
-    engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(DEFAULT_DRAFTERS)).replace(max_num_seqs=16), checkpoint=checkpoint)
+    engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(DEFAULT_DRAFTERS)).replace(
+            max_num_seqs=16), checkpoint=checkpoint)
     core = engine.core
     guard = _RecordingGuard(start=level, explore_share=0.0, young_explore_share=0.0)  # no exploring: nothing to move to
 

@@ -180,7 +180,7 @@ def run_shapes(args) -> None:
                 hf(torch.tensor([prompt] * b, device=device), past_key_values=cache, use_cache=True)
             for n in tokens:
                 chain = TokenTree(tuple(prompt[:n]), tuple(range(-1, n - 1)), (1.0,) * n)
-                items = [ScoreItem.for_tree(r, chain, args.context, None, ids_only=True) for r in rids]
+                items = [ScoreItem.for_tree(r, chain, args.context, ids_only=True) for r in rids]
                 new_ids = torch.tensor([prompt[:n]] * b, device=device)
 
                 def ours(worker):

@@ -101,6 +101,16 @@ def overview() -> dict:
         panel("Queue time", quantiles("request_queue_time_seconds", (0.5, 0.99)), unit="s", width=8),
         panel("Requests running / waiting", [(f"sum({P}num_requests_running)", "running"),
                                              (f"sum({P}num_requests_waiting)", "waiting")], width=8),
+        panel("Prefix cache hit rate", [(f"sum({rate('prefix_cache_hits_total')}) / "
+                                         f"sum({rate('prefix_cache_queries_total')})", "cached / prompt tokens")],
+              unit="percentunit", max_value=1, width=8,
+              description="Share of the prompt tokens of new and resumed requests whose KV was reused."),
+        panel("KV cache usage and preemptions", [(f"max({P}kv_cache_usage_perc)", "share of the KV pool in use"),
+                                                 (f"sum(increase({P}num_preemptions_total{W}))", "preemptions")],
+              width=8, description="Share of the KV pool's blocks in use (0 without a budget) and requests "
+                                   "preempted for memory over the window."),
+        panel("KV blocks in use", [(f"sum({P}kv_cache_used_blocks)", "blocks")], width=8,
+              description="Blocks of 16 tokens that running and cached-but-referenced requests hold."),
         panel("HTTP responses / s by route and status",
               [(f"sum by (route, status) ({rate('http_requests_total')})", "{{route}} {{status}}")],
               unit="reqps"),

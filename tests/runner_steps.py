@@ -57,7 +57,7 @@ def compare_runners(ckpt, runner: str, device: str = "cpu", *, steps: int = 14, 
         for rid, length in sorted(lengths.items()):
             tree = random_tree(int(torch.randint(1, 18, (1,), generator=g)), g)
             trees[rid] = tree
-            items.append(ScoreItem.for_tree(rid, tree, length, None, ids_only=bool(step % 2)))
+            items.append(ScoreItem.for_tree(rid, tree, length, ids_only=bool(step % 2)))
         outs = [w.score(items) for w in (eager, other)]
         for it, a, b in zip(items, *outs):
             if it.ids_only:

@@ -77,8 +77,8 @@ class Candidate:
     waited_s: float = 0.0
     """Time since it last advanced (fairness, tie-break)."""
     prefill_tokens: int = 0
-    """> 0: this step is its prefill (a waiting request, or a restore) of that many tokens
-    from an empty cache; it drafts nothing (γ = 0)."""
+    """> 0: this step prefills that many of its tokens (a new or resumed request; a chunk of a
+    long prompt) after the ``context_len`` already in its cache; it drafts nothing (γ = 0)."""
 
     def __post_init__(self) -> None:
         gains = self.gains
@@ -214,10 +214,10 @@ class _Problem:
         inf = math.inf
         time_rows, obj_base_rows, gain_rows = [], [], []
         for c, gm in zip(cands, self.gmax_list):
-            if c.prefill_tokens:  # its prefill; in the objective, the decode step it turns into
-                p = float(c.prefill_tokens)
-                time_rows.append([c_req + c_tok * p + c_attn * p * (0.0 + p)] + [inf] * G)
-                obj_base_rows.append([c_req + c_attn * (p + 1)] + [inf] * G)
+            if c.prefill_tokens:  # its prefill (chunk); in the objective, the decode step it turns into
+                p, ctx = float(c.prefill_tokens), float(c.context_len)
+                time_rows.append([c_req + c_tok * p + c_attn * p * (ctx + p)] + [inf] * G)
+                obj_base_rows.append([c_req + c_attn * (ctx + p + 1)] + [inf] * G)
             else:  # per-request T_llm share of 1 + γ new tokens
                 ctx = float(c.context_len)
                 ks = [float(k) for k in range(1, gm + 2)]

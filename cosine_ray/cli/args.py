@@ -66,6 +66,26 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
                         "CUDA graphs on CUDA)")
 
 
+def add_batching_args(p: argparse.ArgumentParser) -> None:
+    """What a step batches: requests, tokens, and whether prompt prefixes are reused (absent
+    flags stay None, so a config file's values or the device's defaults stand)."""
+    g = p.add_argument_group("batching")
+    g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int, default=None,
+                   help="requests running at once, at most (default 8 on CPU, 128 on CUDA; fewer when "
+                        "their KV does not fit)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one step computes at most; longer prompts are prefilled in chunks "
+                        "(default 512 on CPU, 2048 on CUDA)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="recompute every prompt instead of reusing the KV of cached prefixes")
+
+
+def batching_overrides(args: argparse.Namespace) -> dict:
+    """EngineConfig fields given by the batching flags (absent flags are left out)."""
+    names = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
 def runner_from_args(args: argparse.Namespace) -> str | None:
     """``EngineConfig.runner`` for ``--enforce-eager``: ``eager`` or ``auto``; None where the
     flag defaults to absent (``serve``: a config file's value then stands)."""
@@ -93,6 +113,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = DEFAU
     p.add_argument("--stages", type=int, default=1, help="pipeline stages (layer slices) of the target")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_device_args(p)
+    add_batching_args(p)
     add_cosine_args(p)
 
 
@@ -105,13 +126,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sampling seed: the same seed gives the same text, with or without speculation")
 
 
-def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
+def engine_config_from_args(args: argparse.Namespace, *, batch_size: int | None = None):
     from cosine_ray.engine.config import EngineConfig, parse_drafters
     check_local_device(args.device)
     try:
         config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters), num_stages=args.stages,
                               num_threads=args.threads, device=args.device, dtype=args.dtype,
-                              kv_cache_memory=args.kv_cache_memory, max_num_seqs=batch_size)
+                              kv_cache_memory=args.kv_cache_memory,
+                              **{"max_num_seqs": batch_size, **batching_overrides(args)})  # flags win
         return config.replace(runner=runner_from_args(args), **cosine_step_overrides(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -23,7 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosine_ray.cli.args import CliError, add_cosine_args, add_device_args, check_local_device, cosine_step_overrides, runner_from_args
+from cosine_ray.cli.args import (CliError, add_batching_args, add_cosine_args, add_device_args, batching_overrides,
+                                 check_local_device, cosine_step_overrides, runner_from_args)
 
 DEFAULT_NUM_STAGES = 2
 DEFAULT_HOST = "127.0.0.1"
@@ -50,9 +51,8 @@ def add_parser(sub) -> None:
     srv.add_argument("--drafters", default=None)
     srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
     add_device_args(srv, defaults=False)
+    add_batching_args(srv)
     srv.add_argument("--num-speculative-tokens", type=int, default=None)
-    srv.add_argument("--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int, default=None,
-                     help="requests running at once")
     srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
                      metavar="KINDS",
                      help="drafter kinds run inside the engine process (default: ngram,retrieval, table "
@@ -168,7 +168,7 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
                       ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
                       ("kv_cache_memory", getattr(args, "kv_cache_memory", None)),
                       ("num_speculative_tokens", args.num_speculative_tokens),
-                      ("max_num_seqs", args.max_num_seqs)):
+                      *batching_overrides(args).items()):
         if flag is not None:
             data[key] = flag
     config = config_from_dict(data)

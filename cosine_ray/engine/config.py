@@ -12,6 +12,11 @@ from cosine_ray.engine.drafters.spec import (DEFAULT_DRAFTERS, DRAFTER_KINDS, Dr
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
 
 
+CPU_MAX_NUM_SEQS = 8
+CUDA_MAX_NUM_SEQS = 128
+"""On CUDA a verify step of up to 128 requests still replays CUDA graphs (``models.runner``)."""
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+CUDA_MAX_NUM_BATCHED_TOKENS = 2048
 ROUTING_MODES = ("expertise", "random")
 FUSION_MODES = ("confidence", "single", "union")
 SCHEDULERS = ("lp", "fcfs")
@@ -152,11 +157,15 @@ class StepConfig(ExperimentsConfig):
     experiments, flattened (``EngineConfig.step``; tests build it directly)."""
 
     max_num_seqs: int = 8
-    """Requests running at once (``EngineConfig.max_num_seqs``)."""
+    """Requests running at once, at most (``EngineConfig.max_num_seqs``)."""
     num_speculative_tokens: int = 8
     """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
     max_model_len: int = 8192
     """Prompt + output tokens a request may reach."""
+    max_num_batched_tokens: int = 512
+    """Tokens one step computes at most (``EngineConfig.max_num_batched_tokens``)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of cached prompt prefixes (``EngineConfig.enable_prefix_caching``)."""
 
     def __post_init__(self) -> None:
         ExperimentsConfig.__post_init__(self)
@@ -164,6 +173,9 @@ class StepConfig(ExperimentsConfig):
             raise ValueError("max_num_seqs must be >= 1")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}): every running request needs a token a step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +234,16 @@ class EngineConfig:
     """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""
     dtype: str = "float32"
     """float32 | bfloat16 | float16 (the half types pay on CUDA; on CPU they run, slowly)."""
-    max_num_seqs: int = 8
-    """Requests running at once (continuous batching admits new ones as others finish)."""
+    max_num_seqs: int | None = None
+    """Requests running at once, at most; fewer when their KV does not fit the pool (continuous
+    batching admits new ones as others finish). None: 8 on CPU, 128 on CUDA."""
+    max_num_batched_tokens: int | None = None
+    """Tokens one step computes at most: decodes and draft trees first, then prompt chunks, so a
+    long prompt is prefilled over several steps while the running requests keep streaming.
+    None: 512 on CPU, 2048 on CUDA."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of prompt prefixes already computed (multi-turn chats, shared system
+    prompts); ``--no-prefix-caching`` turns it off."""
     max_model_len: int = 8192
     """Prompt + output tokens a request may reach (capped at the model's context)."""
     num_speculative_tokens: int = 8
@@ -249,8 +269,10 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         check_dtype_name(self.dtype)
@@ -258,9 +280,14 @@ class EngineConfig:
 
     @property
     def step(self) -> StepConfig:
-        """The step settings the engine core reads (the user's and the experiments')."""
-        return StepConfig(max_num_seqs=self.max_num_seqs, num_speculative_tokens=self.num_speculative_tokens,
-                          max_model_len=self.max_model_len,
+        """The step settings the engine core reads (the user's, with this device's defaults,
+        and the experiments')."""
+        on_cuda = str(self.device).startswith("cuda")
+        seqs = self.max_num_seqs or (CUDA_MAX_NUM_SEQS if on_cuda else CPU_MAX_NUM_SEQS)
+        tokens = self.max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if on_cuda else CPU_MAX_NUM_BATCHED_TOKENS)
+        return StepConfig(max_num_seqs=seqs, num_speculative_tokens=self.num_speculative_tokens,
+                          max_model_len=self.max_model_len, max_num_batched_tokens=max(tokens, seqs),
+                          enable_prefix_caching=self.enable_prefix_caching,
                           **{f.name: getattr(self.experiments, f.name) for f in fields(ExperimentsConfig)})
 
     @property
@@ -313,7 +340,8 @@ def _build(cls: type, data: dict[str, Any], where: str):
         raise ValueError(f"{where}: {exc}") from None
 
 
-STEP_KEYS = ("max_num_seqs", "max_model_len", "num_speculative_tokens")
+STEP_KEYS = ("max_num_seqs", "max_model_len", "num_speculative_tokens", "max_num_batched_tokens",
+             "enable_prefix_caching")
 """User keys that older configs gave under ``step`` (or ``router``)."""
 LEGACY_KEYS = {"max_batch_size": "max_num_seqs"}
 """Old names still accepted in a config file."""

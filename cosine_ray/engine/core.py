@@ -33,6 +33,7 @@ from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.modes.twins import Twins
 from cosine_ray.engine.owners.drafting import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
+from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.learner import Learner, PendingLearning
 from cosine_ray.engine.owners.pool import RequestPool
 from cosine_ray.engine.owners.routing import DraftRouting
@@ -40,12 +41,13 @@ from cosine_ray.engine.owners.scheduler import BatchScheduler, FirstComeBatchPol
 from cosine_ray.engine.owners.speculator import (ConfidenceCutSelection, FixedSelection, FusedDrafting,
                                                  PathDrafting, PricedSelection, Speculator)
 from cosine_ray.engine.owners.verifier import Verifier
-from cosine_ray.engine.request import Request, RequestOutput, SamplingParams, needs_prefill
+from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, needs_prefill
 from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.worker.target import TargetClient
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
+from cosine_ray.models.kv_cache import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from cosine_ray.algo.domains import DomainClassifier
@@ -71,7 +73,9 @@ class EngineCore:
                  metrics: MetricsRegistry | None = None, unit_embeddings: torch.Tensor | None = None,
                  domain_classifier: "DomainClassifier | None" = None,
                  latency_model: "LatencyModel | None" = None, kv_bytes_per_token: int = 0,
-                 seed: int | None = 0) -> None:
+                 kv_num_blocks: int | None = None, seed: int | None = 0) -> None:
+        """``kv_num_blocks``: KV blocks every stage can hold (``TargetClient.kv_capacity``);
+        None: the stages' pools grow as needed."""
         self.config = config
         self.clock = clock
         self.metrics = metrics or MetricsRegistry()
@@ -81,14 +85,16 @@ class EngineCore:
         self.pool = RequestPool(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                                 num_lanes=config.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                 max_restores=config.max_restores, clock=clock)
-        self.target = RecoveringTarget(target, recovery_s=config.stage_recovery_s, on_lost=self.pool.target_lost)
+        self.kv = KVBlocks(kv_num_blocks, DEFAULT_BLOCK_SIZE, caching=config.enable_prefix_caching)
+        """Every request's block table and the prefix cache (the stages' pools, seen from here)."""
+        self.target = RecoveringTarget(target, recovery_s=config.stage_recovery_s, on_lost=self._target_lost)
         costs = CostModel(latency_model)
         # The ablations, chosen once: LP or first come, fusion or whole paths, and the tree policy.
         is_lp, adaptive = config.scheduler == "lp", config.adaptive
         guard = SpeculationGuard(seed=seed) if is_lp and adaptive and self.drafters else None
         uses_twins = config.twins and self.drafters and config.num_speculative_tokens > 0
         self.scheduler = BatchScheduler(config, self.pool, LpBatchPolicy() if is_lp else FirstComeBatchPolicy(),
-                                        costs, kv_bytes_per_token=kv_bytes_per_token,
+                                        costs, self.kv, kv_bytes_per_token=kv_bytes_per_token,
                                         priced=is_lp and adaptive, guard=guard, clock=clock,
                                         # PEARL drafts ahead while the target verifies: not host time to save
                                         skip_unpaying=config.pearl == "off",
@@ -122,7 +128,7 @@ class EngineCore:
         if config.pipeline_mode == "pipedec":
             if not self.target.supports_pipedec:
                 raise ValueError("pipeline_mode 'pipedec' needs a target client with PipeDec timesteps")
-            self.pipedec = PipeDec(self.target, clients, width=config.pipedec_width,
+            self.pipedec = PipeDec(self.target, clients, self.kv, width=config.pipedec_width,
                                    max_depth=config.pipedec_depth or None, vocab_size=vocab_size,
                                    deadline_s=config.drafter_deadline_s,
                                    on_drafter_failure=self.exporter.drafter_failed)
@@ -139,6 +145,9 @@ class EngineCore:
     async def step(self, lane: int | None = None) -> list[RequestOutput]:
         """One iteration for the requests of ``lane`` (None: every running request)."""
         await self.release(self.pool.take_released())
+        preempted = self.pool.take_preempted()
+        if preempted:  # the stages drop their KV before they resume (their blocks are reused)
+            await self.target.release(preempted)
         return await self._step(lane)
 
     async def _lanes_step(self, lane: int | None) -> list[RequestOutput]:
@@ -159,6 +168,7 @@ class EngineCore:
             await (self._learn(pending) if batch.requests else self.learner.absorb(pending))
             timer.mark("learn")
             outputs = self.pool.advance(verified.outcomes)
+            self._commit_kv(batch, verified)
             timer.mark("advance")
             if batch.requests:
                 self.exporter.step_phases(timer.seconds)
@@ -215,6 +225,21 @@ class EngineCore:
             self.pearl.keep(batch.decodes, trunks, ahead, verified.outcomes)
         return drafts, verified
 
+    def _commit_kv(self, batch: StepBatch, verified: VerifiedBatch) -> None:
+        """The engine's tables follow the commit, once the new tokens are appended: each
+        request's committed KV grew by its kept slots (a prompt chunk, or the root and the
+        accepted path); its full blocks enter the prefix cache (a finished one's too)."""
+        by_id = {r.request_id: r for r in batch.requests}
+        for outcome in verified.outcomes:
+            request = by_id[outcome.request_id]
+            if request.status is not RequestStatus.FINISHED or request.finish_reason in ("stop", "length"):
+                self.kv.commit(request, request.num_computed_tokens + len(outcome.keep))
+
+    def _target_lost(self, recovered: bool, reason: str) -> None:
+        """A stage lost its KV: nothing any request held is there any more, nothing is cached."""
+        self.kv.reset(self.pool.requests())
+        self.pool.target_lost(recovered, reason)
+
     async def _learn_now(self, pending: PendingLearning) -> None:
         await self.learner.absorb(pending)
 
@@ -241,6 +266,8 @@ class EngineCore:
         """A request alone in the pool runs PipeDec's timestep loop while the mode guard measures
         it faster than lanes; any other step leaves the PipeDec session and runs in lanes."""
         solo = self._solo(lane)
+        if solo is not None and not self.pipedec.fits(solo):
+            solo = None
         if solo is not None and (self.mode_guard is None or self.mode_guard.current == "pipedec"):
             return await self._pipedec_step(solo)
         session = self.pipedec.session
@@ -267,7 +294,7 @@ class EngineCore:
 
     def _keeps_kv(self, request_id: str) -> bool:
         request = self.pool.running.get(request_id)
-        return request is not None and not request.kv_lost
+        return request is not None and not needs_prefill(request)
 
     async def _pipedec_step(self, request: Request) -> list[RequestOutput]:
         batch = StepBatch([request], {request.request_id: self.config.pipedec_width})
@@ -288,6 +315,7 @@ class EngineCore:
 
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        self._check_fits(prompt_token_ids, params)
         request = self.pool.add(request_id, prompt_token_ids, params)
         self.routing.start(request)
         return request
@@ -295,6 +323,16 @@ class EngineCore:
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot be served (before anything is queued)."""
         self.pool.check(prompt_token_ids, params)
+        self._check_fits(prompt_token_ids, params)
+
+    def _check_fits(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Only a request that could never fit the KV pool, even alone, is refused."""
+        tokens = len(prompt_token_ids) + params.max_tokens + self.config.num_speculative_tokens + 1
+        blocks = self.kv.blocks_for(tokens)
+        if self.kv.capacity is not None and blocks > self.kv.capacity:
+            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"need {blocks} KV blocks of {self.kv.block_size} tokens; the KV cache holds "
+                             f"{self.kv.capacity} (raise --kv-cache-memory or lower max_tokens)")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its state on the target and drafters is freed at the next step."""
@@ -309,6 +347,8 @@ class EngineCore:
             return
         self.exporter.routing_priors(self.routing.priors(requests))
         self.scheduler.twins.forget(self.pool.running.values())
+        for r in requests:
+            self.kv.free(r)
         request_ids = [r.request_id for r in requests]
         await self.target.release(request_ids)
         for d in self.drafters:
@@ -316,6 +356,13 @@ class EngineCore:
                 await d.release(request_ids)
             except Exception:  # a dead drafter's state is gone anyway
                 self.exporter.drafter_failed(d.name)
+
+    def read_gauges(self) -> None:
+        """Put the pool's and the KV cache's current state into the metrics (read at /metrics)."""
+        self.exporter.requests_in_pool(len(self.pool.running), len(self.pool.waiting))
+        stats = self.kv.stats
+        self.exporter.kv_cache(queries=stats.queries, hits=stats.hits, preemptions=self.scheduler.num_preemptions,
+                               used_blocks=self.kv.num_used_blocks, capacity=self.kv.capacity)
 
     @property
     def num_tracked_requests(self) -> int:

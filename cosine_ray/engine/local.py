@@ -32,7 +32,8 @@ class LocalEngine:
         dtype = getattr(torch, config.dtype)
         self.target = TargetWorker(build_target_stages(self.checkpoint, state, config.num_stages,
                                                        dtype=dtype, device=config.device),
-                                   kv_cache_memory=config.kv_cache_memory, runner=config.runner)
+                                   kv_cache_memory=config.kv_cache_memory, runner=config.runner,
+                                   external_blocks=True)
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config)
                          for s in config.drafters]
@@ -42,6 +43,7 @@ class LocalEngine:
                                [LocalDrafterClient(DrafterWorker(d)) for d in self.drafters],
                                vocab_size=self.checkpoint.config.vocab_size,
                                eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),
+                               kv_num_blocks=self.target.kv_capacity(),
                                **cosine_components(config, self.checkpoint, state[EMBEDDING_KEY]))
         self.loop = EngineLoop(self.core)
 

@@ -123,7 +123,7 @@ class EngineLoop:
 
     def metrics_snapshot(self) -> dict:
         """The engine's registry with the running/waiting gauges read now (what /metrics shows)."""
-        self.core.exporter.requests_in_pool(len(self.core.running), len(self.core.waiting))
+        self.core.read_gauges()
         return self.core.metrics.snapshot()
 
     async def generate_all(self, prompt_token_ids: Sequence[int], params: SamplingParams,

@@ -43,7 +43,7 @@ from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
-from cosine_ray.engine.worker.scoring import ScoreItem
+from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
 from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models.loader import cache_root, resolve_checkpoint
 from cosine_ray.models.device import synchronize
@@ -160,8 +160,8 @@ def measure_target(worker: TargetWorker, vocab_size: int, grid: ProfileGrid, max
                 trees = [_chain(rng.randrange(vocab_size), gamma, rng, vocab_size) for _ in range(b)]
 
                 def forward() -> None:
-                    items = [ScoreItem.for_tree(rid, tree, ctx, pending[rid]) for rid, tree in zip(ids, trees)]
-                    worker.score(items)
+                    items = [ScoreItem.for_tree(rid, tree, ctx) for rid, tree in zip(ids, trees)]
+                    worker.score(items, [KVCommit(rid, pending[rid]) for rid in ids[:b]])
                     for rid in ids[:b]:
                         pending[rid] = ()  # keep nothing of this step: the context stays ctx
 

@@ -72,6 +72,10 @@ class RequestStats:
     """Tokens committed by those timesteps (one per timestep once the root reaches the last stage)."""
     pipedec_hits: int = 0
     """Of those tokens, the ones already in the prediction tree (a miss restarts the tree)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache at admission (not computed)."""
+    num_preemptions: int = 0
+    """Times the engine preempted it for KV memory (it resumed by recomputing its context)."""
 
     @property
     def mean_accepted_length(self) -> float:
@@ -95,9 +99,8 @@ class Request:
     """Key of this request's sampling noise (``algo.sampling.sample_keyed``): ``params.seed``, or
     a fresh random one (``draw_seed``, os.urandom) when that is None. Every request gets one;
     greedy requests never use it."""
-    kv_lost: bool = False
-    """A stage lost this request's KV: the next step re-prefills prompt + committed tokens."""
     num_restores: int = 0
+    """Re-prefills after a stage lost the KV (a bug must not loop: ``max_restores``)."""
     lane: int = 0
     """Micro-batch lane the engine steps this request in."""
     admitted_time: float | None = None
@@ -105,6 +108,18 @@ class Request:
     domain: str = "other"
     """Domain the engine classified the prompt into (code, math, instruction, chat, other)."""
     stats: RequestStats = field(default_factory=RequestStats)
+    # ---- its KV (``engine.owners.kv``) ----------------------------------------------------------
+    block_table: list[int] = field(default_factory=list)
+    """Pool blocks of its logical KV positions, the same ids on every stage."""
+    block_contents: list[int] = field(default_factory=list)
+    """Prefix hash of each of its full committed blocks (the prefix cache's chain)."""
+    num_computed_tokens: int = 0
+    """Tokens of its context whose KV the stages hold (committed)."""
+    prefix_looked_up: bool = False
+    """The prefix cache was asked for its context since it last held no KV."""
+    kv_epoch: int = 0
+    """Counts the times its KV was dropped (preemption, a lost stage): a step scheduled before
+    that does not verify it."""
     # ---- what the step's owners know about the request: it is freed with the request --------
     num_in_flight: int = 0
     """Steps (lanes) working on it now; its release waits until none does."""
@@ -182,5 +197,6 @@ class RequestOutput:
 
 
 def needs_prefill(request: Request) -> bool:
-    """No token yet, or its KV was lost (a stage restarted): the whole context goes through."""
-    return not request.output_token_ids or request.kv_lost
+    """No token yet, or the stages hold less than its context but the last token (it is new,
+    preempted, or a stage lost its KV): its context goes through as chains, in chunks."""
+    return not request.output_token_ids or request.num_computed_tokens < request.num_tokens - 1

@@ -43,13 +43,18 @@ class StepBatch:
     weights: dict[str, float] = field(default_factory=dict)
     """While the pool drains: what an accepted token of each decoding request is worth, in
     [0, 1] (``BatchScheduler._drain_weights``); empty otherwise (every request 1)."""
+    chunks: dict[str, int] = field(default_factory=dict)
+    """Requests that prefill this step → how many of their context tokens (a whole prompt, or a
+    chunk of it within the step's token budget); decoding requests are in ``budgets``."""
+    epochs: dict[str, int] = field(default_factory=dict)
+    """Each request's ``kv_epoch`` when scheduled: one whose KV was dropped since sits out."""
     twins: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Decoding requests that draft from an identical request ahead of them (``engine.modes.twins``):
     its tokens beyond theirs, at most their budget. Not routed to the drafters; verified whole."""
 
     @property
     def prefills(self) -> list[Request]:
-        return [r for r in self.requests if r.request_id not in self.budgets]
+        return [r for r in self.requests if r.request_id in self.chunks]
 
     @property
     def decodes(self) -> list[Request]:

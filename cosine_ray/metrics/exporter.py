@@ -63,6 +63,16 @@ class EngineMetrics:
         self.registry.set("cosine_ray:num_requests_running", running)
         self.registry.set("cosine_ray:num_requests_waiting", waiting)
 
+    def kv_cache(self, *, queries: int, hits: int, preemptions: int, used_blocks: int,
+                 capacity: int | None) -> None:
+        """The prefix cache's cumulative counts and the KV pool's use, read now."""
+        m = self.registry
+        m.add_cumulative("cosine_ray:prefix_cache_queries", queries, "engine")
+        m.add_cumulative("cosine_ray:prefix_cache_hits", hits, "engine")
+        m.add_cumulative("cosine_ray:num_preemptions", preemptions, "engine")
+        m.set("cosine_ray:kv_cache_used_blocks", used_blocks)
+        m.set("cosine_ray:kv_cache_usage_perc", used_blocks / capacity if capacity else 0.0)
+
     def stage_utilisation(self, stage: int, busy_s: float, idle_s: float, source: str) -> None:
         """Cumulative busy/idle seconds of one stage, read where they are counted (``source``:
         the stage's incarnation, so a restarted stage never makes the counters go down)."""

@@ -83,6 +83,15 @@ METRICS: dict[str, MetricSpec] = {
     "cosine_ray:generation_tokens": MetricSpec("counter", "Tokens streamed to clients."),
     "cosine_ray:request_success": MetricSpec(
         "counter", "Finished requests by reason (stop, length, abort, error).", ("finished_reason",)),
+    "cosine_ray:prefix_cache_queries": MetricSpec(
+        "counter", "Prompt tokens looked up in the prefix cache (new and resumed requests)."),
+    "cosine_ray:prefix_cache_hits": MetricSpec(
+        "counter", "Of those, tokens whose KV was found cached (not computed again)."),
+    "cosine_ray:num_preemptions": MetricSpec(
+        "counter", "Requests preempted for KV memory (they resume by recomputing their context)."),
+    "cosine_ray:kv_cache_usage_perc": MetricSpec(
+        "gauge", "Share of the KV pool's blocks that requests hold (0 while the pool has no budget)."),
+    "cosine_ray:kv_cache_used_blocks": MetricSpec("gauge", "KV blocks that requests hold."),
     "cosine_ray:http_requests": MetricSpec(
         "counter", "HTTP responses by route and status code.", ("route", "status")),
     # ---- speculation (vLLM names) ----------------------------------------------------------

@@ -53,7 +53,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  initial_capacity: int = 256, max_tokens: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, max_blocks: int | None = None) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_blocks: int | None = None,
+                 external: bool = False) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.num_layers = num_layers
@@ -66,13 +67,16 @@ class KVCache:
         """Cap on tokens held over all requests (committed + speculative); None = no cap."""
         self.max_blocks = max_blocks
         """Cap on the pool's blocks (its memory budget); None = it grows as needed."""
+        self.external = external
+        """Block tables come from outside (``assign``: the engine's ``KVBlocks`` decides them
+        for every stage at once); block 0 is the scratch block, never handed out."""
         blocks = max(1, -(-initial_capacity // block_size))
         if max_blocks is not None:
             blocks = min(blocks, max_blocks)
         self.pool = self._new_pool(blocks)
         self._free: list[int] = list(range(blocks - 1, -1, -1))  # a stack: block 0 first
         self._entries: dict[str, _Entry] = {}
-        self._scratch_block: int | None = None
+        self._scratch_block: int | None = 0 if external else None
 
     @classmethod
     def for_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, *,
@@ -121,8 +125,23 @@ class KVCache:
 
     def free(self, request_id: str) -> None:
         entry = self._entries.pop(request_id, None)
-        if entry is not None:
+        if entry is not None and not self.external:  # external blocks are the engine's to reuse
             self._free.extend(reversed(entry.blocks))
+
+    def assign(self, request_id: str, blocks: Sequence[int], committed_length: int | None = None) -> None:
+        """The request's block table, decided outside (``external``). A request new here starts
+        with ``committed_length`` committed tokens already in its blocks (a prefix-cache hit);
+        one it holds keeps its levels, its table extended or trimmed to ``blocks``."""
+        if not self.external:
+            raise RuntimeError("assign() needs a KV cache with external block tables")
+        entry = self._entries.get(request_id)
+        if entry is None:
+            if committed_length is None:
+                raise KeyError(f"request {request_id!r} has no KV cache here; give its committed length")
+            entry = self._entries[request_id] = _Entry(committed_length=committed_length)
+        if blocks and max(blocks) >= self.num_blocks:
+            self._grow_pool(max(blocks) + 1)
+        entry.blocks = list(blocks)
 
     # ---- the pool -------------------------------------------------------------------------
     @torch.inference_mode()  # the pool is only ever touched under inference mode
@@ -151,6 +170,9 @@ class KVCache:
         needed = -(-num_slots // self.block_size) - len(entry.blocks)
         if needed <= 0:
             return
+        if self.external:
+            raise MemoryError(f"KV blocks for {num_slots} slots were not assigned "
+                              f"({len(entry.blocks)} blocks of {self.block_size})")
         if needed > len(self._free):
             self._grow_pool(self.num_blocks + needed - len(self._free))
         entry.blocks.extend(self._free.pop() for _ in range(needed))
@@ -159,7 +181,9 @@ class KVCache:
         """Give back blocks past the request's used slots."""
         keep = -(-(entry.committed_length + entry.num_speculative) // self.block_size)
         while len(entry.blocks) > keep:
-            self._free.append(entry.blocks.pop())
+            block = entry.blocks.pop()
+            if not self.external:
+                self._free.append(block)
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's pool blocks, logical block i first."""

@@ -60,7 +60,7 @@ class StageHost(_Hosted, StageWorker):
         self._start(config.cluster.threads_per_actor)
         stage = build_stage(config, stage_index)
         StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0],
-                             runner=config.runner)
+                             runner=config.runner, external_blocks=True)
         self.capture_graphs(config.step)  # CUDA: before the first request
         self.stage_index = stage_index
 

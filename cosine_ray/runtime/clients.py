@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -103,9 +102,11 @@ class RayTargetClient:
 
     Stage s's output ObjectRef is passed straight to stage s+1: Ray moves the hidden
     states between the stage actors without a round trip through the engine, and the
-    engine only awaits the last stage's logits. A commit travels with the request's next
-    forward (``ScoreItem.commit_previous``): no extra message, and every stage applies it
-    before it writes that request's new keys and values."""
+    engine only awaits the last stage's logits. Commits travel with the next forward (every
+    pending one, whichever request it is for): no extra message, and every stage applies them
+    before it writes anything, so a block the engine freed by a commit and handed to another
+    request is read before it is written. A released request's pending commit goes first, so
+    its full blocks hold what the prefix cache says they hold."""
 
     def __init__(self, slots: Sequence[ActorSlot], *, deadline_s: float) -> None:
         self.slots = list(slots)
@@ -121,10 +122,11 @@ class RayTargetClient:
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         if not items:
             return []
-        items = [self._with_commit(it) for it in items]
+        commits = [KVCommit(rid, keep) for rid, keep in self._pending.items()]
+        self._pending.clear()
         ref = None
         for slot in self.slots:
-            ref = slot.handle.forward.remote(items, ref)
+            ref = slot.handle.forward.remote(items, ref, commits)
         return split_output(items, await self._await(asyncio.wrap_future(ref.future())))
 
     async def _await(self, work: Any) -> Any:
@@ -166,15 +168,17 @@ class RayTargetClient:
             for slot in self.slots:
                 slot.handle.commit.remote([KVCommit(request_id, keep)])
 
-    def _with_commit(self, item: ScoreItem) -> ScoreItem:
-        keep = self._pending.pop(item.request_id, None)  # a prefill (position 0) starts afresh
-        return dataclasses.replace(item, commit_previous=keep) if keep is not None and item.start_position > 0 else item
-
     async def release(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            self._pending.pop(rid, None)
-        for slot in self.slots:
+        commits = [KVCommit(rid, self._pending.pop(rid)) for rid in request_ids if rid in self._pending]
+        for slot in self.slots:  # ordered: the commits land before the release
+            if commits:
+                slot.handle.commit.remote(commits)
             slot.handle.release.remote(list(request_ids))
+
+    async def kv_capacity(self) -> int | None:
+        capacities = await asyncio.gather(*(await_ref(s.handle.kv_capacity.remote(), self.deadline_s)
+                                            for s in self.slots))
+        return None if None in capacities else min(capacities)
 
     async def recover(self, timeout_s: float) -> bool:
         """Wait until every stage answers, then drop all per-request KV everywhere."""

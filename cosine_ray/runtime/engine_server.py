@@ -91,14 +91,15 @@ class EngineServer:
         self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
         step_config = step_config_for(config, checkpoint)
         self.max_model_len = step_config.max_model_len
+        components = cosine_components(config, checkpoint, run_profile_if_missing=True)  # while the actors load
+        slots = self.stage_slots + self.drafter_slots
+        await asyncio.gather(*(await_ref(s.handle.ping.remote(), ready_timeout_s) for s in slots))
         self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
                                eos_token_ids=eos_token_ids(checkpoint, tokenizer),
-                               **cosine_components(config, checkpoint, run_profile_if_missing=True))
+                               kv_num_blocks=await self.target.kv_capacity(), **components)
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
         self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held
-        slots = self.stage_slots + self.drafter_slots
-        await asyncio.gather(*(await_ref(s.handle.ping.remote(), ready_timeout_s) for s in slots))
 
     # ---- Serve hooks --------------------------------------------------------------------------
     async def check_health(self) -> None:

@@ -30,7 +30,7 @@ from cosine_ray.engine.client import EngineClient
 from cosine_ray.engine.request import RequestStats, SamplingParams
 from cosine_ray.serve.errors import (OVERLOADED_CODE, EngineUnavailable, InvalidRequest, OpenAIError,
                                      RequestTimeout)
-from cosine_ray.serve.schemas import CosineRayStats, Usage
+from cosine_ray.serve.schemas import CosineRayStats, PromptTokensDetails, Usage
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,10 @@ class Generation:
 
     def usage(self) -> Usage:
         n = len(self.text.token_ids)
+        cached = self.stats.num_cached_tokens if self.stats is not None else 0
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=n,
-                     total_tokens=self.num_prompt_tokens + n)
+                     total_tokens=self.num_prompt_tokens + n,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def stats_block(self) -> CosineRayStats:
         s = self.stats or RequestStats()
@@ -219,7 +221,8 @@ class Generation:
                               domain=s.domain,
                               drafters_used=sorted(name for name, n in s.drafted_by.items() if n > 0),
                               pipedec_timesteps=s.pipedec_timesteps, pipedec_tokens=s.pipedec_tokens,
-                              pipedec_hits=s.pipedec_hits)
+                              pipedec_hits=s.pipedec_hits, num_cached_tokens=s.num_cached_tokens,
+                              num_preemptions=s.num_preemptions)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

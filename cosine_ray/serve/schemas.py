@@ -189,10 +189,16 @@ class CompletionRequest(_SamplingRequest):
 
 # ---- responses ------------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CosineRayStats(BaseModel):
@@ -215,6 +221,10 @@ class CosineRayStats(BaseModel):
     pipedec_tokens: int = 0
     """Tokens those timesteps committed; ``pipedec_hits`` of them were in the prediction tree."""
     pipedec_hits: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    num_preemptions: int = 0
+    """Times the engine preempted the request for KV memory (it resumed with the same text)."""
 
 
 class AssistantMessage(BaseModel):

@@ -144,7 +144,7 @@ class SimTarget:
             return []
         new_tokens = [len(it.token_ids) for it in items]
         context = [it.start_position for it in items]
-        rows = sum(n if it.all_logits else 1 for it, n in zip(items, new_tokens))
+        rows = sum(it.num_logit_rows for it in items)
         await self.router.use(self.step_overhead_s + self.overhead_per_request_s * len(items))
         await self.link_in.send(8 * sum(new_tokens) + 64 * len(items))  # ids + parents, item headers
         decode = all(it.parent_ids is not None for it in items)
@@ -165,7 +165,9 @@ class SimTarget:
     def _logits(self, item: ScoreItem) -> torch.Tensor:
         oracle, rid = self.oracle, item.request_id
         if item.parent_ids is None:  # prefill: the first output token follows the prompt
-            out = torch.zeros(1, oracle.vocab_size)
+            out = torch.zeros(item.num_logit_rows, oracle.vocab_size)
+            if not item.num_logit_rows:  # a prompt chunk before the last
+                return out
             out[0, oracle.token(rid, item.start_position + len(item.token_ids))] = 1.0
             return out
         root = item.start_position

@@ -20,10 +20,14 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
 
 class TableTarget:
     """TargetClient whose logits are a fixed function of the context (last two tokens and the
-    length mod 5). It keeps its own "KV" (the committed tokens per request) and asserts the
-    protocol: a new request starts at 0, a commit (``commit`` or ``commit_previous``) is a root
-    path of the last scored tree (a prefix of a prefill chain), every scored level is committed
-    or dropped before the next, and ``start_position`` equals the committed length."""
+    length mod 5). It keeps its own "KV": the committed tokens per request, and the tokens each
+    pool block holds (the engine's block tables). It asserts the protocol: a new request starts
+    at 0, or at a prefix-cache hit whose blocks hold committed tokens (its context is read back
+    from them, so a wrong or corrupted block changes the text); a commit is a root path of the
+    last scored tree (a prefix of a prefill chain); every scored level is committed or dropped
+    before the next; and ``start_position`` equals the committed length."""
+
+    BLOCK_SIZE = 16
 
     def __init__(self, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -31,10 +35,15 @@ class TableTarget:
         self.table = scale * torch.randn(vocab, vocab, 5, vocab, generator=g)
         self.committed: dict[str, list[int]] = {}
         self.last: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
+        self.tables: dict[str, tuple[int, ...]] = {}
+        self.blocks: dict[int, list[int | None]] = {}
+        """Pool block → the token at each of its slots (None: never committed)."""
         self.batch_sizes: list[int] = []
         self.scored: Counter[str] = Counter()
         self.released: list[str] = []
         self.fail_next = 0
+        self.prefill_tokens = 0
+        """Prompt tokens scored in chains (a prefix-cache hit is not scored again)."""
 
     def logits(self, context: list[int]) -> torch.Tensor:  # [vocab]
         prev = context[-2] if len(context) > 1 else 0
@@ -61,12 +70,11 @@ class TableTarget:
             rid = it.request_id
             self.scored[rid] += 1
             if rid not in self.committed:
-                assert it.start_position == 0 and it.commit_previous is None, it
-                self.committed[rid] = []
-            if it.commit_previous is None:
-                assert rid not in self.last, f"{rid}: previous level neither committed nor dropped"
+                self.committed[rid] = self._read_blocks(it.block_table, it.start_position)
             else:
-                self._keep(rid, it.commit_previous)
+                assert rid not in self.last, f"{rid}: previous level neither committed nor dropped"
+            if it.block_table is not None:
+                self.tables[rid] = it.block_table
             base = self.committed[rid]
             assert it.start_position == len(base), (rid, it.start_position, len(base))
             rows = []
@@ -80,10 +88,22 @@ class TableTarget:
                         n = it.parent_ids[n]
                     path.reverse()
                 rows.append(self.logits(base + path))
+            if it.parent_ids is None:
+                self.prefill_tokens += len(it.token_ids)
             logits = torch.stack(rows)  # [n, vocab]
-            out.append(logits if it.all_logits else logits[-1:])
+            out.append(logits[len(logits) - it.num_logit_rows:])
             self.last[rid] = (it.token_ids, it.parent_ids)
         return out
+
+    def _read_blocks(self, table, length: int) -> list[int]:
+        """The committed tokens a new request's table says it starts with (a prefix-cache hit)."""
+        if not length:
+            return []
+        assert table is not None and len(table) * self.BLOCK_SIZE >= length, (table, length)
+        tokens = [self.blocks.get(table[p // self.BLOCK_SIZE], [None] * self.BLOCK_SIZE)[p % self.BLOCK_SIZE]
+                  for p in range(length)]
+        assert None not in tokens, f"a cache hit on slots never committed: {tokens}"
+        return tokens
 
     def commit(self, commits):
         for c in commits:
@@ -96,12 +116,19 @@ class TableTarget:
             assert keep == list(range(len(keep))), keep
         else:
             assert keep[0] == 0 and all(parents[b] == a for a, b in zip(keep, keep[1:])), keep
+        start = len(self.committed[rid])
         self.committed[rid] += [tokens[k] for k in keep]
+        table = self.tables.get(rid)
+        if table is not None:  # the committed tokens land in the request's blocks
+            for p in range(start, len(self.committed[rid])):
+                block = self.blocks.setdefault(table[p // self.BLOCK_SIZE], [None] * self.BLOCK_SIZE)
+                block[p % self.BLOCK_SIZE] = self.committed[rid][p]
 
     async def release(self, request_ids):
         for rid in request_ids:
             self.committed.pop(rid, None)
             self.last.pop(rid, None)
+            self.tables.pop(rid, None)
             self.released.append(rid)
 
 

@@ -420,7 +420,7 @@ def tiny_stages(tiny_checkpoint) -> list[LlamaStage]:
 
 
 def tiny_router(tiny_stages, drafters, **config):
-    worker = TargetWorker(tiny_stages)
+    worker = TargetWorker(tiny_stages, external_blocks=True)
     router = EngineCore(StepConfig(**config), LocalTargetClient(worker),
                     [LocalDrafterClient(DrafterWorker(d)) for d in drafters], vocab_size=256)
     return worker, router
@@ -524,7 +524,7 @@ def test_target_failure_fails_running_requests_without_hanging():
 
 
 def test_kv_cap_error_reaches_the_caller(tiny_checkpoint, tiny_stages):
-    worker = TargetWorker(tiny_stages, max_kv_tokens=30)
+    worker = TargetWorker(tiny_stages, max_kv_tokens=30, external_blocks=True)
     router = EngineCore(StepConfig(num_speculative_tokens=4), LocalTargetClient(worker), [], vocab_size=256)
     loop = EngineLoop(router)
 
@@ -599,7 +599,7 @@ def test_model_drafter_stays_in_sync_with_the_context(tiny_checkpoint, tiny_draf
     drafter = ModelDrafter(LlamaStage(tiny_draft_checkpoint.config, tiny_draft_checkpoint.load_state_dict()),
                            name="draft")
     checked = CheckedModelDrafter(DrafterWorker(drafter))
-    worker = TargetWorker(tiny_stages)
+    worker = TargetWorker(tiny_stages, external_blocks=True)
     router = EngineCore(StepConfig(num_speculative_tokens=3, **config), LocalTargetClient(worker), [checked],
                     vocab_size=256)
     for i, p in enumerate(tiny_prompts()):
@@ -663,7 +663,7 @@ def test_duplicate_request_id_does_not_hang_the_first_stream():
 
 
 def test_abort_in_one_lane_while_another_lane_steps(tiny_stages):
-    worker = TargetWorker(tiny_stages)
+    worker = TargetWorker(tiny_stages, external_blocks=True)
     slow = HangingDrafter("slow", seconds=0.05)
     router = EngineCore(StepConfig(num_speculative_tokens=2, num_lanes=2, drafter_deadline_s=1.0),
                     LocalTargetClient(worker), [slow], vocab_size=256)

@@ -33,7 +33,8 @@ def prompts() -> list[list[int]]:
 
 
 def make_engine(ckpt, drafters: str, dtype: str = "float32", num_lanes: int = 1) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), device="cuda", dtype=dtype).replace(max_num_seqs=8, num_lanes=num_lanes),
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), device="cuda", dtype=dtype).replace(
+            max_num_seqs=8, num_lanes=num_lanes),
                        checkpoint=ckpt)
 
 
@@ -88,7 +89,7 @@ def test_stage_actor_output_crosses_processes(tiny_checkpoint):
     import pickle
 
     from cosine_ray.algo.tree import TokenTree
-    from cosine_ray.engine.worker.scoring import ScoreItem
+    from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
     from cosine_ray.engine.worker.target import StageWorker
     from cosine_ray.models.llama import LlamaStage
 
@@ -98,7 +99,7 @@ def test_stage_actor_output_crosses_processes(tiny_checkpoint):
     assert out.ready is None and out.token_ids.shape == (1,)
     assert pickle.loads(pickle.dumps(out)).token_ids.tolist() == out.token_ids.tolist()
     tree = TokenTree((4,), (-1,), (1.0,))
-    pending = worker.forward_pending([ScoreItem.for_tree("r", tree, 3, (0, 1, 2), ids_only=True)])
+    pending = worker.forward_pending([ScoreItem.for_tree("r", tree, 3, ids_only=True)], None, [KVCommit("r", (0, 1, 2))])
     assert pending.ready is not None  # the in-process path keeps it asynchronous
 
 

@@ -58,7 +58,8 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, *, top: int 
 
 
 def make_engine(ckpt, drafters: str, **router) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters)).replace(**router), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters)).replace(
+            **router), checkpoint=ckpt)
 
 
 # ==============================================================================================
@@ -141,7 +142,8 @@ def test_tiny_cosine_and_ablations_equal_hf_greedy(tiny_checkpoint, tiny_draft_c
 
 def test_tiny_pipeline_stages_and_continuous_batching(tiny_checkpoint, tiny_prompts, tiny_reference):
     """3 pipeline stages, more requests than max_num_seqs, mixed max_tokens in one call."""
-    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=3).replace(num_speculative_tokens=4, max_num_seqs=3),
+    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=3).replace(
+            num_speculative_tokens=4, max_num_seqs=3),
                          checkpoint=tiny_checkpoint)
     limits = [TINY_MAX_TOKENS - 3 * i for i in range(len(tiny_prompts))]
     outs = engine.generate(tiny_prompts, [SamplingParams(max_tokens=n) for n in limits])
@@ -153,7 +155,8 @@ def test_tiny_pipeline_stages_and_continuous_batching(tiny_checkpoint, tiny_prom
 
 def test_tiny_micro_batch_lanes(tiny_checkpoint, tiny_prompts, tiny_reference):
     """Several lanes (micro-batches stepped by their own coroutines) change nothing."""
-    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=2).replace(num_speculative_tokens=4, max_num_seqs=5, num_lanes=2),
+    engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=2).replace(
+            num_speculative_tokens=4, max_num_seqs=5, num_lanes=2),
                          checkpoint=tiny_checkpoint)
     outs = engine.generate(tiny_prompts, SamplingParams(max_tokens=TINY_MAX_TOKENS))
     assert [o.new_token_ids for o in outs] == tiny_reference
@@ -472,7 +475,8 @@ def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prom
     from cosine_ray.engine.worker.target import TargetWorker
 
     def engine(drafter_set):
-        return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set), dtype="bfloat16").replace(max_num_seqs=8),
+        return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set), dtype="bfloat16").replace(
+                max_num_seqs=8),
                            checkpoint=real_checkpoint)
 
     params = SamplingParams(max_tokens=REAL_MAX_TOKENS)

@@ -29,7 +29,8 @@ MAX_TOKENS = 30
 
 
 def make_engine(ckpt, drafters: str, num_stages: int = 1, **step) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages).replace(**{"pearl": "on", **step}), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages).replace(
+            **{"pearl": "on", **step}), checkpoint=ckpt)
 
 
 @pytest.fixture(scope="module")

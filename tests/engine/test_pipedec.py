@@ -29,7 +29,8 @@ MAX_TOKENS = 30
 def make_engine(ckpt, drafters: str, num_stages: int, **step) -> LocalEngine:
     """PipeDec without the mode guard unless asked (the tests below are about PipeDec itself)."""
     step = {"pipedec_guard": False, **step}
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages).replace(pipeline_mode="pipedec", **step), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), num_stages=num_stages).replace(
+            pipeline_mode="pipedec", **step), checkpoint=ckpt)
 
 
 @pytest.fixture(scope="module")

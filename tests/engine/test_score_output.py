@@ -22,7 +22,7 @@ def tree(tokens, parents):
 def items(ids_only):
     """Two prefills, then (next call) two trees; ``ids_only[i]`` for request i."""
     prefills = [ScoreItem.prefill(f"r{i}", list(range(10 + i, 30 + i)), ids_only=ids_only[i]) for i in range(2)]
-    trees = [ScoreItem.for_tree(f"r{i}", tree([7, 8, 9, 11], [-1, 0, 0, 1]), 20, None, ids_only=ids_only[i])
+    trees = [ScoreItem.for_tree(f"r{i}", tree([7, 8, 9, 11], [-1, 0, 0, 1]), 20, ids_only=ids_only[i])
              for i in range(2)]
     return prefills, trees
 
@@ -52,8 +52,8 @@ def test_ids_for_greedy_items_logits_for_the_rest(tiny_checkpoint, num_stages):
     last = worker.stages[-1]
     hidden = None
     for stage in worker.stages:
-        worker_items = [ScoreItem.for_tree(f"r{i}", tree([3], [-1]), 22, (0, 1), ids_only=i == 0) for i in range(2)]
-        hidden = stage.forward(worker_items, hidden)
+        worker_items = [ScoreItem.for_tree(f"r{i}", tree([3], [-1]), 22, ids_only=i == 0) for i in range(2)]
+        hidden = stage.forward(worker_items, hidden, [KVCommit(f"r{i}", (0, 1)) for i in range(2)])
     assert stage is last and isinstance(hidden, ScoreOutput)
     assert hidden.token_ids.shape == (2,) and hidden.logits.shape == (1, 256)
 

@@ -27,7 +27,8 @@ SPECULATE = dict(num_speculative_tokens=4, min_tree_confidence=0.0, adaptive=Fal
 
 
 def make_engine(ckpt, drafters: str, **step) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters)).replace(**step), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters)).replace(
+            **step), checkpoint=ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,7 @@ def test_a_finished_leader_still_drafts_the_rest_and_sampled_requests_are_never_
 def request(rid, prompt, output, *, max_tokens=64, t=0.0, temperature=0.0) -> Request:
     r = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=temperature))
     r.output_token_ids = list(output)
+    r.num_computed_tokens = r.num_tokens - 1  # decoding: its KV holds all but the last token
     r.admitted_time = t
     return r
 

@@ -26,7 +26,8 @@ class IdTokenizer:
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=2).replace(min_tree_confidence=0.0),
+    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self"), num_stages=2).replace(
+            min_tree_confidence=0.0),
                        checkpoint=tiny_checkpoint)
 
 

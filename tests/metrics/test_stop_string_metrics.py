@@ -29,7 +29,8 @@ class IdTokenizer:
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self")).replace(min_tree_confidence=0.0), checkpoint=tiny_checkpoint)
+    return LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram,self")).replace(
+            min_tree_confidence=0.0), checkpoint=tiny_checkpoint)
 
 
 def counts(engine) -> dict[str, float]:

@@ -49,7 +49,7 @@ def test_a_verify_bucket_of_the_engines_whole_tree_equals_eager(tiny_checkpoint)
         w.score([ScoreItem.prefill(rid, p) for rid, p in prompts.items()])
         w.commit([KVCommit(rid, tuple(range(len(p)))) for rid, p in prompts.items()])
     trees = {"a": random_tree(9, g), "b": random_tree(3, g)}
-    items = [ScoreItem.for_tree(rid, t, len(prompts[rid]), None, ids_only=False) for rid, t in trees.items()]
+    items = [ScoreItem.for_tree(rid, t, len(prompts[rid]), ids_only=False) for rid, t in trees.items()]
     want, got = eager.score(items), static.score(items)
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

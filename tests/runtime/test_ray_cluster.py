@@ -245,7 +245,8 @@ def test_pipeline_matches_local_engine_and_hf_greedy(engines, tiny, num_stages):
     prompts, refs = tiny.prompts[:4] + tiny.prompts[-1:], tiny.refs[:4] + tiny.refs[-1:]
 
     start = time.perf_counter()
-    local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]), num_stages=num_stages).replace(num_speculative_tokens=GAMMA, max_num_seqs=8, min_tree_confidence=MIN_TREE_CONFIDENCE, adaptive=False),
+    local = LocalEngine(EngineConfig(model=str(tiny.ckpt.path), drafters=parse_drafters(DRAFTERS[num_stages]), num_stages=num_stages).replace(
+            num_speculative_tokens=GAMMA, max_num_seqs=8, min_tree_confidence=MIN_TREE_CONFIDENCE, adaptive=False),
                         checkpoint=tiny.ckpt)
     local_outs = local.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.new_token_ids for o in local_outs] == refs, "in-process engine differs from HF greedy"

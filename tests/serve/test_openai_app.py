@@ -52,7 +52,8 @@ class Served:
 def served(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", tokenizer_from=real_checkpoint)
     # the random tiny model's own probabilities are low: verify every draft it makes
-    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self")).replace(min_tree_confidence=0.0, adaptive=False), checkpoint=ck)
+    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram,self")).replace(
+            min_tree_confidence=0.0, adaptive=False), checkpoint=ck)
     tok = engine.tokenizer
     prompts = {"chat": encode_prompt(tok, CHAT_TEXT),
                "completion": tok(COMPLETION_TEXT, add_special_tokens=True)["input_ids"]}

@@ -236,7 +236,8 @@ class Served:
 @pytest.fixture(scope="module")
 def timed_server(tmp_path_factory, real_checkpoint):
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("timeout") / "tiny", tokenizer_from=real_checkpoint)
-    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram")).replace(max_num_seqs=2), checkpoint=ck)
+    engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters("ngram")).replace(
+            max_num_seqs=2), checkpoint=ck)
     app = build_openai_app(_LocalClient(engine), engine.tokenizer, model_name="tiny",
                            request_timeout_s=TIMEOUT_S, max_pending_requests=8)
     url, stop = serve_in_thread(app)

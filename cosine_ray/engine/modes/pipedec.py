@@ -31,12 +31,14 @@ speculation trees. See docs/algorithms.md, "PipeDec".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from cosine_ray.engine.drafters.base import ContinueQuery
 from cosine_ray.engine.owners.drafting import DrafterClient, call_drafters, is_valid_candidates
+from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.worker.scoring import LayerItem
@@ -60,6 +62,7 @@ class PipeDecSession:
     """One request's prediction tree and what each stage holds of it."""
 
     def __init__(self, request: Request, num_stages: int, drafters: Sequence[str]) -> None:
+        self.request = request
         self.request_id = request.request_id
         self.lane = request.lane
         """The engine lane whose steps run this session's timesteps (only it may end it)."""
@@ -74,6 +77,15 @@ class PipeDecSession:
         """Old roots committed since a stage holding them last synced (depth order)."""
         self.last_out: list[list[int]] = [[] for _ in range(num_stages)]
         """Per stage: node ids of its output rows in the last timestep."""
+        self.base = request.num_tokens - 1
+        """Committed KV length when the session started."""
+        self.num_accepted = 0
+        """Tokens committed since (each one a root that entered some stage's committed level)."""
+
+    def slots_needed(self) -> int:
+        """KV slots every stage's level fits in: the session's committed tokens and the longest
+        speculative level (after this timestep's layers)."""
+        return self.base + self.num_accepted + max(len(spec) for spec in self.spec)
 
     def _add(self, token: int, parent: int | None, position: int, cumulative: float) -> int:
         nid = next(self._ids)
@@ -152,6 +164,7 @@ class PipeDecSession:
         restart from ``token`` (miss). Returns whether it was a hit."""
         old = self.nodes[self.root]
         self.committed.append(self.root)
+        self.num_accepted += 1
         child = old.children.get(token)
         if child is not None and child in self.nodes:
             keep = {child}
@@ -221,10 +234,11 @@ class ModeGuard:
 class PipeDec:
     """The engine's PipeDec mode: one session at a time (``EngineCore.step`` decides when)."""
 
-    def __init__(self, target: RecoveringTarget, drafters: Mapping[str, DrafterClient], *, width: int,
+    def __init__(self, target: RecoveringTarget, drafters: Mapping[str, DrafterClient], kv: KVBlocks, *, width: int,
                  max_depth: int | None, vocab_size: int, deadline_s: float,
                  on_drafter_failure: Callable[[str], None] = lambda name: None) -> None:
         self.target = target
+        self.kv = kv
         self.clients = dict(drafters)
         self.width = width
         self.max_depth = max_depth or target.inner.num_stages
@@ -244,6 +258,10 @@ class PipeDec:
             await self.target.settle(request.request_id)
             session = self.session = PipeDecSession(request, self.target.inner.num_stages, route())
         items = session.layer_items()
+        if not self.kv.ensure(request, session.slots_needed()):
+            raise MemoryError(f"KV cache full: PipeDec's tree for {request.request_id} does not fit")
+        table = tuple(request.block_table)
+        items = [None if item is None else dataclasses.replace(item, block_table=table) for item in items]
         forward = asyncio.ensure_future(self.target.timestep(items))
         try:
             await self._expand(session, request)
@@ -260,6 +278,9 @@ class PipeDec:
         token = target_token(request, logits[row:row + 1], position=root.position + 1)
         request.stats.pipedec_tokens += 1
         request.stats.pipedec_hits += session.accept(token)
+        # the root is committed (on each stage when it next syncs); its blocks stay in the table
+        # for the session's tree levels, and are trimmed and cached when the session ends
+        request.num_computed_tokens = session.base + session.num_accepted
         return (token,)
 
     async def leave(self, *, keep_kv: bool = True) -> None:
@@ -268,6 +289,12 @@ class PipeDec:
         session, self.session = self.session, None
         if session is not None and keep_kv:
             await self.target.prune(session.request_id, session.leave())
+            self.kv.commit(session.request, session.request.num_tokens - 1)
+
+    def fits(self, request: Request) -> bool:
+        """Whether the KV pool can hold a session's tree for ``request`` (else it runs in lanes)."""
+        tree = self.width * (self.max_depth + 1) + 2 * self.target.inner.num_stages
+        return self.kv.can_fit(self.kv.blocks_for(request.num_tokens + tree) - len(request.block_table))
 
     async def _expand(self, session: PipeDecSession, request: Request) -> None:
         """The drafters' part of a timestep: the next tree layer, ``width`` nodes at most."""

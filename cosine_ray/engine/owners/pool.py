@@ -3,10 +3,10 @@
 ::
 
     add ──▶ waiting ──admit──▶ running[lane] ──advance──▶ finished ──▶ released
-                │                              │   ▲                                 ▲
-                └───────── abort ──────────────┴───┼──── abort ──────────────────────┘
-                                                   └─ target lost: kv_lost → re-prefill
-                                                      (or error after max_restores)
+             ▲  │                    │   │   ▲                                 ▲
+             │  └──── abort ─────────┼───┴───┼──── abort ──────────────────────┘
+             └──────── preempt ──────┘       └─ target lost: KV dropped → re-prefill
+                                                (or error after max_restores)
 
 The pool never touches a model or a drafter. Finished and aborted requests are queued for
 release; the step frees their state on the target and the drafters (``take_released``).
@@ -39,6 +39,7 @@ class RequestPool:
         self._completed: list[Request] = []
         """Requests that finished normally (stop, length) since the last ``take_completed``."""
         self._pending_outputs: list[RequestOutput] = []
+        self._preempted: list[str] = []
         """Outputs produced outside a step (requests failed by a lost target)."""
 
     # ---- requests in ---------------------------------------------------------------------
@@ -90,18 +91,38 @@ class RequestPool:
         """Running requests of ``lane`` (None: all), in admission order."""
         return [r for r in self.running.values() if lane is None or r.lane == lane]
 
-    def admit(self) -> None:
-        """First come, while the batch has room: each waiting request joins the least loaded
-        lane (S stages get S equal micro-batches). It prefills when the scheduler says so."""
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+    def admit(self, request: Request) -> None:
+        """The first waiting request joins the running batch, in the least loaded lane (S stages
+        get S equal micro-batches). It prefills when the scheduler says so."""
+        assert self.waiting and self.waiting[0] is request, request.request_id
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        if request.admitted_time is None:
             request.admitted_time = self.clock()
-            loads = [0] * self.num_lanes
-            for r in self.running.values():
-                loads[r.lane] += 1
-            request.lane = loads.index(min(loads))
-            self.running[request.request_id] = request
+        loads = [0] * self.num_lanes
+        for r in self.running.values():
+            loads[r.lane] += 1
+        request.lane = loads.index(min(loads))
+        self.running[request.request_id] = request
+
+    def preempt(self, request: Request) -> None:
+        """Back to the front of the queue (its KV is freed by the scheduler): it resumes by
+        recomputing its context, prompt and tokens so far, and goes on with the same text."""
+        del self.running[request.request_id]
+        request.status = RequestStatus.WAITING
+        request.stats.num_preemptions += 1
+        request.kv_epoch += 1
+        self.waiting.appendleft(request)
+        self._preempted.append(request.request_id)
+
+    def take_preempted(self) -> list[str]:
+        """Requests preempted since the last call: the stages free their KV before they resume."""
+        ids, self._preempted = self._preempted, []
+        return ids
+
+    def requests(self) -> list[Request]:
+        """Every request the pool holds: waiting, running, and finished but not released."""
+        return [*self.waiting, *self.running.values(), *self._released]
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self.running
@@ -116,8 +137,8 @@ class RequestPool:
             request = self.running.get(outcome.request_id)
             if request is None:  # aborted (or failed) while this step was in flight
                 continue
-            if outcome.is_prefill:
-                request.kv_lost = False
+            if not outcome.new_token_ids:  # a prompt chunk before the last: nothing to stream yet
+                continue
             appended = request.append(list(outcome.new_token_ids))
             outputs.append(RequestOutput(
                 request.request_id, appended, request.is_finished, request.finish_reason,
@@ -157,7 +178,7 @@ class RequestPool:
         is streamed twice), or fail when it did not come back or they were restored too often."""
         for request in list(self.running.values()):
             request.num_restores += 1
-            request.kv_lost = True
+            request.kv_epoch += 1
             if recovered and request.num_restores <= self.max_restores:
                 continue
             request.finish("error")

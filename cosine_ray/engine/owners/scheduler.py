@@ -1,11 +1,13 @@
 """The batch scheduler: which requests run this step, which waiting ones are admitted, and
 the price TreeSelection applies to each drafted tree (CoSine eq. 5-8, Algorithm 2).
 
-``schedule(lane)`` runs its jobs in order: admit (first come, least loaded lane), plan twins,
-decide the batch (the LP or first come, ``BatchPolicy``), record the chosen requests, price the
-trees (λ of eq. 8 over the guard's level, the drain weights, no drafting that cannot pay),
-and tally what the price did. Whether trees are priced is a rule chosen at start
-(``TreePricing`` or ``FixedBudgets``). docs/scheduling.md explains each job.
+``schedule(lane)`` runs its jobs in order: admit (first come, least loaded lane, while the KV
+pool has room; a new request takes its cached prefix), plan twins, fit the step's token
+budget (decodes and trees first, then prompt chunks), decide the batch (the LP or first come,
+``BatchPolicy``), reserve each chosen request's KV (preempting the request that arrived last
+when it does not fit), record, price the trees (λ of eq. 8 over the guard's level, the drain
+weights, no drafting that cannot pay) and reserve their slots. Whether trees are priced is a
+rule chosen at start (``TreePricing`` or ``FixedBudgets``). docs/scheduling.md explains each job.
 
 NOTE(scheduler): the paper's order — batch assignment before drafting (Algorithm 2) — needs
 gains before the trees exist; the last tree's curve predicts them. Only the batch decision
@@ -19,12 +21,13 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from cosine_ray.algo.guard import SpeculationGuard
-from cosine_ray.algo.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch
+from cosine_ray.algo.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch, trim_gammas
 from cosine_ray.algo.tree_selection import TreePrice
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.owners.economics import CostModel, predicted_gains
+from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.pool import RequestPool
-from cosine_ray.engine.request import Request, needs_prefill
+from cosine_ray.engine.request import Request, RequestStatus, needs_prefill
 from cosine_ray.engine.modes.twins import NoTwins, Twins
 from cosine_ray.engine.types import PROBE_EVERY, StepBatch
 
@@ -67,12 +70,13 @@ class FirstComeBatchPolicy:
 
 
 class BatchScheduler:
-    def __init__(self, config: StepConfig, pool: RequestPool, policy: BatchPolicy, costs: CostModel, *,
+    def __init__(self, config: StepConfig, pool: RequestPool, policy: BatchPolicy, costs: CostModel, kv: KVBlocks, *,
                  kv_bytes_per_token: int = 0, priced: bool = True, guard: SpeculationGuard | None = None,
                  clock: Callable[[], float] = time.monotonic, skip_unpaying: bool = True,
                  twins: Twins | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.kv = kv
         self.policy = policy
         self.costs = costs
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -91,6 +95,7 @@ class BatchScheduler:
         self._peak = 0
         """Running requests at the last admission, or more since: fewer now, and nothing
         waiting, means the pool drains."""
+        self.num_preemptions = 0
 
     @property
     def guard(self) -> SpeculationGuard | None:
@@ -111,32 +116,106 @@ class BatchScheduler:
         if not requests:
             return StepBatch.make_empty()
         budgets = {r.request_id: self._budget(r) for r in requests if not needs_prefill(r)}
-        schedule = self._decide(requests, budgets, now)
+        chunks = self._fit_tokens(requests, budgets)
+        requests = [r for r in requests if r.request_id in budgets or r.request_id in chunks]
+        if not requests:
+            return StepBatch.make_empty()
+        schedule = self._decide(requests, budgets, chunks, now)
         chosen = set(schedule.batch)
-        requests = [r for r in requests if r.request_id in chosen]
-        budgets = {rid: g for rid, g in budgets.items() if rid in chosen}
+        requests = self._reserve([r for r in requests if r.request_id in chosen], chunks)
+        kept = {r.request_id for r in requests}
+        budgets = {rid: g for rid, g in budgets.items() if rid in kept}
+        chunks = {rid: n for rid, n in chunks.items() if rid in kept}
         twin_drafts = {rid: d for rid, d in twins.drafts.items() if rid in budgets}
         twin_budgets = {rid: budgets[rid] for rid in twin_drafts}
         self._record(requests, budgets, now)
-        batch = StepBatch(requests, budgets, started_at=now, twins=twin_drafts)
+        batch = StepBatch(requests, budgets, started_at=now, twins=twin_drafts, chunks=chunks,
+                          epochs={r.request_id: r.kv_epoch for r in requests})
         self.pricing.price(batch, schedule)
         budgets.update(twin_budgets)  # a twin's text is verified whole, at any level or price
+        self._reserve_trees(batch)
         batch.num_steps = {r.request_id: r.num_decode_steps for r in requests if r.request_id in budgets}
         batch.decision_s = time.perf_counter() - start
         return batch
 
     # ---- the jobs of a step, in order -------------------------------------------------------
     def _admit(self) -> None:
-        """First come into the running batch; remember the largest batch since an admission."""
-        pool = self.pool
+        """First come into the running batch while it has room and the KV pool can hold the
+        next one's whole context (less its cached prefix, which it takes) and a token more: its
+        blocks are reserved now. Remember the largest batch since an admission."""
+        pool, kv = self.pool, self.kv
         before = len(pool.running)
-        pool.admit()
+        while pool.waiting and len(pool.running) < self.config.max_num_seqs:
+            request = pool.waiting[0]
+            kv.take_cached_prefix(request)
+            if not kv.can_fit(kv.blocks_for(request.num_tokens + 1) - len(request.block_table)):
+                break  # it waits for blocks, and nobody overtakes it
+            kv.ensure(request, request.num_tokens)
+            pool.admit(request)
         self._peak = len(pool.running) if len(pool.running) > before else max(self._peak, len(pool.running))
 
-    def _decide(self, requests: Sequence[Request], budgets: dict[str, int], now: float) -> Schedule:
+    def _fit_tokens(self, requests: Sequence[Request], budgets: dict[str, int]) -> dict[str, int]:
+        """The step's token budget: every decode's root and its draft tree first (Algorithm 2
+        trims the trees when they do not fit), then prompt chunks in admission order. Returns
+        the chunk of each prefilling request that gets one; the others wait."""
+        room = self.config.max_num_batched_tokens - len(budgets)
+        if sum(budgets.values()) > room:
+            budgets.update(trim_gammas(budgets, max(room, 0)))
+        room -= sum(budgets.values())
+        chunks = {}
+        for r in requests:
+            if r.request_id in budgets or room <= 0:
+                continue
+            chunks[r.request_id] = min(r.num_tokens - r.num_computed_tokens, room)
+            room -= chunks[r.request_id]
+        return chunks
+
+    def _decide(self, requests: Sequence[Request], budgets: dict[str, int], chunks: dict[str, int],
+                now: float) -> Schedule:
         """Which of the lane's requests run (the policy: the LP of eq. 5-8, or first come)."""
-        candidates = [self._candidate(r, now, budgets.get(r.request_id)) for r in requests]
+        candidates = [self._candidate(r, now, budgets.get(r.request_id), chunks.get(r.request_id))
+                      for r in requests]
         return self.policy.decide(candidates, self.costs, self._schedule_config(len(requests)))
+
+    def _reserve(self, requests: list[Request], chunks: dict[str, int]) -> list[Request]:
+        """KV for each request's committed growth this step (a decode's root, a prompt chunk),
+        first come first; when the pool is full, the running request that arrived last (and no
+        step is working on) is preempted, possibly the one asking. Returns the requests that run."""
+        kept = []
+        for r in sorted(requests, key=lambda r: r.arrival_time):
+            if r.status is not RequestStatus.RUNNING:  # preempted for an earlier one
+                continue
+            need = r.num_computed_tokens + chunks.get(r.request_id, 1)
+            while not self.kv.ensure(r, need):
+                victim = self._last_arrived()
+                if victim is None:  # every other request is in another lane's step: this one waits
+                    break
+                self.preempt(victim)
+                if victim is r:
+                    break
+            else:
+                kept.append(r)
+        kept = {r.request_id for r in kept if r.status is RequestStatus.RUNNING}
+        return [r for r in requests if r.request_id in kept]
+
+    def _last_arrived(self) -> Request | None:
+        """The running request that arrived last among those no step is working on."""
+        candidates = [r for r in self.pool.running.values() if not r.num_in_flight]
+        return max(candidates, key=lambda r: r.arrival_time, default=None)
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's KV and send it back to the queue; it resumes with the same text."""
+        self.kv.free(request)
+        self.pool.preempt(request)
+        self.num_preemptions += 1
+
+    def _reserve_trees(self, batch: StepBatch) -> None:
+        """KV slots for the draft trees (root + γ_i); a tree the pool cannot hold is not drafted."""
+        for r in batch.decodes:
+            gamma = batch.budgets[r.request_id]
+            if gamma and not self.kv.ensure(r, r.num_computed_tokens + 1 + gamma):
+                batch.budgets[r.request_id] = 0
+                batch.twins.pop(r.request_id, None)
 
     def _schedule_config(self, size: int) -> ScheduleConfig:
         config = self._configs.get(size)
@@ -180,13 +259,13 @@ class BatchScheduler:
         left = request.params.max_tokens - len(request.output_token_ids) - 1
         return max(min(self.config.num_speculative_tokens, left), 0)
 
-    def _candidate(self, request: Request, now: float, budget: int | None) -> Candidate:
+    def _candidate(self, request: Request, now: float, budget: int | None, chunk: int | None) -> Candidate:
         rid = request.request_id
         reserved = (len(request.prompt_token_ids) + request.params.max_tokens) * self.kv_bytes_per_token
-        if budget is None:  # a prefill: an admitted request that holds no KV yet, or a restore
+        if budget is None:  # a prompt chunk: a new or resumed request, or a long prompt's next part
             since = request.last_scheduled_at if request.last_scheduled_at is not None else request.arrival_time
-            return Candidate(rid, 0, reserved, (0.0,), running=request.holds_kv,
-                             waited_s=max(now - since, 0.0), prefill_tokens=request.num_tokens)
+            return Candidate(rid, request.num_computed_tokens, reserved, (0.0,), running=request.holds_kv,
+                             waited_s=max(now - since, 0.0), prefill_tokens=chunk)
         since = request.last_scheduled_at if request.last_scheduled_at is not None else now
         return Candidate(rid, request.num_tokens, reserved, predicted_gains(request, budget), running=True,
                          waited_s=max(now - since, 0.0))

@@ -23,7 +23,7 @@ from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_keyed
 from cosine_ray.engine.types import Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
-from cosine_ray.engine.request import Request, needs_prefill
+from cosine_ray.engine.request import Request
 from cosine_ray.engine.worker.scoring import ScoreItem
 
 
@@ -67,19 +67,24 @@ class Verifier:
         self.busy = VerifierClock(clock, window_start=clock())
 
     async def verify(self, batch: StepBatch, drafts: Drafts) -> VerifiedBatch:
-        """Score the batch's prefills and trees in one target call and accept per request.
-        Requests aborted while drafting, or whose KV a recovery dropped meanwhile, sit out."""
+        """Score the batch's prompt chunks and trees in one target call and accept per request.
+        Requests aborted while drafting, or whose KV was dropped meanwhile, sit out."""
         work: list[tuple[Request, ScoreItem, TokenTree | None]] = []
         for r in batch.requests:
-            if not self.is_live(r.request_id):
+            rid = r.request_id
+            if not self.is_live(rid) or batch.epochs.get(rid, r.kv_epoch) != r.kv_epoch:
                 continue
             greedy = r.params.is_greedy  # the target's argmax tokens are all a greedy request needs
-            if needs_prefill(r) and r.request_id not in drafts.trees:
-                work.append((r, ScoreItem.prefill(r.request_id, r.context_token_ids, ids_only=greedy), None))
-            elif not r.kv_lost:
-                tree = drafts.trees[r.request_id].tree
-                work.append((r, ScoreItem.for_tree(r.request_id, tree, r.num_tokens - 1, None, ids_only=greedy),
-                             tree))
+            if rid in batch.chunks:
+                start = r.num_computed_tokens
+                end = start + batch.chunks[rid]
+                work.append((r, ScoreItem.prefill(rid, r.context_token_ids[start:end], start_position=start,
+                                                  final=end == r.num_tokens, ids_only=greedy,
+                                                  block_table=r.block_table), None))
+            else:
+                tree = drafts.trees[rid].tree
+                work.append((r, ScoreItem.for_tree(rid, tree, r.num_tokens - 1, ids_only=greedy,
+                                                   block_table=r.block_table), tree))
         if not work:
             return VerifiedBatch()
         items = [item for _, item, _ in work]
@@ -96,9 +101,10 @@ class Verifier:
         outcomes = []
         for (request, item, tree), item_logits in zip(work, logits):
             if tree is None:
-                # the first token after the prefill, at the prefilled length's position
-                token = target_token(request, item_logits[-1:], position=len(item.token_ids))
-                outcomes.append(Verified(request.request_id, (token,), tuple(range(len(item.token_ids)))))
+                # after the last chunk, the context's next token, at the context length's position
+                end = item.start_position + len(item.token_ids)
+                token = (target_token(request, item_logits[-1:], position=end),) if item.wants_logits else ()
+                outcomes.append(Verified(request.request_id, token, tuple(range(len(item.token_ids)))))
             else:
                 result = self._accept(request, tree, item_logits, root_position=item.start_position)
                 outcomes.append(Verified(request.request_id, result.new_token_ids,

@@ -2,9 +2,9 @@
 
 One ``ScoreItem`` per request and step carries everything a stage needs, so no metadata
 round trip precedes a forward (SiPipe's structure-aware transmission): the new tokens — a
-prompt chain at prefill, or a token tree's nodes afterwards — and, on the Ray path, the
-speculative slots of the previous step to keep (``commit_previous``). ``ScoreOutput`` is what
-the last stage sends back, ``KVCommit`` what the router keeps after verification, and
+prompt chain (or chunk) at prefill, or a token tree's nodes afterwards — and the request's
+block table. ``KVCommit`` is what the engine keeps after verification (the Ray client sends
+pending commits with the next forward), ``ScoreOutput`` what the last stage sends back and
 ``LayerItem`` one PipeDec tree layer: plain data (picklable for Ray) and the pure functions
 on it. The workers that run the model are in ``engine.worker.target``.
 """
@@ -39,23 +39,37 @@ class ScoreItem:
     parent_ids: tuple[int, ...] | None
     """Tree parents (node 0 = -1); None = a causal chain."""
     start_position: int
-    """Committed length after ``commit_previous``: the root's position."""
-    commit_previous: tuple[int, ...] | None = None
-    """Speculative slots of the previous step to keep (root + accepted path); None = none."""
+    """Committed length before this step: the first new token's (the tree root's) position."""
     all_logits: bool = True
     """Logits for every new token (trees) or only the last one (prefill)."""
     ids_only: bool = False
     """Return the target's argmax token of each of those rows instead of their logits (a
     greedy request needs nothing else; a sampled one needs the distributions)."""
+    block_table: tuple[int, ...] | None = None
+    """The request's pool blocks after this step's reservation, decided by the engine
+    (``engine.owners.kv``); None: the stage allocates its own (direct use of a stage)."""
+    wants_logits: bool = True
+    """False: no logit row at all (a prompt chunk that is not the prompt's last)."""
 
     @classmethod
-    def prefill(cls, request_id: str, prompt_token_ids: Sequence[int], *, ids_only: bool = False) -> "ScoreItem":
-        return cls(request_id, tuple(prompt_token_ids), None, 0, None, all_logits=False, ids_only=ids_only)
+    def prefill(cls, request_id: str, token_ids: Sequence[int], *, start_position: int = 0, final: bool = True,
+                ids_only: bool = False, block_table: Sequence[int] | None = None) -> "ScoreItem":
+        """A chain of context tokens from ``start_position``: a whole prompt, or one chunk of it
+        (``final``: the chunk ends the context, so its last token's row is wanted)."""
+        return cls(request_id, tuple(token_ids), None, start_position, all_logits=False, ids_only=ids_only,
+                   block_table=None if block_table is None else tuple(block_table), wants_logits=final)
 
     @classmethod
-    def for_tree(cls, request_id: str, tree: TokenTree, start_position: int,
-                 commit_previous: tuple[int, ...] | None, *, ids_only: bool = False) -> "ScoreItem":
-        return cls(request_id, tree.token_ids, tree.parent_ids, start_position, commit_previous, ids_only=ids_only)
+    def for_tree(cls, request_id: str, tree: TokenTree, start_position: int, *, ids_only: bool = False,
+                 block_table: Sequence[int] | None = None) -> "ScoreItem":
+        return cls(request_id, tree.token_ids, tree.parent_ids, start_position, ids_only=ids_only,
+                   block_table=None if block_table is None else tuple(block_table))
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logit rows it wants: every token's (a tree), the last one's (a prompt), or none."""
+        n = len(self.token_ids)
+        return 0 if not self.wants_logits else n if self.all_logits else 1
 
     def _tree(self) -> TokenTree:
         return TokenTree(self.token_ids, self.parent_ids, (1.0,) * len(self.token_ids))
@@ -74,7 +88,7 @@ def build_stage_batch(items: Sequence[ScoreItem]) -> StageBatch:
     counts = [len(it.token_ids) for it in items]
     logit_rows, offset = [], 0
     for it, n in zip(items, counts):
-        logit_rows.extend(range(offset, offset + n) if it.all_logits else [offset + n - 1])
+        logit_rows.extend(range(offset + n - it.num_logit_rows, offset + n))
         offset += n
     return StageBatch(
         request_ids=[it.request_id for it in items],
@@ -128,7 +142,7 @@ def score_output(items: Sequence[ScoreItem], logits: torch.Tensor) -> ScoreOutpu
 
 
 def _row_counts(items: Sequence[ScoreItem]) -> list[int]:
-    return [len(it.token_ids) if it.all_logits else 1 for it in items]
+    return [it.num_logit_rows for it in items]
 
 
 def split_output(items: Sequence[ScoreItem], out: ScoreOutput) -> list[torch.Tensor]:
@@ -141,15 +155,24 @@ def split_output(items: Sequence[ScoreItem], out: ScoreOutput) -> list[torch.Ten
     return [ids[i] if it.ids_only else next(logits) for i, it in enumerate(items)]
 
 
-def apply_commits(cache: KVCache, items: Sequence[ScoreItem]) -> None:
-    """Open caches for new requests and keep last step's accepted slots (every stage)."""
+def apply_commits(cache: KVCache, items: Sequence[ScoreItem], commits: Sequence[KVCommit] = ()) -> None:
+    """Keep earlier steps' accepted slots (``commits``: the Ray client sends them with the next
+    forward), open caches for new requests (at a prefix-cache hit's length when the engine
+    gives the table) and adopt the engine's tables (every stage)."""
+    cache.commit_many((c.request_id, c.keep) for c in commits if c.request_id in cache)
     for it in items:
-        if it.request_id not in cache:
-            if it.start_position != 0:
-                raise ValueError(f"request {it.request_id!r} has no KV cache here but starts at "
-                                 f"position {it.start_position}; re-prefill it")
+        if it.request_id in cache:
+            continue
+        if it.block_table is not None:
+            cache.assign(it.request_id, it.block_table, committed_length=it.start_position)
+        elif it.start_position != 0:
+            raise ValueError(f"request {it.request_id!r} has no KV cache here but starts at "
+                             f"position {it.start_position}; re-prefill it")
+        else:
             cache.allocate(it.request_id)
-    cache.commit_many((it.request_id, it.commit_previous) for it in items if it.commit_previous is not None)
+    for it in items:
+        if it.block_table is not None:  # after the commits: they move slots within the old table
+            cache.assign(it.request_id, it.block_table)
     for it in items:
         length = cache.committed_length(it.request_id)
         if length != it.start_position:
@@ -175,6 +198,8 @@ class LayerItem:
     keep: tuple[int, ...] | None = None
     """Prune first: speculative slots to keep, in order; None: no change."""
     num_committed: int = 0
+    block_table: tuple[int, ...] | None = None
+    """The request's pool blocks, covering every stage's tree level (the engine's table)."""
 
     def stage_batch(self, num_speculative: int) -> StageBatch:
         n = len(self.token_ids)

@@ -78,6 +78,11 @@ class TargetClient(Protocol):
         False if that did not happen within ``timeout_s``."""
         ...
 
+    async def kv_capacity(self) -> int | None:
+        """KV blocks every stage can hold for the engine's block tables (``engine.owners.kv``);
+        None: the pools grow as needed."""
+        ...
+
 
 CUDA_KV_MEMORY_SHARE = 0.9
 """Share of a GPU's free memory (after the weights) its stages' KV pools take by default."""
@@ -109,9 +114,12 @@ class StageWorker:
     a ``ScoreOutput`` (``split_output`` cuts it per item)."""
 
     def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None, kv_budget_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, runner: str = "auto") -> None:
+                 clock: Callable[[], float] = time.monotonic, runner: str = "auto",
+                 external_blocks: bool = False) -> None:
         self.stage = stage
-        self.cache = stage.new_kv_cache(kv_budget_bytes, max_tokens=max_kv_tokens)
+        self.cache = stage.new_kv_cache(kv_budget_bytes, max_tokens=max_kv_tokens, external=external_blocks)
+        """The stage's paged KV pool; with ``external_blocks`` the engine decides every request's
+        block table (``ScoreItem.block_table``), else the cache allocates its own."""
         self.runner = StepRunner(stage, runner)
         """Eager varlen forward, or fixed-shape steps replayed as CUDA graphs (``models.runner``)."""
         self.clock = clock
@@ -130,19 +138,22 @@ class StageWorker:
             self.busy_s += self.clock() - self._busy_since
             self._busy_since = None
 
-    def forward(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The stage's step; on the last stage a finished ``ScoreOutput`` (a stage actor
-        returns it across processes, where a CUDA event cannot go)."""
-        out = self.forward_pending(items, hidden)
+    def forward(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None,
+                commits: Sequence[KVCommit] = ()) -> torch.Tensor:
+        """The stage's step (earlier steps' pending ``commits`` applied first); on the last stage
+        a finished ``ScoreOutput`` (a stage actor returns it across processes, where a CUDA event
+        cannot go)."""
+        out = self.forward_pending(items, hidden, commits)
         if isinstance(out, ScoreOutput):
             return dataclasses.replace(out.wait(), ready=None)
         return out
 
-    def forward_pending(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None):
+    def forward_pending(self, items: Sequence[ScoreItem], hidden: torch.Tensor | None = None,
+                        commits: Sequence[KVCommit] = ()):
         """``forward``, but on CUDA the last stage's ids may still be on their way
         (``ScoreOutput.ready``): the in-process engine polls instead of blocking."""
         with self._busy():
-            apply_commits(self.cache, items)
+            apply_commits(self.cache, items, commits)
             try:
                 out = self.runner.forward(build_stage_batch(items), self.cache, hidden)
                 return score_output(items, out) if self.stage.is_last else out
@@ -155,6 +166,8 @@ class StageWorker:
         states out, or on the last stage the layer's logits)."""
         with self._busy():
             self.prune(item.request_id, item.keep, item.num_committed)
+            if item.block_table is not None:
+                self.cache.assign(item.request_id, item.block_table)
             if hidden is not None and item.rows is not None:
                 hidden = hidden[list(item.rows)]
             batch = item.stage_batch(self.cache.num_speculative(item.request_id))
@@ -201,27 +214,35 @@ class StageWorker:
         """Requests and tokens held (tests check nothing leaks)."""
         return {"requests": len(self.cache.request_ids), "tokens": self.cache.num_tokens()}
 
+    def kv_capacity(self) -> int | None:
+        """Blocks the engine may hand out here (the budget less the scratch block); None: the
+        pool grows as needed."""
+        blocks = self.cache.max_blocks
+        return None if blocks is None else blocks - 1
+
 
 class TargetWorker:
     """All stages of the target in one process (the single-process engine)."""
 
     def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None,
-                 kv_cache_memory: int | None = None, runner: str = "auto") -> None:
+                 kv_cache_memory: int | None = None, runner: str = "auto", external_blocks: bool = False) -> None:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("stages must cover the model from the embedding to the lm_head")
-        self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens, kv_budget_bytes=b, runner=runner)
+        self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens, kv_budget_bytes=b, runner=runner,
+                                   external_blocks=external_blocks)
                        for s, b in zip(stages, kv_budgets(stages, kv_cache_memory))]
 
-    def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
-        return self.score_pending(items).wait_and_split()
+    def score(self, items: Sequence[ScoreItem], commits: Sequence[KVCommit] = ()) -> list[torch.Tensor]:
+        return self.score_pending(items, commits).wait_and_split()
 
-    def score_pending(self, items: Sequence[ScoreItem]) -> "PendingScore":
-        """Run every stage; on CUDA return as soon as the work is queued (``PendingScore``)."""
+    def score_pending(self, items: Sequence[ScoreItem], commits: Sequence[KVCommit] = ()) -> "PendingScore":
+        """Run every stage (``commits`` of earlier steps applied first); on CUDA return as soon
+        as the work is queued (``PendingScore``)."""
         if not items:
             return PendingScore(items, None)
         hidden = None
         for stage in self.stages:
-            hidden = stage.forward_pending(items, hidden)
+            hidden = stage.forward_pending(items, hidden, commits)
         return PendingScore(items, hidden)
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
@@ -238,6 +259,11 @@ class TargetWorker:
 
     def num_cached_requests(self) -> int:
         return max(s.kv_usage()["requests"] for s in self.stages)
+
+    def kv_capacity(self) -> int | None:
+        """Blocks every stage can hold (the smallest budget); None: the pools grow."""
+        capacities = [s.kv_capacity() for s in self.stages]
+        return None if None in capacities else min(capacities)
 
 
 @dataclass(slots=True)
@@ -302,6 +328,9 @@ class LocalTargetClient:
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.worker.release(request_ids)
+
+    async def kv_capacity(self) -> int | None:
+        return self.worker.kv_capacity()
 
     async def recover(self, timeout_s: float) -> bool:
         for stage in self.worker.stages:
