@@ -15,7 +15,7 @@ from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker
+from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker, default_kv_tokens
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 
 
@@ -33,7 +33,7 @@ class LocalEngine:
         self.target = TargetWorker(build_target_stages(self.checkpoint, state, config.num_stages,
                                                        dtype=dtype, device=config.device),
                                    kv_cache_memory=config.kv_cache_memory, runner=config.runner,
-                                   external_blocks=True)
+                                   external_blocks=True, kv_token_budget=default_kv_tokens(config.step))
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config)
                          for s in config.drafters]

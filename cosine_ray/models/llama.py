@@ -272,6 +272,7 @@ class LlamaStage:
         or, without one, growing as needed."""
         shape = (self.num_layers, self.config.num_kv_heads, self.config.head_dim)
         if budget_bytes is not None:
+            kwargs.pop("max_blocks", None)
             return KVCache.for_budget(*shape, budget_bytes, dtype=self.dtype, device=self.device, **kwargs)
         return KVCache(*shape, dtype=self.dtype, device=self.device, **kwargs)
 

@@ -21,7 +21,7 @@ import torch
 from cosine_ray.engine.build import build_stage, make_drafter_worker
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.worker.target import StageWorker, kv_budgets
+from cosine_ray.engine.worker.target import StageWorker, default_kv_tokens, kv_budgets
 from cosine_ray.runtime import memory
 
 
@@ -60,7 +60,8 @@ class StageHost(_Hosted, StageWorker):
         self._start(config.cluster.threads_per_actor)
         stage = build_stage(config, stage_index)
         StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0],
-                             runner=config.runner, external_blocks=True)
+                             runner=config.runner, external_blocks=True,
+                             kv_token_budget=default_kv_tokens(config.step))
         self.capture_graphs(config.step)  # CUDA: before the first request
         self.stage_index = stage_index
 

@@ -137,7 +137,8 @@ def test_server_flag_or_request_field_adds_the_stats_block():
         "num_draft_tokens": 6, "num_accepted_tokens": 3, "mean_accepted_length": 2.5, "num_verify_steps": 2,
         "drafted_by": {"ngram": 4, "retrieval:code": 2, "idle": 0}, "accepted_by": {"ngram": 3},
         "domain": "code", "drafters_used": ["ngram", "retrieval:code"],
-        "pipedec_timesteps": 5, "pipedec_tokens": 4, "pipedec_hits": 3}
+        "pipedec_timesteps": 5, "pipedec_tokens": 4, "pipedec_hits": 3, "num_cached_tokens": 0,
+        "num_preemptions": 0}
     chat = flagged_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     # IdTokenizer has no chat template: a 400, and no stats block on errors
     assert chat.status_code == 400 and "cosine_ray" not in chat.json()

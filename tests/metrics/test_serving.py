@@ -121,7 +121,7 @@ class FakeStage:
     def __init__(self, clock: FakeClock, cost: float) -> None:
         self.clock, self.cost, self.fail = clock, cost, False
 
-    def new_kv_cache(self, budget_bytes=None, max_tokens=None) -> FakeCache:
+    def new_kv_cache(self, budget_bytes=None, **kwargs) -> FakeCache:
         return FakeCache()
 
     def forward(self, batch, cache, hidden):

@@ -132,7 +132,8 @@ def test_cosine_ray_stats_block(served):
     stats = resp["cosine_ray"]
     assert set(stats) == {"num_draft_tokens", "num_accepted_tokens", "mean_accepted_length",
                           "num_verify_steps", "drafted_by", "accepted_by", "domain", "drafters_used",
-                          "pipedec_timesteps", "pipedec_tokens", "pipedec_hits"}
+                          "pipedec_timesteps", "pipedec_tokens", "pipedec_hits", "num_cached_tokens",
+                          "num_preemptions"}
     assert stats["pipedec_timesteps"] == stats["pipedec_tokens"] == 0  # lanes mode (the default)
     assert stats["drafters_used"] == sorted(d for d, n in stats["drafted_by"].items() if n > 0)
     assert isinstance(stats["domain"], str) and stats["domain"]

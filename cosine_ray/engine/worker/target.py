@@ -86,6 +86,14 @@ class TargetClient(Protocol):
 
 CUDA_KV_MEMORY_SHARE = 0.9
 """Share of a GPU's free memory (after the weights) its stages' KV pools take by default."""
+CPU_KV_TOKENS_PER_SEQ = 2048
+"""On CPU without a byte budget, a stage's pool grows as needed up to this many tokens a
+running request (and at least the model length): the prefix cache keeps what fits in it."""
+
+
+def default_kv_tokens(step: "StepConfig") -> int:
+    """Tokens a CPU stage's pool may grow to when no byte budget is given."""
+    return max(step.max_model_len + step.num_speculative_tokens + 1, step.max_num_seqs * CPU_KV_TOKENS_PER_SEQ)
 
 
 def kv_budgets(stages: Sequence[LlamaStage], kv_cache_memory: int | None) -> list[int | None]:
@@ -115,9 +123,11 @@ class StageWorker:
 
     def __init__(self, stage: LlamaStage, *, max_kv_tokens: int | None = None, kv_budget_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic, runner: str = "auto",
-                 external_blocks: bool = False) -> None:
+                 external_blocks: bool = False, kv_token_budget: int | None = None) -> None:
         self.stage = stage
-        self.cache = stage.new_kv_cache(kv_budget_bytes, max_tokens=max_kv_tokens, external=external_blocks)
+        grow_to = None if kv_budget_bytes is not None or kv_token_budget is None else -(-kv_token_budget // 16) + 1
+        self.cache = stage.new_kv_cache(kv_budget_bytes, max_tokens=max_kv_tokens, external=external_blocks,
+                                        max_blocks=grow_to)
         """The stage's paged KV pool; with ``external_blocks`` the engine decides every request's
         block table (``ScoreItem.block_table``), else the cache allocates its own."""
         self.runner = StepRunner(stage, runner)
@@ -225,11 +235,12 @@ class TargetWorker:
     """All stages of the target in one process (the single-process engine)."""
 
     def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None,
-                 kv_cache_memory: int | None = None, runner: str = "auto", external_blocks: bool = False) -> None:
+                 kv_cache_memory: int | None = None, runner: str = "auto", external_blocks: bool = False,
+                 kv_token_budget: int | None = None) -> None:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("stages must cover the model from the embedding to the lm_head")
         self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens, kv_budget_bytes=b, runner=runner,
-                                   external_blocks=external_blocks)
+                                   external_blocks=external_blocks, kv_token_budget=kv_token_budget)
                        for s, b in zip(stages, kv_budgets(stages, kv_cache_memory))]
 
     def score(self, items: Sequence[ScoreItem], commits: Sequence[KVCommit] = ()) -> list[torch.Tensor]:
