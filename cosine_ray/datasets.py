@@ -16,10 +16,8 @@ retrieval datastores and is what warm-ups and classifier fits may use; the secon
 back for measurement (``cosine-ray bench``, ``cosine-loadgen``, the benchmarks), so no figure is
 measured on prompts a datastore has seen.
 
-``$COSINE_RAY_PROMPTS`` names another folder with the same four file names; it replaces the
-packaged folder as the default of ``cosine-ray bench`` and ``cosine-loadgen`` and of
-``cosine-ray datastore build`` without ``--prompts``. (``loadgen`` never imports
-``cosine_ray``; ``loadgen.workload`` finds the same folder by the same rule.)
+``$COSINE_RAY_PROMPTS`` names another folder with the same four file names, used instead of
+the packaged one (``loadgen.workload`` finds it by the same rule without importing us).
 """
 
 from __future__ import annotations
