@@ -16,6 +16,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import sys
 import typing
 from pathlib import Path
@@ -73,6 +74,7 @@ def show(value: object) -> str:
 
 
 def cell(text: str) -> str:
+    text = re.sub(r"(?<=[A-Za-z])-\n\s*(?=[a-z])", "-", text)  # a word hyphenated across lines
     return " ".join(text.split()).replace("|", "\\|")
 
 
