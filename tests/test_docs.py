@@ -47,6 +47,17 @@ CITES_DESIGN = {
 }
 DESIGN_REFERENCE = re.compile(r"DESIGN\s*§")
 
+# Files that still name docs/measurements.md, now split into docs/history/ pages. Empty this too.
+NAMES_A_MISSING_DOCS_PAGE = {
+    "cosine_ray/engine/modes/pearl.py",
+    "cosine_ray/engine/modes/pipedec.py",
+    "cosine_ray/engine/modes/twins.py",
+    "cosine_ray/engine/owners/scheduler.py",
+    "cosine_ray/engine/owners/speculator.py",
+    "cosine_ray/models/runner.py",
+}
+DOCS_PAGE = re.compile(r"docs/[A-Za-z0-9_./-]+\.md")
+
 
 def python_files() -> list[Path]:
     return sorted(p for folder in CHECKED for p in (ROOT / folder).rglob("*.py"))
@@ -61,6 +72,10 @@ def design_citations(path: Path) -> list[int]:
     """Lines of ``path`` (docstrings and comments alike) that cite "DESIGN §n"."""
     return [i for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
             if DESIGN_REFERENCE.search(line)]
+
+
+def missing_docs_pages(path: Path) -> list[str]:
+    return sorted({m for m in DOCS_PAGE.findall(path.read_text(encoding="utf-8")) if not (ROOT / m).is_file()})
 
 
 def rel(path: Path) -> str:
@@ -88,6 +103,14 @@ def test_no_docstring_or_comment_cites_a_design_document_outside_the_repository(
 def test_the_list_of_design_citations_only_shrinks():
     fixed = sorted(name for name in CITES_DESIGN if not (ROOT / name).is_file() or not design_citations(ROOT / name))
     assert not fixed, f"remove from CITES_DESIGN in tests/test_docs.py: {fixed}"
+
+
+def test_code_names_only_docs_pages_that_exist():
+    missing = {rel(p): pages for p in python_files()
+               if (pages := missing_docs_pages(p)) and rel(p) not in NAMES_A_MISSING_DOCS_PAGE}
+    assert not missing, f"references to docs pages that do not exist: {missing}"
+    fixed = sorted(name for name in NAMES_A_MISSING_DOCS_PAGE if not missing_docs_pages(ROOT / name))
+    assert not fixed, f"remove from NAMES_A_MISSING_DOCS_PAGE in tests/test_docs.py: {fixed}"
 
 
 def test_the_configuration_page_is_generated_from_the_current_config():
