@@ -7,11 +7,10 @@ CoSine/PipeDec/PEARL mixed-domain workloads::
     code         humaneval.jsonl   164 rows
     math         gsm8k.jsonl     1,319 rows
     instruction  alpaca.jsonl      175 rows
-    chat         mtbench.jsonl      80 rows (``turns`` holds both MT-bench turns)
+        chat         mtbench.jsonl      80 rows (``turns`` holds both MT-bench turns)
 
-Each line is one JSON object with ``id``, ``domain`` and a non-empty string ``prompt``.
-
-**The fixed split.** The first half of each file (``(n + 1) // 2`` rows) builds the packaged
+Each line is one JSON object with ``id``, ``domain`` and a non-empty string ``prompt``. **The
+fixed split.** The first half of each file (``(n + 1) // 2`` rows) builds the packaged
 retrieval datastores and is what warm-ups and classifier fits may use; the second half is held
 back for measurement (``cosine-ray bench``, ``cosine-loadgen``, the benchmarks), so no figure is
 measured on prompts a datastore has seen.

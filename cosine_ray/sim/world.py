@@ -1,8 +1,7 @@
 """The simulated deployment behind the engine's two client interfaces.
 
-The engine core (``engine.core.EngineCore``) only talks to a ``TargetClient`` and to
-``DrafterClient``s, so the simulator gives it simulated ones and runs the real core, scheduler,
-routing, fusion, tree selection, verifier and learner on the virtual clock (``sim.clock``):
+The engine core talks only to a ``TargetClient`` and ``DrafterClient``s, so the simulator gives
+it simulated ones and runs the real engine on the virtual clock (``sim.clock``):
 
 - **The target's text** is an oracle: request r's greedy token at position p is a hash of
   (r, p) (``Oracle``). ``SimTarget.score`` returns one-hot logits: each tree node whose path from
