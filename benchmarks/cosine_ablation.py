@@ -1,28 +1,14 @@
 """CoSine and its ablations, interleaved in repeated rounds, on one mixed-domain workload.
 
-Workload: held-back prompts (second half of each domain file; the retrieval datastores are
-built from the first half), equal mix of code / math / instruction / chat, greedy.
-
-Every system gets its own in-process engine, built once. For each torch thread setting
-(``--threads``): every engine first warms up at each measured concurrency c, on 2c (at least
-4) of the warm-up set's prompts (``--warmup-per-domain`` other prompts; routing priors,
-calibration, the cost model and the guard's per-batch-size buckets learn online; not
-measured), then ``--rounds`` rounds follow. (A warm-up at concurrency 8 alone left the
-guard's buckets for 1 and 16-31 requests young in the first round, exploring every level,
-speculation off included, on 30 % of their steps.) In each round every concurrency level runs
-every system once, in an order shuffled per round (seeded), so a slow minute of the machine
-hits all systems alike. A run = the measured prompts through ``loop.generate_all`` at that
-concurrency → tokens/s.
-
-Reported per (threads, concurrency, system): tokens/s (mean over rounds) and the ratio to
-speculation off — computed per round (same round, paired) then averaged, with the lowest and
-highest round as its band; the noise band of the setting is the spread of speculation off
-itself across rounds ((max − min) / mean). Per system: mean accepted length, mean γ_i, the
-scheduling decision time (LP + TreeSelection, ms per step), and the economics check — verify
-time predicted by the cost model / measured, and draft tokens expected by the gain model /
-accepted. Then full CoSine against every other system, paired per round (full / other in the
-same round: mean and min–max), marked ``≥`` where the mean is within the noise band of 1 or
-above. Every output is compared with speculation off's, token for token (lossless).
+Held-back prompts in an equal mix of code / math / instruction / chat, greedy. Every system gets
+its own in-process engine, built once and warmed up at each measured concurrency (not
+measured); then in each of ``--rounds`` rounds every concurrency runs every system once, in an
+order shuffled per round (seeded), so a slow minute of the machine hits all systems alike.
+Reported per (threads, concurrency, system): tokens/s and the ratio to speculation off, paired
+per round, with the rounds' min–max and speculation off's own spread as the noise band; mean
+accepted length, γ_i, decision time, and the cost and gain models against what happened; then
+full CoSine against every other system, paired per round. Every output is compared with
+speculation off's, token for token (docs/benchmarks.md).
 
     python benchmarks/cosine_ablation.py [--rounds 3] [--concurrency 1,4,8,16] [--threads 1,2]
         [--prompts-per-domain 4] [--warmup-per-domain 4] [--max-tokens 64] [--systems ...]

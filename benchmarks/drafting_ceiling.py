@@ -1,47 +1,14 @@
-"""What a drafter set could gain at most on a workload, without timing noise (issue 17).
+"""What a drafter set could gain at most on a workload, without timing noise.
 
 The target's greedy outputs are fixed, so how many tokens a step a set of drafters *could*
-commit does not depend on the machine. This script
-
-1. decodes the workload's warm-up and measured conversations once with the real target and no
-   drafters (``cosine-ray bench``'s workloads, ``loadgen/workload.py``; every turn of a
-   conversation is sent with the earlier answers, as the bench does);
-2. replays every measured turn step by step, one turn at a time (c = 1: no twins, no peers), for
-   each *policy* (a drafter set and which of its domain experts a turn gets): the chosen drafters
-   ``propose`` with the step's budget each, and the step commits the longest proposed path that
-   equals the true continuation, plus the target's bonus token. Every drafter learns each finished
-   turn (``Drafter.learn``, the turn's true domain), warm-up turns first;
-3. prices the steps with the verify-time model ``cosine-ray profile`` fits on this machine
-   (plain decoding's profile, cached per setup as the engine's) and the drafters' measured
-   ``propose`` time (the calling thread's CPU time: the lookup drafters run on it, and a
-   shared machine's preemption stays out).
-
-So per policy it prints
-
-- **tokens a step** (committed tokens over steps) and **nodes a step** (distinct draft nodes of
-  the union of the proposed paths). This is what the engine's ``fusion=union`` could verify with
-  the same budgets, and a ceiling for it. Confidence fusion (the default) asks each drafter to
-  continue the fused prefix (``continue_drafts``), so its trees can hold paths no drafter
-  proposes alone: for it the replay is an estimate, not a bound;
-- **oracle nodes**: the accepted path alone. A selection that verified only the nodes that
-  turn out accepted (no real policy can) would pay for these;
-- **projected speed-up** over plain decoding: plain decoding's predicted step times over the
-  same tokens, divided by the drafted steps' predicted verify times (1 + nodes new tokens at the
-  step's context) plus the measured drafting time. ``oracle`` prices the oracle nodes instead.
-  Host work outside verify and drafting (scheduling, sampling: a few ms a step on our CPU) is
-  left out of both sides.
-
-Routes (``DRAFTERS/ROUTE`` in ``--policies``; domain experts are the drafters named
-``suffix:DOMAIN`` or ``retrieval:DOMAIN``, every other drafter of the set is always asked):
-
-- ``all``: every drafter;
-- ``own``: the expert of the turn's domain (what a perfect router picks with k = 1);
-- ``wrong``: one expert of another domain, drawn per step;
-- ``random1`` / ``random2``: 1 or 2 experts drawn per step (CoSine's ``routing=random``);
-- ``own+random1``: the own expert and one other drawn per step (a perfect router at k = 2).
-
-The output JSON holds the decoded turns too: ``--turns FILE`` replays them again (other policies,
-budgets) without decoding.
+commit does not depend on the machine. This script decodes the workload once with the real
+target and no drafters, replays every measured turn step by step (c = 1) for each *policy* (a
+drafter set and which of its domain experts a turn gets: ``all``, ``own``, ``wrong``,
+``random1``, ``random2``, ``own+random1``), and prints per policy the tokens and draft nodes a
+step, the accepted (oracle) nodes, and the speed-up over plain decoding projected with this
+machine's verify-time model and the drafters' measured ``propose`` time. The replay is a
+ceiling for ``fusion=union`` and an estimate for confidence fusion. The output keeps the
+decoded turns, which ``--turns FILE`` replays without decoding (docs/benchmarks.md).
 
     python benchmarks/drafting_ceiling.py [--workload mixed] [--prompts-per-domain 12]
         [--warmup-per-domain 8] [--max-tokens 64] [--budget 8] [--threads 2] [--out FILE]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 16's GPU measurements in one go, on a machine with a CUDA GPU, most important first (about
+# The GPU measurements in one go, on a machine with a CUDA GPU, most important first (about
 # 9 minutes on an H200 in all; each step has its own time limit and the next one runs whatever happened):
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
 # 1. the CUDA tests (tests/engine/test_gpu.py: graphs = eager, prompts in prefill buckets, fp32 =
 #    HF greedy, bf16, startup capture);
-# 2. the bar at c = 8: the issue's 16 conversations, no drafters / full CoSine / fixed γ, 3 rounds
-#    each in a shuffled order (plain decoding ran at 947 and 1,244 tok/s in two runs of the same code on an H200
-#    host, so one pair of runs says little), fp32 then bf16; each priced run prints how the
+# 2. the bar at c = 8: 16 conversations, no drafters / full CoSine / fixed γ, 3 rounds each in a
+#    shuffled order (a GPU host's plain decoding speed drifts between runs, so one pair of runs
+#    says little), fp32 then bf16; each priced run prints how the
 #    price cut its trees (results[].price), the JSON's summary holds the medians and min-max;
 # 3. one request end to end, fp32 and bf16, against HF greedy (the 5× bar);
 # 4. verify-forward time, ours eager / ours graph / HF eager / a static CUDA-graph step / roofline,

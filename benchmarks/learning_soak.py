@@ -1,29 +1,13 @@
 """The learning drafters under a soak: their index memory stays bounded while they learn.
 
-A real in-process engine (SmolLM2-135M, ``--drafters``, default the ``learning`` set: the
-context n-gram drafter and one live suffix expert per domain, each seeded from its domain's
-datastore) serves closed-loop traffic for ``--seconds``: ``--concurrency`` clients, each
-sending the next prompt of every shipped prompt file (both halves, shuffled, cycled: the
-same prompts come back, as template traffic does) as soon as its last one finished. Every
-finished request is ingested by the expert of its domain, so the global indexes grow until
-``--index-tokens`` (``EngineConfig.suffix_index_tokens``) makes them evict their oldest
-requests.
-
-Every ``--sample-every`` seconds (after ``malloc_trim``, as the server does every 5 s): per
-suffix drafter its indexed tokens and bytes (global and per-request), the process's resident
-memory, the C heap in use (glibc ``mallinfo2``), live Python objects, and the interval's
-tokens/s and mean accepted length. At the end it checks, and prints PASS/FAIL for:
-
-- **bounded**: no sample of any global index above ``--index-tokens`` tokens;
-- **no growth once full**: an index's bytes at the end ≤ its bytes when it first reached
-  90 % of the cap × (1 + 10 %) (a compaction can leave a buffer's capacity behind);
-- every request finished without an error;
-- the slopes of resident memory and C heap in use over the second half of the run (MiB/min,
-  the sample taken after the last request drained left out), reported: the model's and
-  oneDNN's memory is in them too (the soak tests of ``tests/`` bound the server's).
-
-The default cap is small (25 000 tokens per expert, seeds are 11–24 k) so that a 3-minute
-run on a 2-core CPU fills and evicts; a server's default is 10^6.
+A real in-process engine (default drafters: the ``learning`` set) serves closed-loop traffic for
+``--seconds`` from ``--concurrency`` clients cycling the shipped prompts, so the same prompts come
+back; every finished request is learned by its domain's expert, so the global indexes grow until
+``--index-tokens`` (``EngineConfig.suffix_index_tokens``) makes them evict their oldest requests.
+Every ``--sample-every`` seconds it records each suffix drafter's indexed tokens and bytes, the
+process's resident memory and C heap in use, and the interval's tokens/s; at the end it prints
+PASS/FAIL for: the indexes stay under the cap, do not grow once full, and every request
+finished, and reports the memory slopes over the second half (docs/benchmarks.md).
 
     python benchmarks/learning_soak.py [--seconds 180] [--concurrency 8] [--index-tokens 25000]
         [--drafters learning] [--max-tokens 64] [--threads 2] [--sample-every 15]

@@ -1,20 +1,13 @@
-"""PEARL at the paper's scale, simulated (issue 19): a 7B drafter on its own A100 and a 34B target
-over 2 A100s, or a 70B target over 3 (``deploy/sim/pearl-paper.yaml``; per-token times are the
-paper's own measured speeds, its Table 10), one request at a time, batch size 1, in three modes:
+"""PEARL at the paper's scale, simulated: a 7B drafter on its own A100 and a 34B target over 2
+A100s, or a 70B target over 3 (``deploy/sim/pearl-paper.yaml``; per-token times are the paper's
+own measured speeds), one request at a time, in three modes: autoregressive decoding (AR),
+speculative decoding at its best γ of ``--gammas`` (SD), and PEARL (``step.pearl: on``) at
+γ = round(c), c = T_target / T_draft, and at its best γ, plus ``pearl: auto``.
 
-- **AR**: autoregressive decoding of the target (``num_speculative_tokens: 0``);
-- **SD**: vanilla speculative decoding, draft γ then verify (the paper's baseline), at the best
-  γ of ``--gammas`` per row (the paper, too, compares with SD at its best γ);
-- **PEARL**: ``step.pearl: on`` (verify what was drafted ahead while the drafter drafts ahead of
-  it), at γ = round(c), c = T_target / T_draft (the paper's rule), and at its best γ; and
-  ``pearl: auto`` at γ = round(c).
-
-for each drafter accuracy α of ``--alphas`` (the simulated drafter's token is right with
-probability α at every depth). The paper's fixed window and single drafter are the scenario's
-(``adaptive: false``); ``--adaptive`` also runs SD and PEARL with our LP-priced adaptive γ. The
-simulator runs the real engine core, PEARL bookkeeping, verifier and tree selection on a
-virtual clock (``cosine_ray.sim``); every simulated output is checked to be the oracle's text.
-Prints TPOT per mode and the speedups over AR and SD, beside the paper's (HumanEval, Table 1).
+For each drafter accuracy α of ``--alphas`` it prints TPOT per mode and the speedups over AR and
+SD beside the paper's; ``--adaptive`` also runs SD and PEARL with our LP-priced γ. The simulator
+runs the real engine core, PEARL bookkeeping and verifier on a virtual clock, and every output
+is checked against the oracle's text.
 
     python benchmarks/pearl_sim.py --alphas 0.7,0.8,0.9,0.95
 """

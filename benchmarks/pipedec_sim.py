@@ -1,25 +1,12 @@
-"""PipeDec at the paper's scale, simulated (issue 19): Llama-3.1-70B over S RTX-3090 stages with a
-1B drafter (``deploy/sim/pipedec-paper.yaml``), one request at a time, in three pipeline modes:
+"""PipeDec at the paper's scale, simulated: Llama-3.1-70B over S RTX-3090 stages with a 1B drafter
+(``deploy/sim/pipedec-paper.yaml``), one request at a time, in three pipeline modes: plain
+pipeline parallelism, lanes (one drafter chain through all stages) and PipeDec.
 
-- **PP**: plain pipeline parallelism, no speculation (``num_speculative_tokens: 0``);
-- **lanes**: our tree speculation, each tree through the whole pipeline (the paper's STPP role:
-  one drafter's chain of up to γ_max = 8 nodes, verified by one pass through all S stages);
-- **PipeDec**: ``pipeline_mode: pipedec`` (every stage on another layer of the prediction tree).
-
-for S in ``--stages`` and each ``--pairs`` α:h. The simulated drafter answers one token per
-prefix, right with probability α at every depth; lanes verify its chain (its top-1 at each
-depth), so α is its top-1 accuracy. A PipeDec layer holds up to 32 of the 1B drafter's
-candidates, so its hit rate h is the drafter's top-32 accuracy, which is higher: the paper
-plots it in Fig. 6 without numbers (and the 8B model's top-k accuracy in Fig. 3), so both are
-swept. α:α pairs compare the two modes with the same drafter quality; α:h with h > α is the
-paper's situation (a wide layer catches what the chain misses). The simulator runs the real
-engine core, PipeDec driver, verifier and tree bookkeeping on a virtual clock
-(``cosine_ray.sim``); every simulated output is checked to be the oracle's text. Prints TPOT
-per mode, PipeDec's speedup over PP and over lanes, its tokens per timestep and hit rate.
-The table's PipeDec runs without the mode guard (PipeDec itself). ``--rates`` adds the mode
-switch under load: open-loop Poisson arrivals, lanes only vs PipeDec enabled as shipped (a
-request alone in the pool runs PipeDec while the guard measures it faster), TPOT, TTFT and
-the share of tokens PipeDec committed.
+For S in ``--stages`` and each ``--pairs`` α:h (the drafter's top-1 accuracy, which a chain uses,
+and a PipeDec layer's hit rate, its top-32 accuracy) it prints TPOT per mode, PipeDec's speedup
+over both, its tokens per timestep and hit rate. The simulator runs the real engine core,
+PipeDec driver and verifier on a virtual clock, and every output is checked against the
+oracle's text. ``--rates`` adds the mode switch under Poisson load (docs/benchmarks.md).
 
     python benchmarks/pipedec_sim.py --stages 7,14,21 --pairs 0.7:0.7,0.8:0.8,0.9:0.9,0.7:0.9,0.7:0.95
 """

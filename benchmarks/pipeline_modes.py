@@ -1,27 +1,13 @@
-"""Single-request speed of the pipeline modes on stage actors of a real local Ray cluster (issue 19).
+"""Single-request speed of the pipeline modes on stage actors of a real local Ray cluster.
 
-One engine per system, built the way the Serve deployment builds it (``EngineCore`` over a
-``RayTargetClient`` with one ``StageActor`` per stage, lookup drafters in the engine
-process), running the same held-back prompts one at a time (a request alone in the pool,
-PipeDec's case). Systems:
-
-- ``S=1 plain`` / ``S=1 lanes``: one stage, speculation off / CoSine's trees;
-- ``S=N plain``: plain pipeline parallelism (what PipeDec's paper compares with);
-- ``S=N lanes``: CoSine's trees, the stages working one after another on each tree;
-- ``S=N pipedec wW``: PipeDec's timestep loop with W nodes per tree layer (guard off);
-- ``S=N pipedec+guard wW``: the same with its mode guard (the default): it measures the
-  request in PipeDec and in lanes and keeps the faster (``engine.modes.pipedec.ModeGuard``);
-- ``S=N lanes [D]`` / ``S=N pearl on [D]`` / ``S=N pearl auto [D]`` for each ``--pearl-drafters``
-  set D: lanes without and with PEARL (``step.pearl``: verify what was drafted ahead while
-  drafting ahead of it; ``auto`` pre-verifies only while drafting is the slower), with
-  the window γ of ``--pearl-gamma``. Model drafters (``self``, ``model:``) run in actors of their
-  own, as the Serve deployment runs them, so drafting and verification can overlap.
-
-Prints tok/s, the ratio to ``S=1 lanes`` and to ``S=N lanes``, tokens per target call
-(lanes: per verify step; PipeDec: per timestep), PipeDec's hit rate (share of its tokens
-that were already in the prediction tree: a miss restarts the tree, S timesteps to refill) and whether every output
-is identical to the first system's. Stage actors get ``--threads`` torch threads each; the
-engine process runs one thread.
+One engine per system, built the way the Serve deployment builds it (``EngineCore`` over a Ray
+target client with one stage actor per stage, lookup drafters in the engine process), runs the
+same held-back prompts one at a time (a request alone in the pool, PipeDec's case). Systems:
+one stage plain and with trees (lanes); S stages plain, lanes, PipeDec per layer width (with
+and without its mode guard); and lanes with PEARL off / on / auto per ``--pearl-drafters`` set
+(model drafters in actors of their own). Prints tok/s, ratios to ``S=1 lanes`` and ``S=N
+lanes``, tokens per target call, PipeDec's hit rate, and whether every output is identical to
+the first system's (docs/benchmarks.md).
 
     python benchmarks/pipeline_modes.py --stages 2 --widths 1,2,4 --prompts-per-domain 2 --max-tokens 64
 """

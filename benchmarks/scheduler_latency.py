@@ -2,23 +2,13 @@
 
     python benchmarks/scheduler_latency.py [--decisions 200] [--sizes 8,64,256,1024] [--seed 0] [--tight]
 
-For each pool size, random pools (seeded) of running and waiting requests: context 16-2,048
-tokens, per-request acceptance rate α ∈ [0.05, 0.95] and chain gains ``gains[g] = Σ_{k≤g} α^k``
-(γ ≤ 8), waiting requests prefill a 16-512-token prompt, KV budget that admits about half of
-the waiting ones. The latency model is fitted on measured SmolLM2 figures
-(``LatencyModel.default()``). Rows:
-
-- ``schedule_batch``: one full decision (build the arrays, certify or solve with HiGHS);
-  ``milp %`` is the share of decisions that needed HiGHS (the rest were certified by the
-  separable relaxation), with the median of those decisions separately;
-- ``milp only``: the same pools with the relaxation certificate disabled, i.e. the HiGHS
-  path every time (what a MILP-per-decision scheduler costs);
-- ``first_come_batch``: the "LP off" ablation (FCFS + Algorithm 2).
-
-``cpu med ms`` is the decision's thread CPU time (less sensitive to other processes on a
-shared machine than wall time). ``--tight`` makes Γ_max (12) and T_max (0.3 s) bind.
-
-The issue's goals: median ≤ 0.1 ms at 64 candidates and ≤ 1 ms at 1,024.
+For each pool size, random seeded pools of running and waiting requests (varied contexts,
+acceptance rates and prompts, a KV budget that admits about half of the waiting ones) under
+``LatencyModel.default()``. Rows: ``schedule_batch`` (one full decision; ``milp %`` is the share
+that needed HiGHS), ``milp only`` (the relaxation's certificate disabled: HiGHS every time) and
+``first_come_batch`` (the "LP off" ablation). ``cpu med ms`` is the decision's thread CPU time;
+``--tight`` makes Γ_max and T_max bind. The goal: a median ≤ 0.1 ms at 64 candidates and ≤ 1 ms
+at 1,024.
 """
 
 from __future__ import annotations

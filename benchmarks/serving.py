@@ -1,4 +1,4 @@
-"""Serving benchmark (issue: the Ray cluster), one run, same machine, held-back prompts:
+"""Serving benchmark: one run, same machine, held-back prompts:
 
 * single-request tokens/s through the in-process engine and through HTTP (Ray Serve →
   engine deployment → S stage actors), speculation on;

@@ -1,4 +1,4 @@
-"""The capacity questions, answered by simulation (issue 18): Markdown + PNG plots in one command.
+"""The capacity questions, answered by simulation: Markdown + PNG plots in one command.
 
     python benchmarks/sim_report.py --scenario deploy/sim/paper-testbed.yaml --out bench-results/sim-report
 
@@ -9,8 +9,9 @@ virtual clock) with one thing changed:
    ablation (routing off, fusion off, LP off, adaptive off) and speculation off;
 2. **drafter nodes per verifier**: the first n drafters of the scenario (domains kept balanced),
    goodput = output tokens/s of requests whose TPOT meets ``--slo-tpot-ms``;
-3. **link bandwidth**: router↔drafter and router↔stage links swept (the last stage ships fp32
-   logits of every scored node back to the router, as our engine does today, or only ids);
+3. **link bandwidth**: the engine↔drafter and engine↔stage links (``router_drafter``,
+   ``router_stage``) swept (the last stage ships fp32 logits of every scored node back, as our
+   engine does today, or only ids);
 4. **pipeline depth**: the target split into S equal stages on S devices, S micro-batch lanes.
 """
 

@@ -1,25 +1,12 @@
-"""Simulated vs measured on this machine: the capacity simulator's validation (issue 18).
+"""Simulated vs measured on this machine: the capacity simulator's validation.
 
-For each pipeline depth S (in-process stages on this CPU) and speculation off / on (the default
-CoSine drafters), the same held-back prompts run for real through ``LocalEngine`` at each
-concurrency (closed loop), then through ``cosine-ray simulate``'s runner with:
-
-- the latency model ``cosine-ray profile`` measures for this setup (quick grid, measured again
-  first unless ``--keep-profile``; the engine reads the same one) for every target forward;
-- what one *calibration* run tells (``Recorder``), on other held-back prompts of the same
-  domains at ``--calibration-concurrency``: the router's host time per step beyond the
-  forward and the drafter calls, fitted as a constant plus a term per request in the batch;
-  each drafter's T_ssm fitted to its real calls (``propose`` and the fusion's
-  ``continue_chains``, sized as the simulator sizes them); each drafter's acceptance by depth
-  and coverage per domain, scored on the chains it proposed at the steps the engine took
-  against the text the run produced; the drafters' correlation at depth 1;
-- the same requests: prompt lengths, output lengths (the real ones) and concurrency.
-
-It prints one table: TTFT, TPOT (mean over requests, and pooled over tokens), throughput and
-mean accepted length, measured | simulated | error, per (S, speculation, concurrency), with the
-spread of the requests' TPOTs, the host time per step measured against the
-host model and the forwards' measured time against the profile's prediction; the issue asks
-for every cell within 15 %.
+For each pipeline depth S (in-process stages) and speculation off / on, the same held-back
+prompts run for real through ``LocalEngine`` at each concurrency, then through ``cosine-ray
+simulate``'s runner with the latency profile measured for this setup and what one calibration
+run on other prompts tells (``Recorder``: the engine's host time per step, each drafter's T_ssm
+and acceptance by depth per domain, their correlation), for the same request lengths. Prints
+TTFT, TPOT, throughput and mean accepted length, measured | simulated | error, per (S,
+speculation, concurrency); the target is every cell within 15 % (docs/benchmarks.md).
 
     python benchmarks/sim_validation.py --threads 1 --stages 1,2 --concurrency 1,8 --prompts-per-domain 3
 """
@@ -56,7 +43,7 @@ METRICS = ("ttft_ms", "tpot_ms", "tpot_pooled_ms", "throughput", "accepted")
 class Recorder:
     """What a calibration run tells the simulator, recorded around the real engine's calls:
 
-    - per forward step, the requests in its batch and the router's host time: wall time in
+    - per forward step, the requests in its batch and the engine's host time: wall time in
       ``EngineCore.step`` outside the target forward and the drafter calls, plus the
       ``EngineLoop``'s own time since the step before (handing out tokens, the learner,
       asyncio), which the simulator's loop spends in no virtual time; the host time of a step

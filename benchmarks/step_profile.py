@@ -5,16 +5,12 @@
         [--concurrency 8] [--prompts-per-domain 2] [--warmup-per-domain 2] [--max-tokens 64]
         [--rows 22] [--trace trace.json]
 
-It builds the in-process engine as the bench does, sends the warm-up conversations (the first
-half of each packaged prompt file), then profiles the measured ones (the second half) at the
-given concurrency and prints tok/s under the profiler (lower than the bench's: the profiler
-costs time), then the operators and kernels with the most device time (CUDA only), then those
-with the most host time. ``--trace`` also writes a Chrome trace (chrome://tracing, Perfetto).
-
-On an H200 it found why bf16 was slower than fp32: each eager attention call spent 1.35 ms of
-host time in ``aten::_cudnn_attention_forward`` (docs/measurements.md, "On a GPU"). Graph
-replays appear as ``cudaGraphLaunch`` on the host and as their kernels on the device; CUPTI's
-tracing makes graph launches slower than they are without the profiler.
+It builds the in-process engine as the bench does, sends the warm-up conversations, then
+profiles the measured ones at the given concurrency and prints tok/s under the profiler (lower
+than the bench's), the operators and kernels with the most device time (CUDA only) and those
+with the most host time. ``--trace`` also writes a Chrome trace. Graph replays appear as
+``cudaGraphLaunch`` on the host and as their kernels on the device; CUPTI's tracing makes graph
+launches slower than they are without the profiler.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Cost of the suffix drafter per request-step, and its memory, at 10^5 and 10^6 indexed tokens.
 
-Text: an order-2 Markov chain fitted on the packaged SmolLM2 datastores (real model output,
-~74 k tokens), sampled into requests of ~60 prompt + ~240 output tokens, so n-gram
-frequencies look like model text (common short n-grams, rare long ones). The global index
-gets N tokens of such requests; then held-out requests are decoded step by step: each step
-the context grows by 3 verified tokens and the drafter answers
-
-- ``propose``: one ``DraftInput`` with budget 8 (includes indexing the new tokens and
-  finding the anchor: the per-step work);
-- ``chains``: ``continue_chains`` depth 8 for the trunk prefix and a one-token branch, on the same
-  context (the anchor is cached, as in a fusion round after ``propose``);
-- ``alone``: ``continue_chains`` as the first call of a step (what a fusion step that
-  never calls ``propose`` pays).
-
-A third of the held-out requests repeat an ingested request (the case the global index is
-for). Times are the calling thread's CPU time (``time.thread_time``): on a shared machine
-wall-clock percentiles mostly measure preemption by other processes. ``--compare`` also
-measures the memory of the alternatives (a pure-Python suffix trie of depth 32 and the
-datastore's n-gram dict) on a small corpus.
+Text: an order-2 Markov chain fitted on the packaged datastores, so n-gram frequencies look like
+model text. The global index gets N tokens of such requests; then held-out requests (a third of
+them repeating an ingested one) are decoded step by step, 3 verified tokens a step, timing
+``propose`` (budget 8), ``continue_chains`` after it (``chains``) and as a step's first call
+(``alone``). Times are the calling thread's CPU time, which a shared machine's preemption does
+not inflate. ``--compare`` also measures the memory of a pure-Python suffix trie and the
+datastore's n-gram dict on a small corpus.
 
     python benchmarks/suffix_drafter_cost.py [--sizes 100000 1000000] [--steps 300] [--compare]
 """

@@ -5,30 +5,12 @@ per CPU projection kernel (``--kernels``, the default mode).
     python benchmarks/verify_forward.py --shapes smollm2-135m,llama-3.2-1b [--device cuda] [--dtype bfloat16]
     python benchmarks/verify_forward.py [--threads 1] [--context 128] [--reps 8] [--kernels mkl,onednn]
 
-``--shapes`` builds a random-weight model of each named shape (``SHAPES``; no download), prefills
-``--context`` tokens for each of b requests, and times one verify forward of n new tokens per
-request (a chain, every token's output wanted) for b in ``--batches`` and n in ``--tokens``,
-median of ``--reps``, four ways side by side in one run:
-
-- **ours eager** / **ours graph**: the engine's ``StageWorker`` (paged KV pool, ids out) with
-  its step runner (``models.runner``) eager (``--enforce-eager``: the varlen forward, one
-  attention call per layer) and, on CUDA, replaying the bucket's CUDA graph (on CPU this column
-  is the same fixed-shape step run eagerly, ``runner="static"``);
-- **HF eager**: transformers' ``LlamaForCausalLM`` forward with a ``DynamicCache`` of the
-  context (cropped back after each rep);
-- **static**: a minimal fixed-shape step in plain PyTorch over the same weights: a static KV
-  tensor per layer, one SDPA call per layer, no bookkeeping; on CUDA captured once in a CUDA
-  graph and replayed (the anchor of what PyTorch alone can do); eagerly on CPU;
-- **roofline**: bytes a forward must read (weights + the context's KV) over the device's
-  memory bandwidth (``--bandwidth-gbs``; known for H100/H200 by name; left out when unknown).
-
-Kernels mode: each measurement prefills ``--context`` tokens per request, then times one forward
-of ``n`` new tokens per request through both stages with logits for every new token (what a
-verify step costs the target), median of ``--reps``; the kernels (``COSINE_RAY_CPU_GEMM``: MKL's
-``x @ W^T`` or oneDNN's pre-packed linear) alternate rep by rep, so a slow moment of the
-machine hits both. On CPU the cost growth with the tokens of a step sets how much
-speculation (and batching) can win; compare ``--threads 1`` (one torch thread per stage
-actor, the Ray path) with ``--threads 2`` (the in-process engine).
+``--shapes`` builds a random-weight model of each named shape (``SHAPES``), prefills
+``--context`` tokens for each of b requests and times one verify forward of n new tokens per
+request, median of ``--reps``, in four columns: ours eager and ours with the step runner (a
+CUDA graph on CUDA; the same fixed-shape step run eagerly on CPU), HF eager, a minimal static
+step in plain PyTorch, and the roofline (``--bandwidth-gbs``). Kernels mode times both stages
+with MKL's and oneDNN's projections alternating rep by rep (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -7,19 +7,16 @@ CoSine/PipeDec/PEARL mixed-domain workloads::
     code         humaneval.jsonl   164 rows
     math         gsm8k.jsonl     1,319 rows
     instruction  alpaca.jsonl      175 rows
-    chat         mtbench.jsonl      80 rows (``turns`` holds both MT-bench turns)
+        chat         mtbench.jsonl      80 rows (``turns`` holds both MT-bench turns)
 
-Each line is one JSON object with ``id``, ``domain`` and a non-empty string ``prompt``.
-
-**The fixed split.** The first half of each file (``(n + 1) // 2`` rows) builds the packaged
+Each line is one JSON object with ``id``, ``domain`` and a non-empty string ``prompt``. **The
+fixed split.** The first half of each file (``(n + 1) // 2`` rows) builds the packaged
 retrieval datastores and is what warm-ups and classifier fits may use; the second half is held
 back for measurement (``cosine-ray bench``, ``cosine-loadgen``, the benchmarks), so no figure is
 measured on prompts a datastore has seen.
 
-``$COSINE_RAY_PROMPTS`` names another folder with the same four file names; it replaces the
-packaged folder as the default of ``cosine-ray bench`` and ``cosine-loadgen`` and of
-``cosine-ray datastore build`` without ``--prompts``. (``loadgen`` never imports
-``cosine_ray``; ``loadgen.workload`` finds the same folder by the same rule.)
+``$COSINE_RAY_PROMPTS`` names another folder with the same four file names, used instead of
+the packaged one (``loadgen.workload`` finds it by the same rule without importing us).
 """
 
 from __future__ import annotations

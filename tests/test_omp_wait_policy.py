@@ -1,6 +1,6 @@
-"""Importing cosine_ray makes OpenMP threads wait passively unless the user chose (README
-"Threads on a busy machine"): busy-waiting threads collapse a forward when a core is shared.
-It also bounds oneDNN's per-shape caches (README "oneDNN's shape caches")."""
+"""Importing cosine_ray makes OpenMP threads wait passively unless the user chose: busy-waiting
+threads collapse a forward when a core is shared. It also bounds oneDNN's per-shape caches
+(docs/choices.md, "CPU threads and memory")."""
 
 import os
 import subprocess

@@ -1,38 +1,19 @@
 """Online confidence calibration: a drafter's raw probability → P(the target accepts the node).
 
 Drafters report their own probability of each token (an n-gram count ratio, a datastore
-frequency, a small model's softmax). These are on different scales and none is the
-probability that the *target* agrees, which is what fusion's argmax (eq. 4), TreeSelection
-and the scheduler's expected gains need. Per key, raw confidences are binned (``num_bins``
-equal bins on [0, 1]); each bin keeps decayed counts of verified nodes and of accepted ones.
-
-What a node's acceptance depends on besides its raw confidence (measured on the held-back
-workload with the default drafters, 2-core CPU):
-
-- its **drafter and the request's domain** (a retrieval expert is reliable on its own domain);
-- its **role**: a *trunk* node (fusion's winner at its position) vs a *branch* (a token that
-  lost fusion's argmax): branches were accepted about half as often as their raw confidence
-  calibrated like trunk nodes predicted (0.18 observed vs 0.35 predicted);
-- its **depth**: the first draft position is accepted less often than its confidence says and
-  deep positions more often (0.37 vs 0.46 at depth 1, 0.85 vs 0.66 at depth 4: once a chain is
-  right it tends to stay right).
-
-So a node is calibrated along a chain of keys from coarse to fine (``node_levels``): drafter,
-drafter#role, drafter@domain#role, drafter@domain#role#depth. The role comes before the domain
-because branches are few (about one node in ten) and differ from trunk nodes more than domains
-do: with the domain first, a branch key of one domain had too few observations to leave its
-trunk-dominated parent. Measured on the held-back workload (default drafters, c=8, 2 threads,
-branch nodes whose parent was accepted): predicted 0.31, accepted 0.12 with the domain first;
-predicted 0.35, accepted 0.29 with the role first (trunk nodes 0.63 / 0.65 and 0.64 / 0.64).
-Each level shrinks towards the level above it by ``prior_strength`` pseudo-observations, the
-coarsest towards the raw confidence::
+frequency, a small model's softmax); none is the probability that the *target* agrees, which
+fusion's argmax (eq. 4), TreeSelection and the scheduler's gains need. A node's acceptance also
+depends on its drafter and the request's domain, its *role* (trunk: fusion's winner; branch: a
+token that lost) and its depth, so a node is calibrated along a chain of keys from coarse to
+fine (``node_levels``): drafter, drafter#role, drafter@domain#role, drafter@domain#role#depth.
+Per key, raw confidences fall into ``num_bins`` bins with decayed counts of verified and
+accepted nodes, and each level shrinks towards the one above by ``prior_strength``::
 
     value_0 = c
     value_k = (accepted_k,b + s·value_{k-1}) / (verified_k,b + s)     (b = c's bin)
 
-so a fine key with few observations falls back to what its coarser keys know. A node counts
-as verified only if its parent was accepted (its confidence is conditional on the parent
-path). ``decay`` < 1 forgets old observations so calibration follows a changing workload.
+A node counts as verified only if its parent was accepted. ``TreeBias`` corrects the product of
+calibrated conditionals along a path per domain. Why: docs/algorithms.md ("Confidence calibration").
 """
 
 from __future__ import annotations
@@ -106,14 +87,10 @@ class TreeBias:
     """How far a tree's expected accepted tokens (the sum of its nodes' cumulative calibrated
     confidences) miss what verification accepts, per domain: a correction factor on the gains.
 
-    ``ConfidenceCalibrator`` calibrates each node *given its parent accepted*, and that is
-    right on average (held-back workload, default drafters, c=8, 2 threads, two passes: 617.6
-    expected against 629 accepted over the 921 nodes whose parent was accepted). The product
-    of those conditionals along a path was not: 568.2 expected against 629 accepted over all
-    1124 verified nodes, 10 % low (the n-gram drafter's 386 against 477, 19 % low). Once a
-    chain is right it stays right more often than independent depths say. The scheduler
-    priced nodes on the low figure and drafted too little at c=8 (``accepted exp/actual``
-    0.87 in the ablation). So each domain keeps decayed sums of expected and accepted draft
+    ``ConfidenceCalibrator`` calibrates each node *given its parent accepted*, which is right
+    on average, but the product of those conditionals along a path runs low: once a chain is
+    right it stays right more often than independent depths say, so priced on the product the
+    scheduler drafts too little. So each domain keeps decayed sums of expected and accepted draft
     tokens per verified tree, and the gains are scaled by their ratio (``scale``): each
     node's expected gain p becomes min(1, f·p), which keeps the gain curve nondecreasing and
     concave and its order, so TreeSelection still cuts trees by the same ranking.
@@ -121,11 +98,7 @@ class TreeBias:
     The factor only corrects upwards (``min_factor`` 1). The product's bias has one sign; a
     tree expected to yield *more* than it does comes from conditionals that lag a drafter
     whose reliability just changed, which calibration itself catches up with bin by bin, while
-    this slower sum would carry the old figure on. Measured with the live suffix experts
-    (``learning``, 20 held-back prompts twice, c=8): a factor allowed below 1 learned 0.69-0.77
-    in the first pass, while the experts were still empty and overconfident, and the second
-    pass, which the experts could draft from the first one's outputs, took 231 verify steps
-    instead of 132 without the factor; floored at 1 it took 137."""
+    this slower sum would carry the old figure on."""
 
     prior_tokens: float = 16.0
     """Pseudo-tokens on both sums (a factor of 1 until real evidence outweighs them)."""

@@ -1,29 +1,19 @@
 """Prompt domain classifier: which domain (code, math, ...) a request's prompt belongs to.
 
-Requests arrive without a label; the expertise router (``algo.routing``) starts a request
-from the prior of its domain, so the router classifies the prompt first. The feature is the
-target's own input embedding ``H`` (the same table eq. 1 uses), no extra model:
+Requests arrive without a label, and the expertise router (``algo.routing``) starts a request
+from its domain's prior. The feature is the target's own input embedding ``H`` (the table
+eq. 1 uses), no extra model::
 
     e(prompt)  = normalise(mean_t H(token_t))                     # [hidden], H rows unit-length
     z(prompt)  = W · (e(prompt) − μ)                              # whitened, centred
     centroid_d = normalise(mean_{s ∈ domain d} z(s))
     classify   = argmax_d cos(z(prompt), centroid_d)  → (d, cos), "other" if cos < min_similarity
 
-μ is the mean of the per-domain means (domain-balanced, so a domain with many examples does not
-pull the origin); W = S^{-1/2} where S is the pooled within-domain covariance of e, shrunk
-towards a scaled identity: ``S = (1−λ)·S_within + λ·(tr S_within / hidden)·I`` (λ =
-``shrinkage``). This is cosine nearest-centroid in the LDA-whitened space.
-
-NOTE(domains): why whitening. Every prompt shares the chat-template tokens and most of the
-embedding variance is common to all text, so plain centroids of ``e`` are nearly parallel:
-measured on the real SmolLM2-135M embedding (fit on the first half of each packaged prompt
-file in cosine_ray/data/prompts, accuracy on the second half; code/math/instruction/chat), plain
-centroids reach 0.81 overall / 0.66 domain-averaged, IDF weighting or dropping the template
-tokens does not help (≤ 0.82 / 0.68), while the whitened cosine reaches 0.95 / 0.80. Fit from
-the retrieval datastores (40 prompt+output sequences per domain) plain centroids collapse to
-0.25 overall and the whitened cosine keeps 0.86. See tests/algo/test_domains.py. Most errors
-are chat: the second half of mtbench is its coding/extraction/stem/humanities categories while
-the first half is writing/roleplay/reasoning/math, and those prompts read like instructions.
+μ is the mean of the per-domain means; W = S^{-1/2} with S the pooled within-domain covariance
+of e, shrunk towards a scaled identity by ``shrinkage``: cosine nearest-centroid in the
+LDA-whitened space. NOTE(domains): every prompt shares the chat-template tokens and most of the
+embedding's variance is common to all text, so plain centroids are nearly parallel; whitening
+removes that shared part (``tests/algo/test_domains.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +59,7 @@ class DomainClassifier:
     min_similarity: float = 0.0
     """Below this best cosine the prompt is ``other`` (the router then uses the global prior).
     Centring on the domain-balanced mean makes the best cosine almost never negative, so 0.0
-    means "always a domain"; on the real held-out prompts 1.1 % score below 0.1, 6 % below 0.2."""
+    means "always a domain"; few real prompts score below 0.2."""
 
     @classmethod
     def fit(cls, unit_embeddings: torch.Tensor, sequences_by_domain: Mapping[str, Sequence[Sequence[int]]],
@@ -77,8 +67,8 @@ class DomainClassifier:
         """Fit from domain-labelled token sequences (e.g. ``Datastore.sequences`` per domain).
 
         ``shrinkage`` λ in [0, 1]: 1 = no whitening (centred cosine), 0 = full within-domain
-        whitening (needs many more sequences than hidden dimensions). 0.5 measured best on the
-        datastore fit and within 0.01 of the best on the prompt-file fit.
+        whitening (needs many more sequences than hidden dimensions); 0.5 suits both the datastore
+        and the prompt-file fit.
         """
         if not 0.0 <= shrinkage <= 1.0:
             raise ValueError(f"shrinkage={shrinkage}: use a value in [0, 1]")

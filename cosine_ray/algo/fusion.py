@@ -1,41 +1,19 @@
 """Confidence-based token fusion (CoSine eq. 4), one request at a time, round by round.
 
 At draft position i every drafter routed to the request proposes its most likely token
-``x[n,i]`` after the *fused* prefix, with confidence ``c[n,i]``. The fused token is the most
-confident one::
-
-    x*_i = argmax_n  P(x[n,i])            (eq. 4)
-
-and the next round continues from ``prefix ⊕ x*_i``. A drafter whose token lost is not
-thrown away: its token stays as a branch of the tree (``prefix ⊕ x[n,i]``) and in the next
-round the same drafter is also asked to continue its own token,
-``P(x[n,i+1] | prefix ⊕ x[n,i])``, so the branch is two tokens deep. The union of the fused
-trunk and these branches is the request's draft tree; TreeSelection then keeps the best
-γ_i nodes by cumulative confidence (``engine.speculation.merge_proposals``).
-
-::
+``x[n,i]`` after the *fused* prefix, with confidence ``c[n,i]``; the most confident one,
+``x*_i = argmax_n P(x[n,i])``, extends the trunk. A losing token stays as a *branch* and its
+drafter is asked to continue it one more token. Trunk and branches form the request's draft
+tree, which TreeSelection (``algo.tree_selection``) cuts to γ_i nodes::
 
     round 0   ngram: "def" 0.6   retrieval:code: "def" 0.9   → trunk [def]
     round 1   ngram: "(" 0.5     retrieval:code: "fib" 0.8   → trunk [def, fib]; branch [def, (]
     round 2   ngram: "n" 0.7 after "def fib", and ")" 0.4 after its own "def ("
-                                 → branch [def, (, )] … and so on
 
-Interpretations (ours, the paper leaves them open):
-
-- Confidences from different drafters are put on one scale before the argmax: the
-  ``calibrate(drafter, raw, depth, is_trunk)`` hook maps a drafter's raw probability to the
-  probability that the target accepts such a node (learned online per drafter, domain, role
-  and depth, ``algo.calibration``). The argmax compares trunk-role values; a losing token is
-  kept as a *branch* with its branch-role value (losing tokens are accepted far less often
-  than their raw confidence says). Routing (eq. 2) sees the raw confidences, as the paper
-  defines them.
-- Ties go to the drafter listed first (the router lists drafters best-scoring first).
-- A drafter that answers nothing for the fused prefix (no match, failure, late) has no token
-  this round and sits out the rest of the step, as its own path would have ended there
-  (and it saves a round trip per later round); fusion stops when no drafter answers, when
-  the trunk reaches ``max_depth``, or when the trunk's cumulative confidence falls below
-  ``min_cumulative`` (deeper nodes would be cut by TreeSelection anyway). A losing token whose branch is already below ``min_cumulative`` is
-  neither kept nor continued.
+The argmax compares *calibrated* confidences (the ``calibrate`` hook, ``algo.calibration``);
+ties go to the drafter listed first. A drafter with no token for the fused prefix sits out the
+rest of the step; fusion stops when no drafter answers, at ``max_depth``, or below
+``min_cumulative``. The choices: docs/algorithms.md ("Confidence fusion").
 """
 
 from __future__ import annotations

@@ -1,60 +1,20 @@
 """A guard that keeps speculation from costing more than it gains (explore/exploit on its level).
 
-The scheduler prices draft nodes (``algo.tree_selection.TreePrice``): a node is verified when
-its expected gain pays for its marginal verify time. That is only as good as its two models
-(calibrated acceptance, measured verify cost); a systematic error in either makes speculation
-slower than not speculating. So the level of speculation is itself learned from what it
-yields on this machine:
+The price of a draft node is only as good as its two models (calibrated acceptance, measured
+verify cost), and a systematic error in either makes speculation slower than not speculating.
+So the level of speculation is learned from what it yields on this machine:
 
-- **levels** κ (``LEVELS``): a multiplier on the price's λ — 0 is speculation off (no drafting
-  at all), 1 is the price as the models say, 0.5 / 1.5 trust the gains less / more;
-- **per batch size**: the guard keeps one learner per power-of-two bucket of the step's rows
-  (1, 2-3, 4-7, 8-15, 16-31, ...: ``bucket_of``). What speculation is worth depends on the
-  batch: on our 2-core CPU at 2 threads one request gains 1.9× from it, 16 gain nothing (a first
-  draft token at 16 rows opens a second CPU attention group, a cost the linear verify model does
-  not have), and a single level for all sizes settled where the small batches pay (κ = 1.5),
-  which the large ones then paid for. A new bucket starts at κ = 1;
-- **operating goodput** G (``operating_goodput``): the bucket's current level's goodput, at
-  least 1. The scheduler divides λ by it, so a token is valued at the time per token where the
-  step runs (see ``engine.owners.scheduler``); the levels then correct what the models still get wrong;
-- **yield of a step**: committed tokens per request, divided by the step's wall time measured
-  in *plain-decode steps of the same shape* (the cost model's prediction of a γ = 0 step for
-  these requests and contexts). A step without speculation yields about 1; normalising by the
-  plain step makes steps of different contexts comparable, and a bias of the cost model
-  cancels (every level is divided by the same model). When the cost model is refitted (every
-  16 verify steps), the stored times are re-expressed in the new model's plain steps
-  (``rescale_times``), so that stays true across refits and after the start-up default;
-- **explore**: each step runs at a neighbouring level (one below or one above, chosen at
-  random) with probability ``explore_share`` (ε = 0.1), otherwise at the bucket's current level.
-  A *young* bucket (fewer than ``young_steps`` = 60 steps seen) explores with
-  ``young_explore_share`` (ε = 0.3) over *every* other level and may move to any of them, so a
-  batch size that comes only in bursts (a wave of 16) finds its level within a few bursts
-  instead of walking there one neighbour at a time;
-- **exploit**: per bucket and level, decayed sums of yield and time (``decay`` 0.98 per step of
-  that level: a window of about 50 of its steps); when a level the bucket may move to has at
-  least the bucket's minimum of (decayed) steps and its goodput (Σ yield / Σ normalised time)
-  beats the current level's by more than ``margin`` (3 %) *and* by more than ``confidence``
-  (k = 1) standard errors of the difference, the current level moves there (see *evidence*). The
-  minimum is ``min_steps`` (12) over √(the bucket's smallest row count), at least 3: a step of
-  16 requests averages 16 requests' accepted lengths, so its yield is about 4× less noisy than
-  a single request's, and 3 of its steps say what 12 single-request steps say;
-- **evidence**: a level's goodput is a ratio estimate R = Σ w·y / Σ w·t over its decayed steps
-  (weights w = decay^age), whose variance is about Σ w²·(y − R·t)² / (Σ w·t)²; the guard keeps
-  the decayed sums of y², t², y·t and w² that give it (with Σ w² / Σ w in place of each w², an
-  approximation exact when the residuals do not trend with age). A move needs the gain to
-  exceed k·√(Var R_new + Var R_current). Without it, a level's first 3 to 4 decayed steps at 8
-  rows moved the bucket on a 3 % lead that a single lucky step gives (issue 20: on 1 thread the
-  8-15 bucket settled one level below where speculation paid); the margin alone stays as a
-  floor where the steps happen to agree.
+- a *level* κ (``LEVELS``) multiplies the price's λ: 0 is speculation off, 1 the price as the
+  models say, 0.5 / 1.5 trust the gains less / more;
+- a *bucket* is a power-of-two range of the step's rows (``bucket_of``), each with its own level;
+- a step's *yield* is its committed tokens per request over its wall time in plain-decode steps
+  of the same shape, so a bias of the cost model cancels (``rescale_times`` keeps the unit
+  across refits); a level's *goodput* is the decayed ratio of its yields to its times;
+- with probability ε a step explores a neighbouring level; the current level moves to one
+  whose goodput is better by a margin and by a standard error of the difference (*evidence*).
 
-Why these numbers: ε = 0.1 bounds the cost of exploring at 10 % of the difference between
-neighbouring levels (and a level that is clearly worse is visited only by exploration); 0.3
-while young spends at most 18 steps of a bucket's first 60 on other levels; a 50-step window
-reacts within a few seconds of decode on our CPU and a few hundred milliseconds on a GPU, yet
-averages over the 1-to-9-token swings of single steps; the 3 % margin keeps noise from flapping
-between levels. Exploring interleaves the levels step by step, so a slow drift of the machine's
-speed (other tenants) falls on all of them alike. When speculation does not pay, the level
-goes down to 0 and stays there, exploring 0.5 one step in 10 (level 0 has one neighbour).
+The scheduler divides λ by the bucket's operating goodput G (``operating_goodput``). The rules,
+the constants and why: docs/algorithms.md ("The speculation guard").
 """
 
 from __future__ import annotations

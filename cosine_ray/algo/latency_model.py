@@ -1,48 +1,18 @@
 """Measured latency models of one speculative step: T_llm (verify) and T_ssm (draft), eq. 7.
 
-CoSine models the step time as ``T_ttl = max_n T_ssm,n(b, l, γ) + T_llm(b, l, Γ)`` and says
-both terms are *measured* (docs/algorithms.md). This module fits them to samples taken by
-``engine/profile.py`` (``cosine-ray profile``); nothing here is a guessed constant except
-``LatencyModel.default()``, which only unit tests use.
-
-**T_llm, varlen form (what we fit and what the scheduler uses).** Our target forward has no
-padding: request i contributes ``n_i`` new tokens (``1 + γ_i`` tree nodes at a decode step,
-the prompt at a prefill) on top of ``l_i`` cached ones, and attention scores each new token
-against its ``l_i + n_i`` keys (``LlamaStage.forward`` runs one masked SDPA per request). With
-``N = Σ n_i`` the step's new tokens::
+CoSine models the step time as ``T_ttl = max_n T_ssm,n + T_llm`` and measures both terms. This
+module fits them to samples taken by ``engine/profile.py`` (``cosine-ray profile``); only
+``LatencyModel.default()``, for unit tests, is a guessed constant. Our target forward has no
+padding, so T_llm is fitted in varlen form over the step's new tokens N = Σ n_i::
 
     T_llm = c0 + c_req·b + c_tok·N + c_knee·max(N − K, 0) + c_attn·Σ n_i·(l_i + n_i)
 
-``c_tok`` is the weight-bound per-token work (GEMMs), ``c_attn`` the per-key attention work,
-``c_req`` the per-request cost of the per-request attention call (30 layers × one SDPA call on
-SmolLM2; non-negative least squares sets it to 0 if the data do not need it). The brief's
-``c_attn·Σ l_i(1+γ_i)`` is the same term without the small intra-tree part ``n_i²``.
-
-**The knee K** (``knee_tokens``) makes the token cost convex, a roofline: while the GEMMs are
-bound by reading the weights, another row costs little; past K rows they are bound by compute
-and each token costs ``c_tok + c_knee``. Measured on a 2-core CPU (SmolLM2-135M, 2 threads,
-context 200): 1 → 9 tokens of one request cost 54 → 58 ms (~0.45 ms a token), 16 → 144 tokens
-of 16 requests 115 → 368 ms (~2 ms a token); one straight line priced every token at 1.6 ms,
-3-4× too much for one request and too little under load. K is chosen from ``KNEE_CANDIDATES``
-by the fit itself (the one with the least weighted relative squared error, kept only if it
-beats no knee by ``KNEE_MIN_GAIN``), so a machine with a straight curve keeps c_knee = 0, and
-a GPU, whose knee lies at hundreds of tokens, finds its own. Because the knee couples the
-requests of a step (a token's price depends on the step's other tokens), the scheduler prices
-draft nodes at the local slope (``token_slope``, ``algo.tree_selection.TreePrice``) and the LP
-uses the tangent at its reference batch (``tangent``).
-
-**T_llm, the paper's form** ``T_llm(b, l, Γ)`` with ``l`` the longest context of the batch:
-``n_tok = b + Γ`` and every new token attends to at most ``l + 1 + γ_max`` keys, so
-``predict_llm_paper`` bounds the varlen time from above (exact when all contexts are equal).
-
-**T_ssm** per drafter: ``c0 + c_req·b + c_tok·Γ`` with b the requests in the ``propose`` call
-and Γ their total draft budget. A step's drafting time is the max over the drafters used when
-they run in parallel (eq. 7; Ray actors) or their sum when they run one after another
-(the in-process engine), and 0 when no request drafts.
-
-Fits are non-negative least squares (``scipy.optimize.nnls``) on *relative* residuals (each
-row divided by its measured time): small verify batches, which dominate serving, count as
-much as large prefills. Diagnostics: R² (on seconds) and the max relative error on the samples.
+The knee K (``knee_tokens``, chosen by the fit from ``KNEE_CANDIDATES``) makes the token cost
+convex, a roofline; since it couples a step's requests, nodes are priced at the local slope
+(``token_slope``) and the LP uses a tangent (``tangent``). ``predict_llm_paper`` is the paper's
+``T_llm(b, l, Γ)``, an upper bound. T_ssm per drafter is ``c0 + c_req·b + c_tok·Γ``, the max
+over drafters that run in parallel, the sum over those that run in turn. Fits are non-negative
+least squares on relative residuals. Why each choice: docs/algorithms.md ("Latency models").
 """
 
 from __future__ import annotations

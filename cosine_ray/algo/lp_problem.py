@@ -1,54 +1,20 @@
-"""The LP batch scheduler's problem (eq. 5-8): its inputs (``Candidate``, ``ScheduleConfig``),
-its answer (``Schedule``), and the objective and constraints over the candidates in priority
-order (``_Problem``, ``evaluate_schedule``, ``forced_mask``, ``priority_order``).
-``algo.lp_schedule`` solves it and holds the baselines.
+"""The LP batch scheduler's problem (eq. 5-8): its inputs (``Candidate``, ``ScheduleConfig``), its
+answer (``Schedule``), and the objective and constraints over the candidates in priority order
+(``_Problem``, ``evaluate_schedule``, ``forced_mask``, ``priority_order``). ``algo.lp_schedule``
+solves it. Paper (CoSine §4.3) → code::
 
-Paper → code (the CoSine paper §4.3; docs/algorithms.md)::
+    b_i ∈ {0,1}, γ_i ≥ 1   one-hot x[i, g] over g = 0..G_i; b_i = Σ_g x[i, g], γ_i = Σ_g g·x[i, g] ≥ 0
+    Γ ≤ Γ_max              Σ_i γ_i ≤ total_gamma_max
+    T_ttl ≤ T_max          c0 + Σ_i share_i(γ_i) + T_ssm(b_draft, Γ) ≤ t_max_s (varlen T_llm shares,
+                           token terms taken at their tangent)
+    Σ b_i m_i ≤ M_max      KV bytes of admitted waiting requests ≤ M_max − what running ones hold
+    min T/b + λΓ           min T_ttl / b − λ_b · Σ_i gains_i(γ_i)
 
-    b_i ∈ {0,1}        x[i, g] ∈ {0,1} one-hot over g = 0..G_i, b_i = Σ_g x[i, g]
-    γ_i ≥ 1            γ_i = Σ_g g·x[i, g] ≥ 0: γ_i = 0 turns speculation off for request i
-    l = max l_i        varlen cost: each request adds its own T_llm share (latency_model), the
-                       token terms linearised by their tangent: at the reference batch in T_ttl,
-                       at the plain decode step of b requests in the objective of batch size b
-    Γ ≤ Γ_max          Σ_i γ_i ≤ total_gamma_max
-    T_ttl ≤ T_max      T_ttl = c0 + Σ_i share_i(γ_i) + T_ssm(b_draft, Γ) ≤ t_max_s
-    Σ b_i m_i ≤ M_max  Σ_{waiting, selected} m_i ≤ max(0, M_max − Σ_{running} m_i)
-    min T/b + λΓ       min  T_ttl / b  −  λ_b · Σ_i gains_i(γ_i)
-
-Interpretations (each differs from, or makes precise, the paper's text):
-
-- **Sign and reward.** The paper writes ``+λΓ`` while saying λ rewards verified tokens; we
-  use ``−λ``, and reward the *expected accepted* tokens ``gains_i(γ_i)`` rather than raw Γ
-  (drafting a token nobody will accept only costs time). Gains are concave in γ, so γ_i is
-  chosen through one-hot binaries x[i, g] and the reward is linear in them.
-- **λ = None** is derived from the latency model: ``λ = T0 / b*²`` where b* is the largest
-  batch the pool allows (min(max_batch_size, schedulable requests)) and ``T0 = c0 + b*·s̄``
-  its predicted plain-decode step (s̄ = mean per-request T_llm share of the decode candidates
-  at γ=0). Why: what we want is time per token ``T / (b + A)`` (A = Σ gains: a step of b
-  requests yields b + A tokens); to first order in A around the plain full batch that is
-  ``T/b − (T0/b*²)·A`` — eq. 8 with this λ. So at that batch size drafting is chosen iff
-  ``T − T0 < (T0/b*)·A``, i.e. iff it raises tokens per second; speculation is switched off
-  (all γ=0) when draft gains do not pay for their verify and draft time, and on when they do.
-  For b* = 1 this is the brief's "per-request plain decode time"; the extra 1/b* is because
-  A sums over the batch. One λ per decision keeps objectives of different b comparable (a
-  λ that depends on b would favour tiny batches whenever gains are high).
-- **T_ttl / b is nonlinear in b**: we enumerate b = 1..max_batch_size; for fixed b the
-  objective is linear (λ_b too). T_ssm = max over drafters (epigraph variable t ≥ each
-  drafter's linear time, times an indicator z = "someone drafts"), or their sum when
-  ``parallel_drafters`` is False.
-- **Running requests already hold their KV**, so M_max only limits admissions of waiting ones.
-- **Waiting requests prefill**: a candidate with ``prefill_tokens > 0`` costs a prefill of that
-  many tokens in T_ttl (so in T_max and the prediction) and drafts nothing (γ = 0), as in the
-  router's step. In the *objective* it counts as the decode step it turns into (its prompt
-  as context, one new token): every admitted request pays its prefill exactly once whenever
-  it is admitted, so the prefill is not a throughput cost of *this* decision, while the
-  larger running batch it leads to is a gain. With the real prefill cost in T/b, eq. 8 would
-  never admit anyone voluntarily (a prefill is many decode steps' worth of work). T_max
-  bounds how much prefill one step may carry (like a chunked-prefill token budget).
-- **No starvation**: a candidate that waited ``max_wait_s`` or more is *forced* into the batch
-  (oldest first, up to max_batch_size, waiting ones only while they fit in memory).
-- **Ties** are deterministic: candidates are put in priority order (running first, then
-  longest waited, then request id) and every tie goes to the earlier one.
+γ_i = 0 lets a request decode plainly; the reward is *expected accepted* tokens; λ defaults to
+T0 / b*², the first-order value of a token at plain decoding's time per token; a prefill counts
+in T_ttl but, in the objective, as the decode step it turns into; a request that waited
+``max_wait_s`` is forced in; ties go to the earlier candidate in priority order. Each choice and
+why: docs/algorithms.md ("The LP batch scheduler").
 """
 
 from __future__ import annotations
@@ -205,9 +171,8 @@ class _Problem:
         # it turns into, and for each batch size b takes the tangent at the plain decode step of
         # b requests (``obj_line``), so T_ttl / b of a plain step is the model's own at every b.
         # One tangent for all b, touching past the knee, has the intercept c0 − c_knee·K, which
-        # can be negative, and a negative T_ttl / b is least at b = 1 — measured on an H100
-        # (c0 6.1 ms, K = 64, c_knee 0.099 ms): every admission ran as a batch of 1, the new
-        # prompt alone, the 7 running requests idle.
+        # can be negative, and a negative T_ttl / b is least at b = 1: every admission would run
+        # as the new prompt alone while the running requests idle.
         b_ref = max(1, min(config.max_batch_size, n))
         c0, c_tok = model.tangent(sum(c.prefill_tokens or 1 for c in cands[:b_ref]))
         c_req, c_attn = model.c_req, model.c_attn

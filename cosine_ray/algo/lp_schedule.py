@@ -1,35 +1,15 @@
 """CoSine's batch scheduler: which requests step now, and how many draft tokens each (eq. 5-8).
 
-The problem, with its paper → code mapping and interpretations, is defined in
-``algo.lp_problem``, whose public names this module re-exports; here it is solved
-(``schedule_batch``), next to the baselines: Algorithm 2 (``trim_gammas``) and the "LP off"
-ablation (``first_come_batch``).
-
-One more interpretation, made by the solver:
-
-- **T_max infeasible** (even the best single request is slower than T_max): T_max is
-  dropped and the best batch of the smallest allowed size (1, or the forced ones) is
-  returned, status ``"tmax_relaxed"``: some request must always advance.
-
-Solving (exact; ``status == "optimal"`` means proved optimal):
-
-0. *Everyone goes* (``_Problem._everyone_goes``): in the common step — every candidate
-   running, the batch cap not binding, one objective line for every b, T_max met even at
-   every request's largest γ — adding a request at γ = 0 strictly lowers T/b whenever the
-   plain shares differ by less than c0'/(n − 1), so every optimum holds all n requests and
-   only b = n is solved (in plain Python: a few hundred floats). At c=8 on our CPU this cut
-   the LP's share of the in-engine decision from 0.57–0.64 ms to 0.27 ms, same schedules.
-1. *Certified relaxation*: for each b and each drafter's time line, drop the coupling
-   constraints (Γ_max, M_max, T_max): the problem separates per request, and the b best
-   requests (each with its best γ) are found by sorting. These are lower bounds of the true
-   optimum; if one of these greedy solutions is feasible and meets the smallest bound, it is
-   optimal and no MILP is solved (the common case when no constraint binds).
-2. Otherwise one ``scipy.optimize.milp`` (HiGHS) per batch size b, in order of the lower
-   bounds, skipping b whose bound cannot beat the incumbent. Requests dominated by ≥ b others
-   (no better cost, no better gains at any γ, memory no worse) are removed first, and
-   equal requests get symmetry rows b_k ≥ b_j (priority order); both are exact (exchange
-   argument: swapping a dominated request for its dominator never hurts).
-3. HiGHS failing or hitting ``time_limit_s``: ``first_come_batch`` with status "fallback".
+The problem is defined in ``algo.lp_problem``, whose public names this module re-exports; here
+it is solved (``schedule_batch``), next to the baselines: Algorithm 2's trim (``trim_gammas``)
+and the "LP off" ablation (``first_come_batch``). Solving is exact (``status == "optimal"``
+means proved optimal): when every candidate provably goes, only b = n is solved in plain
+Python; otherwise a certified relaxation per batch size b (the coupling rows dropped, so the
+problem separates per request and sorting gives a bound and a candidate) often proves its
+candidate optimal; otherwise one ``scipy.optimize.milp`` (HiGHS) per b, in bound order, after
+exact dominance and symmetry reductions. If even one request exceeds T_max, T_max is dropped
+(``"tmax_relaxed"``); if HiGHS fails or times out, first come decides (``"fallback"``). The
+details: docs/algorithms.md ("Solving exactly").
 """
 
 from __future__ import annotations

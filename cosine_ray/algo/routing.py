@@ -1,56 +1,19 @@
-"""CoSine expertise routing (the CoSine paper §4.2, eq. 1-3; docs/algorithms.md).
+"""CoSine expertise routing (the CoSine paper §4.2, eq. 1-3): which k drafters serve a request.
 
-Each step the router picks, for every request of the batch, k (2-3) drafters of the
-speculation cluster; after verification it scores the drafters that took part and folds the
-score into the request's routing vector ``M_r``. Paper notation → names here:
+After each step the drafters that took part are scored (eq. 1-2) and the score is folded into
+the request's routing vector and its domain's prior; each step eq. 3 picks k drafters per
+request, exploring (a larger random share) when its last step accepted fewer than τ draft
+tokens. Paper notation → names here:
 
-    x[n,i]  drafter n's token at draft position i        ``drafted[i]``
-    c[n,i]  its probability of that token (confidence)   ``confidences[i]``
-    x_i     the target's token at position i            ``accepted[i]``
-    H(·)    the target's input embedding                 ``unit_embeddings`` (rows L2-normalised)
-    d[n,i]  verification accuracy, eq. 1                 ``verification_accuracy``
-    m[n]    routing score, eq. 2                         ``routing_score``
-    M_r     routing vector of request r                  ``ExpertiseRouter.scores(r)``
-    τ       explore/exploit threshold, eq. 3             ``RoutingConfig.tau``
+    x[n,i], c[n,i]  drafter n's token at draft position i, its confidence   ``drafted``, ``confidences``
+    x_i, H(·)       the target's token, its input embedding (unit rows)    ``accepted``, ``unit_embeddings``
+    d[n,i], m[n]    eq. 1 verification accuracy, eq. 2 routing score       ``verification_accuracy``, ``routing_score``
+    M_r, τ          request r's routing vector, eq. 3's threshold           ``ExpertiseRouter.scores(r)``, ``RoutingConfig.tau``
 
-Interpretations (the paper leaves these open or contradicts itself):
-
-* **Eq. 1** ``d[i] = clamp(cos(H(accepted[i]), H(drafted[i])), 0, 1)`` for ``i < L_acc``, else
-  0. Cosine can be negative; eq. 2 needs d in [0,1], so it is clamped. ``accepted`` is what the
-  target committed this step: the accepted draft tokens *and* the bonus/recovered token (the
-  house convention "accepted length includes the bonus"), so a drafter whose token at the
-  first mismatch was a near-synonym of the target's still earns partial credit there.
-* **Eq. 2** ``m = mean_i c·d / (c·d + (1-c)(1-d) + ε)``; K is the number of draft positions of
-  the step (the longer of the two inputs); a position where the drafter proposed nothing
-  counts as c = 0 (term 0), so short drafts score lower.
-* **Eq. 3** the paper gives the top-scoring operator weight α in exploration mode and β < α in
-  exploitation mode, while its prose says exploration reallocates requests to under-used
-  drafters. We follow the prose: exploration is the mode with the *larger random share*
-  (``explore_random_share`` 0.25 vs ``exploit_random_share`` 0.05). Mixing is per slot: for each
-  of the k slots, with probability = the mode's random share a drafter is drawn uniformly from
-  the remaining available ones, otherwise the best remaining one by
-  ``M_r[n] − load_weight · load[n] / batch_size`` is taken (ties: the earlier drafter in pool
-  order wins, so results never depend on dict or set ordering). ``load[n]`` is the external
-  load the caller passes (queue length, "system status") plus the requests already given to
-  n earlier in the same ``choose`` call, so a batch spreads over drafters whose scores tie.
-  Mode: ``L_acc < τ`` → explore, else exploit, where ``L_acc`` is the number of *draft* tokens
-  accepted at the request's last step (bonus not counted: with τ = 1 a step that accepted no
-  draft token triggers exploration). A fresh request has no ``L_acc`` yet and is routed in
-  exploitation mode from its prior (the prior is what domain classification buys).
-* **Priors** ``prior[domain][n]`` is an EMA (rate ``prior_ema``, starting at
-  ``initial_score``) of every m[n] observed on requests of that domain; a global prior learns
-  the same way from all domains. A new request starts with
-  ``M_r[n] = prior[domain][n]`` if that pair was ever observed, else the global prior of n if
-  n was ever observed, else ``initial_score``. Requests are started with the domain the
-  prompt classifier gave them (``algo.domains``). Priors learn on every ``update`` (not only
-  at finish), so the information survives a request that is cancelled; ``finish`` just forgets
-  the request. Priors of a removed drafter are kept, so a drafter that comes back keeps its
-  reputation.
-* **Routing off** (``mode="random"``): k drafters drawn uniformly without replacement from
-  the available ones, no scores, no loads: the ablation baseline.
-
-Randomness comes from one ``random.Random(seed)`` per router, consumed in request order, so a
-seeded router replays the same choices for the same calls.
+``accepted`` includes the bonus token. Where the paper is open or contradicts itself (the
+clamp, calibrated c, exploration as the mode with the larger random share, priors, the
+``random`` ablation) the choices are in docs/algorithms.md ("Expertise routing"). Randomness
+comes from one seeded ``random.Random`` per router, consumed in request order.
 """
 
 from __future__ import annotations
@@ -158,9 +121,9 @@ class RoutingConfig:
     tau: float = 1.0
     """τ of eq. 3: a request whose last step accepted fewer than τ draft tokens explores."""
     explore_random_share: float = 0.25
-    """Probability that a slot is filled uniformly at random in exploration mode. Measured on
-    the 4-domain workload (benchmarks/cosine_ablation.py): 0.5 spent too many slots on drafters
-    known to be useless there (steps accepting nothing are common even with the right drafter)."""
+    """Probability that a slot is filled uniformly at random in exploration mode (a larger share
+    spends too many slots on drafters known to be useless: steps accepting nothing are common
+    even with the right drafter)."""
     exploit_random_share: float = 0.05
     """Probability that a slot is filled uniformly at random in exploitation mode."""
     score_ema: float = 0.5

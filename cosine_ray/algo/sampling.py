@@ -1,70 +1,17 @@
 """Logits → sampling distributions, and seeded sampling.
 
-``logits_to_probs`` applies the filters in the order Hugging Face transformers applies its
-warpers (``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` → ``TopPLogitsWarper``), with the
-same tie rules, so a request gets the distribution it would get from ``model.generate``:
+``logits_to_probs`` applies temperature, top-k and top-p in the order and with the tie rules of
+Hugging Face's warpers, so a request gets the distribution ``model.generate`` would give it. The
+target and every drafter must use the same settings: verification reproduces whatever
+distribution it is given as ``target_probs``.
 
-* top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept);
-* top-p keeps the smallest set of most-likely tokens whose cumulative probability is >= top_p
-  (always at least one token; ties broken by ``torch.sort``, as HF does).
-
-Both the target and every drafter must use the *same* ``logits_to_probs`` settings: lossless
-verification (``algo.verify``) reproduces whatever distribution it is given as ``target_probs``.
-
-Keyed sampling (``sample_keyed``): reproducible, batch- and speculation-independent
-------------------------------------------------------------------------------------
-A stream generator (``sample`` / ``make_generator``) gives a request a reproducible text only
-if the request consumes it the same way every time, which speculation breaks (rejection
-sampling draws a coin per draft node, and the drafts depend on the batch). Keyed sampling
-instead fixes, for every *position* of the sequence, the randomness that decides its token:
-
-* **Position.** The absolute position of a token is its 0-based index in the request's whole
-  sequence (prompt + output), i.e. the number of tokens before it. The first output token of a
-  prompt of L tokens has position L. (In a token tree whose root, the last committed token,
-  sits at position P, a node of depth d holds position P + d, and the target's row at that
-  node draws the token of position P + d + 1; ``algo.verify.verify_keyed``.)
-* **Noise.** ``keyed_exponentials(seed, t, vocab)``: E_t(x), x < vocab, i.i.d. Exp(1), from the
-  counter-based generator Philox4x64-10 (Salmon et al. 2011, "Parallel random numbers: as easy
-  as 1, 2, 3"; numpy's ``Philox``) keyed with the 128-bit key (seed mod 2**64, t): one raw
-  64-bit word per token, its top 52 bits k give u = (k + 1/2) / 2**52 (exact in float64,
-  strictly inside (0, 1), so no clamping), and E = -log u in float64. Distinct keys are
-  independent streams by the generator's design and no two (seed, t) pairs share a key (a
-  splitmix64 mix into a ``torch.Generator`` seed would not do: the CPU generator keeps only
-  the low 32 bits of its seed). The raw words are pinned by a known-answer test.
-* **Draw.** token_t = argmax_x p_t(x) / E_t(x), the "exponential race". It is the Gumbel-max
-  trick: -log E ~ Gumbel(0, 1), so this is argmax_x (log p_t(x) + G_t(x)) with G_t(x) =
-  -log E_t(x), computed without the second logarithm. p_t is the row ``logits_to_probs`` gives.
-
-Lossless, in short. (1) One position: E(x) / p(x) ~ Exp(rate p(x)) independently for each x with
-p(x) > 0, and the smallest of independent exponentials is the one of rate p(x) with probability
-p(x) / sum(p) = p(x); tokens with p(x) = 0 score 0 and never win. So token_t ~ p_t exactly, for
-a uniformly random seed. (2) A sequence: the prefix before t is a function of the prompt and
-E_s for s < t only, and E_t is independent of those (another key), so conditionally on any
-prefix, token_t ~ p_t(. | prefix); by the chain rule the text has the target's distribution.
-(3) Speculation (``algo.verify.verify_keyed``) computes the very same token_t at every position
-it commits, from the same row and noise, whatever the tree (module docstring there), so the
-text is the same as without speculation, token for token, not only in distribution.
-
-Numerics and ties. p is float32 (exact in float64), E float64, the division is correctly
-rounded and the argmax exact; on an exact tie of two scores ``argmax`` takes the first token id
-(deterministic; a tie needs two uniforms of the 2**52-point grid to make the two best scores
-equal to the last bit, probability ~1e-15 per draw). The grid itself moves the draw's
-distribution by at most of order vocab * 2**-52 * ln(2**52) ~ 4e-10 in total variation for
-49,152 tokens (coupled with exact uniforms, a draw can change only when a uniform falls within k
-grid cells of 1, where E is off by ~1/k relative), far below the float32 rounding of p itself (~1e-8). Everything is elementwise, so a
-row gives the same token alone or in a batch. Two things can still change a token, each only
-at a near-exact tie of the two best scores: the target's logits for a position differing in
-the last bits between forwards (a chain vs a tree, another batch; the greedy-equivalence tests
-rely on the same) and, on another machine, ``torch.log``'s last bit.
-
-Cost. One noise vector per committed token: ``verify_keyed`` generates a position's noise only
-when its walk reaches that depth. For SmolLM2's 49,152-token vocabulary, one CPU thread:
-noise ~0.55 ms (Philox words ~0.25 ms, conversion and log ~0.3 ms) + race ~0.15 ms, so
-~0.75 ms per committed token with the walk (a fully accepted 8-token chain: ~6.8 ms for its 9
-tokens; the rejection sampler it replaces: ~0.2 ms per step, whatever it commits), against
-~60 ms for one SmolLM2-135M decode forward on the same CPU: ~1 % per token.
-Each request gets a seed (its own, else ``draw_seed()`` from os.urandom), so unseeded
-requests are random and every request takes the same code path.
+*Keyed sampling* (``sample_keyed``) makes a seeded text independent of batching and speculation
+by fixing the randomness of every *position* (a token's 0-based index in prompt + output):
+``keyed_exponentials(seed, t, vocab)`` draws E_t(x) ~ Exp(1) i.i.d. from Philox keyed by
+(seed, t), and token_t = argmax_x p_t(x) / E_t(x), the exponential race (Gumbel-max), an exact
+sample of p_t. Speculation computes the same token_t at every position it commits
+(``algo.verify.verify_keyed``), so the text is the same token for token. The proof, the numerics
+and the cost are in docs/algorithms.md ("Lossless verification").
 """
 
 from __future__ import annotations

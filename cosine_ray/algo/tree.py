@@ -15,10 +15,8 @@ Every other node is a *draft* token; its parent is the token it continues.
 Positions fed to the target are ``committed_length + depth``; a node attends to the whole
 committed KV cache plus its ancestors and itself (``attention_mask``). The target's
 logits at node u are its distribution for u's children, so verification walks from the
-root down (``algo.verify``).
-
-Siblings never repeat a token (``from_paths`` merges shared prefixes), so a path is
-identified by its token sequence.
+root down (``algo.verify``). Siblings never repeat a token (``from_paths`` merges shared
+prefixes), so a path is identified by its token sequence.
 """
 
 from __future__ import annotations
@@ -155,8 +153,8 @@ class TokenTree:
     def attention_mask(self) -> torch.Tensor:
         """``mask[i, j]`` is True when node j is node i or one of its ancestors.  # [n, n] bool"""
         n = self.num_nodes
-        mask = np.zeros((n, n), dtype=np.bool_)  # rows built in numpy: a torch op per row cost
-        parents = self.parent_ids               # ~0.5 ms of host time a step at c = 8 on a GPU host
+        mask = np.zeros((n, n), dtype=np.bool_)  # rows built in numpy: a torch op per row costs
+        parents = self.parent_ids               # host time the GPU then waits for
         mask[0, 0] = True
         for i in range(1, n):
             mask[i] = mask[parents[i]]

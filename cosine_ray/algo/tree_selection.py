@@ -15,7 +15,7 @@ attention grows with its own nodes, and the token terms ``c_tok·N + c_knee·max
 with the step's total N (``LatencyModel.token_seconds``). Concave gains against a convex
 cost: taking nodes one at a time, always the one whose gain best pays for its own attention,
 while that beats the token slope at the current N, reaches the optimum (``gammas_for``).
-Without a knee the batch separates per request, as it did before the knee was fitted.
+Without a knee the batch separates per request.
 """
 
 from __future__ import annotations

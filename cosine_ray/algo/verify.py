@@ -1,56 +1,20 @@
 """Lossless verification of a draft token tree against the target model.
 
-Vocabulary (used throughout cosine_ray, following vLLM's ``RejectionSampler`` docstring):
+Vocabulary (used throughout cosine_ray, after vLLM's ``RejectionSampler``): *draft* tokens are
+the tree's non-root nodes; *accepted* tokens the draft tokens on the path verification keeps;
+the *recovered* token is sampled from the residual distribution after every child of the last
+accepted node was rejected; the *bonus* token is the target's token after the last accepted
+node (the recovered token plays that role when there is one), so each verify emits exactly one
+token that is not a draft; the *accepted length* is accepted draft tokens + 1, the tokens a
+verify step commits.
 
-* *draft* tokens: the tree's non-root nodes, proposed by the drafters.
-* *accepted* tokens: the draft tokens on the path that verification keeps, in depth order.
-* *recovered* token: a token sampled from the residual distribution after every child of the
-  last accepted node was rejected.
-* *bonus* token: the target's token after the last accepted node. When every child of that node
-  was rejected (or it has none) the recovered token plays the bonus role, so each verify emits
-  exactly one token that is not a draft token.
-* *accepted length*: number of accepted draft tokens + 1 (the bonus is counted, as in vLLM's
-  metrics); the number of tokens a verify step commits.
-
-Paper notation: ``target_probs`` = p(x) and ``draft_probs`` = q(x) in Leviathan et al. 2023,
-"Fast Inference from Transformers via Speculative Decoding", and in SpecInfer (Miao et al. 2024),
-whose multi-candidate tree rule ``verify_stochastic`` implements. Row u of ``target_probs`` /
-``target_logits`` is the target's distribution for the token *after* node u (``algo.tree``).
-
-Why the stochastic rule is lossless, for one node u and its children c1, c2, ... tried in order
-with running residual r (initially p(·|u)): if token x of child c was drawn from q_c (conditional
-on everything before it), accepting with min(1, r(x)/q_c(x)) emits y with probability
-min(r(y), q_c(y)), and on rejection (probability 1 - Σ min(r, q_c) = Σ max(0, r - q_c)) the rest
-of the procedure emits from norm(max(0, r - q_c)); the sum is exactly r(y). By induction over the
-siblings and then the depth, the emitted sequence has the target's distribution. A child without
-a draft distribution is a point mass (q_c = δ_x); that rule is lossless for *any* tree drawn
-independently of the verifier's coins, so it is the safe default for deterministic drafters and
-fused trees. A q_c raises x's acceptance probability from r(x) to min(1, r(x)/q_c(x)), but is
-only valid when x was actually sampled from q_c.
-
-``verify_keyed``: seeded, tree-independent sampling (what the router uses for sampled requests).
-Rejection sampling consumes randomness per draft node, so its text depends on the drafts. The
-keyed rule makes the target's token at every position a fixed function of (seed, position,
-prefix): ``algo.sampling.sample_keyed``, token_t = argmax_x p_t(x) / E_{seed,t}(x) (an exponential
-race = the Gumbel-max trick; the noise and its independence across positions are described
-there). Position convention: the root (node 0, the last committed token) sits at absolute
-position ``root_position`` (= ``ScoreItem.start_position`` = committed length - 1), node u of
-depth d at ``root_position + d``, and row u of ``target_probs``, the target's distribution after
-u, draws the token of position ``root_position + d + 1`` (its children's position), so every
-node of one depth shares one noise vector. The walk is ``verify_greedy``'s with the keyed token
-y_u in place of the argmax: from the root, accept the child whose token is y_u, stop at the
-first node that has none; the bonus is y at that node.
-
-Why this is lossless, and equal to decoding without speculation token for token: let
-Y_1, Y_2, ... be the plain keyed decode after the root (Y_k = keyed draw at position
-root_position + k given the committed text and Y_<k). By induction on the depth, the walk's
-node at depth d carries exactly the path Y_1..Y_d: its row is p(. | committed, Y_1..Y_d), the
-plain decode's row at position root_position + d + 1, with the same noise, so y_u = Y_(d+1);
-the accepted child, if any, carries Y_(d+1). Hence the step commits Y_1..Y_(m+1) (m accepted +
-the bonus), the plain decode's next m + 1 tokens, for *any* tree, even one chosen with knowledge
-of the noise (the equality is pathwise). The plain keyed decode has the target's distribution
-(``algo.sampling``), so the speculative one does too, whatever drafters and batch ran. Only the
-rows visited (one per depth) are drawn; draft distributions are not needed.
+``target_probs`` = p(x) and ``draft_probs`` = q(x) in Leviathan et al. 2023 and SpecInfer (Miao
+et al. 2024), whose multi-candidate rule ``verify_stochastic`` implements; a child without a
+draft distribution is a point mass. ``verify_keyed`` walks the tree like ``verify_greedy`` with
+the keyed sample of ``algo.sampling`` in place of the argmax, so a step commits the plain keyed
+decode's next tokens for any tree. Row u of ``target_probs`` is the target's distribution for
+the token after node u; the root sits at ``root_position``. Why each rule is lossless:
+docs/algorithms.md ("Lossless verification").
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """``cosine-ray bench``: tokens/s of HF transformers and cosine_ray systems on one workload, in one run.
 
-Workloads (``--workload``, built by ``loadgen/workload.py``, the same requests ``cosine-loadgen``
-sends): ``mixed`` (the prompt sets as they are, equal mix of code / math / instruction / chat),
-``multi-turn`` (MT-bench: turn 2 is sent with turn 1's answer), ``code-edit`` (a function to
-change; the answer repeats most of it) and ``template`` (many users asking the same kind of
-question). Measured conversations come from the second half of each prompt file (held back:
-the first half built the retrieval datastores); ``--warmup-per-domain`` conversations built
-the same way from the first half run before them and are reported apart.
+Workloads (``--workload``, built by ``loadgen/workload.py``, the requests ``cosine-loadgen``
+sends): ``mixed`` (the four prompt sets in equal mix), ``multi-turn`` (MT-bench turn 2 with turn
+1's answer), ``code-edit`` (the answer repeats most of a function) and ``template`` (many users
+asking the same kind of question). Measured conversations come from the held-back second half
+of each prompt file; ``--warmup-per-domain`` ones from the first half run before them.
 
-Systems (``--systems``, ``;``-separated): ``hf-greedy`` and ``hf-prompt-lookup`` (HF
-``generate``, single request), and any ``--drafters`` value, optionally with StepConfig
-overrides: ``learning@routing=random`` is the learning drafters with random routing. Every
-cosine_ray system × concurrency (``--concurrency 1,8``) starts from a fresh engine: the
-warm-up traffic, then each measured conversation once, so a learning drafter never sees a
-measured request twice. Every output is compared token by token with HF greedy (fp32: the
-same tokens; with ``hf-greedy`` left out, with the first system's).
-
-``--repeat-probe`` sends the first measured request once more after the measured traffic and
-reports its acceptance (how much of an identical request the drafters take from the first's output).
-
-``--rounds N`` runs every cosine_ray system × concurrency N times, each round in its own shuffled
-order (seeded by ``--seed``), and prints each one's median tok/s and its median ratio to ``none``
-of the same round with the rounds' min–max: on a machine whose speed drifts (a GPU host's plain
-decoding ran at 947 and 1,244 tok/s in two runs of the same code, docs/measurements.md) a
-ratio from one pair of runs is noise.
+Systems (``--systems``, ``;``-separated): ``hf-greedy``, ``hf-prompt-lookup``, and any
+``--drafters`` value with StepConfig overrides (``learning@routing=random``). Every cosine_ray
+system × concurrency starts from a fresh engine, and every output is compared token by token
+with HF greedy (or, without it, the first system). ``--repeat-probe`` sends the first measured
+request again at the end. ``--rounds N`` interleaves N rounds in seeded shuffled orders and
+prints medians and the min–max of each ratio to the same round's ``none``: on a machine whose
+speed drifts, a ratio from one pair of runs is noise.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def add_parser(sub) -> None:
     srv.add_argument("--num-speculative-tokens", type=int, default=None)
     srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
                      metavar="KINDS",
-                     help="drafter kinds run inside the engine process (default: ngram,retrieval, table "
-                          "lookups); none = every drafter in an actor of its own")
+                     help="drafter kinds run inside the engine process (default: ngram,retrieval,suffix, "
+                          "table lookups); none = every drafter in an actor of its own")
     add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
     srv.add_argument("--return-spec-stats", action="store_true",

@@ -15,15 +15,15 @@ The scenario file (YAML or JSON) describes a deployment and a workload; `--schem
 JSON Schema and docs/simulator.md explains every key. Top-level keys:
 
   engine.step   the engine's own step config (deploy/engine.yaml `step`: batching, γ_max, lanes,
-                CoSine's switches); the real scheduler, router, fusion, LP and verifier run it
+                CoSine's switches); the real scheduler, routing, fusion, LP and verifier run it
   target        shapes that size the transfers: hidden_size, vocab_size, activation_bytes,
                 kv_bytes_per_token, returns (logits | ids: what the last stage ships back)
   latency       named cost models of the whole target on a device: {profile: FILE} (output of
                 `cosine-ray profile`), {linear: {c0_ms, c_req_ms, c_tok_ms, c_knee_ms, knee_tokens,
                 c_attn_us}} or {roofline: {params_billions, memory_bandwidth_gbs, tflops, ...}},
                 each with a `source`
-  devices       names of FIFO servers (`router` always exists)
-  router        {device, step_overhead_ms, step_overhead_per_request_ms}: the router's host and
+  devices       names of FIFO servers (`router`, the engine's host, always exists)
+  router        {device, step_overhead_ms, step_overhead_per_request_ms}: the engine's host and
                 its decision time per step (a constant plus a term per request in the batch)
   stages        [{device, latency, layers}]: the target's pipeline stages in order
   links         router_stage, stage_stage, router_drafter: {bandwidth_mbps, latency_ms}

@@ -1,46 +1,17 @@
 """Every metric cosine_ray exports: one table, one place.
 
-Names follow vLLM's (``vllm:`` becomes ``cosine_ray:``) where vLLM has one, so existing
-queries and dashboards carry over. Counters are listed by their base name; the Prometheus
-exposition adds ``_total``. Labels: ``drafter`` is a drafter name (``ngram``,
-``retrieval:code``, ``model:…``), ``domain`` the request's domain as the engine classified
-it (``code``, ``math``, ``instruction``, ``chat`` or ``other``).
+Names follow vLLM's (``vllm:`` becomes ``cosine_ray:``) where vLLM has one, so existing queries
+and dashboards carry over. Counters are listed by their base name; the Prometheus exposition
+adds ``_total``. Labels: ``drafter`` is a drafter name (``ngram``, ``retrieval:code``,
+``model:…``), ``domain`` the request's domain as the engine classified it (``code``, ``math``,
+``instruction``, ``chat`` or ``other``).
 
-Derived figures (PromQL):
-
-- acceptance rate: ``sum(rate(cosine_ray:spec_decode_num_accepted_tokens_total[1m]))
-  / sum(rate(cosine_ray:spec_decode_num_draft_tokens_total[1m]))``
-- mean accepted length (bonus token included, vLLM's convention):
-  ``1 + sum(rate(cosine_ray:spec_decode_num_accepted_tokens_total[1m]))
-  / sum(rate(cosine_ray:spec_decode_num_drafts_total[1m]))``
-- acceptance rate per drafter (or per domain: ``by (domain)``):
-  ``sum by (drafter) (rate(cosine_ray:spec_decode_num_accepted_tokens_total[1m]))
-  / sum by (drafter) (rate(cosine_ray:spec_decode_num_draft_tokens_total[1m]))``
-- acceptance at tree depth k (vLLM's per-position rate): ``sum by (position)
-  (rate(cosine_ray:spec_decode_num_accepted_tokens_per_pos_total[1m])) / scalar(sum(
-  rate(cosine_ray:spec_decode_num_drafts_total[1m])))``
-- routing share of a drafter: ``sum by (drafter) (rate(cosine_ray:routing_decisions_total[1m]))
-  / scalar(sum(rate(cosine_ray:routing_decisions_total[1m])))``; fusion share likewise over
-  ``fusion_picks_total``; fusion survival: ``fusion_picks_accepted_total / fusion_picks_total``
-  by drafter.
-- cost model error: ``sum(rate(cosine_ray:verify_predicted_seconds_total[1m])) /
-  sum(rate(cosine_ray:verify_seconds_total[1m]))`` (1 = exact); gain model error:
-  ``sum(rate(cosine_ray:spec_decode_expected_accepted_tokens_total[1m])) /
-  sum(rate(cosine_ray:spec_decode_num_accepted_tokens_total[1m]))``.
-- stage utilisation (1 - bubble share): ``rate(cosine_ray:stage_busy_seconds_total[1m]) /
-  (rate(cosine_ray:stage_busy_seconds_total[1m]) + rate(cosine_ray:stage_idle_seconds_total[1m]))``
-- latency percentiles: ``histogram_quantile(0.99, sum by (le)
-  (rate(cosine_ray:time_to_first_token_seconds_bucket[1m])))``; means: ``rate(X_sum[1m]) /
-  rate(X_count[1m])`` (mean γ from ``scheduler_gamma``, mean Γ from ``scheduler_total_gamma``).
-
-Who records what: the engine's exporter (``metrics/exporter.py``, fed one ``StepStats`` per
-step by ``engine/owners/learner.py``) the speculation, routing, fusion and scheduler series; the
-engine loop (``engine/loop.py``) the serving series; the HTTP edge ``http_requests``; the
-engine deployment at scrape time ``stage_*_seconds`` (read from the stage
-workers), ``drafter_restarts`` (from the actor slots) and the running/waiting gauges. One
-registry in the engine process holds them all; ``metrics/prometheus.py`` renders it.
-Unlabelled counters, gauges and histograms are always exported (0 until recorded); labelled
-ones appear with their first recorded series.
+Who records what: the engine's exporter (``metrics/exporter.py``, fed one ``StepStats`` per step)
+the speculation, routing, fusion and scheduler series; the engine loop the serving series; the
+HTTP edge ``http_requests``; the engine deployment, at scrape time, ``stage_*_seconds``,
+``drafter_restarts`` and the running/waiting gauges. One registry in the engine process holds
+them all; ``metrics/prometheus.py`` renders it. Derived figures (acceptance rate, mean accepted
+length, ...) are PromQL in docs/metrics.md and in the dashboards.
 """
 
 from __future__ import annotations
@@ -130,7 +101,7 @@ METRICS: dict[str, MetricSpec] = {
     "cosine_ray:step_phase_seconds": MetricSpec(
         "counter", "Wall time of each part of the engine's steps: schedule, route, draft (fusion "
         "and TreeSelection included), verify (the target call), commit, learn, advance. All but "
-        "verify are the router's host work.", ("phase",)),
+        "verify are the engine's host work.", ("phase",)),
     # ---- economics: the models the scheduler decides with, checked against what happened ----------
     "cosine_ray:verify_seconds": MetricSpec(
         "counter", "Wall time of the verify forwards (the target call of each step)."),

@@ -2,7 +2,7 @@
 
 Only this module and ``serve/`` import ``prometheus_client``; the engine keeps plain counters
 (``metrics/registry.py``). We use prometheus_client's custom-collector API rather than its
-global registry: the numbers live in the router process, arrive here as a picklable snapshot,
+global registry: the numbers live in the engine process, arrive here as a picklable snapshot,
 and are turned into metric families on each scrape, so nothing is double counted and no
 process-global state is involved.
 

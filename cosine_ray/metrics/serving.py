@@ -1,7 +1,7 @@
 """Serving metrics of one request (vLLM's names), recorded as its outputs reach the caller.
 
 ``engine/loop.py`` makes one ``RequestTimeline`` per request and feeds it every
-``RequestOutput`` it hands out; all times come from the router's clock, the same clock that
+``RequestOutput`` it hands out; all times come from the engine's clock, the same clock that
 stamped ``arrival_time`` and ``admitted_time``. Definitions:
 
 - TTFT: arrival to the first output carrying tokens (the prefill's token);
@@ -13,12 +13,9 @@ stamped ``arrival_time`` and ``admitted_time``. Definitions:
 
 Latency histograms cover requests that finished normally (``stop``/``length``);
 ``request_success{finished_reason}`` counts every ending: ``stop``, ``length``, ``error``, and
-``abort`` (the caller stopped listening: client disconnect, timeout). A request the HTTP layer
-ends because a stop string appeared is a normal completion: the layer tells the engine
-(``EngineClient.finish``) before closing the stream, and the loop ends its timeline with
-``stop``, so it counts as ``stop`` and its latency is observed like any other completion.
-``prompt_tokens`` counts a request's prompt once its first token exists (its prefill ran);
-``generation_tokens`` counts tokens handed to the caller.
+``abort`` (client disconnect, timeout). A stop string the HTTP layer found is a ``stop``: the
+layer tells the engine (``EngineClient.finish``) before closing the stream. ``prompt_tokens``
+counts a prompt once its prefill ran; ``generation_tokens`` counts tokens handed to the caller.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ COMPLETED = ("stop", "length")
 
 class RequestTimeline:
     def __init__(self, metrics: MetricsRegistry, clock: Callable[[], float], request: Any) -> None:
-        """``request`` is the router's Request (``arrival_time``, ``admitted_time``,
+        """``request`` is the engine's Request (``arrival_time``, ``admitted_time``,
         ``prompt_token_ids``), read when outputs arrive."""
         self.metrics = metrics
         self.clock = clock

@@ -2,24 +2,21 @@
 
 ``build_app(args)`` is the Serve *application builder*: ``cosine-ray serve`` calls it, and
 ``serve run cosine_ray.serve.app:build_app`` / ``serve deploy deploy/serve_config.yaml``
-use it directly. ``args`` are the engine config as plain data (see
-``engine.config.config_from_dict``) plus ``api_key`` (or env ``COSINE_RAY_API_KEY``) and
-``max_body_bytes``, ``return_spec_stats`` (every completion carries the ``cosine_ray`` stats
-block) and ``metrics_require_key`` (``GET /metrics`` needs the API key too).
+use it directly. ``args`` are the engine config as plain data (``engine.config``) plus the
+ingress settings (``INGRESS_ARGS``: ``api_key`` or env ``COSINE_RAY_API_KEY``,
+``return_spec_stats``, ``metrics_require_key``, ...).
 
 Two deployments (the Ray Serve LLM pattern): ``cosine_ray_engine`` (``EngineServer``: the
 request pool and step loop, owner of the stage and drafter actors; one replica) and the
 ingress ``cosine_ray`` (tokenizer + FastAPI app), which gets the engine's
 ``DeploymentHandle`` through ``bind``. Serve starts, health-checks, restarts and reconfigures
-both: a ``serve deploy`` (or ``serve.run``) with changed settings replaces the engine, with new
-stages and drafters (``tests/serve/test_redeploy.py``).
+both: a ``serve deploy`` with changed settings replaces the engine, with new stages and drafters.
 
 Overload and timeouts: ``max_pending_requests`` (default 256) bounds the generations one
-ingress replica holds; one more gets an OpenAI-shaped 503 + ``Retry-After`` from the app at
-once. Serve's own ``max_ongoing_requests`` defaults to that plus ``CONTROL_HEADROOM`` (room
-for /health, /metrics and cheap rejections), so Serve's queue (``max_queued_requests``, whose
-503 has a plain-text body) is only a backstop. ``request_timeout_s`` (default 600) bounds one
-generation: past it the engine request is cancelled and the client gets 408.
+ingress replica holds, and one more gets an OpenAI-shaped 503 + ``Retry-After`` at once;
+Serve's ``max_ongoing_requests`` adds ``CONTROL_HEADROOM`` for /health, /metrics and cheap
+rejections, so Serve's own queue (whose 503 is plain text) is only a backstop.
+``request_timeout_s`` (default 600) bounds one generation: past it the client gets 408.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``GET /metrics`` and the HTTP response counter (the edge of the single-exporter design).
 
-Single exporter: every engine-side number lives in one registry in the router process (it
+Single exporter: every engine-side number lives in one registry in the engine process (it
 sees every request, drafter call, verify step and stage). Any ingress replica answers
 ``/metrics`` by asking its engine client for that registry's snapshot and rendering it
 (``metrics/prometheus.py``), so a Prometheus scrape through the Serve port gets cluster-wide

@@ -213,7 +213,7 @@ class CosineRayStats(BaseModel):
     drafted_by: dict[str, int]
     accepted_by: dict[str, int]
     domain: str
-    """The domain the router classified the prompt into (code, math, instruction, chat, other)."""
+    """The domain the engine classified the prompt into (code, math, instruction, chat, other)."""
     drafters_used: list[str]
     """Drafters that put at least one token into this request's verified trees (sorted)."""
     pipedec_timesteps: int = 0

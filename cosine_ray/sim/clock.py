@@ -4,7 +4,7 @@
 clock, and its selector never sleeps — when every task waits, it *advances* the clock to the
 next scheduled timer instead of blocking. So ``asyncio.sleep(d)``, ``asyncio.wait_for`` deadlines
 and everything the engine measures with ``loop.time`` run on simulated seconds, and a simulated
-hour takes as long as the Python code it runs (the router's real decisions), not an hour.
+hour takes as long as the Python code it runs (the engine's real decisions), not an hour.
 
 The simulated parts of a deployment hold ``Resource``s (a FIFO server: one stage, one drafter
 node) and cross ``Link``s (bandwidth and latency); both are built on ``asyncio.sleep`` over the
@@ -96,7 +96,7 @@ def now() -> float:
 
 
 class Resource:
-    """A FIFO server with one slot (a pipeline stage, a drafter node, the router's CPU): ``use``
+    """A FIFO server with one slot (a pipeline stage, a drafter node, the engine's CPU): ``use``
     waits for the slot, holds it ``seconds`` of simulated time, and releases it in arrival order.
     ``busy_s`` and ``served`` are what it did so far (utilisation = busy_s / elapsed)."""
 

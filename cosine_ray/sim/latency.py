@@ -1,26 +1,16 @@
 """Latency models of simulated devices: the profile we measured, or a stated formula.
 
-Three ways to give a device's cost of a forward of the *whole* target (a stage with a share
-``layers`` of it costs that share) and of a drafter call:
+A device's cost of a forward of the *whole* target (a stage with a share ``layers`` of it costs
+that share) and of a drafter call comes in three forms, each with a ``source``:
 
-- ``profile``: a ``cosine-ray profile`` JSON (``algo.latency_model.LatencyModel``) measured on a
-  device we have; the simulator charges exactly what the engine's own model predicts.
-- ``linear``: the same terms entered by hand (``c0_ms``, ``c_req_ms``, ``c_tok_ms``,
-  ``c_knee_ms`` past ``knee_tokens``, ``c_attn_us`` per new-token × key), with a ``source``.
-- ``roofline``: a device we do not have, from its datasheet: a forward reads every weight once
-  and the KV of every key, and does 2·params FLOPs per token, so::
+- ``profile``: a ``cosine-ray profile`` JSON measured on a device we have, corrected towards its
+  measured samples;
+- ``linear``: the same T_llm terms entered by hand;
+- ``roofline``: a device we do not have, from its datasheet (weights and KV read at the
+  bandwidth, 2·params FLOPs a token, both times an ``efficiency``): a knee form of T_llm.
 
-      T = overhead + max(weight_bytes / BW, 2·params·N / FLOPS) + Σ keys · kv_bytes_per_token / BW
-
-  with ``BW`` and ``FLOPS`` the datasheet figures times an ``efficiency`` (memory-bound
-  decoding reaches 60-80 % of peak bandwidth on A100/H100-class parts in public measurements;
-  say what you assume in ``source``). This is a knee form of T_llm: flat up to
-  ``K = weight_bytes·FLOPS / (2·params·BW)`` tokens, then ``2·params/FLOPS`` a token.
-
-Every form becomes a ``LatencyModel`` the engine's scheduler reads (for ``linear`` and
-``roofline`` fitted to samples on the profile's grid drawn from the formula, so the engine's live
-refits keep a base, as with a real profile) and an exact ``seconds(context_lens, new_tokens)``
-the simulator charges.
+Every form becomes a ``LatencyModel`` the engine's scheduler reads and an exact
+``seconds(context_lens, new_tokens)`` the simulator charges (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -55,8 +45,8 @@ class TargetCost:
     ratio at its place on the grid (``_shape``). A forward is charged the formula times the
     inverse-square-distance mean of those ratios (prefills with prefills, decodes with
     decodes), so the simulator charges exactly what was measured at a grid point and what the
-    fit says far from one. On a CPU a one-token decode runs other kernels than a five-token
-    one and is *slower* (44 vs 38 ms here); a five-term fit cannot bend that way."""
+    fit says far from one. On a CPU a one-token decode can be slower than a five-token one
+    (it runs other kernels), which a five-term fit cannot bend to."""
 
     c0: float
     c_req: float

@@ -1,7 +1,7 @@
 """Run a scenario: the real engine on the virtual clock, clients from cosine-loadgen's arrivals.
 
 ``simulate(scenario)`` builds the simulated deployment (``sim.world``), an ``EngineCore`` with
-the scenario's ``step`` config and the engine's real scheduler, router, fusion, tree selection,
+the scenario's ``step`` config and the engine's real scheduler, routing, fusion, tree selection,
 verifier, learner and ``EngineLoop``, and one client task per request that arrives at its
 offset (``loadgen.arrivals``: rates, burstiness, the CoSine low/high/fluctuating modes), waits
 for a concurrency slot when ``max_concurrency`` is set, streams its tokens and records when

@@ -1,34 +1,13 @@
 """The scenario file of ``cosine-ray simulate``: a deployment and a workload, in YAML or JSON.
 
 Checked against ``SCHEMA`` (JSON Schema, ``jsonschema``), then against itself (names that must
-exist). ``cosine-ray simulate --schema`` prints the schema; ``docs/simulator.md`` explains every
-key with an example, and ``deploy/sim/`` has the scenarios the validation and the report run::
-
-    name: cpu-1-stage                # free text
-    seed: 0
-    engine: {step: {...}}            # the engine's own config keys (deploy/engine.yaml `step`)
-    target: {hidden_size: 576, vocab_size: 49152, activation_bytes: 4, kv_bytes_per_token: 92160,
-             returns: logits}        # shapes that size the transfers; logits | ids
-    latency:                         # named cost models of the whole target on a device
-      cpu: {profile: profiles/cpu-t1.json}         # `cosine-ray profile` output (path: from this file)
-      a100-70b: {roofline: {...}, source: "datasheet ..."}
-      fast: {linear: {c0_ms: 1.0, c_tok_ms: 0.1}, source: "..."}
-    devices: [router, cpu0]          # FIFO servers (one job at a time)
-    router: {device: router, step_overhead_ms: 0.6}
-    stages: [{device: cpu0, latency: cpu, layers: 1.0}]
-    links: {router_stage: {bandwidth_mbps: 10000, latency_ms: 0.1}, stage_stage: {...}, router_drafter: {...}}
-    drafters:
-      - {name: ngram, device: router, latency: {c0_ms: 0.05, c_tok_ms: 0.01},
-         acceptance: {default: {by_depth: [0.5, 0.6, 0.6], coverage: 0.7}}, correlation: 0.5, sharpness: 0.3}
-    workload:                        # cosine-loadgen's arrival processes and domain mixes
-      num_requests: 200              # or duration_s
-      arrival: {request_rate: 4.0, burstiness: 1.0, schedule: constant}
-      max_concurrency: 8             # closed loop on top of the arrivals (null: open loop)
-      domains: {code: 1, math: 1}
-      input_len: 200
-      output_len: 64
-      range_ratio: 0.2
-      requests: [{domain: code, input_len: 120, output_len: 64, arrival_s: 0.0}]   # explicit list instead
+exist, such as each stage's device and latency model). Top-level keys: ``engine`` (the engine's
+own ``step`` config), ``target`` (shapes that size the transfers), ``latency`` (named cost models
+of the whole target on a device), ``devices`` (FIFO servers; ``router`` is the engine's host and
+always exists), ``router``, ``stages``, ``links``, ``drafters`` and ``workload`` (cosine-loadgen's
+arrivals and domain mixes). ``cosine-ray simulate --schema`` prints the schema;
+docs/simulator.md explains every key with an example, and ``deploy/sim/`` has the scenarios
+the validation and the report run.
 """
 
 from __future__ import annotations

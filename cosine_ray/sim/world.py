@@ -1,28 +1,22 @@
 """The simulated deployment behind the engine's two client interfaces.
 
-The engine core (``engine.core.EngineCore``) only talks to a ``TargetClient`` and to
-``DrafterClient``s, so the simulator gives it simulated ones and runs the real core, scheduler,
-router, fusion, tree selection, verifier and learner on the virtual clock (``sim.clock``):
+The engine core talks only to a ``TargetClient`` and ``DrafterClient``s, so the simulator gives
+it simulated ones and runs the real engine on the virtual clock (``sim.clock``):
 
 - **The target's text** is an oracle: request r's greedy token at position p is a hash of
   (r, p) (``Oracle``). ``SimTarget.score`` returns one-hot logits: each tree node whose path from
-  the root matches the oracle gets the oracle's next token, any other node some other token.
-  The engine's real verifier accepts exactly the matching prefix, so every simulated output
-  equals the oracle's text — the simulator's own lossless check.
-- **A forward's time**: the router's host time on its device (a constant per step plus a
-  term per request in the batch), token ids to the first
-  stage over the router link, each stage's share of T_llm on its device (a FIFO ``Resource``:
-  lanes pipeline through the stages as on real actors), hidden states between stages
-  (``N × hidden × activation bytes`` over the stage link), and the last stage's answer back
-  (fp32 logits of every scored node — what our engine ships today — or token ids).
+    the root matches the oracle gets the oracle's next token, any other node another token, so
+  every simulated output equals the oracle's text: the simulator's own lossless check.
+- **A forward's time**: the engine's host time on its device (the scenario's ``router``: a
+  constant per step plus a term per request), token ids to the first stage, each stage's share
+  of T_llm on its device (a FIFO ``Resource``, so lanes pipeline as on real actors), hidden
+  states between stages, and the last stage's answer back (logits or token ids).
 - **A drafter** (``SimDrafter``) proposes the oracle's token at draft depth d with conditional
   probability α_d of its acceptance model for the request's domain (given its tokens before d
-  were right), another token otherwise; it has no proposal at a step with probability
-  1 − coverage. Draws are hashes of (drafter, request, position, depth), so the same question
-  gets the same answer within a step, and a share ``correlation`` of them is shared by all
-  drafters (easy tokens are easy for everyone). Its confidence in a token is
-  ``(1 − sharpness)·α_d + sharpness·[right]``: calibrated on average, informative by
-  ``sharpness``. Each call costs the drafter's T_ssm on its device plus the link both ways.
+  were right), another token otherwise, and nothing with probability 1 − coverage. Draws are
+  hashes of (drafter, request, position, depth); a share ``correlation`` is shared by all
+  drafters. Its confidence is ``(1 − sharpness)·α_d + sharpness·[right]``. A call costs the
+  drafter's T_ssm on its device plus the link both ways (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -189,7 +183,7 @@ class SimTarget:
 
     async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None:
         """Every stage with a layer works at once on its device: stage 0 gets the layer's ids
-        from the router, stage s the hidden states stage s-1 produced last timestep over the
+        from the engine, stage s the hidden states stage s-1 produced last timestep over the
         stage link; the last stage's rows go back. Its logits are the oracle's next token at
         each row (PipeDec's last stage only ever scores the tree's root, which is on the path)."""
         await self.router.use(self.step_overhead_s + self.overhead_per_request_s)

@@ -46,7 +46,7 @@ SERVE_OVERRIDES: dict[str, dict[tuple[str, ...], Any]] = {
 }
 SERVE_CONFIG_OF_VARIANT = {
     # Where each variant's Serve app comes from: the RayService's own serveConfigV2, or (plain
-    # RayCluster) the file the README tells you to `serve deploy`.
+    # RayCluster) the file docs/deployment.md tells you to `serve deploy`.
     "rayservice": "k8s/rayservice/rayservice.yaml",
     "cpu-dev": "k8s/cpu-dev/rayservice.yaml",
     "raycluster": "k8s/serve_config.cluster.yaml",
