@@ -57,7 +57,7 @@ class DomainClassifier:
     centroids: torch.Tensor
     """[num_domains, hidden] unit centroids of the whitened, centred training embeddings."""
     min_similarity: float = 0.0
-    """Below this best cosine the prompt is ``other`` (the router then uses the global prior).
+    """Below this best cosine the prompt is ``other`` (routing then uses the global prior).
     Centring on the domain-balanced mean makes the best cosine almost never negative, so 0.0
     means "always a domain"; few real prompts score below 0.2."""
 

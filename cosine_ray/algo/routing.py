@@ -8,7 +8,7 @@ tokens. Paper notation → names here:
     x[n,i], c[n,i]  drafter n's token at draft position i, its confidence   ``drafted``, ``confidences``
     x_i, H(·)       the target's token, its input embedding (unit rows)    ``accepted``, ``unit_embeddings``
     d[n,i], m[n]    eq. 1 verification accuracy, eq. 2 routing score       ``verification_accuracy``, ``routing_score``
-    M_r, τ          request r's routing vector, eq. 3's threshold           ``ExpertiseRouter.scores(r)``, ``RoutingConfig.tau``
+    M_r, τ          request r's routing vector, eq. 3's threshold           ``RoutingVector`` (on the request), ``RoutingConfig.tau``
 
 ``accepted`` includes the bonus token. Where the paper is open or contradicts itself (the
 clamp, calibrated c, exploration as the mode with the larger random share, priors, the

@@ -255,11 +255,6 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
                      ignored=list(file.ignored) if file else [])
 
 
-def serve_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine config data ``cosine-ray serve`` would run (``--config`` plus flags)."""
-    return serve_plan(args).engine
-
-
 def local_cluster_cpus(data: dict[str, Any]) -> int:
     """Logical CPUs for a locally started cluster: every stage and drafter actor reserves
     ``num_cpus_per_actor`` and Serve's controller, proxy and replica need room too, so the

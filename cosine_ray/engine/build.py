@@ -59,8 +59,7 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
                   target_tokenizer: Any, config: EngineConfig) -> Drafter:
     dtype = getattr(torch, config.dtype)
     # NOTE(lead): the engine smooths n-gram counts (a continuation seen once gets confidence
-    # 1/2, not 1): with RouterConfig.min_tree_confidence this keeps one-off matches from
-    # filling the tree; a draft node costs ~1/7 of a decode step on CPU (DESIGN §8).
+    # 1/2, not 1): with the tree's confidence cut this keeps one-off matches from filling it.
     if spec.kind == "ngram":
         return NgramDrafter(NgramConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "retrieval":

@@ -188,7 +188,7 @@ class ClusterConfig:
     """Stages ask for the custom resource ``datacenter_gpu`` and drafters for
     ``consumer_gpu`` (advertise them with ``ray start --resources=...``)."""
     num_cpus_per_actor: float = 0.5
-    """Ray CPU reservation of each stage/drafter actor (the router reserves none)."""
+    """Ray CPU reservation of each stage/drafter actor (the engine replica reserves none)."""
     threads_per_actor: int = 1
     """torch intra-op threads inside each actor, so actors do not fight over cores."""
     stage_deadline_s: float = 60.0

@@ -2,25 +2,18 @@
 
 It measures the real in-process target (the same ``TargetWorker`` over ``LlamaStage`` slices
 that the engine runs) and the configured drafters, fits ``algo.latency_model.LatencyModel``
-and stores it as JSON under
-``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``
-(``profile_path``: each setup keeps its own profile; ``$COSINE_RAY_PROFILE_DIR`` replaces the
-directory, which the test suite uses to keep its profiles to itself).
+and stores it as JSON under ``profile_path``
+(``<cache>/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``; each
+setup keeps its own; ``$COSINE_RAY_PROFILE_DIR`` replaces the directory). Measured:
 
-What is measured:
+- **verify forwards** over a grid of batch sizes b, draft budgets γ (a chain of 1 + γ nodes
+  per request) and context lengths l, each the median of ``repeats`` timed runs over the
+  same committed KV;
+- **prefills** of one request of l tokens;
+- **drafters' ``propose``** over b and γ on repetitive contexts (the expensive case).
 
-- **verify forwards** over a grid of batch sizes b, draft budgets γ (a chain tree of 1 + γ
-  nodes per request) and context lengths l: per l, b_max requests are prefilled once (each
-  prefill is also a sample), then every (b, γ) runs ``warmup`` untimed and ``repeats`` timed
-  forwards over the same committed KV (the speculative level is dropped between runs, so the
-  context stays l); the sample is the median;
-- **prefills** of one request of l tokens (the cost a waiting request brings to a step);
-- **drafters' ``propose``** over b and γ on repetitive contexts (the drafters find matches
-  and fill their budgets: the expensive case), each repetition extending every context by
-  two tokens as a decode step would.
-
-Quick mode (what a server runs at first start) uses a 3 × 3 × 2 grid and 3 repetitions;
-the full mode a 5 × 5 × 4 grid and 5 repetitions.
+Quick mode (a server's first start) uses a 3 × 3 × 2 grid and 3 repetitions; the full mode
+a 5 × 5 × 4 grid and 5 repetitions.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class RequestStats:
     drafted_by: dict[str, int] = field(default_factory=dict)
     accepted_by: dict[str, int] = field(default_factory=dict)
     routed_to: dict[str, int] = field(default_factory=dict)
-    """Steps in which the router sent this request to each drafter (expertise routing)."""
+    """Steps in which routing sent this request to each drafter (expertise routing)."""
     num_routed_steps: int = 0
     """Steps in which the request was routed to drafters at all."""
     domain: str = "other"

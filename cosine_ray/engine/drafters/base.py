@@ -7,12 +7,12 @@ the context, each token with the drafter's confidence (its probability of that t
 ``observe`` tells it what the target accepted; ``release`` frees per-request state.
 
 ``continue_drafts`` is the step-by-step form CoSine's token fusion (eq. 4) drives: for each
-request the router gives the committed context and a few draft prefixes (the fused prefix,
+request the engine gives the committed context and a few draft prefixes (the fused prefix,
 and the drafter's own last token as a branch), and the drafter answers, per prefix, its most
 likely next tokens with their probabilities. One call per drafter per fusion round covers
 the whole batch. ``continue_chains`` answers several rounds ahead in one call, assuming the
 drafter's own tokens keep winning (a round trip to a drafter actor costs more than the
-lookups; the router calls again only where fusion's trunk leaves the chain).
+lookups; the engine calls again only where fusion's trunk leaves the chain).
 """
 
 from __future__ import annotations

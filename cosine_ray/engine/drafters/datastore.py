@@ -11,15 +11,9 @@ datastore holds text the target would write. On disk it is one Parquet file::
                      vocab_size, params}
 
 In memory, ``continuation_index(max_n)`` maps every n-gram (n = 1..max_n, never crossing a
-sequence boundary) to its continuation counts, sorted most frequent first.
-
-NOTE(datastore): a hash index of n-gram tuples rather than a suffix array. Datastores here
-are small (24 examples per domain ≈ 5 k tokens → ~20 k keys, a few MB, built in tens of
-ms), and the drafter probes it ~max_n times per draft token under a < 0.5 ms budget: a dict
-probe costs well under a microsecond, while a suffix-array probe is a binary search of
-Python-level comparisons plus a range scan to count continuations. The price is memory
-(~max_n keys per token, ~100-200 B each) and a bounded match length (max_n); past ~10^7
-tokens a numpy suffix array would be the better trade.
+sequence boundary) to its continuation counts, sorted most frequent first: a dict probe is
+well under a microsecond, which a drafter probing ~max_n times a token needs, at the price
+of memory (~max_n keys a token); past ~10^7 tokens a suffix array would be the better trade.
 """
 
 from __future__ import annotations

@@ -3,30 +3,17 @@
 For each request the drafter keeps an index of every n-gram of the context (n in
 ``[min_n, max_n]``) with the counts of the tokens that followed it. To draft, it takes the
 longest suffix of ``context ⊕ draft-so-far`` that occurred earlier and proposes that
-suffix's most frequent continuation, with confidence ``count / total`` (a conditional
-probability). The first level branches into up to ``max_branches`` distinct tokens.
-
-::
+suffix's most frequent continuation, with confidence ``count / total``::
 
     context:  a b c x  . . .  a b c y  . . .  a b c x  . . .  a b c
     index:    (a,b,c) → {x: 2, y: 1}       suffix (a,b,c) matched, n = 3
     paths:    [x, …] conf 2/3              [y, …] conf 1/3
 
-NOTE(ngram): paths grow by *re-lookup* after each appended token (an n-gram model over
-the context), not by copying the span after one earlier occurrence. Where the matched
-n-gram has a single continuation the two agree token for token (the extended suffix keeps
-matching the same occurrence); where the context disagrees with itself, re-lookup follows
-the majority continuation and its per-token confidence says how contested the position
-is, which copying cannot. Ties between equally frequent continuations go to the most
-recent one (recent text is the better predictor when a model repeats itself).
-
-The budget is spent best-first over all branches by cumulative confidence (the product
-along the path, TreeSelection's score), so the proposal is the set of ``max_draft_tokens``
-nodes with the highest expected acceptance among the greedy branches.
-
-Per-request state is incremental: each call indexes only the tokens appended since the
-last call (O(new tokens · (max_n - min_n + 1))). A context that is not an extension of the
-last one seen (shorter, or a different prefix) rebuilds the index.
+Paths grow by re-lookup after each appended token (an n-gram model over the context: where
+the context disagrees with itself, the confidence says how contested a position is; ties go
+to the most recent continuation). The first level branches into up to ``max_branches``
+tokens and the budget is spent best-first by cumulative confidence. The per-request index
+grows with each call's new tokens; a context that does not extend the last one rebuilds it.
 """
 
 from __future__ import annotations

@@ -5,20 +5,15 @@ found in the datastore's n-gram index gives the next token: its most frequent
 continuation, with confidence ``count / total`` over that suffix's occurrences. Paths are
 built greedily, re-matching the extended suffix after every token, and branch at the first
 level into up to ``max_branches`` distinct tokens; the budget is then spent best-first by
-cumulative confidence (``ngram.grow_paths``, shared with the context n-gram drafter).
-
-::
+cumulative confidence (``ngram.grow_paths``, shared with the context n-gram drafter)::
 
     datastore:  … for i in range ( n ) : …   … for i in range ( len ( …
     context:    … for i in range (            suffix "i in range (" matched (n = 4)
     paths:      [n, ), :] conf [1/2, 1, 1]   [len, (, …] conf [1/2, …]
 
-NOTE(retrieval): drafting stops where confidence drops below ``min_confidence`` or the
-match would be shorter than ``min_match``. On CPU a draft token that is rejected still
-costs a verify slot, and the measured traces (DESIGN §8: math retrieval 0.88×) show
-low-confidence retrieval drafts cost more than they win; unigram matches are noise.
-
-Stateless per request: nothing is kept between calls, so ``release`` is a no-op.
+Drafting stops where confidence drops below ``min_confidence`` or the match would be shorter
+than ``min_match``: a rejected draft token still costs a verify slot, and unigram matches are
+noise. Stateless per request: nothing is kept between calls, so ``release`` is a no-op.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ LEARNING_KINDS = ("suffix",)
 DOMAINS = ("code", "math", "instruction", "chat")
 DEFAULT_DRAFTERS = "ngram," + ",".join(f"retrieval:{d}" for d in DOMAINS)
 """CoSine's default speculation cluster: the context n-gram drafter and one retrieval
-drafter per domain (the expertise router learns which serves which request)."""
+drafter per domain (expertise routing learns which serves which request)."""
 LEARNING_DRAFTERS = "ngram," + ",".join(f"suffix:{d}" for d in DOMAINS)
 """The context n-gram drafter and one live suffix expert per domain: each is seeded from its
 domain's datastore and keeps learning from the requests of its domain the server finishes."""

@@ -1,39 +1,21 @@
 """Suffix drafter: model-free drafts from what this server has already generated.
 
-SuffixDecoding (Oliaro et al., arXiv 2411.04975) in our own form. Two indexes answer "what
-followed the end of this context before?":
+SuffixDecoding (Oliaro et al., arXiv 2411.04975) in our own form. Two ``SuffixIndex``es
+(``suffix_index``) answer "what followed the end of this context before?":
 
 - *local*: one per request, over its own context (prompt + verified output), grown with
-  each call's new tokens (a context that is not an extension of the last one rebuilds it);
+  each call's new tokens;
 - *global*: shared, over finished requests' outputs (``ingest``), FIFO-evicted by whole
   request beyond ``max_cached_requests`` / ``max_indexed_tokens``; seeded from shipped
   datastores (``from_datastore``) and kept across restarts as Parquet (``save``/``load``).
 
-Both are ``SuffixIndex``es (token buffer + k-gram hash chains, see ``suffix_index``). The
-paper's suffix-tree node for "the context's last L tokens" is the set of earlier positions
-those L tokens preceded; its children are their next tokens, counted::
-
-    context  … q a b c                    pattern = last max_depth tokens
-    pool     p1: ℓ=5 → x y z …            (position, match length ℓ, continuation window)
-             p2: ℓ=3 → x y w …            node(L=3) = {p1, p2, p3}: x 2/3, then y 2/2
-             p3: ℓ=3 → v …                node(L=5) = {p1}:         x 1/1, y 1/1, z 1/1
-    draft    from the best node: x (2/3) → y (1) → …   confidences = child / parent counts
-
-Paper mapping: every match length L in the pool is tried in each index (longest first); a
-draft from L is at most ``min(max_spec_tokens, ⌊L · max_spec_factor + max_spec_offset⌋)``
-tokens and stops where the cumulative probability (product of count ratios) falls below
-``min_token_prob``; its score is the sum of those cumulative probabilities (the expected
-number of accepted tokens); the best-scoring node of the local and global indexes wins
-(ties: the longer match, then local) and is the step's *anchor*; drafts walk down the
-implicit suffix tree below it (``suffix_tree``).
-
-*Peers* stand in for the paper's updating the global tree with every accepted token: the
-global index learns a request when it finishes, and until then its context lives in its
-local index. A request also looks for long matches (``key_lengths[-1]`` tokens or more) in
-the local indexes of up to ``max_peers`` other requests in flight with the same prompt, so
-two users sending the same question a few seconds apart share the first one's output while
-it is being written. (Any request in flight as a peer, gated by one 8-gram lookup each, cost
-15 µs a peer per request-step on our CPU, most of it on template text every prompt shares.)
+Every match length L in each index is tried (longest first); a draft from L is at most
+``min(max_spec_tokens, ⌊L · max_spec_factor + max_spec_offset⌋)`` tokens and stops where the
+cumulative probability falls below ``min_token_prob``; the best-scoring node (expected
+accepted tokens) of the two indexes is the step's *anchor*, and drafts walk the implicit
+suffix tree below it (``suffix_tree``). *Peers*: a request also looks for long matches in the
+local indexes of up to ``max_peers`` requests in flight with the same prompt, so identical
+questions sent seconds apart share the first one's output while it is being written.
 """
 
 from __future__ import annotations

@@ -2,47 +2,20 @@
 
 ``SuffixIndex`` holds token sequences back to back in one int32 buffer, a sentinel (-1)
 in front of each, and for every key length k in ``key_lengths`` a hash chain (zlib's
-head/prev arrays) linking each *continuation position* p (a token that followed a k-gram
-of its own sequence) to the previous position whose k tokens before it hash alike::
+head/prev arrays) linking each *continuation position* p to the previous position whose k
+tokens before it hash alike::
 
     buffer   [-1  a  b  c  x  -1  q  a  b  c  y]         -1 = sentinel before each sequence
-    pos        0  1  2  3  4   5  6  7  8  9  10
     k = 3:   head[h(a b c)] → 10 ──prev──→ 4 ──prev──→ -1      (continuations y, x)
-    query    tail "… q a b c": walk 10, 4; compare backwards from each:
-             p=10: c b a q equal, then -1 → ℓ = 4;   p=4: c b a equal, -1 ≠ q → ℓ = 3
-             "a b c" (L=3) → {10, 4}: y 1/2, x 1/2;  "q a b c" (L=4) → {10}: y 1/1
 
-``find_level(tail, level)`` walks the chain of the tail's last k tokens (most recent
-first, at most ``max_occurrences`` entries), then measures every candidate's exact match
-length ℓ (tokens equal going backwards, up to ``max_depth``) in one vectorised comparison.
-The positions with ℓ >= L are occurrences of the tail's last L tokens, and the counts of
-their next tokens are what a depth-capped suffix tree stores at that node (exactly, while a
-key has at most ``max_occurrences`` occurrences).
-
-NOTE(suffix): chosen by measurement (``benchmarks/suffix_drafter_cost.py --compare``,
-tracemalloc, 10^4 output tokens): a pure-Python suffix trie of depth 32 costs 7.8 KB per
-indexed token (8 GB at 10^6), the datastore's dict of n-gram tuples (n <= 8) 1.7 KB; this
-index costs 4 B per token for the buffer, 4 B per token per key length for ``prev`` and
-4 B per head slot (2-4 slots per token) per key length: 42 B per token at 10^6 tokens
-with three key lengths. Its arrays hold no Python objects, so it adds nothing to garbage
-collection passes (a trie of 10^7 dict nodes makes each full collection take seconds). A
-lookup is a chain walk of at most ``max_occurrences`` steps plus one vectorised comparison
-per key length, whatever the index size: ~0.2 ms per request-step at 10^5 and 10^6 tokens.
-A suffix array would give exact counts but must be rebuilt to add or evict a sequence.
-The price is recency-capped counts: a key with more than ``max_occurrences`` occurrences
-is counted over its most recent ones only, so short keys (frequent) see recent text and
-the longest key finds old long matches (rare keys, short chains).
-
-On disk (``write_snapshot``/``read_snapshot``) the sequences are one Parquet file: columns
-``token_ids`` (list<int32>) and ``num_context_tokens`` (int32), one row per sequence, oldest
-first, schema metadata ``cosine_ray.suffix_index`` → JSON ``{format_version, ...}``. The
-chains are rebuilt on load (0.3-0.7 M tokens/s on our CPUs), so the file does not depend
-on the index settings.
-
-Eviction is FIFO by whole sequence: the oldest sequences are dropped by moving
-``live_start`` past them (chain walks stop there: chains run newest to oldest), and the
-dead prefix is cut off by shifting every stored position once it outgrows a quarter of
-the live tokens (O(n) numpy, no re-hashing).
+``find_level(tail, level)`` walks the chain of the tail's last k tokens (most recent first,
+at most ``max_occurrences``), then measures each candidate's exact match length in one
+vectorised comparison: the counts of the next tokens are a depth-capped suffix tree's node
+(recency-capped for very frequent keys). The arrays hold no Python objects (~42 B a token
+with three key lengths). On disk (``write_snapshot``/``read_snapshot``) the sequences are one
+Parquet file (``token_ids``, ``num_context_tokens``; chains are rebuilt on load). Eviction
+is FIFO by whole sequence (``live_start`` moves past the oldest; the dead prefix is cut off
+with one shift once it outgrows a quarter of the live tokens).
 """
 
 from __future__ import annotations

@@ -1,33 +1,19 @@
-"""PEARL: drafting and verification of a step run at the same time (``step.pearl``).
+"""PEARL: drafting and verification of a step run at the same time (``experiments.pearl``).
 
-In a plain step the drafters draft, then the target verifies: each waits for the other
-(PEARL's "mutual waiting"). With PEARL every step makes one target call and one drafting
-call *concurrently*:
+In a plain step the drafters draft, then the target verifies. With PEARL every step makes one
+target call and one drafting call concurrently: the target verifies the tree the previous
+step drafted ahead for the request (or, with none, just the root), while the drafters draft
+from the optimistic context (the committed tokens plus the trunk being verified).
 
-- the target verifies the tree the **previous** step drafted ahead for the request (or,
-  when there is none, just the root: a plain one-token decode step);
-- meanwhile the drafters draft from the **optimistic** context: the committed tokens plus
-  the trunk of the tree being verified (its most likely path), as if all of it will be
-  accepted, with one token more of budget (their first token is their guess of the target's
-  next token after the trunk).
+- **post-verify**: when the whole trunk is accepted and the target's next token ``t`` starts
+  one of the ahead paths, the subtree under ``t`` is the next step's tree, already drafted;
+- **pre-verify**: otherwise the ahead drafts are dropped and the next step verifies only its
+  root while the drafters draft again. ``auto`` does that only while drafting measures at
+  least half as long as verification; where drafting is quicker (lookup drafters), a request
+  drafts first and verifies its tree, and still drafts ahead during that verification.
 
-When the verification comes back with the whole trunk accepted and the target's own next
-token ``t`` equal to the first token of one of the ahead paths, the subtree under ``t`` is
-the next step's tree, already drafted (PEARL's **post-verify**: drafting went on during
-verification; the draft length grows while the drafters keep being right). Otherwise the
-ahead drafts are dropped and the next step verifies only its root while the drafters draft
-again (PEARL's **pre-verify**: the target checks the first draft token while the rest is
-drafted, and a wrong first token costs no verification of the rest). ``pearl: auto`` does
-that only while drafting measures at least half as long as verification (moving averages of
-both calls); where drafting is quicker (lookup drafters in the engine process), a root-only step
-would spend a whole verification on one token, so such a request drafts first and verifies
-its tree, and still drafts ahead during that verification. So the draft length
-is adaptive by construction: it is ``γ`` (the scheduler's budget, priced by measured
-acceptance, eq. 8) per segment, and segments chain while the drafters keep agreeing with
-the target.
-
-Lossless: whatever tree a step verifies, acceptance is the same lossless rule
-(``engine.owners.verifier``); PEARL only changes which tree that is and when it was drafted.
+Segments of ``γ`` chain while the drafters keep agreeing with the target. Lossless: whatever
+tree a step verifies, acceptance is the same rule (``engine.owners.verifier``).
 """
 
 from __future__ import annotations
@@ -93,11 +79,8 @@ class PearlStats:
 EMA_WEIGHT = 0.2
 """Weight of the newest step in the drafting and verification times ``auto`` compares."""
 PRE_VERIFY_MIN_DRAFT_SHARE = 0.5
-"""``auto`` pre-verifies while drafting takes at least this share of a verification. At 1.0
-the simulated 70B testbed (drafting 5 tokens: 102 ms against a 110 ms verification) drafted
-first and lost 13 % against pre-verifying (docs/measurements.md, "Pipeline modes: PEARL");
-lookup drafters take well under 1 % of a verification, so any share between keeps them
-drafting first."""
+"""``auto`` pre-verifies while drafting takes at least this share of a verification (lookup
+drafters take well under 1 %, so they draft first; docs/history/2026-11-25-pearl.md)."""
 
 
 class Pearl:

@@ -1,31 +1,19 @@
 """PipeDec's timestep loop for a request that runs alone (arXiv 2504.04104; ``--pipeline-mode pipedec``).
 
-With S pipeline stages and one request, plain pipelining keeps one stage busy at a time.
-PipeDec keeps all of them busy on one *dynamic prediction tree*: every timestep
+With S stages and one request, plain pipelining keeps one stage busy at a time. PipeDec keeps
+all of them busy on one *dynamic prediction tree*: every timestep stage 0 embeds the tree's
+newest layer and stage s works on the layer stage s-1 finished (``PipelineTarget.timestep``),
+while the drafters add the next layer (``width`` children of the frontier by cumulative
+confidence). The last stage's output is the root's logits: the target's own next token y is
+committed; if the root has a child y (**hit**) the tree is pruned to its subtree, else
+(**miss**) it restarts from y. Each stage's speculative KV level holds the nodes it processed
+(``KVCache.extend``); a prune keeps the survivors and commits old roots (``LayerItem.keep``);
+the engine's block table covers every stage's level for the session.
 
-- stage 0 embeds the tree's newest layer and stage s works on the layer stage s-1 finished
-  in the previous timestep (``PipelineTarget.timestep``: one call per stage, all at once);
-- meanwhile the drafters add the next layer: each frontier node's context goes to the
-  request's routed drafters (``continue_drafts``, k = width), and the ``width`` children
-  with the highest cumulative confidence are kept;
-- the last stage's output is the current root's logits: the target's own next token y
-  (argmax, or the keyed sample of ``Verifier``) is committed. If the root has a child y
-  (**hit**), the tree is pruned to that child's subtree and the child, one stage behind,
-  is next; else (**miss**) the tree restarts from y alone.
-
-So every hit costs one stage's time, not the whole pipeline's, and a miss costs a refill.
-The two-level KV cache keeps the tree's keys and values on every stage between timesteps:
-each stage's speculative level holds the tree nodes it has processed (``KVCache.extend``);
-a prune keeps the survivors and moves the committed old root to the committed level
-(``KVCache.keep``), sent with the stage's next layer (``LayerItem.keep``).
-
-Lossless by construction: a token is committed only as the target's own choice at the root,
-computed over committed tokens and the root's ancestors, which are exactly the text.
-
-The engine runs a request here while it is the only one in the pool (nothing running
-beside it and nothing waiting); when another arrives the session *leaves*: every stage drops
-its tree level (keeping what was committed), and the request goes on in lanes mode with
-speculation trees. See docs/algorithms.md, "PipeDec".
+Lossless by construction: a token is committed only as the target's own choice at the root.
+The engine runs a request here while it is alone in the pool; when another arrives the
+session *leaves* (every stage keeps what was committed) and the request goes on in lanes.
+See docs/algorithms.md, "PipeDec".
 """
 
 from __future__ import annotations
@@ -192,8 +180,8 @@ class PipeDecSession:
 class ModeGuard:
     """For a request alone in the pool: PipeDec or lanes, whichever commits tokens faster on
     this deployment. PipeDec pays with many stages and a drafter whose layers catch the
-    target's token; with two stages on a CPU it does not (docs/measurements.md, "Pipeline
-    modes"), and no formula knows which case a deployment is in. So the guard measures: it
+    target's token; with two stages on a CPU it does not (docs/history/2026-11-25-pipedec.md),
+    and no formula knows which case a deployment is in. So the guard measures: it
     runs each mode for ``window_tokens`` tokens (PipeDec first), keeps the faster one, and
     every ``reprobe_tokens`` tokens runs the other for one window again (a request's text,
     the drafters' accuracy and the machine's load change). Rates are tokens per second of wall

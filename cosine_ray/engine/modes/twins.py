@@ -1,34 +1,19 @@
 """Twins: identical greedy requests in flight draft from each other instead of racing.
 
-Many users asking the same question send the same prompt; a client retries a request that
-timed out; an agent re-runs a step. With greedy decoding the target writes the same text for
-each of them, so the request that is ahead (the *leader*) has already written what the others
-(its *followers*) are about to verify. Two rules follow, applied by the scheduler each step:
+With greedy decoding the target writes the same text for requests with the same prompt, so
+the one ahead (the *leader*) has already written what the others (its *followers*) are about
+to verify. Applied by the scheduler each step:
 
-- **a follower takes its leader's text as its draft**: the tokens the leader wrote beyond the
-  follower's output, up to its draft budget, as one chain owned by ``twin`` (calibrated like
-  every drafter's nodes; in fp32 it is accepted whole). The follower is not routed to the
-  drafters that step: their work would be spent on a tree already known;
-- **a follower waits while its leader is less than a whole tree ahead** (fewer than its
-  budget + 1 tokens, the most one step can commit): run now, it would verify only what the
-  leader wrote since its last step (its suffix peers draft the same), take a row of the batch,
-  and then compute the leader's next tokens a second time. Held back, it commits budget + 1
-  tokens a step and finishes right after its leader.
+- **a follower takes its leader's text as its draft** (the tokens beyond its output, up to its
+  budget, as one chain owned by ``twin``) and is not routed to the drafters that step;
+- **a follower waits while its leader is less than a whole tree ahead** (fewer than budget +
+  1 tokens): held back, it commits budget + 1 tokens a step and finishes right after it.
 
-Who leads: among requests with the same prompt (compared token for token), the one with the
-longest output, the earlier admitted on a tie; a follower follows the most advanced request
-whose output starts with its own, so a request whose text left the others' (another
-precision path's near-tie, or different stop tokens) is nobody's follower. The first in that
-order is never held, so the group always advances. A leader that finished (or was aborted)
-still lends its text to the followers that remain, until none does; a follower is not held
-behind a leader that has not advanced for ``max_stall_s`` (a leader stuck in a stage's
-recovery does not stop it). The stall is measured in time, not in scheduling calls: with
-pipeline lanes a follower may sit in another lane than its leader, and its lane's loop asks
-again every millisecond while the leader's step runs. Sampled requests are never twins
-(their texts differ by design).
-
-Lossless as ever: the target verifies every token a follower commits. Measured on the
-template workload (``docs/measurements.md``).
+Who leads: among requests with the same prompt, the one with the longest output (the earlier
+admitted on a tie); a follower follows the most advanced request whose output starts with its
+own. The first is never held, so the group advances; a finished leader still lends its text;
+a leader that has not advanced for ``max_stall_s`` holds nobody. Sampled requests are never
+twins. Lossless as ever: the target verifies every token a follower commits.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ budget (decodes and trees first, then prompt chunks), decide the batch (the LP o
 ``BatchPolicy``), reserve each chosen request's KV (preempting the request that arrived last
 when it does not fit), record, price the trees (λ of eq. 8 over the guard's level, the drain
 weights, no drafting that cannot pay) and reserve their slots. Whether trees are priced is a
-rule chosen at start (``TreePricing`` or ``FixedBudgets``). docs/scheduling.md explains each job.
+rule chosen at start (``TreePricing`` or ``FixedBudgets``); docs/scheduling.md explains each job.
 
 NOTE(scheduler): the paper's order — batch assignment before drafting (Algorithm 2) — needs
 gains before the trees exist; the last tree's curve predicts them. Only the batch decision

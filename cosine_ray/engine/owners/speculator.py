@@ -108,14 +108,8 @@ class TreePolicy(Protocol):
 
 class PricedSelection:
     """The LP's γ_i: each node pays its marginal verify time at this step or is left out (eq. 8),
-    among the nodes at or above the floor ``cut``.
-
-    NOTE(selection): a floor of 0.25 (first come's cut) instead of 0.02 was measured, because
-    at c=8 on our CPU the price verified nodes down to 0.11 while the fit priced a token 20-30 %
-    below what the steps measured. The cause was the price, so the price was fixed: nodes are
-    priced at the token slope their batch size's tree steps measure (``CostModel.token_slope``).
-    With it, the floor of 0.25 gained nothing at c=8 and cost at c=1, where long shots pay
-    (docs/measurements.md)."""
+    among the nodes at or above the floor ``cut`` (nodes are priced at the token slope their
+    batch size's tree steps measure, ``CostModel.token_slope``)."""
 
     def __init__(self, cut: float = FUSION_MIN_CUMULATIVE) -> None:
         self.cut = cut

@@ -177,7 +177,7 @@ def apply_commits(cache: KVCache, items: Sequence[ScoreItem], commits: Sequence[
         length = cache.committed_length(it.request_id)
         if length != it.start_position:
             raise ValueError(f"request {it.request_id!r}: stage holds {length} committed tokens, "
-                             f"router expects {it.start_position}")
+                             f"the engine expects {it.start_position}")
 
 
 @dataclass(frozen=True, slots=True)

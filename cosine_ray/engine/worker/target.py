@@ -2,7 +2,7 @@
 
 ``TargetWorker`` owns one or more consecutive ``LlamaStage`` slices and their KV caches
 (the single-process engine runs every slice here; the Ray runtime gives each slice its
-own actor and chains the hidden states). The router talks to it through ``TargetClient``.
+own actor and chains the hidden states). The engine talks to it through ``TargetClient``.
 
 What a step sends and gets back (``ScoreItem``, ``ScoreOutput``, ``KVCommit``) is in
 ``engine.worker.scoring``.
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class TargetUnavailable(RuntimeError):
-    """A stage died, hung past its deadline or lost its KV: the router re-prefills."""
+    """A stage died, hung past its deadline or lost its KV: the engine re-prefills."""
 
 
 class PipelineTarget(Protocol):
