@@ -66,7 +66,7 @@ def _seeded() -> None:
 # ---- tiny checkpoints ------------------------------------------------------------------------
 
 def _write_tiny(path, **kwargs):
-    from tiny_checkpoint import write_tiny_checkpoint
+    from support.tiny_checkpoint import write_tiny_checkpoint
     defaults = dict(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
                     vocab_size=TINY_VOCAB, init_std=0.2)
     return write_tiny_checkpoint(path, **{**defaults, **kwargs})

@@ -24,8 +24,8 @@ from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
-from fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafter, GarbageDrafter, HangingDrafter,  # noqa: E402
-                   OracleDrafter, RaisingDrafter, TableTarget)
+from support.fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafter, GarbageDrafter,  # noqa: E402
+                           HangingDrafter, OracleDrafter, RaisingDrafter, TableTarget)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pearl import Pearl, after_token, trunk_tokens
 from cosine_ray.engine.types import Drafted, Verified
 from cosine_ray.engine.request import Request, SamplingParams
-from hf_reference import hf_greedy
+from support.hf_reference import hf_greedy
 
 MAX_TOKENS = 30
 

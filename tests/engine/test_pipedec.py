@@ -21,7 +21,7 @@ from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDecSession
 from cosine_ray.engine.request import Request, SamplingParams
-from hf_reference import hf_greedy
+from support.hf_reference import hf_greedy
 
 MAX_TOKENS = 30
 

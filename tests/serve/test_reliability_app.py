@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 from starlette.testclient import TestClient
-from tiny_checkpoint import write_tiny_checkpoint
-from uvicorn_thread import serve_in_thread
+from support.tiny_checkpoint import write_tiny_checkpoint
+from support.uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
