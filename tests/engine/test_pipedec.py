@@ -257,6 +257,7 @@ def test_real_model_pipedec_equals_hf_greedy(real_checkpoint, real_hf_model):
     assert sum(o.stats.pipedec_hits for o in outs) > 0
 
 
+@pytest.mark.full  # a statistical sweep
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 3, 1.0), (0.7, 4, 0.9)])
 def test_sampled_sequences_follow_the_target_distribution(tiny_checkpoint, temperature, top_k, top_p):
     """PipeDec's sampling against the exact (filtered) target distribution, chi-square: many

@@ -35,7 +35,7 @@ from support.engine_app import deploy, engine_call, engine_handle, engine_replic
 from support.hf_reference import hf_greedy  # noqa: E402
 from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
 MAX_TOKENS = 40
 LONG_MAX_TOKENS = 300

@@ -28,6 +28,8 @@ from cosine_ray.serve.errors import EngineUnavailable
 from cosine_ray.serve.generation import TextStream
 from cosine_ray.serve.openai_app import build_openai_app
 
+pytestmark = pytest.mark.real_model  # the embedded SmolLM2's tokenizer
+
 MODEL = "tiny-smollm2"
 CHAT_TEXT = "Write a haiku about the sea."
 COMPLETION_TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox"

@@ -30,6 +30,8 @@ from cosine_ray.serve.errors import OVERLOADED_CODE
 from cosine_ray.serve.metrics_http import METRICS_PATH
 from cosine_ray.serve.openai_app import PUBLIC_PATHS, build_openai_app
 
+pytestmark = pytest.mark.real_model  # the embedded SmolLM2's tokenizer
+
 API_KEY = "k3y-0123456789abcdef"
 COMP = "/v1/completions"
 ERROR_KEYS = {"message", "type", "param", "code"}

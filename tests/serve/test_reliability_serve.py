@@ -63,7 +63,7 @@ from support.engine_app import (APP_NAME, engine_actor, engine_call, engine_hand
                                 engine_replicas, force_cleanup, wait_gone)
 from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
 API_KEY = "reliability-" + uuid.uuid4().hex
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
