@@ -370,6 +370,7 @@ class RandomTreeDrafter(FakeDrafter):
         return DraftProposal(item.request_id, paths, [[0.5] * len(p) for p in paths])
 
 
+@pytest.mark.full  # a statistical sweep
 @pytest.mark.parametrize("temperature, top_k, top_p, pearl", [(1.0, 0, 1.0, "off"), (0.7, 3, 0.9, "off"),
                                                                (1.0, 0, 1.0, "on"), (0.7, 3, 0.9, "on")])
 def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, top_p, pearl):
