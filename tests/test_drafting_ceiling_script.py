@@ -142,6 +142,7 @@ def test_routes_choose_the_experts_they_name():
         ceiling.choose(names, "best", "code", rng)
 
 
+@pytest.mark.full  # the script in a subprocess, once per case
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "learning/best"], "drafting_ceiling: --policies: a policy is DRAFTERS/ROUTE with ROUTE one of"),
     (["--policies", "nonsense/all"], "drafting_ceiling: --policies: "),

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full  # a benchmark script in a subprocess
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_profile.py"
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full  # a benchmark script in a subprocess
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_forward.py"
 
 
-@pytest.mark.full  # a benchmark script end to end, in a subprocess
 def test_shapes_mode_prints_every_cell():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--shapes", "tiny", "--batches", "1,3", "--tokens", "1,4",
                            "--reps", "2", "--context", "16"], capture_output=True, text=True, timeout=300)
