@@ -54,10 +54,15 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
     """``--device`` and ``--dtype`` (``defaults=False``: absent flags stay None, so a config
     file's values stand)."""
     from cosine_ray.models.device import DTYPES
+    from cosine_ray.models.native import WEIGHTS_MODES
     p.add_argument("--device", default="cpu" if defaults else None,
                    help="cpu, cuda or cuda:N: where the target and model drafters run (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32" if defaults else None,
                    help="weights and activations (default float32; the half types pay on CUDA)")
+    p.add_argument("--weights", choices=WEIGHTS_MODES, default="auto" if defaults else None,
+                   help="native: a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept quantized (int4 kernels, bf16 "
+                        "activations); dense: its dequantized weights in --dtype; auto (default): native "
+                        "for GGUF models on CPU and for bf16/fp16 on CUDA, dense otherwise")
     p.add_argument("--kv-cache-memory", default=None,
                    help="bytes of each stage's paged KV pool, e.g. 2GiB (default: 90%% of free GPU memory "
                         "on CUDA; on CPU the pool grows as needed)")
@@ -111,7 +116,7 @@ def engine_config_from_args(args: argparse.Namespace, *, batch_size: int = 8):
     try:
         return EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
                             num_stages=args.stages, num_threads=args.threads, device=args.device,
-                            dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                            dtype=args.dtype, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
                             runner=runner_from_args(args),
                             step=StepConfig(max_batch_size=batch_size, **cosine_step_overrides(args)))
     except ValueError as exc:

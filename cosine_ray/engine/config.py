@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
+from cosine_ray.models.native import check_weights_mode
 
 
 DRAFTER_KINDS = ("none", "ngram", "retrieval", "suffix", "model", "self")
@@ -264,6 +265,10 @@ class EngineConfig:
     step: StepConfig = field(default_factory=StepConfig)
     dtype: str = "float32"
     """float32 | bfloat16 | float16 (the half types pay on CUDA; on CPU they run, slowly)."""
+    weights: str = "auto"
+    """dense | native | auto (``models.native``): native keeps a GGUF model's Q4_0/Q4_1/Q8_0
+    blocks quantized (int4 weight-only kernels, bf16 activations in the projections); auto
+    picks native for GGUF models except fp32 on CUDA."""
     device: str = "cpu"
     """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""
     num_threads: int | None = None
@@ -299,6 +304,7 @@ class EngineConfig:
             raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
         check_dtype_name(self.dtype)
         check_device_name(self.device)
+        check_weights_mode(self.weights)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
