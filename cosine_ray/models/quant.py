@@ -63,15 +63,16 @@ class QuantTensor:
         return QuantTensor(parts[0].fmt, torch.cat([p.blocks for p in parts]), parts[0].cols)
 
     def _fields(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(d, m or None, codes): d, m  # [rows, groups] fp32; codes  # [rows, cols] int16."""
+        """(d, m or None, codes): d, m  # [rows, groups] fp32; codes  # [rows, cols] uint8 for
+        the 4-bit formats (0..15), int8 for Q8_0."""
         rows, groups = self.blocks.shape[0], self.cols // GROUP
         b = self.blocks.view(rows, groups, FORMATS[self.fmt])
         d = b[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
         if self.fmt == "Q8_0":
-            return d, None, b[..., 2:].contiguous().view(torch.int8).to(torch.int16).reshape(rows, self.cols)
+            return d, None, b[..., 2:].contiguous().view(torch.int8).reshape(rows, self.cols)
         first = 4 if self.fmt == "Q4_1" else 2
         m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if self.fmt == "Q4_1" else None
-        qs = b[..., first:].to(torch.int16)  # [rows, groups, 16]: element j low nibble, j + 16 high
+        qs = b[..., first:]  # [rows, groups, 16]: element j in the low nibble, j + 16 in the high one
         codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(rows, self.cols)
         return d, m, codes
 
@@ -93,8 +94,8 @@ class QuantTensor:
             return codes.int(), d, torch.zeros_like(d)
         if self.fmt == "Q4_1":
             return codes.int(), d, m + 8 * d
-        high, low = codes >> 4, codes & 15  # q = 16 h + l, h in -8..7, l in 0..15
-        u = torch.cat([high + 8, low], dim=1).int()
+        high, low = (codes >> 4) + 8, codes & 15  # q = 16 h + l, h in -8..7, l in 0..15
+        u = torch.cat([high, low], dim=1).int()
         return u, torch.cat([16 * d, d], dim=1), torch.cat([torch.zeros_like(d), 8 * d], dim=1)
 
 
