@@ -79,12 +79,15 @@ class QuantTensor:
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols], computed as the GGUF reference does (d q + m, d (q - 8), d q)."""
         d, m, codes = self._fields()
-        d = d.repeat_interleave(GROUP, 1)
+        rows, groups = d.shape
+        q = codes.view(rows, groups, GROUP).float()  # [rows, groups, 32]
         if self.fmt == "Q4_1":
-            return d * codes.float() + m.repeat_interleave(GROUP, 1)
-        if self.fmt == "Q4_0":
-            return d * (codes.float() - 8)
-        return d * codes.float()
+            w = d[..., None] * q + m[..., None]
+        elif self.fmt == "Q4_0":
+            w = d[..., None] * (q - 8)
+        else:
+            w = d[..., None] * q
+        return w.view(rows, self.cols)
 
     def int4_affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u, s, z): u  # [rows, K'] int32 codes 0..15; s, z  # [rows, K' / 32] fp32, with
