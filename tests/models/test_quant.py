@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.native import NATIVE_FILE, _read_native_file, resolve_weights, write_native_file
-from cosine_ray.models.quant import (FORMATS, QuantLinear, QuantTensor, _unpermute_rows, as_dense, gguf_weights,
+from cosine_ray.models.quant import (FORMATS, _cuda_inner_k_tiles, QuantLinear, QuantTensor, _unpermute_rows, as_dense, gguf_weights,
                                      hf_name, pack_int4_for_cuda)
 
 FMTS = sorted(FORMATS)
@@ -73,6 +73,9 @@ def test_cuda_packing_puts_the_even_column_in_the_high_nibble():
     u = torch.tensor([[1, 2, 15, 0], [7, 8, 3, 4]], dtype=torch.int32)
     packed = pack_int4_for_cuda(u)
     assert packed.dtype == torch.uint8 and packed.tolist() == [[0x12, 0xF0], [0x78, 0x34]]
+    assert _cuda_inner_k_tiles(576) == 4 and _cuda_inner_k_tiles(1152) == 8 and _cuda_inner_k_tiles(96) == 2
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _cuda_inner_k_tiles(48)
 
 
 def test_names_and_the_llama_row_permutation():
