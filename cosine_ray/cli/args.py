@@ -54,10 +54,16 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
     """``--device`` and ``--dtype`` (``defaults=False``: absent flags stay None, so a config
     file's values stand)."""
     from cosine_ray.models.device import DTYPES
+    from cosine_ray.models.native import WEIGHTS_MODES
     p.add_argument("--device", default="cpu" if defaults else None,
                    help="cpu, cuda or cuda:N: where the target and model drafters run (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32" if defaults else None,
                    help="weights and activations (default float32; the half types pay on CUDA)")
+    p.add_argument("--weights", choices=WEIGHTS_MODES, default="dense" if defaults else None,
+                   help="dense (default): a GGUF model's weights dequantized to --dtype (fp32 output is "
+                        "identical to HF transformers); native: its Q4_0/Q4_1/Q8_0 blocks kept quantized "
+                        "(int4 kernels, bf16 activations: faster, identical to our own decode on that path); "
+                        "auto: native for GGUF models except fp32 on CUDA")
     p.add_argument("--kv-cache-memory", default=None,
                    help="bytes of each stage's paged KV pool, e.g. 2GiB (default: 90%% of free GPU memory "
                         "on CUDA; on CPU the pool grows as needed)")
@@ -131,7 +137,7 @@ def engine_config_from_args(args: argparse.Namespace, *, batch_size: int | None 
     check_local_device(args.device)
     try:
         config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters), num_stages=args.stages,
-                              num_threads=args.threads, device=args.device, dtype=args.dtype,
+                              num_threads=args.threads, device=args.device, dtype=args.dtype, weights=args.weights,
                               kv_cache_memory=args.kv_cache_memory,
                               **{"max_num_seqs": batch_size, **batching_overrides(args)})  # flags win
         return config.replace(runner=runner_from_args(args), **cosine_step_overrides(args))

@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     work = [(s, c) for s in systems if not s.is_hf for c in concurrencies]
     for rnd, (system, c) in round_order(work, args.rounds, args.seed):
         config = config_from_dict({"model": args.model, "drafters": system.drafters,
-                                   "device": args.device, "dtype": args.dtype,
+                                   "device": args.device, "dtype": args.dtype, "weights": args.weights,
                                    "kv_cache_memory": args.kv_cache_memory,
                                    "runner": runner_from_args(args),
                                    "step": {"max_num_seqs": max(c, 8),

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters),
                               num_stages=args.stages, num_threads=args.threads, device=args.device,
-                              dtype=args.dtype, kv_cache_memory=args.kv_cache_memory).replace(
+                              dtype=args.dtype, weights=args.weights, kv_cache_memory=args.kv_cache_memory).replace(
             runner=runner_from_args(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -166,6 +166,7 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
     data = dict(file.engine) if file is not None else {"num_stages": DEFAULT_NUM_STAGES}
     for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
                       ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
+                      ("weights", getattr(args, "weights", None)),
                       ("kv_cache_memory", getattr(args, "kv_cache_memory", None)),
                       ("num_speculative_tokens", args.num_speculative_tokens),
                       *batching_overrides(args).items()):

@@ -24,6 +24,7 @@ from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
+from cosine_ray.models.native import load_weights
 
 PACKAGED_DATASTORES = Path(__file__).resolve().parent.parent / "data" / "datastores"
 
@@ -78,7 +79,8 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
         elif ckpt.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"drafter {spec.name!r} has vocabulary {ckpt.config.vocab_size}, the target "
                              f"{target.config.vocab_size}; drafters must share the target's tokenizer")
-        return ModelDrafter(LlamaStage(ckpt.config, ckpt.load_state_dict(), dtype=dtype, device=config.device),
+        weights = load_weights(ckpt, config.weights, device=config.device, dtype=config.dtype)
+        return ModelDrafter(LlamaStage(ckpt.config, weights, dtype=dtype, device=config.device),
                             name=spec.name, runner=config.runner)
     raise ValueError(f"unknown drafter kind {spec.kind!r}")
 
@@ -87,7 +89,8 @@ def build_stage(config: EngineConfig, stage_index: int) -> LlamaStage:
     """Pipeline stage ``stage_index`` of ``config.num_stages``, built where it will run."""
     checkpoint = resolve_checkpoint(config.model)
     a, b = stage_slices(checkpoint.config.num_layers, config.num_stages)[stage_index]
-    return LlamaStage(checkpoint.config, checkpoint.load_state_dict(), a, b,
+    weights = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
+    return LlamaStage(checkpoint.config, weights, a, b,
                       dtype=getattr(torch, config.dtype), device=config.device)
 
 
@@ -117,7 +120,8 @@ def make_drafter_worker(spec: DrafterSpec, config: EngineConfig) -> DrafterWorke
     checkpoint = resolve_checkpoint(config.model)
     needs_model = spec.kind in ("self", "model")
     return DrafterWorker(build_drafter(
-        spec, target=checkpoint, target_state=checkpoint.load_state_dict() if spec.kind == "self" else {},
+        spec, target=checkpoint, target_state=load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
+        if spec.kind == "self" else {},
         target_tokenizer=checkpoint.load_tokenizer() if needs_model and checkpoint.has_tokenizer else None,
         config=config))
 

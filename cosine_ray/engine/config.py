@@ -10,6 +10,7 @@ from typing import Any
 from cosine_ray.engine.drafters.spec import (DEFAULT_DRAFTERS, DRAFTER_KINDS, DrafterSpec,  # noqa: F401 (re-exported)
                                             parse_drafters)
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
+from cosine_ray.models.native import check_weights_mode
 
 
 CPU_MAX_NUM_SEQS = 8
@@ -230,6 +231,12 @@ class EngineConfig:
     """Speculation sources; () = plain decoding."""
     num_stages: int = 1
     """Contiguous layer slices of the target (pipeline stages)."""
+    weights: str = "dense"
+    """How a GGUF model's weights are held (``models.native``): dense (dequantized to ``dtype``:
+    fp32 output is identical to Hugging Face transformers) | native (its Q4_0/Q4_1/Q8_0 blocks
+    kept quantized, int4 weight-only kernels with bf16 activations in the projections: faster,
+    lossless against our own decode on that path, not against HF fp32) | auto (native for GGUF
+    models except fp32 on CUDA)."""
     device: str = "cpu"
     """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""
     dtype: str = "float32"
@@ -277,6 +284,7 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         check_dtype_name(self.dtype)
         check_device_name(self.device)
+        check_weights_mode(self.weights)
 
     @property
     def step(self) -> StepConfig:

@@ -7,6 +7,8 @@ from typing import Any, AsyncIterator, Sequence
 
 import torch
 
+from cosine_ray.models.native import load_weights
+from cosine_ray.models.quant import as_dense
 from cosine_ray.engine.build import build_drafter, build_target_stages, eos_token_ids, step_config_for
 from cosine_ray.engine.components import EMBEDDING_KEY, cosine_components
 from cosine_ray.engine.config import EngineConfig
@@ -28,7 +30,7 @@ class LocalEngine:
         self.config = config
         self.checkpoint = checkpoint or resolve_checkpoint(config.model)
         self.tokenizer = self.checkpoint.load_tokenizer() if self.checkpoint.has_tokenizer else None
-        state = self.checkpoint.load_state_dict()
+        state = load_weights(self.checkpoint, config.weights, device=config.device, dtype=config.dtype)
         dtype = getattr(torch, config.dtype)
         self.target = TargetWorker(build_target_stages(self.checkpoint, state, config.num_stages,
                                                        dtype=dtype, device=config.device),
@@ -45,7 +47,7 @@ class LocalEngine:
                                eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),
                                kv_num_blocks=self.target.kv_capacity(),
                                kv_fill=kv_cache_fills(config),
-                               **cosine_components(config, self.checkpoint, state[EMBEDDING_KEY]))
+                               **cosine_components(config, self.checkpoint, as_dense(state[EMBEDDING_KEY])))
         self.loop = EngineLoop(self.core)
 
     def eos_token_ids(self) -> tuple[int, ...]:

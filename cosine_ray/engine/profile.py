@@ -33,6 +33,7 @@ import torch
 
 from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
+from cosine_ray.models.native import load_weights
 from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
@@ -76,7 +77,7 @@ def drafter_set_digest(config: EngineConfig) -> str:
 
 
 def profile_path(config: EngineConfig) -> Path:
-    """``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>[-k<kernel>].json``.
+    """``cache_root()/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>[-k<kernel>][-w<weights>].json``.
 
     Everything the measured costs depend on is in the name, so different setups keep their
     own profile instead of overwriting each other's (``cosine-ray serve`` and ``serve run`` of
@@ -90,6 +91,7 @@ def profile_path(config: EngineConfig) -> Path:
     spec = str(config.model)
     kernel = projection_kernel(config.device)
     kernel = f"-k{kernel}" if kernel != "default" else ""
+    kernel += f"-w{config.weights}" if config.weights != "dense" else ""  # quantized steps cost less
     name = Path(spec).name or spec
     if name != spec:
         name = f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
@@ -192,7 +194,7 @@ def run_profile(config: EngineConfig, *, quick: bool) -> LatencyModel:
         torch.set_num_threads(config.num_threads)
     grid = ProfileGrid.for_mode(quick)
     checkpoint = resolve_checkpoint(config.model)
-    state = checkpoint.load_state_dict()
+    state = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
     dtype = getattr(torch, config.dtype)
     worker = TargetWorker(build_target_stages(checkpoint, state, config.num_stages, dtype=dtype,
                                               device=config.device), kv_cache_memory=config.kv_cache_memory,

@@ -29,6 +29,7 @@ from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.attention import (PaddedInputs, attend, attend_padded, eager_attention, padded_plan,
                                          plan_attention, query_bucket)
 from cosine_ray.models.kv_cache import KVCache
+from cosine_ray.models.quant import QuantEmbedding, QuantLinear, QuantTensor, is_quantized
 
 
 @dataclass(slots=True)
@@ -206,11 +207,11 @@ class _Linear:
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: _Linear  # [hidden] -> [(num_heads + 2 * num_kv_heads) * head_dim]
-    o: _Linear
+    qkv: "_Linear | QuantLinear"  # [hidden] -> [(num_heads + 2 * num_kv_heads) * head_dim]
+    o: "_Linear | QuantLinear"
     post_norm: torch.Tensor
-    gate_up: _Linear  # [hidden] -> [2 * intermediate]
-    down: _Linear
+    gate_up: "_Linear | QuantLinear"  # [hidden] -> [2 * intermediate]
+    down: "_Linear | QuantLinear"
 
 
 class LlamaStage:
@@ -228,12 +229,31 @@ class LlamaStage:
         self.dtype, self.device = dtype, torch.device(device)
 
         def get(name: str) -> torch.Tensor:
-            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+            value = state_dict[name]
+            if is_quantized(value):  # a norm or bias never is; a matrix asked for densely
+                value = value.dequantize()
+            return value.to(device=self.device, dtype=dtype).contiguous()
 
         def get_optional(name: str) -> torch.Tensor | None:
             return get(name) if name in state_dict else None
 
-        self.embed_weight = get("model.embed_tokens.weight") if self.is_first else None
+        def linear(names: Sequence[str], bias: torch.Tensor | None = None) -> "_Linear | QuantLinear":
+            """One projection over the rows of ``names`` stacked: kept quantized where they all
+            are, in one GGUF format (``models.quant``), dense otherwise."""
+            parts = [state_dict[n] for n in names]
+            if all(is_quantized(p) for p in parts) and len({p.fmt for p in parts}) == 1:
+                return QuantLinear(QuantTensor.cat(parts), dtype=dtype, device=self.device, bias=bias)
+            return _Linear(torch.cat([get(n) for n in names]), bias)
+
+        embed_name = "model.embed_tokens.weight"
+        self.embed_weight: torch.Tensor | None = None
+        self.embed_quant: QuantEmbedding | None = None
+        """The input embedding: a dense matrix, or GGUF rows dequantized per lookup."""
+        if self.is_first:
+            if is_quantized(state_dict[embed_name]):
+                self.embed_quant = QuantEmbedding(state_dict[embed_name], dtype=dtype, device=self.device)
+            else:
+                self.embed_weight = get(embed_name)
         self.layers: list[_Layer] = []
         for i in range(layer_start, layer_end):
             p = f"model.layers.{i}."
@@ -245,21 +265,21 @@ class LlamaStage:
                 down_bias = get(f"{p}mlp.down_proj.bias")
             self.layers.append(_Layer(
                 input_norm=get(f"{p}input_layernorm.weight"),
-                qkv=_Linear(torch.cat([get(f"{a}.weight") for a in attn]), qkv_bias),
-                o=_Linear(get(f"{p}self_attn.o_proj.weight")),
+                qkv=linear([f"{a}.weight" for a in attn], qkv_bias),
+                o=linear([f"{p}self_attn.o_proj.weight"]),
                 post_norm=get(f"{p}post_attention_layernorm.weight"),
-                gate_up=_Linear(torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]),
-                                gate_up_bias),
-                down=_Linear(get(f"{p}mlp.down_proj.weight"), down_bias),
+                gate_up=linear([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"], gate_up_bias),
+                down=linear([f"{p}mlp.down_proj.weight"], down_bias),
             ))
         self.norm_weight = get("model.norm.weight") if self.is_last else None
-        self.lm_head: _Linear | None = None
+        self.lm_head: _Linear | QuantLinear | None = None
         """[hidden] -> [vocab]; with tied embeddings over the embedding matrix."""
         if self.is_last:
-            head = get_optional("lm_head.weight")
-            if head is None:  # tied embeddings
-                head = self.embed_weight if self.embed_weight is not None else get("model.embed_tokens.weight")
-            self.lm_head = _Linear(head)
+            head = "lm_head.weight" if "lm_head.weight" in state_dict else embed_name  # tied embeddings
+            if self.embed_weight is not None and head == embed_name:
+                self.lm_head = _Linear(self.embed_weight)
+            else:
+                self.lm_head = linear([head])
         self.inv_freq = _rope_inv_freq(config).to(self.device)
         self.attention_scale = config.head_dim ** -0.5
 
@@ -279,6 +299,8 @@ class LlamaStage:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids  # [n] -> [n, hidden] with the target's input embedding H(·) (eq. 1)."""
         weight = self.embed_weight
+        if self.embed_quant is not None:
+            return self.embed_quant(token_ids)
         if weight is None:
             raise RuntimeError("only the first stage holds the embedding")
         return F.embedding(token_ids.to(self.device), weight)

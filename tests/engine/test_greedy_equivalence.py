@@ -58,7 +58,7 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, *, top: int 
 
 
 def make_engine(ckpt, drafters: str, **router) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters)).replace(
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), weights="dense").replace(
             **router), checkpoint=ckpt)
 
 
@@ -475,8 +475,8 @@ def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prom
     from cosine_ray.engine.worker.target import TargetWorker
 
     def engine(drafter_set):
-        return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set), dtype="bfloat16").replace(
-                max_num_seqs=8),
+        return LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters(drafter_set),
+                                        weights="dense", dtype="bfloat16").replace(max_num_seqs=8),
                            checkpoint=real_checkpoint)
 
     params = SamplingParams(max_tokens=REAL_MAX_TOKENS)

@@ -179,7 +179,7 @@ def test_real_model_pearl_equals_hf_greedy(real_checkpoint, real_hf_model):
     tokenizer = real_checkpoint.load_tokenizer()
     texts = ["Write a Python function that returns the factorial of n.", "What is 17 times 23?"]
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    engine = LocalEngine(EngineConfig(num_stages=2).replace(pearl="auto"), checkpoint=real_checkpoint)
+    engine = LocalEngine(EngineConfig(num_stages=2, weights="dense").replace(pearl="auto"), checkpoint=real_checkpoint)
     outs = engine.generate(prompts, SamplingParams(max_tokens=40))
     refs = [hf_greedy(real_hf_model, p, 40) for p in prompts]
     for o, ref in zip(outs, refs):

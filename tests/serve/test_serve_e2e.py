@@ -133,7 +133,8 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint, real_hf_model) -> Ser
     exe = shutil.which("cosine-ray")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
         "serve", "--port", str(port), "--address", ray_cluster, "--drafters", "ngram,retrieval",
-        "--drafters-in-engine", "retrieval", "--stages", "2"]  # ngram in an actor (killed below), retrieval in the engine
+        "--drafters-in-engine", "retrieval", "--stages", "2",
+        "--weights", "dense"]  # ngram in an actor (killed below), retrieval in the engine
     start = time.perf_counter()
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
