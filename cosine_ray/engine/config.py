@@ -14,8 +14,9 @@ from cosine_ray.models.native import check_weights_mode
 
 
 CPU_MAX_NUM_SEQS = 8
-CUDA_MAX_NUM_SEQS = 128
-"""On CUDA a verify step of up to 128 requests still replays CUDA graphs (``models.runner``)."""
+CUDA_MAX_NUM_SEQS = 64
+"""On CUDA: the largest batch whose graphs the step runner captured and measured (``models.runner``
+follows ``max_num_seqs`` up to 256: a larger setting captures larger buckets at start)."""
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 CUDA_MAX_NUM_BATCHED_TOKENS = 2048
 ROUTING_MODES = ("expertise", "random")
@@ -243,7 +244,7 @@ class EngineConfig:
     """float32 | bfloat16 | float16 (the half types pay on CUDA; on CPU they run, slowly)."""
     max_num_seqs: int | None = None
     """Requests running at once, at most; fewer when their KV does not fit the pool (continuous
-    batching admits new ones as others finish). None: 8 on CPU, 128 on CUDA."""
+    batching admits new ones as others finish). None: 8 on CPU, 64 on CUDA."""
     max_num_batched_tokens: int | None = None
     """Tokens one step computes at most: decodes and draft trees first, then prompt chunks, so a
     long prompt is prefilled over several steps while the running requests keep streaming.

@@ -46,7 +46,8 @@ from cosine_ray.models.device import RUNNER_MODES, indices_to
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Batch buckets; a runner captures at start those up to the engine's ``max_num_seqs``."""
 GRAPH_NEW_TOKENS = (1, 2, 4, 8, 16, 32)
 """Query rows of a verify bucket; a runner adds its engine's whole tree (``tree_size``: γ_max
 + 1, 9 by default), so full trees are not padded to the next power of two (8 × 16 rows for
