@@ -43,7 +43,7 @@ class LocalEngine:
                                [LocalDrafterClient(DrafterWorker(d)) for d in self.drafters],
                                vocab_size=self.checkpoint.config.vocab_size,
                                eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),
-                               kv_num_blocks=self.target.kv_capacity(),
+                               kv_num_blocks=self.target.kv_capacity(), tokenizer=self.tokenizer,
                                **cosine_components(config, self.checkpoint, state[EMBEDDING_KEY]))
         self.loop = EngineLoop(self.core)
 
