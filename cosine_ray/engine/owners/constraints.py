@@ -24,6 +24,9 @@ from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.request import Request, StructuredOutput
 
 GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON is written as ``json.dumps`` writes it (a schema's ``x-guidance`` may override): free
+whitespace lets a model fill its tokens with blanks and never close the object."""
 
 
 class GrammarCompiler:
@@ -49,7 +52,7 @@ class GrammarCompiler:
 
         if spec.kind == "json_schema":
             try:
-                return LLMatcher.grammar_from_json_schema(spec.value)
+                return LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_LAYOUT)
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         if spec.kind == "choice":
