@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
+from cosine_ray.algo.logits_rules import TokenLogprob
 from cosine_ray.engine.request import RequestStats, SamplingParams
 from cosine_ray.serve.errors import (OVERLOADED_CODE, EngineUnavailable, InvalidRequest, OpenAIError,
                                      RequestTimeout)
@@ -136,6 +137,10 @@ class Generation:
         self.stats: RequestStats | None = None
         self.is_done = False
         self._num_outputs = 0
+        self.logprobs: list[TokenLogprob] = []
+        """The generated tokens' log-probabilities so far (when the request asked)."""
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self._num_taken = 0
 
     async def _next_output(self) -> Any:
         if self.deadline is None:
@@ -170,6 +175,9 @@ class Generation:
                         out.finish_reason)
             raise EngineUnavailable("the engine failed while generating; retry")
         self.stats = out.stats or self.stats
+        self.logprobs.extend(out.logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         delta = self.text.add(out.new_token_ids, is_final=out.finished)
         if self.text.is_stopped or out.finished:
             self.finish_reason = "stop" if self.text.is_stopped else out.finish_reason
@@ -192,6 +200,19 @@ class Generation:
                 await finish(self.request_id)
         except Exception:
             log.debug("could not tell the engine that %s finished", self.request_id, exc_info=True)
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities that arrived since the last call (a streamed chunk's)."""
+        new, self._num_taken = self.logprobs[self._num_taken:], len(self.logprobs)
+        return new
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.text.token_ids)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
 
     async def collect(self) -> str:
         while not self.is_done:
