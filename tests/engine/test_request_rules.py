@@ -165,3 +165,27 @@ def test_bitmask_and_logprobs_helpers():
     lp = token_logprobs(logits, [0], 2)[0]
     want = torch.log_softmax(logits, -1)[0]
     assert lp.logprob == pytest.approx(want[0].item()) and [t for t, _ in lp.top] == [2, 1]
+
+
+def test_identical_prompts_in_flight_compute_the_prompt_once(engines):
+    """Four choices of one 100-token prompt: the first prefills it, the others wait for its
+    blocks and take them from the prefix cache (96 of 100 tokens each), and each draws its own
+    seeded text, the one it draws alone."""
+    import asyncio
+
+    engine = engines("ngram,suffix")
+    prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    before = engine.core.kv.stats.queries - engine.core.kv.stats.hits
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in range(4)]
+
+    async def together():
+        try:
+            return await asyncio.gather(*(engine.loop.generate_all(prompt, p) for p in params))
+        finally:
+            await engine.loop.shutdown()
+
+    outs = asyncio.run(together())
+    computed = engine.core.kv.stats.queries - engine.core.kv.stats.hits - before
+    assert computed == 100 + 3 * 4 and [o.stats.num_cached_tokens for o in outs] == [0, 96, 96, 96]
+    alone = [engines("none").generate([prompt], p)[0].new_token_ids for p in params]
+    assert [o.new_token_ids for o in outs] == alone
