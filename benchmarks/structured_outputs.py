@@ -5,7 +5,7 @@ the embedded SmolLM2 with the default drafters and with none, in one run. Prints
 and temperature: answers that parse and validate (jsonschema), how many were cut by
 max_tokens, greedy texts equal across the engines, mean accepted length and tokens/s.
 
-    python benchmarks/structured_outputs.py [--max-tokens 160] [--prompts 10]
+    python benchmarks/structured_outputs.py [--max-tokens 256] [--prompts 10]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def prompt_text(schema_name: str, topic: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompts", type=int, default=10, help="prompts per schema (10: 50 requests)")
     p.add_argument("--drafters", default=None, help="drafters of the speculative engine (default: the default set)")
     args = p.parse_args()
