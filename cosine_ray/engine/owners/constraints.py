@@ -8,7 +8,8 @@ argmax of the processed row, keyed sampling samples it, so the committed text is
 plain decoding's whatever was drafted. Grammars are compiled by llguidance (``GrammarCompiler``):
 the request's matcher follows its committed output; a tree's masks fork it along each path
 (consume, compute the mask, roll back); draft paths are cut at the first token the grammar
-forbids before TreeSelection (``prune``), so no verify slot is spent on them.
+forbids before TreeSelection (``prune``), so no verify slot is spent on them, and the tokens
+the grammar forces next join the tree as a path of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.request import Request, StructuredOutput
 
 GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
+GRAMMAR = "grammar"
+"""Owner of the draft nodes a grammar forces (tokens no other token can replace there)."""
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON is written as ``json.dumps`` writes it (a schema's ``x-guidance`` may override): free
 whitespace lets a model fill its tokens with blanks and never close the object."""
@@ -119,10 +122,13 @@ class Constraints:
     # ---- drafts ----------------------------------------------------------------------------
     @staticmethod
     def prune(request: Request, paths: Sequence[FusedPath]) -> list[FusedPath]:
-        """Each draft path cut before its first token the request's grammar forbids."""
+        """Each draft path cut before its first token the request's grammar forbids; first, the
+        tokens the grammar forces next (a JSON key of the schema, a closing bracket), as a
+        path of its own owned by ``GRAMMAR``: the target's masked row can only agree."""
         if request.grammar is None:
             return list(paths)
-        out = []
+        forced = tuple(request.grammar.compute_ff_tokens())
+        out = [FusedPath(forced, (1.0,) * len(forced), (GRAMMAR,) * len(forced), (1.0,) * len(forced))] if forced else []
         for p in paths:
             n = request.grammar.validate_tokens(list(p.token_ids))
             if n == len(p.token_ids):
