@@ -1,6 +1,7 @@
 """One generation request's lifecycle in the OpenAI layer, from admission to the last byte:
 
 * ``Admission``: the bound on generations in flight (503 + Retry-After past it);
+* ``Readiness``: what ``/health`` answers, at once, while the engine starts or recovers;
 * ``Generation``: one engine request seen as text (``TextStream``: incremental detokenization
   and stop strings), with the server-side request timeout; closing it aborts the request in
   the engine and frees its admission slot. A stop string ends it as a normal completion: the
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+HEALTH_ANSWER_S = 0.5
+"""Longest ``/health`` waits for the engine before answering with what it knows."""
+HEALTH_PROBE_TIMEOUT_S = 5.0
 FINISH_NOTICE_TIMEOUT_S = 1.0
 """Longest wait for the engine to take a stop-string finish; past it the stream is closed
 anyway (the request is freed all the same, and counted as an abort)."""
@@ -115,6 +119,34 @@ class Admission:
                 self.num_pending -= 1
 
         return release
+
+
+class Readiness:
+    """``/health`` answers at once: it asks the engine in the background (one probe at a time,
+    ``HEALTH_PROBE_TIMEOUT_S`` each) and waits at most ``HEALTH_ANSWER_S`` for it; until the
+    engine has answered once the status is ``starting`` (503), later the last answer stands."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self.last = "starting"
+        self._probe: asyncio.Future | None = None
+
+    async def _ask(self) -> str:
+        try:
+            info = await asyncio.wait_for(self.engine.health(), timeout=HEALTH_PROBE_TIMEOUT_S)
+            self.last = str(info.get("status", "unknown"))
+        except Exception as exc:
+            log.warning("health check failed: %s: %s", type(exc).__name__, exc)
+            self.last = "starting" if self.last == "starting" else "unreachable"
+        return self.last
+
+    async def status(self) -> str:
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._ask())
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._probe), timeout=HEALTH_ANSWER_S)
+        except asyncio.TimeoutError:
+            return self.last if self.last != "ok" else "unresponsive"
 
 
 class Generation:

@@ -40,7 +40,7 @@ from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
                                      OpenAIError, error_payload, error_response, install_error_handlers)
 from cosine_ray.serve import tools
 from cosine_ray.serve.choices import ChatDeltas, Choice, Logprobs, interleave
-from cosine_ray.serve.generation import Admission, Generation, SSEResponse, sse, unless_disconnected
+from cosine_ray.serve.generation import Admission, Generation, Readiness, SSEResponse, sse, unless_disconnected
 from cosine_ray.serve.metrics_http import METRICS_PATH, HttpCounts, HttpMetricsMiddleware, metrics_response
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -51,9 +51,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: min(this, context left after the prompt)."""
-HEALTH_ANSWER_S = 0.5
-"""Longest ``/health`` waits for the engine before answering with what it knows."""
-HEALTH_PROBE_TIMEOUT_S = 5.0
 PUBLIC_PATHS = frozenset({"/health", METRICS_PATH})
 """Routes that need no API key (Prometheus scrapes carry none; ``metrics_require_key`` drops
 ``/metrics`` from this set)."""
@@ -75,34 +72,6 @@ class ApiKeyMiddleware:
                                           headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
-
-
-class Readiness:
-    """``/health`` answers at once: it asks the engine in the background (one probe at a time,
-    ``HEALTH_PROBE_TIMEOUT_S`` each) and waits at most ``HEALTH_ANSWER_S`` for it; until the
-    engine has answered once the status is ``starting`` (503), later the last answer stands."""
-
-    def __init__(self, engine: EngineClient) -> None:
-        self.engine = engine
-        self.last = "starting"
-        self._probe: asyncio.Future | None = None
-
-    async def _ask(self) -> str:
-        try:
-            info = await asyncio.wait_for(self.engine.health(), timeout=HEALTH_PROBE_TIMEOUT_S)
-            self.last = str(info.get("status", "unknown"))
-        except Exception as exc:
-            log.warning("health check failed: %s: %s", type(exc).__name__, exc)
-            self.last = "starting" if self.last == "starting" else "unreachable"
-        return self.last
-
-    async def status(self) -> str:
-        if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(self._ask())
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._probe), timeout=HEALTH_ANSWER_S)
-        except asyncio.TimeoutError:
-            return self.last if self.last != "ok" else "unresponsive"
 
 
 def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
