@@ -89,7 +89,7 @@ class _SamplingRequest(BaseModel):
     min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=10.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.01, le=10.0)] = 1.0
     logit_bias: Annotated[Any, WithJsonSchema({"type": "object", "additionalProperties": {"type": "number"}})] = Field(
         None, validate_default=True, description="Token id → bias in [-100, 100].")
     prompt_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
