@@ -9,8 +9,8 @@ virtual clock) with one thing changed:
    ablation (routing off, fusion off, LP off, adaptive off) and speculation off;
 2. **drafter nodes per verifier**: the first n drafters of the scenario (domains kept balanced),
    goodput = output tokens/s of requests whose TPOT meets ``--slo-tpot-ms``;
-3. **link bandwidth**: the engine↔drafter and engine↔stage links (``router_drafter``,
-   ``router_stage``) swept (the last stage ships fp32 logits of every scored node back, as our
+3. **link bandwidth**: the engine↔drafter and engine↔stage links (``engine_drafter``,
+   ``engine_stage``) swept (the last stage ships fp32 logits of every scored node back, as our
    engine does today, or only ids);
 4. **pipeline depth**: the target split into S equal stages on S devices, S micro-batch lanes.
 """
@@ -109,14 +109,14 @@ def main(argv=None) -> int:
         data["drafters"][n] = point(f"{n} drafters", variant(base, None, {"drafters": balanced(drafters, n),
                                                                    "workload.arrival.request_rate": args.rate}))
     for mbps in (10, 100, 1000, 10000):
-        data["links"][f"router_drafter {mbps} Mbps"] = point(
-            f"router_drafter {mbps} Mbps", variant(base, None, {"links.router_drafter.bandwidth_mbps": mbps,
+        data["links"][f"engine_drafter {mbps} Mbps"] = point(
+            f"engine_drafter {mbps} Mbps", variant(base, None, {"links.engine_drafter.bandwidth_mbps": mbps,
                                                     "workload.arrival.request_rate": args.rate}))
     for mbps in (1000, 10000, 100000):
         for returns in ("logits", "ids"):
-            data["links"][f"router_stage {mbps} Mbps, {returns}"] = point(
-                f"router_stage {mbps} Mbps {returns}",
-                variant(base, None, {"links.router_stage.bandwidth_mbps": mbps, "target.returns": returns,
+            data["links"][f"engine_stage {mbps} Mbps, {returns}"] = point(
+                f"engine_stage {mbps} Mbps {returns}",
+                variant(base, None, {"links.engine_stage.bandwidth_mbps": mbps, "target.returns": returns,
                                      "workload.arrival.request_rate": args.rate}))
     stage = base.data["stages"][0]
     for depth in (1, 2, 4, 8):

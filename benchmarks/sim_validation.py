@@ -319,7 +319,7 @@ def scenario_for(config: EngineConfig, profile: Path, calib: dict, requests: lis
         "target": {"hidden_size": hidden, "vocab_size": vocab},
         "latency": {"cpu": {"profile": profile.name, "source": "cosine-ray profile on this machine"}},
         "devices": ["cpu0"],
-        "router": {"device": "cpu0", "step_overhead_ms": calib["host_ms"][0],
+        "engine_host": {"device": "cpu0", "step_overhead_ms": calib["host_ms"][0],
                    "step_overhead_per_request_ms": calib["host_ms"][1]},
         "stages": [{"device": "cpu0", "latency": "cpu", "layers": 1.0 / s} for _ in range(s)],
         "drafters": [{"name": name, "device": "cpu0", "latency": calib["drafter_ms"][name],

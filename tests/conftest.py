@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny random-weight checkpoints, the embedded real model, seeds, --run-slow.
+"""Shared fixtures (tiny random-weight checkpoints, the embedded real model, the session's Ray
+cluster, seeds) and which tests a run takes.
+
+Runs: ``python -m pytest`` is the fast run (unit and small integration tests); ``--full`` adds
+the tests marked ``ray`` (a local Ray cluster), ``real_model`` (the embedded SmolLM2) and
+``full`` (HTTP servers, subprocess CLIs, fuzzers, the soak, statistical sweeps); ``--run-slow``
+adds the long variants marked ``slow``. A test declares its markers itself (per test or per
+module); a test that uses the Ray or real-model fixtures without its marker is an error.
 
 Threads: tests pin torch to ``COSINE_RAY_TEST_THREADS`` intra-op threads (default 1). On our
 shared 2-core machines a second OpenMP thread is a disaster as soon as another process is busy
@@ -32,8 +39,17 @@ if _OWN_PROFILE_DIR:
 
 TINY_VOCAB = 256
 
+FULL_SUITE_MARKERS = ("ray", "real_model", "full")
+"""Tests with one of these markers run only with ``--full``."""
+DECLARED_FIXTURES = {"ray_cluster": "ray", "real_checkpoint": "real_model", "real_hf_model": "real_model"}
+"""Fixture -> the marker every test that uses it (directly or through another fixture) carries."""
+_LEFT_OUT = pytest.StashKey[bool]()
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", default=False,
+                     help="the full suite: also run tests marked " + ", ".join(FULL_SUITE_MARKERS)
+                          + " (Ray clusters, the real model, servers, fuzzers, the soak)")
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run tests marked slow")
     parser.addoption("--soak-seconds", type=float, default=420.0,
@@ -46,6 +62,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _check_declared(items)
+    if not config.getoption("--full"):
+        left_out = {item for item in items if any(item.get_closest_marker(m) for m in FULL_SUITE_MARKERS)}
+        if left_out:
+            config.hook.pytest_deselected(items=[item for item in items if item in left_out])
+            items[:] = [item for item in items if item not in left_out]
+            config.stash[_LEFT_OUT] = True
     skip_slow = pytest.mark.skip(reason="slow test: pass --run-slow to run it")
     skip_gpu = pytest.mark.skip(reason="needs CUDA: no GPU is visible to this process")
     run_slow, has_gpu = config.getoption("--run-slow"), torch.cuda.is_available()
@@ -54,6 +77,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+def _check_declared(items: list[pytest.Item]) -> None:
+    """A test that starts Ray or loads the real model says so with its marker, so the fast run
+    leaves it out (the fixtures named here are the ones that do)."""
+    missing = [f"{item.nodeid}: uses {fixture}, mark it {marker}"
+               for item in items for fixture, marker in DECLARED_FIXTURES.items()
+               if fixture in getattr(item, "fixturenames", ()) and not item.get_closest_marker(marker)]
+    if missing:
+        raise pytest.UsageError("tests without the marker of what they use:\n  " + "\n  ".join(missing))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if config.stash.get(_LEFT_OUT, False):
+        terminalreporter.write_line(f"fast run: tests marked {', '.join(FULL_SUITE_MARKERS)} were deselected; "
+                                    "python -m pytest --full runs the full suite")
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +105,7 @@ def _seeded() -> None:
 # ---- tiny checkpoints ------------------------------------------------------------------------
 
 def _write_tiny(path, **kwargs):
-    from tiny_checkpoint import write_tiny_checkpoint
+    from support.tiny_checkpoint import write_tiny_checkpoint
     defaults = dict(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
                     vocab_size=TINY_VOCAB, init_std=0.2)
     return write_tiny_checkpoint(path, **{**defaults, **kwargs})

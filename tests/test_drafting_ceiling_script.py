@@ -142,6 +142,7 @@ def test_routes_choose_the_experts_they_name():
         ceiling.choose(names, "best", "code", rng)
 
 
+@pytest.mark.full  # the script in a subprocess, once per case
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "learning/best"], "drafting_ceiling: --policies: a policy is DRAFTERS/ROUTE with ROUTE one of"),
     (["--policies", "nonsense/all"], "drafting_ceiling: --policies: "),
@@ -157,6 +158,7 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message):
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
 
 
+@pytest.mark.real_model
 def test_the_script_replays_the_real_model_outputs(tmp_path):
     out = tmp_path / "ceiling.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--prompts-per-domain", "1", "--warmup-per-domain", "1",

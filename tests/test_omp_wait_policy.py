@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.full  # each test starts a Python that imports torch and cosine_ray
+
 CODE = "import cosine_ray, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
 
 

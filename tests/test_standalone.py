@@ -4,7 +4,7 @@ What a new user gets, checked on this machine:
 
 (a) **A clone in an empty folder** (``<tmp>/standalone*/cosine_ray``, nothing beside it: no
     developers' folder next to the checkout). In the clone:
-    - the test suite collects without errors (the README's test command, collection only);
+    - the test suite collects without errors (the full suite, ``--full``, collection only);
     - the deploy manifest tests pass (KubeRay CRD schemas shipped in tests/deploy/crds);
     - the data paths work from the packaged prompt sets: ``cosine-ray bench``'s held-back
       (measured) and warm-up conversations, ``cosine-ray datastore build``'s default prompt file, and loadgen's default
@@ -65,6 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.full  # fresh copies and a fresh venv, pytest runs inside them
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_ENV = "COSINE_RAY_STANDALONE_SOURCE"
@@ -164,7 +166,7 @@ def test_copy_stands_alone(copy):
 
 
 def test_suite_collects_without_errors(copy):
-    proc = _pytest(copy, "--collect-only", "-q")
+    proc = _pytest(copy, "--full", "--collect-only", "-q")
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0 and "error" not in tail, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.match(r"\d+ tests collected", tail), tail

@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.full  # a benchmark script in a subprocess
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_profile.py"
 
 
+@pytest.mark.real_model
 def test_profiles_the_measured_window():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--drafters", "ngram", "--concurrency", "2",
                            "--prompts-per-domain", "1", "--warmup-per-domain", "1", "--max-tokens", "4",

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.full  # a benchmark script in a subprocess
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_forward.py"
 
 

@@ -22,11 +22,11 @@ JSON Schema and docs/simulator.md explains every key. Top-level keys:
                 `cosine-ray profile`), {linear: {c0_ms, c_req_ms, c_tok_ms, c_knee_ms, knee_tokens,
                 c_attn_us}} or {roofline: {params_billions, memory_bandwidth_gbs, tflops, ...}},
                 each with a `source`
-  devices       names of FIFO servers (`router`, the engine's host, always exists)
-  router        {device, step_overhead_ms, step_overhead_per_request_ms}: the engine's host and
+  devices       names of FIFO servers (`engine`, the engine's host, always exists)
+  engine_host   {device, step_overhead_ms, step_overhead_per_request_ms}: the engine's host and
                 its decision time per step (a constant plus a term per request in the batch)
   stages        [{device, latency, layers}]: the target's pipeline stages in order
-  links         router_stage, stage_stage, router_drafter: {bandwidth_mbps, latency_ms}
+  links         engine_stage, stage_stage, engine_drafter: {bandwidth_mbps, latency_ms}
   drafters      [{name, device, latency: {c0_ms, c_req_ms, c_tok_ms} | {profile, drafter},
                 acceptance: {DOMAIN|default: {by_depth: [α1, α2, ...], coverage}}, correlation,
                 sharpness}]

@@ -29,6 +29,7 @@ from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_con
 from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import EngineConfig, config_from_dict
 from cosine_ray.engine.core import EngineCore
+from cosine_ray.engine.worker.target import kv_cache_fills
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
@@ -96,7 +97,8 @@ class EngineServer:
         await asyncio.gather(*(await_ref(s.handle.ping.remote(), ready_timeout_s) for s in slots))
         self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
                                eos_token_ids=eos_token_ids(checkpoint, tokenizer),
-                               kv_num_blocks=await self.target.kv_capacity(), tokenizer=tokenizer, **components)
+                               kv_num_blocks=await self.target.kv_capacity(), kv_fill=kv_cache_fills(config),
+                               tokenizer=tokenizer, **components)
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
         self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held

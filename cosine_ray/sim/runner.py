@@ -26,7 +26,7 @@ from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.sim.clock import Link, Resource, run_virtual
 from cosine_ray.sim.latency import drafter_cost, engine_model, target_cost
-from cosine_ray.sim.scenario import Scenario, ScenarioError, request_rate
+from cosine_ray.sim.scenario import ENGINE_DEVICE, Scenario, ScenarioError, request_rate
 from cosine_ray.sim.world import (Acceptance, DomainOfPrompt, DrafterModel, Oracle, SimDrafter, SimDrafterClient,
                                   SimStage, SimTarget, TargetShape, _mix)
 from loadgen.arrivals import ArrivalConfig, arrival_offsets
@@ -143,7 +143,7 @@ class Deployment:
     def __init__(self, scenario: Scenario, domains: list[str]) -> None:
         data = scenario.data
         self.oracle = Oracle(SIM_VOCAB, scenario.seed)
-        self.devices = {name: Resource(name) for name in ["router", *data.get("devices", ())]}
+        self.devices = {name: Resource(name) for name in dict.fromkeys([ENGINE_DEVICE, *data.get("devices", ())])}
         links = data.get("links", {})
 
         def link(key: str, name: str) -> Link:
@@ -158,18 +158,18 @@ class Deployment:
                 profiles[name] = prof
         stage_specs = data["stages"]
         num = len(stage_specs)
-        self.links = [link("router_stage", "link:router->stage0"), link("router_stage", "link:stage->router")]
+        self.links = [link("engine_stage", "link:engine->stage0"), link("engine_stage", "link:stage->engine")]
         self.links += [link("stage_stage", f"link:stage{i}->stage{i + 1}") for i in range(num - 1)]
         self.stages = [SimStage(self.devices[s["device"]], costs[s["latency"]], s.get("layers", 1.0 / num),
                                 self.links[2 + i] if i < num - 1 else None) for i, s in enumerate(stage_specs)]
         t = data.get("target", {})
         shape = TargetShape(t.get("hidden_size", 576), t.get("vocab_size", 49152), t.get("activation_bytes", 4),
                             t.get("returns", "logits"))
-        router = data.get("router", {})
-        self.router = self.devices[router.get("device", "router")]
-        self.target = SimTarget(self.oracle, self.stages, shape=shape, router=self.router,
-                                step_overhead_s=router.get("step_overhead_ms", 0.0) / 1e3,
-                                overhead_per_request_s=router.get("step_overhead_per_request_ms", 0.0) / 1e3,
+        host = data.get("engine_host", {})
+        self.host = self.devices[host.get("device", ENGINE_DEVICE)]
+        self.target = SimTarget(self.oracle, self.stages, shape=shape, host=self.host,
+                                step_overhead_s=host.get("step_overhead_ms", 0.0) / 1e3,
+                                overhead_per_request_s=host.get("step_overhead_per_request_ms", 0.0) / 1e3,
                                 link_in=self.links[0], link_back=self.links[1])
         self.drafters: list[SimDrafterClient] = []
         drafter_costs = {}
@@ -179,9 +179,9 @@ class Deployment:
             model = DrafterModel(d["name"], {dom: Acceptance(tuple(a["by_depth"]), a.get("coverage", 1.0))
                                              for dom, a in d["acceptance"].items()},
                                  cost, d.get("correlation", 0.5), d.get("sharpness", 0.3))
-            device = d.get("device", "router")
-            lk = Link(f"link:{d['name']}") if device == router.get("device", "router") else \
-                link("router_drafter", f"link:router<->{d['name']}")
+            device = d.get("device", ENGINE_DEVICE)
+            lk = Link(f"link:{d['name']}") if device == host.get("device", ENGINE_DEVICE) else \
+                link("engine_drafter", f"link:engine<->{d['name']}")
             self.links.append(lk)
             self.drafters.append(SimDrafterClient(SimDrafter(model, self.oracle), self.devices[device], lk))
         used = {s["latency"] for s in stage_specs}

@@ -3,9 +3,10 @@
 Checked against ``SCHEMA`` (JSON Schema, ``jsonschema``), then against itself (names that must
 exist, such as each stage's device and latency model). Top-level keys: ``engine`` (the engine's
 own ``step`` config), ``target`` (shapes that size the transfers), ``latency`` (named cost models
-of the whole target on a device), ``devices`` (FIFO servers; ``router`` is the engine's host and
-always exists), ``router``, ``stages``, ``links``, ``drafters`` and ``workload`` (cosine-loadgen's
-arrivals and domain mixes). ``cosine-ray simulate --schema`` prints the schema;
+of the whole target on a device), ``devices`` (FIFO servers; ``engine`` is the engine's host and
+always exists), ``engine_host``, ``stages``, ``links``, ``drafters`` and ``workload``
+(cosine-loadgen's arrivals and domain mixes). Files written with the older names (``router``,
+``router_stage``, ``router_drafter``) load the same. ``cosine-ray simulate --schema`` prints the schema;
 docs/simulator.md explains every key with an example, and ``deploy/sim/`` has the scenarios
 the validation and the report run.
 """
@@ -66,13 +67,13 @@ SCHEMA: dict[str, Any] = {
                                             "kv_bytes_per_token": _NUM, "overhead_ms": _NUM}}},
             "oneOf": [{"required": ["profile"]}, {"required": ["linear"]}, {"required": ["roofline"]}]}},
         "devices": {"type": "array", "items": {"type": "string", "minLength": 1}, "uniqueItems": True},
-        "router": {"type": "object", "additionalProperties": False, "properties": {
+        "engine_host": {"type": "object", "additionalProperties": False, "properties": {
             "device": {"type": "string"}, "step_overhead_ms": _NUM, "step_overhead_per_request_ms": _NUM}},
         "stages": {"type": "array", "minItems": 1, "maxItems": 128, "items": {
             "type": "object", "additionalProperties": False, "required": ["device", "latency"],
             "properties": {"device": {"type": "string"}, "latency": {"type": "string"}, "layers": _POS}}},
         "links": {"type": "object", "additionalProperties": False, "properties": {
-            "router_stage": _LINK, "stage_stage": _LINK, "router_drafter": _LINK}},
+            "engine_stage": _LINK, "stage_stage": _LINK, "engine_drafter": _LINK}},
         "drafters": {"type": "array", "items": {
             "type": "object", "additionalProperties": False, "required": ["name", "acceptance"],
             "properties": {
@@ -134,16 +135,17 @@ def validate(data: Any) -> None:
 
     if not isinstance(data, dict):
         raise ScenarioError("the scenario must be a mapping")
+    rename_legacy_keys(data)
     errors = sorted(jsonschema.Draft202012Validator(SCHEMA).iter_errors(data), key=lambda e: list(e.path))
     if errors:
         e = errors[0]
         where = ".".join(str(p) for p in e.absolute_path) or "the scenario"
         raise ScenarioError(f"{where}: {e.message}")
-    devices = set(data.get("devices", ())) | {"router"}
+    devices = set(data.get("devices", ())) | {ENGINE_DEVICE}
     latency = data["latency"]
-    router = data.get("router", {}).get("device", "router")
-    if router not in devices:
-        raise ScenarioError(f"router.device: unknown device {router!r} (devices: {', '.join(sorted(devices))})")
+    host = data.get("engine_host", {}).get("device", ENGINE_DEVICE)
+    if host not in devices:
+        raise ScenarioError(f"engine_host.device: unknown device {host!r} (devices: {', '.join(sorted(devices))})")
     for i, st in enumerate(data["stages"]):
         if st["device"] not in devices:
             raise ScenarioError(f"stages.{i}.device: unknown device {st['device']!r}")
@@ -153,7 +155,7 @@ def validate(data: Any) -> None:
     if len(set(names)) != len(names):
         raise ScenarioError("drafters: two drafters share a name")
     for i, d in enumerate(data.get("drafters", ())):
-        if d.get("device", "router") not in devices:
+        if d.get("device", ENGINE_DEVICE) not in devices:
             raise ScenarioError(f"drafters.{i}.device: unknown device {d['device']!r}")
         prof = (d.get("latency") or {}).get("profile")
         if prof is not None and "profile" not in latency.get(prof, {}):
@@ -170,6 +172,30 @@ def validate(data: Any) -> None:
         raise ScenarioError("workload.duration_s needs a finite arrival.request_rate")
     if w.get("arrival", {}).get("schedule", "constant") != "constant" and rate == "inf":
         raise ScenarioError("workload.arrival.schedule needs a finite request_rate (the peak rate)")
+
+
+ENGINE_DEVICE = "engine"
+"""The device that is the engine's host: it always exists."""
+_LEGACY = {"router": "engine_host"}
+_LEGACY_LINKS = {"router_stage": "engine_stage", "router_drafter": "engine_drafter"}
+
+
+def rename_legacy_keys(data: dict) -> None:
+    """Scenarios written before the engine process stopped being called the router: the
+    ``router`` section, its links and a device named ``router`` take today's names (in place)."""
+    for old, new in _LEGACY.items():
+        if old in data and new not in data:
+            data[new] = data.pop(old)
+    links = data.get("links")
+    if isinstance(links, dict):
+        for old, new in _LEGACY_LINKS.items():
+            if old in links and new not in links:
+                links[new] = links.pop(old)
+    if isinstance(data.get("devices"), list):
+        data["devices"] = [ENGINE_DEVICE if d == "router" else d for d in data["devices"]]
+    for part in [data.get("engine_host"), *(data.get("stages") or ()), *(data.get("drafters") or ())]:
+        if isinstance(part, dict) and part.get("device") == "router":
+            part["device"] = ENGINE_DEVICE
 
 
 def load(path: str | Path) -> Scenario:

@@ -7,7 +7,7 @@ it simulated ones and runs the real engine on the virtual clock (``sim.clock``):
   (r, p) (``Oracle``). ``SimTarget.score`` returns one-hot logits: each tree node whose path from
     the root matches the oracle gets the oracle's next token, any other node another token, so
   every simulated output equals the oracle's text: the simulator's own lossless check.
-- **A forward's time**: the engine's host time on its device (the scenario's ``router``: a
+- **A forward's time**: the engine's host time on its device (the scenario's ``engine_host``: a
   constant per step plus a term per request), token ids to the first stage, each stage's share
   of T_llm on its device (a FIFO ``Resource``, so lanes pipeline as on real actors), hidden
   states between stages, and the last stage's answer back (logits or token ids).
@@ -115,13 +115,13 @@ class TargetShape:
 class SimTarget:
     """``TargetClient`` over simulated stages (see the module docstring)."""
 
-    def __init__(self, oracle: Oracle, stages: Sequence[SimStage], *, shape: TargetShape, router: Resource,
+    def __init__(self, oracle: Oracle, stages: Sequence[SimStage], *, shape: TargetShape, host: Resource,
                  step_overhead_s: float, link_in: Link, link_back: Link,
                  overhead_per_request_s: float = 0.0) -> None:
         self.oracle = oracle
         self.stages = list(stages)
         self.shape = shape
-        self.router = router
+        self.host = host
         self.step_overhead_s = step_overhead_s
         self.overhead_per_request_s = overhead_per_request_s
         self.link_in = link_in
@@ -139,7 +139,7 @@ class SimTarget:
         new_tokens = [len(it.token_ids) for it in items]
         context = [it.start_position for it in items]
         rows = sum(it.num_logit_rows for it in items)
-        await self.router.use(self.step_overhead_s + self.overhead_per_request_s * len(items))
+        await self.host.use(self.step_overhead_s + self.overhead_per_request_s * len(items))
         await self.link_in.send(8 * sum(new_tokens) + 64 * len(items))  # ids + parents, item headers
         decode = all(it.parent_ids is not None for it in items)
         for stage in self.stages:
@@ -186,7 +186,7 @@ class SimTarget:
         from the engine, stage s the hidden states stage s-1 produced last timestep over the
         stage link; the last stage's rows go back. Its logits are the oracle's next token at
         each row (PipeDec's last stage only ever scores the tree's root, which is on the path)."""
-        await self.router.use(self.step_overhead_s + self.overhead_per_request_s)
+        await self.host.use(self.step_overhead_s + self.overhead_per_request_s)
         last = len(self.stages) - 1
 
         async def run(s: int, item: LayerItem) -> None:

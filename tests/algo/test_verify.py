@@ -441,6 +441,7 @@ def emitted_pairs_keyed(verifier, drafter, num_trials: int) -> np.ndarray:  # [n
     return outcomes
 
 
+@pytest.mark.full  # a statistical sweep
 @pytest.mark.parametrize("drafter", LOSSLESS_DRAFTERS, ids=lambda d: d.__name__)
 def test_verify_keyed_emits_target_distribution(drafter):
     outcomes = emitted_pairs_keyed(verify_keyed, drafter, KEYED_TRIALS)

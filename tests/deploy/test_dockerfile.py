@@ -23,7 +23,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-import k8s_checks as k
+import support.k8s_checks as k
 
 DOCKERFILE = k.REPO / "deploy" / "Dockerfile"
 DOCKERIGNORE = k.REPO / ".dockerignore"

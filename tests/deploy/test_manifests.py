@@ -3,7 +3,7 @@
 What runs: every YAML parses; every variant (k8s/rayservice, k8s/raycluster, k8s/cpu-dev)
 renders from its kustomization (and matches `kubectl kustomize` where kubectl exists); every
 RayService / RayCluster validates against the KubeRay CRD schemas in tests/deploy/crds
-(KubeRay 1.7 line) plus KubeRay's controller rules (tests/deploy/k8s_checks.py says how the
+(KubeRay 1.7 line) plus KubeRay's controller rules (tests/support/k8s_checks.py says how the
 OpenAPI extensions are handled); the serveConfigV2 goes through Ray Serve's config
 schema and the app's own builder (`cosine_ray.serve.app.build_app` → `config_from_dict`) and
 equals deploy/serve_config.yaml up to the overrides listed below; the custom resources the
@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-import k8s_checks as k
+import support.k8s_checks as k
 
 # ---- the single source of the Serve config -----------------------------------------------------
 

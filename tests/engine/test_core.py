@@ -24,8 +24,8 @@ from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
-from fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafter, GarbageDrafter, HangingDrafter,  # noqa: E402
-                   OracleDrafter, RaisingDrafter, TableTarget)
+from support.fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafter, GarbageDrafter,  # noqa: E402
+                           HangingDrafter, OracleDrafter, RaisingDrafter, TableTarget)
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -370,6 +370,7 @@ class RandomTreeDrafter(FakeDrafter):
         return DraftProposal(item.request_id, paths, [[0.5] * len(p) for p in paths])
 
 
+@pytest.mark.full  # a statistical sweep
 @pytest.mark.parametrize("temperature, top_k, top_p, pearl", [(1.0, 0, 1.0, "off"), (0.7, 3, 0.9, "off"),
                                                                (1.0, 0, 1.0, "on"), (0.7, 3, 0.9, "on")])
 def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, top_p, pearl):

@@ -1,7 +1,7 @@
 """CoSine's own step: expertise routing, confidence fusion, LP scheduling with adaptive γ, the
 overlap of drafting and verification across lanes, and the ablation switches — all lossless.
 
-Fakes only (tests/engine/fakes.py): a lookup-table target and drafters whose skill is known,
+Fakes only (tests/support/fakes.py): a lookup-table target and drafters whose skill is known,
 so what routing, fusion and the scheduler should do can be stated exactly."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.owners.scheduler import PROBE_EVERY
 
-from fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
+from support.fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
 DOMAINS = ("code", "math", "chat", "instruction")
 

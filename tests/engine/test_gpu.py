@@ -18,8 +18,8 @@ import torch
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
-from hf_reference import hf_greedy
-from runner_steps import compare_runners
+from support.hf_reference import hf_greedy
+from support.runner_steps import compare_runners
 
 pytestmark = pytest.mark.gpu
 

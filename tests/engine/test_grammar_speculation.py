@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 import torch
-from tiny_checkpoint import write_tiny_checkpoint
+from support.tiny_checkpoint import write_tiny_checkpoint
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt

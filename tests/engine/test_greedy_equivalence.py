@@ -175,7 +175,7 @@ def test_tiny_long_context_grows_the_kv_cache(tiny_checkpoint, tiny_hf):
 
 def test_tiny_eos_stops_like_hf(tmp_path, tiny_prompts):
     """With an EOS token, the engine stops exactly where HF generate stops."""
-    from tiny_checkpoint import write_tiny_checkpoint
+    from support.tiny_checkpoint import write_tiny_checkpoint
     probe = write_tiny_checkpoint(tmp_path / "probe", vocab_size=256, seed=0)
     hf = probe.load_hf_model()
     ref, _ = hf_greedy(hf, tiny_prompts[4], TINY_MAX_TOKENS)

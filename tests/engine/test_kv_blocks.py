@@ -115,6 +115,16 @@ def test_without_caching_nothing_is_looked_up_and_reset_forgets_everything():
     assert on.take_cached_prefix(request("d", list(range(9)))) == 0
 
 
+def test_a_lazily_grown_pool_reuses_freed_blocks_before_it_grows():
+    kv = KVBlocks(8, BS, fill=False)
+    a = request("a", [1] * 8)
+    computed(kv, a)
+    kv.free(a)
+    b = request("b", [2] * 8)
+    assert kv.ensure(b, 8) and sorted(b.block_table) == [1, 2] and kv.stats.evictions == 2
+    assert kv.num_free_blocks == 6  # ids 3..8 never handed out: the stages' pools did not grow
+
+
 def test_an_unbounded_pool_reuses_freed_blocks_before_growing():
     kv = KVBlocks(None, BS)
     a = request("a", [1] * 8)

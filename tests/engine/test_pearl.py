@@ -23,7 +23,7 @@ from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pearl import Pearl, after_token, trunk_tokens
 from cosine_ray.engine.types import Drafted, Verified
 from cosine_ray.engine.request import Request, SamplingParams
-from hf_reference import hf_greedy
+from support.hf_reference import hf_greedy
 
 MAX_TOKENS = 30
 
@@ -173,6 +173,7 @@ def test_seeded_sampling_is_plain_sampling(tiny_checkpoint, prompts, num_stages)
         assert [o.new_token_ids for o in engine.generate(prompts[:3], params)] == want, f"seed {seed}"
 
 
+@pytest.mark.real_model
 def test_real_model_pearl_equals_hf_greedy(real_checkpoint, real_hf_model):
     """SmolLM2-135M, S = 2, the default drafters: token-identical to HF greedy (fp32)."""
     tokenizer = real_checkpoint.load_tokenizer()

@@ -21,7 +21,7 @@ from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDecSession
 from cosine_ray.engine.request import Request, SamplingParams
-from hf_reference import hf_greedy
+from support.hf_reference import hf_greedy
 
 MAX_TOKENS = 30
 
@@ -257,6 +257,7 @@ def test_real_model_pipedec_equals_hf_greedy(real_checkpoint, real_hf_model):
     assert sum(o.stats.pipedec_hits for o in outs) > 0
 
 
+@pytest.mark.full  # a statistical sweep
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 3, 1.0), (0.7, 4, 0.9)])
 def test_sampled_sequences_follow_the_target_distribution(tiny_checkpoint, temperature, top_k, top_p):
     """PipeDec's sampling against the exact (filtered) target distribution, chi-square: many

@@ -2,7 +2,7 @@
 
 Hypothesis drives arbitrary sequences of add / abort / step (including aborts of unknown,
 waiting, running and already finished ids, and aborts between a step's start and its end)
-against a ``Router`` over the KV-protocol-checking ``TableTarget`` (tests/engine/fakes.py)
+against a ``Router`` over the KV-protocol-checking ``TableTarget`` (tests/support/fakes.py)
 and drafters. After every operation:
 
 * every request is in exactly one place (waiting, running or finished) and the batch bound holds;
@@ -27,7 +27,7 @@ from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 
-from fakes import PROMPTS, VOCAB, FakeDrafter, OracleDrafter, TableTarget  # noqa: E402
+from support.fakes import PROMPTS, VOCAB, FakeDrafter, OracleDrafter, TableTarget  # noqa: E402
 
 MAX_BATCH = 3
 

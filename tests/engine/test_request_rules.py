@@ -106,7 +106,7 @@ def test_penalties_and_bias_equal_plain_decoding_with_them(engines, prompts, hf)
 
 def test_min_tokens_and_ignore_eos(tmp_path, prompts, hf, tiny_checkpoint):
     """An EOS the model emits early: min_tokens holds it back, ignore_eos never stops at it."""
-    from tiny_checkpoint import write_tiny_checkpoint
+    from support.tiny_checkpoint import write_tiny_checkpoint
 
     plain = engines_for(tiny_checkpoint, "none").generate(prompts[:1], SamplingParams(max_tokens=MAX_TOKENS))[0]
     eos = plain.new_token_ids[3]  # the 4th greedy token becomes EOS

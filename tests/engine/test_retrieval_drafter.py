@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from drafter_protocol import assert_speaks_drafter_protocol  # noqa: E402
+from support.drafter_protocol import assert_speaks_drafter_protocol  # noqa: E402
 from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput
 from cosine_ray.engine.drafters.datastore import Datastore
 from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter

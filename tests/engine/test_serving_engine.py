@@ -1,4 +1,4 @@
-"""The serving engine's memory and batching (fakes only, ``tests/engine/fakes.py``): prefix
+"""The serving engine's memory and batching (fakes only, ``tests/support/fakes.py``): prefix
 caching, chunked prefill, preemption and the KV budget, each with the target's greedy text.
 
 The table target reads a prefix-cache hit's context back from the blocks the engine names, so
@@ -15,7 +15,7 @@ from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.request import SamplingParams
 
-from fakes import VOCAB, AdversarialDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
+from support.fakes import VOCAB, AdversarialDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
 
 def make(target, *, drafters=None, kv_num_blocks=None, **config) -> EngineCore:

@@ -67,7 +67,8 @@ def run_waves(engine: LocalEngine, waves, params) -> dict[int, object]:
 @pytest.mark.parametrize("num_stages", [1, 2])
 def test_prefix_cache_hits_keep_the_hf_greedy_text(tiny_checkpoint, tiny_draft_checkpoint, prompts, reference,
                                                    num_stages):
-    engine = make(tiny_checkpoint, tiny_draft_checkpoint, num_stages=num_stages)
+    # a KV budget the cache may fill (without one, a CPU pool keeps only what was freed last)
+    engine = make(tiny_checkpoint, tiny_draft_checkpoint, num_stages=num_stages, kv_cache_memory="4MiB")
     indexed = list(enumerate(prompts))
     outs = run_waves(engine, [indexed[:1], indexed[1:]], SamplingParams(max_tokens=MAX_TOKENS))
     assert [outs[i].new_token_ids for i in range(len(prompts))] == reference

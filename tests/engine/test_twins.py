@@ -1,7 +1,7 @@
 """Twins (``engine.modes.twins``): identical greedy requests in flight. The follower waits for its
 leader and drafts from its text; outputs stay the target's greedy text.
 
-Fakes only (tests/engine/fakes.py): a lookup-table target and a drafter that is always wrong,
+Fakes only (tests/support/fakes.py): a lookup-table target and a drafter that is always wrong,
 so every token a follower gets ahead of plain decoding is the twin rule's doing."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.request import Request, SamplingParams
 from cosine_ray.engine.modes.twins import TWIN, Twins
 
-from fakes import VOCAB, AdversarialDrafter, TableTarget, drain  # noqa: E402
+from support.fakes import VOCAB, AdversarialDrafter, TableTarget, drain  # noqa: E402
 
 P, Q = [3, 1, 4, 1, 5], [9, 2, 6]
 

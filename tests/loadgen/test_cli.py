@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from loadgen_fixtures import rows, write_dataset
-from stub_server import StubServer
+from support.loadgen_fixtures import rows, write_dataset
+from support.stub_server import StubServer
 
 from loadgen.cli import main
 from loadgen.launcher import free_port

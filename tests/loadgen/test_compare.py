@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from loadgen_fixtures import STUB_SCRIPT, rows, write_dataset
-from stub_server import StubServer
+from support.loadgen_fixtures import STUB_SCRIPT, rows, write_dataset
+from support.stub_server import StubServer
 
 from loadgen.cli import main
 from loadgen.launcher import LaunchError, ServerProcess, free_port
@@ -74,6 +74,7 @@ def test_compare_targets_same_plan_and_normalised_table(capsys, tmp_path, datase
         assert (out_dir / name).stat().st_size > 1000
 
 
+@pytest.mark.full  # five stub servers in subprocesses, with start and stop timeouts
 def test_compare_launch_mode_survives_bad_servers(capsys, tmp_path, dataset):
     """Five launched stubs: two fine, one exits at start, one never healthy, one ignores SIGINT.
     Every process is gone afterwards; the healthy targets are measured; exit 1 naming the failures."""

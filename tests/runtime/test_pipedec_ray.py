@@ -28,7 +28,7 @@ from cosine_ray.runtime.actors import DrafterActor  # noqa: E402
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref  # noqa: E402
 from cosine_ray.runtime.engine_server import stage_slots  # noqa: E402
 from cosine_ray.runtime.placement import actor_options  # noqa: E402
-from hf_reference import hf_greedy  # noqa: E402
+from support.hf_reference import hf_greedy  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 

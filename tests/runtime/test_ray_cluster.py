@@ -31,11 +31,11 @@ from cosine_ray.engine.local import LocalEngine, encode_prompt  # noqa: E402
 from cosine_ray.engine.request import RequestOutput, SamplingParams  # noqa: E402
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name  # noqa: E402
 from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
-from engine_app import deploy, engine_call, engine_handle, engine_replicas  # noqa: E402
-from hf_reference import hf_greedy  # noqa: E402
-from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from support.engine_app import deploy, engine_call, engine_handle, engine_replicas  # noqa: E402
+from support.hf_reference import hf_greedy  # noqa: E402
+from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
 MAX_TOKENS = 40
 LONG_MAX_TOKENS = 300

@@ -28,8 +28,10 @@ from cosine_ray.engine.config import EngineConfig, parse_drafters  # noqa: E402
 from cosine_ray.engine.local import LocalEngine  # noqa: E402
 from cosine_ray.serve.openai_app import build_openai_app  # noqa: E402
 
-from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
-from uvicorn_thread import serve_in_thread  # noqa: E402
+from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from support.uvicorn_thread import serve_in_thread  # noqa: E402
+
+pytestmark = [pytest.mark.real_model, pytest.mark.full]  # a fuzzer; the embedded SmolLM2's tokenizer
 
 EXAMPLES = int(os.environ.get("COSINE_RAY_FUZZ_EXAMPLES", "40"))
 """Examples per operation and generation mode."""

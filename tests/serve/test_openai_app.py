@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 from starlette.testclient import TestClient
-from tiny_checkpoint import write_tiny_checkpoint
-from uvicorn_thread import serve_in_thread
+from support.tiny_checkpoint import write_tiny_checkpoint
+from support.uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.config import EngineConfig, parse_drafters
@@ -27,6 +27,8 @@ from cosine_ray.engine.request import RequestOutput, RequestStats, SamplingParam
 from cosine_ray.serve.errors import EngineUnavailable
 from cosine_ray.serve.generation import TextStream
 from cosine_ray.serve.openai_app import build_openai_app
+
+pytestmark = pytest.mark.real_model  # the embedded SmolLM2's tokenizer
 
 MODEL = "tiny-smollm2"
 CHAT_TEXT = "Write a haiku about the sea."

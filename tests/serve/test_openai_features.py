@@ -18,8 +18,8 @@ import openai
 import pytest
 import torch
 from starlette.testclient import TestClient
-from tiny_checkpoint import write_tiny_checkpoint
-from uvicorn_thread import serve_in_thread
+from support.tiny_checkpoint import write_tiny_checkpoint
+from support.uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.config import EngineConfig, parse_drafters

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 from starlette.testclient import TestClient
-from tiny_checkpoint import write_tiny_checkpoint
-from uvicorn_thread import serve_in_thread
+from support.tiny_checkpoint import write_tiny_checkpoint
+from support.uvicorn_thread import serve_in_thread
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
@@ -29,6 +29,8 @@ from cosine_ray.serve import openai_app
 from cosine_ray.serve.errors import OVERLOADED_CODE
 from cosine_ray.serve.metrics_http import METRICS_PATH
 from cosine_ray.serve.openai_app import PUBLIC_PATHS, build_openai_app
+
+pytestmark = pytest.mark.real_model  # the embedded SmolLM2's tokenizer
 
 API_KEY = "k3y-0123456789abcdef"
 COMP = "/v1/completions"

@@ -58,12 +58,12 @@ from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
 from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT  # noqa: E402
 from cosine_ray.runtime.memory import resident_mib  # noqa: E402
 
-from cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
-from engine_app import APP_NAME, engine_actor, engine_call, engine_handle, engine_replicas, force_cleanup  # noqa: E402
-from test_serve_e2e import wait_gone  # noqa: E402
-from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from support.cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
+from support.engine_app import (APP_NAME, engine_actor, engine_call, engine_handle,  # noqa: E402
+                                engine_replicas, force_cleanup, wait_gone)
+from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
 API_KEY = "reliability-" + uuid.uuid4().hex
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

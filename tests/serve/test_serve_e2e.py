@@ -29,11 +29,12 @@ import torch
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
+from support.cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
 from cosine_ray.datasets import PACKAGED_PROMPT_DIR  # noqa: E402
 from cosine_ray.engine.local import encode_prompt  # noqa: E402
 from cosine_ray.runtime.cluster import actor_name  # noqa: E402
-from engine_app import engine_actor, engine_call, engine_replicas, force_cleanup, ingress_replicas, our_actors  # noqa: E402
+from support.engine_app import (engine_actor, engine_call, engine_replicas, force_cleanup,  # noqa: E402
+                                ingress_replicas, our_actors, wait_gone)
 
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
@@ -124,13 +125,6 @@ def build_cases(hf, tok) -> tuple[list[Case], list[Case]]:
 
 
 # ---- the server --------------------------------------------------------------------------------
-
-def wait_gone(timeout_s: float) -> list[tuple[str, str]]:
-    deadline = time.monotonic() + timeout_s
-    while (left := our_actors()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory, real_checkpoint, real_hf_model) -> Server:

@@ -34,6 +34,7 @@ def _lindley(interarrivals: list[float], service: float) -> list[float]:
     return waits
 
 
+@pytest.mark.full  # a statistical sweep
 @pytest.mark.parametrize("seed", [0, 1])
 def test_md1_queue_matches_lindley_exactly_and_pollaczek_khinchine_on_average(seed):
     service, rho = 1.0, 0.5

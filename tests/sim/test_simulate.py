@@ -148,7 +148,7 @@ def test_summary_mean_accepted_length_is_tokens_per_verify_step(drafters):
                                                           "drafters": []}],
                          ids=["gamma-0", "gamma-0-empty-drafters", "gamma-8-no-drafters"])
 def test_one_request_constant_cost_closed_form(spec):
-    """One request, c0 = 10 ms a forward and nothing else, infinite links, no router overhead:
+    """One request, c0 = 10 ms a forward and nothing else, infinite links, no engine overhead:
     the prefill and every decode step take exactly 10 ms (EngineLoop's 1 ms idle sleep only runs
     after a step with no output, which never happens here)."""
     result = simulate(Scenario(one_request(10.0, **spec)))
@@ -164,19 +164,19 @@ def test_one_request_closed_form_with_every_linear_term_links_and_overhead():
     c0, c_req, c_tok, overhead, latency, n_in = 10.0, 2.0, 0.5, 0.25, 1.0, 20  # ms, ms, ms, ms, ms, tokens
     data = one_request(input_len=n_in, output_len=5,
                        latency={"c": {"linear": {"c0_ms": c0, "c_req_ms": c_req, "c_tok_ms": c_tok}}},
-                       links={"router_stage": {"latency_ms": latency}},
-                       router={"device": "router", "step_overhead_ms": overhead})
+                       links={"engine_stage": {"latency_ms": latency}},
+                       engine_host={"device": "engine", "step_overhead_ms": overhead})
     (r,) = simulate(Scenario(data)).requests
-    per_forward = overhead + 2 * latency + c0 + c_req  # router step, link there and back, fixed costs
+    per_forward = overhead + 2 * latency + c0 + c_req  # engine step, link there and back, fixed costs
     assert r.ttft_s * 1e3 == pytest.approx(per_forward + c_tok * n_in, abs=1e-9)
     assert r.tpot_s * 1e3 == pytest.approx(per_forward + c_tok, abs=1e-9)
 
 
-def test_router_overhead_per_request_is_charged_per_request_in_the_batch():
+def test_engine_overhead_per_request_is_charged_per_request_in_the_batch():
     """Two requests of equal lengths arrive together and share every forward: each step costs
-    c0 + the router's constant + its term per request, twice."""
+    c0 + the engine's constant + its term per request, twice."""
     c0, overhead, per_request = 10.0, 1.0, 0.5
-    data = one_request(c0, output_len=6, router={"device": "router", "step_overhead_ms": overhead,
+    data = one_request(c0, output_len=6, engine_host={"device": "engine", "step_overhead_ms": overhead,
                                                   "step_overhead_per_request_ms": per_request})
     data["workload"]["requests"] *= 2
     result = simulate(Scenario(data))
@@ -186,14 +186,14 @@ def test_router_overhead_per_request_is_charged_per_request_in_the_batch():
         assert r.tpot_s * 1e3 == pytest.approx(c0 + overhead + 2 * per_request, abs=1e-9)
 
 
-def test_logits_return_costs_a_vocab_row_on_the_router_link():
-    """One decode step with a 100 Mbps router link: ids in (8 B a token + 64 B a header), one
+def test_logits_return_costs_a_vocab_row_on_the_engine_link():
+    """One decode step with a 100 Mbps engine link: ids in (8 B a token + 64 B a header), one
     row back: 4·vocab bytes of fp32 logits or 8 bytes of id."""
     mbps, vocab = 100.0, 49152
     wire = lambda b: b * 8 / (mbps * 1e6)  # noqa: E731
     tpot = {}
     for returns in ("ids", "logits"):
-        data = one_request(10.0, output_len=8, links={"router_stage": {"bandwidth_mbps": mbps}},
+        data = one_request(10.0, output_len=8, links={"engine_stage": {"bandwidth_mbps": mbps}},
                            target={"vocab_size": vocab, "returns": returns})
         (r,) = simulate(Scenario(data)).requests
         tpot[returns] = r.tpot_s
@@ -203,15 +203,15 @@ def test_logits_return_costs_a_vocab_row_on_the_router_link():
     assert tpot["logits"] > tpot["ids"] + 0.015
 
 
-def test_logits_return_slows_a_speculative_run_on_a_slow_router_link():
-    slow = {"router_stage": {"bandwidth_mbps": 100}}
+def test_logits_return_slows_a_speculative_run_on_a_slow_engine_link():
+    slow = {"engine_stage": {"bandwidth_mbps": 100}}
     runs = {returns: simulate(scenario(links=slow, target={"vocab_size": 49152, "returns": returns}))
             for returns in ("ids", "logits")}
     ids, logits = (runs[k].summary() for k in ("ids", "logits"))
     assert logits["makespan_s"] > 1.2 * ids["makespan_s"]
     assert logits["tpot_mean_s"] > ids["tpot_mean_s"]
     # the return link is what got busier: every scored tree node ships a 196 KB row
-    assert logits["utilisation"]["link:stage->router"] > 5 * ids["utilisation"]["link:stage->router"]
+    assert logits["utilisation"]["link:stage->engine"] > 5 * ids["utilisation"]["link:stage->engine"]
 
 
 # ---- pipeline stages and lanes --------------------------------------------------------------------
@@ -374,7 +374,8 @@ BAD = [
     ("latency.cpu.linear.c0_ms", -1, r"latency\.cpu\.linear\.c0_ms:"),
     ("workload.colour", "blue", r"workload: .*'colour' was unexpected"),
     ("drafters.1.name", "ngram", r"drafters: two drafters share a name"),
-    ("router", {"device": "tpu"}, r"router\.device: unknown device 'tpu'"),
+    ("engine_host", {"device": "tpu"}, r"engine_host\.device: unknown device 'tpu'"),
+    ("router", {"device": "tpu"}, r"engine_host\.device: unknown device 'tpu'"),  # the old name
 ]
 
 
@@ -530,3 +531,17 @@ def test_set_null_removes_a_key(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     rows = json.loads(out.read_text())["requests"]
     assert rows and all(r["arrival_s"] < 2.0 for r in rows)
+
+
+def test_a_scenario_with_the_old_router_names_simulates_the_same():
+    """``router``, ``router_stage``, ``router_drafter`` and a device named ``router`` are the
+    engine's host under their names before the rename: the same run, the same figures."""
+    new = one_request(10.0, output_len=5, devices=["gpu", "engine"],
+                      links={"engine_stage": {"latency_ms": 2.0}},
+                      engine_host={"device": "engine", "step_overhead_ms": 1.5})
+    old = one_request(10.0, output_len=5, devices=["gpu", "router"],
+                      links={"router_stage": {"latency_ms": 2.0}},
+                      router={"device": "router", "step_overhead_ms": 1.5})
+    validate(old)  # what loading a file does: today's names
+    assert old == new
+    assert timings(simulate(Scenario(new))) == timings(simulate(Scenario(old)))

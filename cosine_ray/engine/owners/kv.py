@@ -45,12 +45,18 @@ class PrefixCacheStats:
 
 
 class KVBlocks:
-    def __init__(self, num_blocks: int | None, block_size: int, *, caching: bool = True) -> None:
+    def __init__(self, num_blocks: int | None, block_size: int, *, caching: bool = True,
+                 fill: bool = True) -> None:
         if num_blocks is not None and num_blocks < 1:
             raise ValueError("the KV pool needs at least one block besides the scratch block")
         self.capacity = num_blocks
         """Blocks requests may use (ids 1..capacity; 0 is the stages' scratch block); None: the
-        pools grow as needed (CPU without a budget)."""
+        pools grow as needed."""
+        self.fill = fill
+        """Hand out never-used blocks before evicting cached ones: the cache keeps what the
+        whole budget holds (a budget the user gave, or a GPU's). False: reuse freed blocks
+        first and grow only when none is free, so a pool that grows lazily (CPU) stays at
+        what the requests needed at once; the cache keeps what was freed last."""
         self.block_size = block_size
         self.caching = caching
         self._next_id = 1
@@ -164,9 +170,12 @@ class KVBlocks:
 
     # ---- blocks ---------------------------------------------------------------------------------
     def _allocate(self) -> int:
-        """A block for new content: a never-used one while a budget leaves some (so the cache
-        keeps what it holds), else the least recently freed (evicting its cached content)."""
-        fresh = self.capacity is None and not self._free or self.capacity is not None and self._next_id <= self.capacity
+        """A block for new content: a never-used one (see ``fill``) while the budget has some,
+        else the least recently freed (evicting its cached content)."""
+        if self.capacity is None:  # no budget: grow only when nothing is free
+            fresh = not self._free
+        else:
+            fresh = self._next_id <= self.capacity and (self.fill or not self._free)
         if fresh:
             block, self._next_id = self._next_id, self._next_id + 1
         else:

@@ -31,7 +31,7 @@ from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import StepRunner, startup_keys
 
 if TYPE_CHECKING:
-    from cosine_ray.engine.config import StepConfig
+    from cosine_ray.engine.config import EngineConfig, StepConfig
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,13 @@ CUDA_KV_MEMORY_SHARE = 0.9
 CPU_KV_TOKENS_PER_SEQ = 2048
 """On CPU without a byte budget, a stage's pool grows as needed up to this many tokens a
 running request (and at least the model length): the prefix cache keeps what fits in it."""
+
+
+def kv_cache_fills(config: "EngineConfig") -> bool:
+    """Whether the prefix cache may fill the whole KV budget: when the user gave one
+    (``kv_cache_memory``) or on CUDA (the pool is allocated whole anyway). On CPU without a
+    budget the pools grow lazily, and the cache keeps what the requests freed last."""
+    return config.kv_cache_memory is not None or str(config.device).startswith("cuda")
 
 
 def default_kv_tokens(step: "StepConfig") -> int:

@@ -57,7 +57,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO / "k8s"
-CRD_DIR = Path(os.environ.get("COSINE_RAY_KUBERAY_CRDS") or (Path(__file__).resolve().parent / "crds"))
+CRD_DIR = Path(os.environ.get("COSINE_RAY_KUBERAY_CRDS") or (REPO / "tests" / "deploy" / "crds"))
 """The KubeRay CRDs in the repository; ``$COSINE_RAY_KUBERAY_CRDS`` checks against another release."""
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
 VARIANTS = ("rayservice", "raycluster", "cpu-dev")

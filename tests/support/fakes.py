@@ -1,6 +1,6 @@
 """Fakes for engine-core tests: a lookup-table target that checks the KV protocol, and drafters
-that are perfect, wrong, malformed, failing or hanging (shared by test_core.py and
-test_cosine_core.py)."""
+that are perfect, wrong, malformed, failing or hanging (the engine-core tests and the owner
+factories, ``support.factories``)."""
 
 from __future__ import annotations
 

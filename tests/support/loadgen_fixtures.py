@@ -1,5 +1,4 @@
-"""Helpers shared by the loadgen tests (a uniquely named module: ``conftest`` is ambiguous
-across test directories)."""
+"""Helpers shared by the loadgen tests: prompt datasets on disk and the stub server's script."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ stage and drafter actors are named ``cosine_ray:<role>:<i>`` in the engine's own
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import ray
@@ -90,6 +91,14 @@ def our_actors() -> list[tuple[str, str]]:
     return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith("cosine_ray:") or a["namespace"] == "serve")
 
+
+
+def wait_gone(timeout_s: float) -> list[tuple[str, str]]:
+    """Wait until ``our_actors()`` is empty or ``timeout_s`` passed; what is left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := our_actors()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 def force_cleanup() -> None:
     """Whatever a killed CLI left behind in the session cluster."""

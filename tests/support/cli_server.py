@@ -1,5 +1,4 @@
-"""Helpers for tests that run the real ``cosine-ray serve`` CLI as a subprocess (importable
-from any test module: tests/ is on sys.path through tests/conftest.py)."""
+"""Helpers for tests that run the real ``cosine-ray serve`` CLI as a subprocess."""
 
 from __future__ import annotations
 

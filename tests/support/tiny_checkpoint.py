@@ -1,6 +1,5 @@
 """Tiny random-weight checkpoints for tests: ``write_tiny_checkpoint`` writes a small
-Llama/Qwen2/Mistral Hugging Face directory (importable from any test module: tests/ is on
-sys.path through tests/conftest.py)."""
+Llama/Qwen2/Mistral Hugging Face directory."""
 
 from __future__ import annotations
 
