@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.modes.twins import Twins
+from cosine_ray.engine.owners.constraints import Constraints, GrammarCompiler, NoGrammars
 from cosine_ray.engine.owners.drafting import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.owners.kv import KVBlocks
@@ -73,10 +74,13 @@ class EngineCore:
                  metrics: MetricsRegistry | None = None, unit_embeddings: torch.Tensor | None = None,
                  domain_classifier: "DomainClassifier | None" = None,
                  latency_model: "LatencyModel | None" = None, kv_bytes_per_token: int = 0,
-                 kv_num_blocks: int | None = None, kv_fill: bool = True, seed: int | None = 0) -> None:
+                 kv_num_blocks: int | None = None, kv_fill: bool = True, seed: int | None = 0,
+                 tokenizer: Any = None) -> None:
         """``kv_num_blocks``: KV blocks every stage can hold (``TargetClient.kv_capacity``);
         None: the stages' pools grow as needed. ``kv_fill``: the prefix cache may fill them
-        (False: a pool that grows lazily stays at what the requests needed at once)."""
+        (False: a pool that grows lazily stays at what the requests needed at once).
+        ``tokenizer``: the target's HF tokenizer, for grammars (None: requests with a grammar
+        are refused)."""
         self.config = config
         self.clock = clock
         self.metrics = metrics or MetricsRegistry()
@@ -113,7 +117,11 @@ class EngineCore:
                     PathDrafting(clients, vocab_size=vocab_size, deadline_s=config.drafter_deadline_s))
         selection = (FixedSelection() if not adaptive else
                      PricedSelection() if is_lp else ConfidenceCutSelection(config.min_tree_confidence))
-        self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=config.total_gamma_max)
+        self.constraints = Constraints(GrammarCompiler(tokenizer, vocab_size) if tokenizer is not None else NoGrammars(),
+                                       vocab_size)
+        """Score rules and grammars of requests (``engine.owners.constraints``)."""
+        self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=config.total_gamma_max,
+                                     prune=self.constraints.prune)
         self.verifier = Verifier(self.target, is_live=self.pool.is_live, clock=clock)
         self.learner = Learner(speculator=self.speculator, routing=self.routing, costs=costs,
                                drafters=self.drafters, metrics=self.exporter, is_live=self.pool.is_live,
@@ -317,7 +325,13 @@ class EngineCore:
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
         self._check_fits(prompt_token_ids, params)
+        self.constraints.check(params)
         request = self.pool.add(request_id, prompt_token_ids, params)
+        try:
+            self.constraints.start(request)
+        except Exception:
+            self.pool.abort(request_id)
+            raise
         self.routing.start(request)
         return request
 
@@ -325,6 +339,7 @@ class EngineCore:
         """Raise ValueError if the request cannot be served (before anything is queued)."""
         self.pool.check(prompt_token_ids, params)
         self._check_fits(prompt_token_ids, params)
+        self.constraints.check(params)
 
     def _check_fits(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Only a request that could never fit the KV pool, even alone, is refused."""

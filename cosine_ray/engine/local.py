@@ -45,7 +45,7 @@ class LocalEngine:
                                [LocalDrafterClient(DrafterWorker(d)) for d in self.drafters],
                                vocab_size=self.checkpoint.config.vocab_size,
                                eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),
-                               kv_num_blocks=self.target.kv_capacity(),
+                               kv_num_blocks=self.target.kv_capacity(), tokenizer=self.tokenizer,
                                kv_fill=kv_cache_fills(config),
                                **cosine_components(config, self.checkpoint, as_dense(state[EMBEDDING_KEY])))
         self.loop = EngineLoop(self.core)

@@ -7,8 +7,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from cosine_ray.algo.logits_rules import RowRules, TokenLogprob
 from cosine_ray.algo.sampling import draw_seed
 
 if TYPE_CHECKING:
@@ -30,6 +31,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Finish when one of these is generated (it is kept in the output, like EOS)."""
     ignore_eos: bool = False
+    """Do not finish at EOS (benchmarks that need exact output lengths)."""
+    min_tokens: int = 0
+    """EOS and ``stop_token_ids`` cannot be generated before this many tokens."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """The penalties of ``algo.logits_rules.RowRules`` (1.0 / 0.0 = off)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) added to the logits."""
+    logprobs: int | None = None
+    """Return each generated token's log-probability and its ``logprobs`` most likely
+    alternatives (0: the token's own only); None: none."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token but the first (the request skips the prefix cache)."""
+    structured: "StructuredOutput | None" = None
+    """A grammar the output must follow (``engine.owners.constraints``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,10 +57,34 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not 0.01 <= self.repetition_penalty <= 100:  # a smaller one overflows the scores to inf
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+
+    def row_rules(self, eos_token_ids: tuple[int, ...]) -> RowRules:
+        """The score rules of ``algo.logits_rules`` this request asks for."""
+        ends = tuple(self.stop_token_ids) + (() if self.ignore_eos else tuple(eos_token_ids))
+        return RowRules(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                        tuple(self.logit_bias), self.min_tokens, ends)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar for the output, as the API gave it (compiled by ``engine.owners.constraints``)."""
+
+    kind: str
+    """json_schema | regex | choice | lark."""
+    value: str
+    """The schema (JSON text), the regex, the choices (a JSON list of strings) or the grammar."""
 
 
 class RequestStatus(enum.Enum):
@@ -139,12 +180,29 @@ class Request:
     """Twins: hash of the prompt, computed once (``engine.modes.twins``)."""
     twin_progress: tuple[int, float] | None = None
     """Twins: its output length and when that last grew."""
+    # ---- the rules on its scores (``engine.owners.constraints``) ------------------------------
+    rules: RowRules | None = None
+    """Penalties, bias and min_tokens; None: none of them (set on arrival)."""
+    grammar: Any = None
+    """The grammar matcher after its committed output (an ``llguidance.LLMatcher``), or None."""
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """Log-probabilities of the prompt's tokens computed so far (``params.prompt_logprobs``)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if self.seed is None:
             self.seed = draw_seed() if self.params.seed is None else int(self.params.seed)
+        rules = self.params.row_rules(self.eos_token_ids)
+        self.rules = None if rules.is_identity else rules
+
+    @property
+    def needs_rows(self) -> bool:
+        """Its verification needs the target's logits rows, not only their argmax: a rule
+        changes its scores, or it returns log-probabilities."""
+        params = self.params
+        return (self.rules is not None or self.grammar is not None or params.logprobs is not None
+                or params.prompt_logprobs is not None)
 
     @property
     def context_token_ids(self) -> list[int]:
@@ -169,6 +227,9 @@ class Request:
         for tok in new_token_ids:
             self.output_token_ids.append(tok)
             appended.append(tok)
+            if self.grammar is not None and self.grammar.consume_token(tok) and self.grammar.is_stopped():
+                self.finish("stop")  # the grammar is complete: nothing but EOS could follow
+                break
             if tok in stops:
                 self.finish("stop")
                 break
@@ -194,6 +255,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     stats: RequestStats | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One per token of ``new_token_ids`` when the request asked for them."""
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    """With the request's first output, when asked: None for the first prompt token, then one each."""
 
 
 def needs_prefill(request: Request) -> bool:

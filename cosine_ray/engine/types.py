@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cosine_ray.algo.fusion import FusedPath
+from cosine_ray.algo.logits_rules import TokenLogprob
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.tree_selection import SelectedTree, TreePrice
 from cosine_ray.algo.verify import VerifyResult
@@ -153,6 +154,10 @@ class Verified:
     prefill chain): the KV commit."""
     result: VerifyResult | None = None
     """The tree verification (None for a prefill)."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """The target's log-probability of each new token, when the request asked for them."""
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    """A prompt chunk's: those of the prompt tokens after each of its tokens (None first)."""
 
     @property
     def is_prefill(self) -> bool:

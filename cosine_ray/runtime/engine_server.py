@@ -98,7 +98,7 @@ class EngineServer:
         self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
                                eos_token_ids=eos_token_ids(checkpoint, tokenizer),
                                kv_num_blocks=await self.target.kv_capacity(), kv_fill=kv_cache_fills(config),
-                               **components)
+                               tokenizer=tokenizer, **components)
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
         self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held

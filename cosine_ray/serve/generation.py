@@ -1,6 +1,7 @@
 """One generation request's lifecycle in the OpenAI layer, from admission to the last byte:
 
 * ``Admission``: the bound on generations in flight (503 + Retry-After past it);
+* ``Readiness``: what ``/health`` answers, at once, while the engine starts or recovers;
 * ``Generation``: one engine request seen as text (``TextStream``: incremental detokenization
   and stop strings), with the server-side request timeout; closing it aborts the request in
   the engine and frees its admission slot. A stop string ends it as a normal completion: the
@@ -27,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
+from cosine_ray.algo.logits_rules import TokenLogprob
 from cosine_ray.engine.request import RequestStats, SamplingParams
 from cosine_ray.serve.errors import (OVERLOADED_CODE, EngineUnavailable, InvalidRequest, OpenAIError,
                                      RequestTimeout)
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+HEALTH_ANSWER_S = 0.5
+"""Longest ``/health`` waits for the engine before answering with what it knows."""
+HEALTH_PROBE_TIMEOUT_S = 5.0
 FINISH_NOTICE_TIMEOUT_S = 1.0
 """Longest wait for the engine to take a stop-string finish; past it the stream is closed
 anyway (the request is freed all the same, and counted as an abort)."""
@@ -116,6 +121,34 @@ class Admission:
         return release
 
 
+class Readiness:
+    """``/health`` answers at once: it asks the engine in the background (one probe at a time,
+    ``HEALTH_PROBE_TIMEOUT_S`` each) and waits at most ``HEALTH_ANSWER_S`` for it; until the
+    engine has answered once the status is ``starting`` (503), later the last answer stands."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self.last = "starting"
+        self._probe: asyncio.Future | None = None
+
+    async def _ask(self) -> str:
+        try:
+            info = await asyncio.wait_for(self.engine.health(), timeout=HEALTH_PROBE_TIMEOUT_S)
+            self.last = str(info.get("status", "unknown"))
+        except Exception as exc:
+            log.warning("health check failed: %s: %s", type(exc).__name__, exc)
+            self.last = "starting" if self.last == "starting" else "unreachable"
+        return self.last
+
+    async def status(self) -> str:
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._ask())
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._probe), timeout=HEALTH_ANSWER_S)
+        except asyncio.TimeoutError:
+            return self.last if self.last != "ok" else "unresponsive"
+
+
 class Generation:
     """One engine request seen as text: ``step()`` until ``is_done``; always ``aclose()``."""
 
@@ -136,6 +169,10 @@ class Generation:
         self.stats: RequestStats | None = None
         self.is_done = False
         self._num_outputs = 0
+        self.logprobs: list[TokenLogprob] = []
+        """The generated tokens' log-probabilities so far (when the request asked)."""
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self._num_taken = 0
 
     async def _next_output(self) -> Any:
         if self.deadline is None:
@@ -170,6 +207,9 @@ class Generation:
                         out.finish_reason)
             raise EngineUnavailable("the engine failed while generating; retry")
         self.stats = out.stats or self.stats
+        self.logprobs.extend(out.logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         delta = self.text.add(out.new_token_ids, is_final=out.finished)
         if self.text.is_stopped or out.finished:
             self.finish_reason = "stop" if self.text.is_stopped else out.finish_reason
@@ -192,6 +232,19 @@ class Generation:
                 await finish(self.request_id)
         except Exception:
             log.debug("could not tell the engine that %s finished", self.request_id, exc_info=True)
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities that arrived since the last call (a streamed chunk's)."""
+        new, self._num_taken = self.logprobs[self._num_taken:], len(self.logprobs)
+        return new
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.text.token_ids)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
 
     async def collect(self) -> str:
         while not self.is_done:

@@ -20,6 +20,7 @@ This module holds the app and its routes; the per-request machinery (``Admission
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -33,16 +34,18 @@ from jinja2 import TemplateError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
-from cosine_ray.engine.request import SamplingParams
+from cosine_ray.engine.request import SamplingParams, StructuredOutput
 from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, CatchAllMiddleware,
                                      EngineUnavailable, HeaderLimitMiddleware, InvalidRequest, NotFound,
                                      OpenAIError, error_payload, error_response, install_error_handlers)
-from cosine_ray.serve.generation import Admission, Generation, SSEResponse, sse, unless_disconnected
+from cosine_ray.serve import tools
+from cosine_ray.serve.choices import ChatDeltas, Choice, Logprobs, interleave
+from cosine_ray.serve.generation import Admission, Generation, Readiness, SSEResponse, sse, unless_disconnected
 from cosine_ray.serve.metrics_http import METRICS_PATH, HttpCounts, HttpMetricsMiddleware, metrics_response
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                       CompletionChoice, CompletionRequest, CompletionResponse,
-                                      ErrorResponse, ModelCard, ModelList, Usage)
+                                      ErrorResponse, ModelCard, ModelList, PromptTokensDetails, Usage)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError("request_timeout_s must be > 0")
     admission = Admission(max_pending_requests)
+    readiness = Readiness(engine)
     app = FastAPI(title="cosine_ray", summary="OpenAI-compatible lossless speculative decoding",
                   responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                              503: {"model": ErrorResponse}})
@@ -115,9 +119,10 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest(f"model {model_name} has no chat template; use /v1/completions",
                                  param="messages")
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        messages, tool_list = tools.render(req, tokenizer)
+        kwargs = {"tools": tool_list} if tool_list else {}
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
             raise InvalidRequest(f"messages do not fit the model's chat template: {str(exc).splitlines()[0]}",
                                  param="messages") from None
@@ -141,8 +146,25 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
                                  f"{engine.vocab_size})", param="prompt")
         return list(req.prompt)
 
-    async def start(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                    prompt_param: str, request_id: str) -> Generation:
+    def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, num_logprobs: int | None,
+                        structured: StructuredOutput | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                logit_bias=tuple(req.logit_bias), logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
+                structured=structured)
+        except ValueError as exc:
+            param = "min_tokens" if "min_tokens" in str(exc) else None
+            raise InvalidRequest(str(exc), param=param) from None
+
+    async def start(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], prompt_param: str,
+                    request_id: str, *, structured: tuple[StructuredOutput, str] | None,
+                    num_choices: int, num_logprobs: int | None) -> list[Choice]:
+        """Check the request with the engine and start one generation per choice (each its own
+        engine request and sampling key: seed + i), and await each one's first output."""
         requested, max_tokens_param = req.requested_max_tokens
         room = engine.max_model_len - len(prompt_ids)
         if room < 1:
@@ -152,46 +174,58 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
             raise InvalidRequest(f"{max_tokens_param}={requested} plus the prompt's {len(prompt_ids)} tokens "
                                  f"exceeds the model's context of {engine.max_model_len}; use "
                                  f"{max_tokens_param} <= {room}", param=max_tokens_param)
-        params = SamplingParams(max_tokens=requested or min(default_max_tokens, room),
-                                temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                                seed=req.seed)
-        release = admission.try_acquire()  # before any await: the count is exact
+        spec, spec_param = structured or (None, None)
+        params = sampling_params(req, requested or min(default_max_tokens, room), num_logprobs, spec)
+        releases = [admission.try_acquire()]  # before any await: the count is exact
         try:
+            for _ in range(num_choices - 1):
+                releases.append(admission.try_acquire())
             await engine.check_request(prompt_ids, params)
         except ValueError as exc:
-            release()
+            for release in releases:
+                release()
             msg = str(exc)
-            raise InvalidRequest(msg, param=max_tokens_param if msg.startswith("max_tokens")
-                                 else prompt_param) from None
-        except Exception as exc:
-            release()
-            if isinstance(exc, OpenAIError):
+            raise InvalidRequest(msg, param=_param_of(msg, max_tokens_param, prompt_param, spec_param)) from None
+        except BaseException as exc:  # cancelled (client gone), overloaded, engine down
+            for release in releases:
+                release()
+            if isinstance(exc, (OpenAIError, asyncio.CancelledError)) or not isinstance(exc, Exception):
                 raise
             log.exception("engine.check_request failed")
             raise EngineUnavailable("the engine could not check the request; retry") from None
-        except BaseException:  # cancelled (client gone)
-            release()
-            raise
         deadline = None if request_timeout_s is None else time.monotonic() + request_timeout_s
-        return Generation(engine, tokenizer, prompt_ids, params, req.stop, request_id,
-                          on_close=release, deadline=deadline)
+        choices = []
+        for i, release in enumerate(releases):
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            choice_params = dataclasses.replace(params, seed=seed) if i else params
+            rid = request_id if num_choices == 1 else f"{request_id}-{i}"
+            choices.append(Choice(i, Generation(engine, tokenizer, prompt_ids, choice_params, req.stop, rid,
+                                                on_close=release, deadline=deadline)))
+        return choices
 
-    async def respond(request: Request, gen: Generation, complete: Callable[[str], Any],
-                      events: Callable[[Generation, str], AsyncIterator[str]], is_stream: bool) -> Any:
-        if not is_stream:
-            try:
-                text = await unless_disconnected(request, gen.collect())
-            finally:
-                await gen.aclose()
-            return JSONResponse(complete(text).model_dump(mode="json", exclude_none=True))
+    async def first_outputs(request: Request, choices: list[Choice]) -> None:
+        """Each choice's first output before any header: errors before the first token get a
+        real status code."""
         try:
-            first = await unless_disconnected(request, gen.step())
+            firsts = await unless_disconnected(request, asyncio.gather(*(c.gen.step() for c in choices)))
         except BaseException:
-            await gen.aclose()
+            await close_all(choices)
             raise
-        return SSEResponse(guarded_events(gen, events(gen, first)), on_close=gen.aclose)
+        for c, first in zip(choices, firsts):
+            c.first = first
 
-    async def guarded_events(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def close_all(choices: list[Choice]) -> None:
+        await asyncio.gather(*(c.gen.aclose() for c in choices), return_exceptions=True)
+
+    async def collect_all(request: Request, choices: list[Choice]) -> None:
+        try:
+            async def run(c: Choice) -> None:
+                await c.gen.collect()
+            await unless_disconnected(request, asyncio.gather(*(run(c) for c in choices)))
+        finally:
+            await close_all(choices)
+
+    async def guarded_events(choices: list[Choice], events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Errors after the headers become an SSE error event; ``[DONE]`` always ends the stream."""
         try:
             async for event in events:
@@ -199,20 +233,21 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
         except OpenAIError as exc:
             yield sse(json.dumps(exc.payload()))
         except Exception:
-            log.exception("stream %s failed", gen.request_id)
+            log.exception("stream %s failed", choices[0].gen.request_id)
             yield sse(json.dumps(error_payload(500, "internal server error")))
         finally:
-            await gen.aclose()
+            await close_all(choices)
         yield "data: [DONE]\n\n"
 
-    async def generate_deltas(gen: Generation, first: str) -> AsyncIterator[str]:
-        delta = first
-        while True:
-            if delta:
-                yield delta
-            if gen.is_done:
-                return
-            delta = await gen.step()
+    def usage(choices: list[Choice]) -> Usage:
+        n = sum(c.gen.num_tokens for c in choices)
+        prompt = choices[0].gen.num_prompt_tokens
+        cached = max((c.gen.usage().prompt_tokens_details.cached_tokens for c in choices), default=0)
+        return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def stats_block(req: Any, choices: list[Choice]) -> Any:
+        return choices[0].gen.stats_block() if wants_stats(req) else None
 
     @app.post("/v1/chat/completions", response_model=None,
               responses={200: {"model": ChatCompletionResponse}})
@@ -220,58 +255,129 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
         check_model(req.model)
         req.check_supported()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = await start(req, chat_prompt(req), "messages", rid)
+        forced = tools.grammar(req)
+        structured = req.structured or ((forced, "tools") if forced is not None else None)
+        choices = await start(req, chat_prompt(req), "messages", rid, structured=structured,
+                              num_choices=req.n, num_logprobs=req.num_logprobs)
+        await first_outputs(request, choices)
         now = int(time.time())
+        logprobs = Logprobs(tokenizer)
 
-        def complete(text: str) -> ChatCompletionResponse:
-            return ChatCompletionResponse(
-                id=rid, created=now, model=model_name, usage=gen.usage(),
-                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)],
-                cosine_ray=gen.stats_block() if wants_stats(req) else None)
+        def finish_reason(choice: Choice, has_calls: bool) -> str | None:
+            return "tool_calls" if has_calls and choice.gen.finish_reason == "stop" or \
+                has_calls and tools.mode(req) == "named" else choice.gen.finish_reason
 
-        def chunk(delta: ChatDelta, finish_reason: str | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=now, model=model_name,
-                                       choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+        if not req.stream:
+            await collect_all(request, choices)
+            out = []
+            for c in choices:
+                content, calls = tools.parse(req, c.gen.text.text)
+                out.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                                      finish_reason=finish_reason(c, bool(calls)),
+                                      logprobs=logprobs.chat(c.gen.logprobs) if req.logprobs else None))
+            body = ChatCompletionResponse(id=rid, created=now, model=model_name, usage=usage(choices), choices=out,
+                                          cosine_ray=stats_block(req, choices),
+                                          prompt_logprobs=logprobs.vllm_prompt(choices[0].gen.prompt_logprobs))
+            return JSONResponse(body.model_dump(mode="json", exclude_none=True, by_alias=True))
 
-        async def events(gen: Generation, first: str) -> AsyncIterator[str]:
-            yield sse(chunk(ChatDelta(role="assistant", content="")))
-            async for delta in generate_deltas(gen, first):
-                yield sse(chunk(ChatDelta(content=delta)))
-            last = chunk(ChatDelta(), gen.finish_reason)
-            last.cosine_ray = gen.stats_block() if wants_stats(req) else None
-            yield sse(last)
+        def chunk(choice: ChatChunkChoice | None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=now, model=model_name, choices=[choice] if choice else [],
+                                       usage=usage(choices) if req.continuous_usage else None)
+
+        async def events() -> AsyncIterator[str]:
+            streams = {c.index: ChatDeltas(req) for c in choices}
+            for c in choices:
+                yield sse(chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))))
+            finished = set()
+            async for c, delta, lps, last in interleave(choices):
+                streamer = streams[c.index]
+                out = streamer.feed(delta)
+                if out is not None or lps and req.logprobs:
+                    yield sse(chunk(ChatChunkChoice(index=c.index, delta=out or ChatDelta(),
+                                                    logprobs=logprobs.chat(lps) if req.logprobs else None)))
+                if last:
+                    finished.add(c.index)
+                    for rest in streamer.finish():
+                        yield sse(chunk(ChatChunkChoice(index=c.index, delta=rest)))
+                    final = chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(),
+                                                  finish_reason=finish_reason(c, streamer.has_calls)))
+                    if len(finished) == len(choices):
+                        final.cosine_ray = stats_block(req, choices)
+                    yield sse(final)
             if req.include_usage:
-                yield sse(ChatCompletionChunk(id=rid, created=now, model=model_name, choices=[],
-                                              usage=gen.usage()))
+                yield sse(ChatCompletionChunk(id=rid, created=now, model=model_name, choices=[], usage=usage(choices)))
 
-        return await respond(request, gen, complete, events, req.stream)
+        return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices))
 
     @app.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
     async def completions(req: CompletionRequest, request: Request) -> Any:
         check_model(req.model)
         req.check_supported()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gen = await start(req, completion_prompt(req), "prompt", rid)
+        prompt_ids = completion_prompt(req)
+        k = req.num_logprobs
+        ranked = req.num_generated > req.n  # best_of: rank by the model's own log-probability
+        num_logprobs = (k or 0) if ranked or k is not None else None
+        if req.echo and k is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = k
+        choices = await start(req, prompt_ids, "prompt", rid, structured=req.structured,
+                              num_choices=req.num_generated, num_logprobs=num_logprobs)
+        await first_outputs(request, choices)
         now = int(time.time())
+        logprobs = Logprobs(tokenizer)
+        prompt_text = (req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids)) if req.echo else ""
 
-        def response(text: str, finish_reason: str | None = None, *, usage: Usage | None = None,
-                     stats: bool = False, choices: bool = True) -> CompletionResponse:
-            return CompletionResponse(
-                id=rid, created=now, model=model_name, usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason=finish_reason)] if choices else [],
-                cosine_ray=gen.stats_block() if stats and wants_stats(req) else None)
+        def choice_logprobs(c: Choice, lps: list, token_ids: list[int], offset: int, with_prompt: bool):
+            if k is None:
+                return None
+            if with_prompt and req.echo:
+                prompt_lps = list(c.gen.prompt_logprobs or [None] * len(prompt_ids))
+                return logprobs.completion(prompt_lps + lps, prompt_ids + token_ids, 0)
+            return logprobs.completion(lps, token_ids, offset)
 
-        def complete(text: str) -> CompletionResponse:
-            return response(text, gen.finish_reason, usage=gen.usage(), stats=True)
+        if not req.stream:
+            await collect_all(request, choices)
+            if ranked:
+                choices = sorted(choices, key=lambda c: -c.gen.cumulative_logprob)[:req.n]
+            out = [CompletionChoice(index=i, text=prompt_text + c.gen.text.text, finish_reason=c.gen.finish_reason,
+                                    logprobs=choice_logprobs(c, c.gen.logprobs, c.gen.text.token_ids,
+                                                             len(prompt_text), True),
+                                    prompt_logprobs=logprobs.vllm_prompt(c.gen.prompt_logprobs))
+                   for i, c in enumerate(choices)]
+            body = CompletionResponse(id=rid, created=now, model=model_name, usage=usage(choices), choices=out,
+                                      cosine_ray=stats_block(req, choices))
+            return JSONResponse(body.model_dump(mode="json", exclude_none=True))
 
-        async def events(gen: Generation, first: str) -> AsyncIterator[str]:
-            async for delta in generate_deltas(gen, first):
-                yield sse(response(delta))
-            yield sse(response("", gen.finish_reason, stats=True))
+        def chunk(choice: CompletionChoice | None, **extra: Any) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=now, model=model_name, choices=[choice] if choice else [],
+                                      usage=usage(choices) if req.continuous_usage else None, **extra)
+
+        async def events() -> AsyncIterator[str]:
+            sent = {c.index: 0 for c in choices}
+            if req.echo:
+                for c in choices:
+                    yield sse(chunk(CompletionChoice(
+                        index=c.index, text=prompt_text,
+                        logprobs=None if k is None else logprobs.completion(
+                            list(c.gen.prompt_logprobs or [None] * len(prompt_ids)), prompt_ids, 0),
+                        prompt_logprobs=logprobs.vllm_prompt(c.gen.prompt_logprobs))))
+            finished = set()
+            async for c, delta, lps, last in interleave(choices):
+                n = len(lps)
+                if delta or (lps and k is not None):
+                    ids = c.gen.text.token_ids[sent[c.index]:sent[c.index] + n]
+                    yield sse(chunk(CompletionChoice(index=c.index, text=delta,
+                                                     logprobs=choice_logprobs(c, lps, ids, 0, False))))
+                sent[c.index] += n
+                if last:
+                    finished.add(c.index)
+                    done = len(finished) == len(choices)
+                    yield sse(chunk(CompletionChoice(index=c.index, text="", finish_reason=c.gen.finish_reason),
+                                    cosine_ray=stats_block(req, choices) if done else None))
             if req.include_usage:
-                yield sse(response("", usage=gen.usage(), choices=False))
+                yield sse(CompletionResponse(id=rid, created=now, model=model_name, choices=[], usage=usage(choices)))
 
-        return await respond(request, gen, complete, events, req.stream)
+        return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices))
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)
@@ -287,12 +393,7 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
 
     @app.get("/health")
     async def health() -> Any:
-        try:
-            info = await asyncio.wait_for(engine.health(), timeout=5.0)
-            status = str(info.get("status", "unknown"))
-        except Exception as exc:
-            log.warning("health check failed: %s: %s", type(exc).__name__, exc)
-            status = "unreachable"
+        status = await readiness.status()
         if status == "ok":
             return {"status": "ok"}
         body = {"status": status, **error_payload(503, f"engine status: {status}")}
@@ -304,3 +405,14 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
 
     known_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     return app
+
+
+def _param_of(message: str, max_tokens_param: str, prompt_param: str, grammar_param: str | None) -> str:
+    """The request field an engine ValueError is about (by the message's first words)."""
+    for field in ("logit_bias", "stop_token_ids", "min_tokens"):
+        if message.startswith(field):
+            return field
+    if message.startswith(("the json schema", "the regex", "the choice", "the lark", "structured outputs",
+                           "choice must")) and grammar_param is not None:
+        return grammar_param
+    return max_tokens_param if message.startswith("max_tokens") else prompt_param

@@ -1,7 +1,7 @@
 """OpenAI-compatible request/response models for /v1/chat/completions and /v1/completions.
 
-Validation here is structural (types, ranges, shapes); ``check_supported`` then rejects what is
-valid OpenAI but not served by a lossless engine (n > 1, penalties, logprobs, tools, ...).
+Validation here is structural (types, ranges, shapes); ``check_supported`` then rejects the
+fields ``serve.fields`` refuses (and unknown ones) and inconsistent combinations.
 Numbers and booleans are strict: ``"16"`` is not a max_tokens and ``true`` is not a number.
 Union-typed fields (message content, prompt, stop) are checked by hand so an error names the
 field itself, never a pydantic union branch.
@@ -9,13 +9,23 @@ field itself, never a pydantic union branch.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
+from cosine_ray.engine.request import StructuredOutput
 from cosine_ray.serve.errors import InvalidRequest
+from cosine_ray.serve.fields import check_extra_fields
+from cosine_ray.serve.request_parts import (CalledFunction, FunctionDefinition, JsonSchemaFormat,  # noqa: F401
+                                            NamedFunction, NamedToolChoice, ResponseFormat, StructuredOutputs,
+                                            ToolCall, ToolParam, token_id_map)
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16
+"""Largest ``n`` / ``best_of``."""
+MAX_LOGPROBS = 20
+"""Most alternatives per token (OpenAI's limit for top_logprobs)."""
 
 StrictInt = Annotated[int, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
@@ -48,14 +58,19 @@ def check_unicode(text: str) -> str:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool = False
     """Send one more chunk before [DONE] with ``usage`` and no choices."""
+    continuous_usage_stats: StrictBool = False
+    """vLLM: ``usage`` so far on every chunk too."""
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by chat and completions requests."""
+    """Fields shared by chat and completions requests (``serve.fields`` lists every field)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    route: ClassVar[str] = "both"
 
     model: str | None = Field(None, description="The served model's id; omitted = the served model.")
     max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = Field(
@@ -63,15 +78,23 @@ class _SamplingRequest(BaseModel):
     temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(strict=True, ge=-1)] = Field(-1, description="0 or -1 = off.")
-    n: Annotated[int, Field(strict=True, ge=1)] = Field(1, description="Only 1 is supported.",
-                                                        json_schema_extra={"maximum": 1})
+    n: Annotated[int, Field(strict=True, ge=1, le=MAX_CHOICES)] = Field(1, description="Choices to generate.")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     seed: Annotated[int, Field(strict=True, ge=-(2**63), lt=2**64)] | None = None
     stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = Field(
         None, validate_default=True, description="Up to 4 stop strings: the output ends before the first one.")
-    presence_penalty: Penalty = Field(0.0, description="Only 0 is supported (lossless output).")
-    frequency_penalty: Penalty = Field(0.0, description="Only 0 is supported (lossless output).")
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.01, le=10.0)] = 1.0
+    logit_bias: Annotated[Any, WithJsonSchema({"type": "object", "additionalProperties": {"type": "number"}})] = Field(
+        None, validate_default=True, description="Token id → bias in [-100, 100].")
+    prompt_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None
     cosine_ray_stats: StrictBool = Field(
         False, description="Add a `cosine_ray` block with this request's speculation statistics.")
@@ -92,42 +115,74 @@ class _SamplingRequest(BaseModel):
             check_unicode(s)
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: Any) -> list[tuple[int, float]]:
+        return token_id_map(value)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
     def check_supported(self) -> None:
-        """Raise InvalidRequest (naming the field) for valid OpenAI we do not serve."""
-        if self.n != 1:
-            raise InvalidRequest("n > 1 is not supported; send one request per completion", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise InvalidRequest(f"{name} is not supported (only 0): the server returns the target "
-                                     f"model's own distribution (lossless speculative decoding)", param=name)
-        for name, value in (self.model_extra or {}).items():
-            is_default = value in (None, False, [], {}, "none", {"type": "text"}) or (
-                name == "best_of" and value == 1)
-            if name in _UNSUPPORTED_EXTRAS and not is_default:
-                raise InvalidRequest(f"{name} is not supported by this server", param=name)
+        """Raise InvalidRequest (naming the field) for fields we refuse (``serve.fields``)."""
+        check_extra_fields(self.route, self.model_extra or {})
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+        if self.response_format is not None and self.structured_outputs is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequest("give response_format or structured_outputs, not both", param="structured_outputs")
+        so = self.structured_outputs
+        if so is not None and sum(x is not None and x is not False for x in
+                                  (so.json_, so.regex, so.choice, so.grammar, so.json_object)) != 1:
+            raise InvalidRequest("structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                                 param="structured_outputs")
+        if self.response_format is not None and self.response_format.type == "json_schema" \
+                and self.response_format.json_schema is None:
+            raise InvalidRequest("response_format type json_schema needs json_schema", param="response_format")
 
-
-# Known OpenAI fields whose non-default value would change the output we cannot honour.
-_UNSUPPORTED_EXTRAS = frozenset({"tools", "tool_choice", "functions", "function_call", "logit_bias",
-                                 "response_format", "best_of", "echo", "suffix", "top_logprobs",
-                                 "prediction", "audio", "modalities"})
+    @property
+    def structured(self) -> tuple[StructuredOutput, str] | None:
+        """The grammar this request asks for, and the field that asked for it."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type == "json_object":
+            return StructuredOutput("json_schema", json.dumps({"type": "object"})), "response_format"
+        if rf is not None and rf.type == "json_schema":
+            return StructuredOutput("json_schema", json.dumps(rf.json_schema.schema_)), "response_format"
+        if so is None:
+            return None
+        if so.json_ is not None:
+            text = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+            return StructuredOutput("json_schema", text), "structured_outputs"
+        if so.json_object:
+            return StructuredOutput("json_schema", json.dumps({"type": "object"})), "structured_outputs"
+        if so.regex is not None:
+            return StructuredOutput("regex", so.regex), "structured_outputs"
+        if so.choice is not None:
+            return StructuredOutput("choice", json.dumps(so.choice)), "structured_outputs"
+        return StructuredOutput("lark", so.grammar), "structured_outputs"
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = Field(
-        ..., description="A string or a list of {type: 'text', text} parts (joined with newlines).")
+        None, description="A string or a list of {type: 'text', text} parts (joined with newlines).")
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _check_content(cls, value: Any) -> str:
+    def _check_content(cls, value: Any) -> str | None:
+        if value is None:
+            return None
         if isinstance(value, str):
             return check_unicode(value)
         if isinstance(value, list) and all(
@@ -138,10 +193,16 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    route: ClassVar[str] = "chat"
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = Field(
         None, description="Alias of max_tokens; wins when both are given.")
-    logprobs: StrictBool | None = Field(None, description="Not supported: true is rejected.")
+    logprobs: StrictBool | None = Field(None, description="Return each token's log-probability.")
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -149,16 +210,37 @@ class ChatCompletionRequest(_SamplingRequest):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise InvalidRequest("logprobs are not supported", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise InvalidRequest(f"messages[{i}].content is required", param=f"messages[{i}].content")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise InvalidRequest(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
+                                 param="tool_choice")
+        if self.tools and self.tool_choice not in (None, "none") and self.structured is not None:
+            raise InvalidRequest("tool_choice and a response format cannot both constrain the output",
+                                 param="tool_choice")
 
 
 class CompletionRequest(_SamplingRequest):
+    route: ClassVar[str] = "completions"
+
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(
         ..., description="A string, a list of one string, or a list of token ids.")
-    logprobs: Annotated[int, Field(strict=True, ge=0)] | None = Field(None, description="Not supported.")
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="Return each token's log-probability and this many alternatives.")
+    echo: StrictBool = False
+    best_of: Annotated[int, Field(strict=True, ge=1, le=MAX_CHOICES)] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -181,134 +263,23 @@ class CompletionRequest(_SamplingRequest):
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_generated(self) -> int:
+        return max(self.best_of or 1, self.n)
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs are not supported", param="logprobs")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
+        if self.best_of not in (None, self.n) and self.stream:
+            raise InvalidRequest("best_of > n cannot be streamed", param="best_of")
 
 
-# ---- responses ------------------------------------------------------------------------------
+# ---- responses (``serve.responses``), importable from here too
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)."""
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CosineRayStats(BaseModel):
-    """Speculation statistics of one request (the `cosine_ray_stats` extension)."""
-
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    """Accepted draft tokens (bonus excluded)."""
-    mean_accepted_length: float
-    """Tokens committed per verify step, bonus included."""
-    num_verify_steps: int
-    drafted_by: dict[str, int]
-    accepted_by: dict[str, int]
-    domain: str
-    """The domain the engine classified the prompt into (code, math, instruction, chat, other)."""
-    drafters_used: list[str]
-    """Drafters that put at least one token into this request's verified trees (sorted)."""
-    pipedec_timesteps: int = 0
-    """Timesteps the request ran in PipeDec mode (``pipeline_mode: pipedec``, alone in the pool)."""
-    pipedec_tokens: int = 0
-    """Tokens those timesteps committed; ``pipedec_hits`` of them were in the prediction tree."""
-    pipedec_hits: int = 0
-    num_cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache."""
-    num_preemptions: int = 0
-    """Times the engine preempted the request for KV memory (it resumed with the same text)."""
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    cosine_ray: CosineRayStats | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    cosine_ray: CosineRayStats | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    """Also the shape of each streamed chunk (OpenAI uses one object type for both)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    cosine_ray: CosineRayStats | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "cosine_ray"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
+from cosine_ray.serve.responses import (  # noqa: E402,F401
+    PromptTokensDetails, Usage, CosineRayStats, TopLogprob, TokenLogprobOut, ChatLogprobs, CompletionLogprobs, AssistantMessage, ChatChoice, ChatCompletionResponse, FunctionDelta, ToolCallDelta, ChatDelta, ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, ModelCard, ModelList, ErrorBody, ErrorResponse, FinishReason)

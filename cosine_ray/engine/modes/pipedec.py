@@ -280,7 +280,11 @@ class PipeDec:
             self.kv.commit(session.request, session.request.num_tokens - 1)
 
     def fits(self, request: Request) -> bool:
-        """Whether the KV pool can hold a session's tree for ``request`` (else it runs in lanes)."""
+        """Whether the KV pool can hold a session's tree for ``request`` (else it runs in lanes);
+        a request with score rules or log-probabilities runs in lanes too (verification
+        applies them at every node)."""
+        if request.needs_rows:
+            return False
         tree = self.width * (self.max_depth + 1) + 2 * self.target.inner.num_stages
         return self.kv.can_fit(self.kv.blocks_for(request.num_tokens + tree) - len(request.block_table))
 

@@ -96,8 +96,8 @@ class KVBlocks:
         request.prefix_looked_up = True
         context = request.context_token_ids
         self.stats.queries += len(context)
-        if not self.caching:
-            return 0
+        if not self.caching or (request.params.prompt_logprobs is not None and not request.output_token_ids):
+            return 0  # prompt log-probabilities need every prompt row: its prompt is computed
         bs, parent, found = self.block_size, 0, 0
         while (found + 1) * bs <= len(context) - 1:
             key = (parent, tuple(context[found * bs:(found + 1) * bs]))

@@ -137,12 +137,21 @@ class RequestPool:
             request = self.running.get(outcome.request_id)
             if request is None:  # aborted (or failed) while this step was in flight
                 continue
+            first = not request.output_token_ids
+            if outcome.prompt_logprobs is not None and first:
+                if outcome.prompt_logprobs[:1] == (None,):  # from the prompt's start (again, if preempted)
+                    request.prompt_logprobs.clear()
+                request.prompt_logprobs.extend(outcome.prompt_logprobs)
             if not outcome.new_token_ids:  # a prompt chunk before the last: nothing to stream yet
                 continue
             appended = request.append(list(outcome.new_token_ids))
+            logprobs = None if outcome.logprobs is None else outcome.logprobs[:len(appended)]
+            prompt_logprobs = (tuple(request.prompt_logprobs)
+                               if first and request.params.prompt_logprobs is not None else None)
             outputs.append(RequestOutput(
                 request.request_id, appended, request.is_finished, request.finish_reason,
-                len(request.prompt_token_ids), len(request.output_token_ids), request.stats))
+                len(request.prompt_token_ids), len(request.output_token_ids), request.stats,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs))
             if request.is_finished:
                 del self.running[request.request_id]
                 self._released.append(request)

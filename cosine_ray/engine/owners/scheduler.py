@@ -147,12 +147,34 @@ class BatchScheduler:
         before = len(pool.running)
         while pool.waiting and len(pool.running) < self.config.max_num_seqs:
             request = pool.waiting[0]
+            if not request.prefix_looked_up and self._prefix_in_flight(request):
+                break  # it takes the blocks from the cache once they are computed
             kv.take_cached_prefix(request)
             if not kv.can_fit(kv.blocks_for(request.num_tokens + 1) - len(request.block_table)):
                 break  # it waits for blocks, and nobody overtakes it
             kv.ensure(request, request.num_tokens)
             pool.admit(request)
         self._peak = len(pool.running) if len(pool.running) > before else max(self._peak, len(pool.running))
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """A running request is prefilling at least one full block of ``request``'s prompt that
+        is not computed yet (identical prompts: the choices of one API request, a shared
+        system prompt): ``request`` waits for it, then takes those blocks from the prefix cache
+        instead of computing them too. Nobody overtakes it meanwhile (a step at most per chunk)."""
+        kv = self.kv
+        if not kv.caching or request.params.prompt_logprobs is not None:
+            return False
+        prompt = request.prompt_token_ids
+        for other in self.pool.running.values():
+            if not needs_prefill(other):
+                continue
+            theirs, shared = other.prompt_token_ids, 0
+            limit = min(len(prompt) - 1, len(theirs))
+            while shared < limit and prompt[shared] == theirs[shared]:
+                shared += 1
+            if shared // kv.block_size > other.num_computed_tokens // kv.block_size:
+                return True
+        return False
 
     def _fit_tokens(self, requests: Sequence[Request], budgets: dict[str, int]) -> dict[str, int]:
         """The step's token budget: every decode's root and its draft tree first (Algorithm 2

@@ -144,8 +144,12 @@ class FixedSelection:
 
 class Speculator:
     def __init__(self, drafting: DraftingStrategy, selection: TreePolicy, calibrator: ConfidenceCalibrator, *,
-                 total_gamma_max: int, bias: TreeBias | None = None) -> None:
+                 total_gamma_max: int, bias: TreeBias | None = None,
+                 prune: Callable[[Request, Sequence[FusedPath]], list[FusedPath]] = lambda request, paths: list(paths)
+                 ) -> None:
         self.drafting = drafting
+        self.prune = prune
+        """Cuts a request's draft paths at the first token its grammar forbids (``Constraints.prune``)."""
         self.selection = selection
         self.calibrator = calibrator
         self.total_gamma_max = total_gamma_max
@@ -204,7 +208,7 @@ class Speculator:
         fulls: dict[str, tuple[SelectedTree, tuple[float, ...]]] = {}
         for r in decodes:
             rid = r.request_id
-            paths = drafted[rid].paths if rid in drafted else []
+            paths = self.prune(r, drafted[rid].paths) if rid in drafted else []
             # a twin's chain is the target's own text: no floor (its calibration may lag)
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid],
                               min_confidence=0.0 if rid in batch.twins else cut)

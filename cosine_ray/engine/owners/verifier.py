@@ -7,8 +7,10 @@ plus the bonus token. Sampled requests draw each position's token by the Gumbel-
 noise keyed by (request seed, position) (``algo.sampling.sample_keyed``), so verifying a tree is
 an exact comparison with the target's sampled token (``algo.verify.verify_keyed``): the text
 is the one plain sampling with that seed produces, whatever the drafters proposed and whatever
-else was in the batch. Every verified request yields a ``Verified``: its new tokens and the KV
-slots to keep (the commit).
+else was in the batch. A request with rules (penalties, bias, min_tokens, a grammar:
+``engine.owners.constraints``) or log-probabilities ships logits rows; acceptance then uses each
+row's processed scores. Every verified request yields a ``Verified``: its new tokens, the KV
+slots to keep (the commit) and, when asked, the target's log-probabilities of those tokens.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Callable
 
 import torch
 
+from cosine_ray.algo.logits_rules import TokenLogprob, token_logprobs
 from cosine_ray.algo.sampling import logits_to_probs, sample_keyed
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_keyed
+from cosine_ray.engine.owners.constraints import scores
 from cosine_ray.engine.types import Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request
@@ -74,13 +78,15 @@ class Verifier:
             rid = r.request_id
             if not self.is_live(rid) or batch.epochs.get(rid, r.kv_epoch) != r.kv_epoch:
                 continue
-            greedy = r.params.is_greedy  # the target's argmax tokens are all a greedy request needs
+            # the target's argmax tokens are all a greedy request without rules needs
+            greedy = r.params.is_greedy and not r.needs_rows
             if rid in batch.chunks:
                 start = r.num_computed_tokens
                 end = start + batch.chunks[rid]
                 work.append((r, ScoreItem.prefill(rid, r.context_token_ids[start:end], start_position=start,
                                                   final=end == r.num_tokens, ids_only=greedy,
-                                                  block_table=r.block_table), None))
+                                                  block_table=r.block_table, every_row=_wants_prompt_rows(r)),
+                             None))
             else:
                 tree = drafts.trees[rid].tree
                 work.append((r, ScoreItem.for_tree(rid, tree, r.num_tokens - 1, ids_only=greedy,
@@ -101,21 +107,52 @@ class Verifier:
         outcomes = []
         for (request, item, tree), item_logits in zip(work, logits):
             if tree is None:
-                # after the last chunk, the context's next token, at the context length's position
-                end = item.start_position + len(item.token_ids)
-                token = (target_token(request, item_logits[-1:], position=end),) if item.wants_logits else ()
-                outcomes.append(Verified(request.request_id, token, tuple(range(len(item.token_ids)))))
+                outcomes.append(_prefilled(request, item, item_logits))
             else:
                 result = self._accept(request, tree, item_logits, root_position=item.start_position)
-                outcomes.append(Verified(request.request_id, result.new_token_ids,
-                                         (0,) + result.accepted_node_ids, result))
+                rows = (0,) + result.accepted_node_ids  # row of each new token's parent node
+                outcomes.append(Verified(request.request_id, result.new_token_ids, rows, result,
+                                         logprobs=_logprobs(request, item_logits, rows, result.new_token_ids)))
         return VerifiedBatch(outcomes, tuple(i.start_position for i in items), tuple(len(i.token_ids) for i in items),
                              seconds, idle)
 
     def _accept(self, request: Request, tree: TokenTree, logits: torch.Tensor, *, root_position: int) -> VerifyResult:
+        processed = scores(request, logits, tree)
         if request.params.is_greedy:
-            return verify_greedy(tree, logits)
-        return verify_keyed(tree, _probs(request, logits), seed=request.seed, root_position=root_position)
+            return verify_greedy(tree, processed)
+        return verify_keyed(tree, _probs(request, processed), seed=request.seed, root_position=root_position)
+
+
+def _wants_prompt_rows(request: Request) -> bool:
+    """Every prompt row's logits: prompt log-probabilities, not computed yet."""
+    return request.params.prompt_logprobs is not None and not request.output_token_ids
+
+
+def _logprobs(request: Request, logits: torch.Tensor, rows: tuple[int, ...],
+              token_ids: tuple[int, ...]) -> tuple[TokenLogprob, ...] | None:
+    k = request.params.logprobs
+    if k is None:
+        return None
+    return tuple(token_logprobs(logits[list(rows)], token_ids, k))
+
+
+def _prefilled(request: Request, item: ScoreItem, logits: torch.Tensor) -> Verified:
+    """A prompt chunk's outcome: after the last chunk, the context's next token at the context
+    length's position; with prompt log-probabilities, those of the chunk's next tokens."""
+    start, n = item.start_position, len(item.token_ids)
+    end = start + n
+    prompt = None
+    if item.all_logits:  # row j predicts the token at start + j + 1
+        context = request.context_token_ids
+        known = min(end, len(context) - 1) - start  # rows whose next token is in the prompt
+        k = request.params.prompt_logprobs or 0
+        prompt = (None,) * (start == 0) + tuple(token_logprobs(logits[:known], context[start + 1:start + 1 + known], k))
+    if end < request.num_tokens:
+        return Verified(request.request_id, (), tuple(range(n)), prompt_logprobs=prompt)
+    last = logits[-1:]
+    token = target_token(request, last, position=end)
+    return Verified(request.request_id, (token,), tuple(range(n)), prompt_logprobs=prompt,
+                    logprobs=_logprobs(request, last, (0,), (token,)))
 
 
 def _probs(request: Request, logits: torch.Tensor) -> torch.Tensor:
@@ -126,7 +163,10 @@ def _probs(request: Request, logits: torch.Tensor) -> torch.Tensor:
 def target_token(request: Request, logits: torch.Tensor, *, position: int) -> int:
     """The target's own token at absolute ``position`` from the logits [1, vocab] of the token
     before it (or, for a greedy request, its argmax [1]): argmax, or the keyed sample (what
-    plain sampling with the request's seed draws)."""
+    plain sampling with the request's seed draws), of the request's processed scores."""
+    if logits.ndim == 1:
+        return int(logits[0])
+    processed = scores(request, logits)
     if request.params.is_greedy:
-        return int(logits[0]) if logits.ndim == 1 else int(logits[0].argmax())
-    return int(sample_keyed(_probs(request, logits), seed=request.seed, positions=[position])[0])
+        return int(processed[0].argmax())
+    return int(sample_keyed(_probs(request, processed), seed=request.seed, positions=[position])[0])

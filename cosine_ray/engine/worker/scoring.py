@@ -53,11 +53,14 @@ class ScoreItem:
 
     @classmethod
     def prefill(cls, request_id: str, token_ids: Sequence[int], *, start_position: int = 0, final: bool = True,
-                ids_only: bool = False, block_table: Sequence[int] | None = None) -> "ScoreItem":
+                ids_only: bool = False, block_table: Sequence[int] | None = None,
+                every_row: bool = False) -> "ScoreItem":
         """A chain of context tokens from ``start_position``: a whole prompt, or one chunk of it
-        (``final``: the chunk ends the context, so its last token's row is wanted)."""
-        return cls(request_id, tuple(token_ids), None, start_position, all_logits=False, ids_only=ids_only,
-                   block_table=None if block_table is None else tuple(block_table), wants_logits=final)
+        (``final``: the chunk ends the context, so its last token's row is wanted; ``every_row``:
+        every token's row is, for prompt log-probabilities)."""
+        return cls(request_id, tuple(token_ids), None, start_position, all_logits=every_row,
+                   ids_only=ids_only and not every_row,
+                   block_table=None if block_table is None else tuple(block_table), wants_logits=final or every_row)
 
     @classmethod
     def for_tree(cls, request_id: str, tree: TokenTree, start_position: int, *, ids_only: bool = False,
