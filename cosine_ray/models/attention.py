@@ -1,37 +1,21 @@
 """Attention of one varlen step over the paged KV pool (``models.kv_cache``).
 
 A step mixes requests with a few new tokens (decodes, token trees, PipeDec layers) and long
-chains (prefills). ``plan_attention`` runs once per step, before the layer loop: it opens each
-request's speculative level in the cache and builds, on the host and copied to the device once,
-everything the layers need:
+chains (prefills and their chunks). ``plan_attention`` runs once per step, before the layer
+loop, and builds on the host (copied to the device once) what the layers need:
 
-- ``slot_mapping`` [T]: the pool slot of every new token (one scatter per layer writes the
-  whole batch's keys and values);
-- *batched groups* for the requests with at most ``BATCHED_MAX_NEW`` new tokens (on CPU one per
-  power-of-two bucket of new-token counts, on CUDA one for all; ``_by_query_length``): a gather
-  index [B, L_max] of each request's pool slots (padded), the padded query rows, and one bool
-  mask [B, 1, n_max, L_max] (committed slots visible, the tree's ancestor bits over the new
-  slots, padding hidden). Per layer: one gather of K and V, one ``scaled_dot_product_attention``
-  call for all of them;
-- a *single* for each longer chain: a fresh prefill attends causally to its own new tokens (no
-  read of the pool), a continued one gathers its slots and uses a causal-offset mask.
+- ``slot_mapping`` [T]: the pool slot of every new token (one scatter per layer);
+- *batched groups* for requests with at most ``BATCHED_MAX_NEW`` new tokens: a gather index
+  [B, L_max] of each request's pool slots, the padded query rows and one bool mask
+  [B, 1, n_max, L_max] (committed slots, the tree's ancestor bits, padding hidden); per layer
+  one gather and one ``scaled_dot_product_attention`` call. On CPU one group per power-of-two
+  bucket of new-token counts (a padded call costs what its padded queries cost), the step's
+  rows sorted by bucket once so each group is a slice; on CUDA one group for all;
+- a *single* for each longer chain: a fresh prefill attends causally to itself, a continued
+  one (a later chunk) gathers its slots and uses a causal-offset mask.
 
-**Groups on CPU.** A batched call costs what its padded queries cost: on our CPU one request
-with a 2-token tree among 15 decodes made every decode pay two query rows. So on CPU the
-batched requests are split by ``query_bucket`` (one call per power-of-two bucket of new-token
-counts), and ``LlamaStage.forward`` sorts the step's rows by bucket once before the layers (and
-back after), so each group is a slice of the flat batch and nothing is gathered or scattered
-per layer. Whole SmolLM2-135M forwards, 16 requests over 150-300-token contexts, 2 threads,
-median of 7 (``/tmp`` script): 3 requests with 3-token trees among 13 decodes 104.8 ms in one
-padded call, 92.9 split, 85.9 split and sorted; 2 x 2 + 14 x 1 89.3 / 80.7 / 76.6; 8 x 3 + 8 x 1
-117.9 / 110.0 / 103.8; 16 decodes alone 71.8 / 72.1 / 69.4.
-
-This replaces a loop of per-request writes, views and attention calls inside every layer
-(issue 16, items 2-3). Measured on our 2-core CPU, fp32, SmolLM2 shapes (9 heads, 3 KV heads,
-head dim 64), attention of one layer: 8 requests x 8 tree tokens over 264-token caches 1.21 ms
-per-request loop vs 0.96 ms here; 8 x 1 0.62 vs 0.44; 32 x 8 7.05 vs 5.97; 1 x 8 0.15 vs 0.15
-(``/tmp`` micro-benchmark, outputs equal to the bit). The same code runs on CUDA, where one call
-per layer instead of one per request matters far more.
+The fixed-shape step of ``models.runner`` (``padded_plan``) builds the same masks inside a
+CUDA graph. The figures behind the CPU grouping are in docs/history.
 """
 
 from __future__ import annotations

@@ -1,33 +1,19 @@
 """The KV cache of one pipeline stage: one paged pool for every request, with a committed and
 a speculative level per request.
 
-One pool holds every request's keys and values for all the stage's layers::
-
     pool  # [num_layers, 2 (k|v), num_slots, num_kv_heads, head_dim],  num_slots = num_blocks × block_size
 
-A request owns a *block table*: the pool blocks that hold its logical positions, block
-``p // block_size`` at offset ``p % block_size`` (vLLM's paged layout). Its logical slots::
-
-            0 ........... committed_length ....... + num_speculative
-            |  committed  |  speculative (this step's tree nodes, node order)  |
-
-A forward writes the new tokens' keys/values into the speculative level (logical slot
-``committed_length + node_index``; the RoPE position is separate and depth-based) with one
-scatter per layer for the whole batch (``slot_mapping``), and reads each request's keys through
-its table with one gather per layer (``gather_index``): no per-request tensor op in the layer
-loop. After verification, ``commit_many`` moves the kept speculative slots of every request (the
-accepted path, in depth order) onto the end of their committed levels with one gather/scatter
-over all layers, and drops the rest (PipeDec §3.4's two-level cache). ``rollback(n)`` drops the
-last n committed tokens. Keys are stored after RoPE, so moving a slot never changes it.
-
-PipeDec (``engine.modes.pipedec``) grows the speculative level a tree layer at a time instead:
-``extend(n)`` appends n slots after the ones already there, and ``keep(slots, num_committed)``
-prunes the level to ``slots`` of which the first ``num_committed`` join the committed level.
-
-Memory: the pool is allocated once at ``initial_capacity`` tokens (rounded up to whole blocks)
-and doubles when blocks run out, up to ``max_blocks`` when set (a budget: ``for_budget``
-preallocates all of it, as a CUDA pool must be for CUDA graphs). ``max_tokens`` separately caps
-the tokens held over all requests (committed + speculative), raising MemoryError past it.
+A request owns a *block table*: the pool blocks of its logical positions (vLLM's paged
+layout), decided here or, with ``external``, by the engine for every stage at once
+(``assign``). Its logical slots: ``0 .. committed_length`` committed, then the speculative
+level (this step's tree nodes, node order). A forward writes the new keys/values into the
+speculative level with one scatter per layer for the whole batch and reads each request's
+keys with one gather per layer. ``commit_many`` moves the kept speculative slots (the
+accepted path) onto the committed level with one gather/scatter and drops the rest
+(PipeDec's two-level cache); PipeDec grows the level a tree layer at a time (``extend``,
+``keep``). Keys are stored after RoPE, so moving a slot never changes it. The pool starts at
+``initial_capacity`` tokens and doubles up to ``max_blocks`` (``for_budget`` preallocates
+all of it, as CUDA graphs need); ``max_tokens`` separately caps the tokens held.
 """
 
 from __future__ import annotations

