@@ -326,6 +326,28 @@ def check_cluster_gpus(engine: dict[str, Any], resources: dict[str, float]) -> N
                        f"use --device cpu or add GPU nodes")
 
 
+def place_actors(plan: ServePlan) -> ServePlan:
+    """Check that the cluster can host every stage and drafter actor (``runtime.placement``):
+    CliError naming the stage that cannot be placed, what it asks and what the nodes offer;
+    a drafter that cannot is left out of the plan, with a note."""
+    from cosine_ray.engine.config import config_from_dict, config_to_dict
+    from cosine_ray.runtime.placement import PlacementError, check_placement, cluster_nodes, without_drafters
+
+    config = config_from_dict(plan.engine)
+    try:
+        unplaceable = check_placement(config, cluster_nodes())
+    except PlacementError as exc:
+        raise CliError(f"{exc}; give the nodes these resources, or change cluster.use_resources / "
+                       f"num_cpus_per_actor / --stages") from None
+    if not unplaceable:
+        return plan
+    for ask, why in unplaceable:
+        print(f"cosine-ray: note: serving without {ask.what}: {why}", file=sys.stderr, flush=True)
+    engine = config_to_dict(without_drafters(config, [ask.drafter_index for ask, _ in unplaceable]))
+    ingress = {k: v for k, v in plan.app_args.items() if k not in plan.engine}
+    return dataclasses.replace(plan, engine=engine, app_args={**engine, **ingress})
+
+
 def run(args: argparse.Namespace) -> int:
     plan = serve_plan(args)
     for what in plan.ignored:
@@ -350,6 +372,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
     if address:
         check_cluster_gpus(plan.engine, ray.cluster_resources())
+    try:
+        plan = place_actors(plan)
+    except CliError:
+        ray.shutdown()
+        raise
     start = {"http_options": plan.http_options}
     if plan.proxy_location is not None:
         start["proxy_location"] = plan.proxy_location

@@ -6,6 +6,8 @@ import os
 
 import ray
 
+from cosine_ray.serve.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
 NAMESPACE = "cosine_ray"
 
 
@@ -35,7 +37,8 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
     """
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **WORKER_MALLOC_ENV}}
+    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **WORKER_MALLOC_ENV,
+                                PROXY_CALLBACK_ENV: PROXY_CALLBACK}}  # serve/proxy_guard.py
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True)
     else:

@@ -39,14 +39,20 @@ from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.engine_client import ACCEPTED
 from cosine_ray.runtime.memory import malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
-from cosine_ray.runtime.placement import actor_options
+from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,
+                                          describe, public, without_drafters)
 
 log = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "cosine_ray_engine"
 """Serve deployment name of the engine (the ingress deployment is ``cosine_ray``)."""
 READY_TIMEOUT_S = 900.0
-"""Longest wait for the stages and drafters to load (a first start converts the model)."""
+"""Longest wait for the stages to load (a first start converts the model)."""
+DRAFTER_READY_S = 60.0
+"""Longest wait for the drafter actors once the stages are up: a drafter never blocks serving
+(one that comes up later joins the drafting then)."""
+PENDING_REPORT_S = 30.0
+"""While actors are not up yet, say every this often which, what they ask and what is free."""
 
 
 def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
@@ -64,6 +70,12 @@ class EngineServer:
     async def __init__(self, config_data: dict[str, Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         torch.set_num_threads(1)
         config = config_from_dict(config_data)
+        # an actor no node can ever host would wait in Ray's queue forever: a stage is an error
+        # that says so, a drafter is left out (runtime/placement.py)
+        unplaceable = check_placement(config, await asyncio.to_thread(cluster_nodes))
+        for ask, why in unplaceable:
+            log.warning("serving without %s: %s", ask.what, why)
+        config = without_drafters(config, [ask.drafter_index for ask, _ in unplaceable])
         self.config = config
         self.engine_id = uuid.uuid4().hex[:8]
         self.namespace = f"{NAMESPACE}.{self.engine_id}"
@@ -97,8 +109,32 @@ class EngineServer:
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
         self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held
-        slots = self.stage_slots + self.drafter_slots
-        await asyncio.gather(*(await_ref(s.handle.ping.remote(), ready_timeout_s) for s in slots))
+        asks = {a.name: a for a in actor_asks(config)}
+        await self._await_up(self.stage_slots, asks, ready_timeout_s, required=True)
+        await self._await_up(self.drafter_slots, asks, min(ready_timeout_s, DRAFTER_READY_S), required=False)
+
+    async def _await_up(self, slots: Sequence[ActorSlot], asks: dict[str, ActorAsk], timeout_s: float, *,
+                        required: bool) -> None:
+        """Until every slot's actor answers a ping: a stage not up within ``timeout_s`` fails the
+        engine's start, a drafter is left to join later. Pending ones are named every
+        ``PENDING_REPORT_S`` with what they ask and what the cluster has free."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = {s.name: asyncio.ensure_future(await_ref(s.handle.ping.remote(), timeout_s)) for s in slots}
+        while pending:
+            await asyncio.wait(pending.values(), timeout=min(PENDING_REPORT_S, max(0.1, deadline - loop.time())))
+            for name, fut in list(pending.items()):
+                if fut.done():
+                    del pending[name]
+                    if fut.exception() is not None and required:
+                        raise RuntimeError(f"{name} did not start: {type(fut.exception()).__name__}: "
+                                           f"{fut.exception()}") from fut.exception()
+                    if fut.exception() is not None:
+                        log.warning("drafter %s not up (%r); serving without it until it is", name, fut.exception())
+            if pending:
+                free = describe(public(await asyncio.to_thread(ray.available_resources)))
+                log.warning("waiting for %s: %s; free in the cluster now: %s", ", ".join(pending),
+                            "; ".join(f"{n} asks {describe(asks[n].resources)}" for n in pending if n in asks), free)
 
     # ---- Serve hooks --------------------------------------------------------------------------
     async def check_health(self) -> None:
