@@ -19,6 +19,12 @@ engine's resident memory crept up in steps under load (the soak test's RSS slope
 arenas, less memory held apart; the threads that allocate here are not contended."""
 
 
+LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+"""A local cluster starts no idle Python workers ahead of need: every process of ours hosts an
+actor, which gets a worker of its own anyway, so prestarted ones only held an interpreter's
+memory (docs/chaos.md, the footprint at idle)."""
+
+
 def actor_name(role: str, index: int) -> str:
     """``cosine_ray:<role>:<index>`` (all in namespace ``cosine_ray``)."""
     return f"{NAMESPACE}:{role}:{index}"
@@ -34,6 +40,10 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
     the last ``ray start`` recorded in ``<RAY_TMPDIR or /tmp>/ray/ray_current_cluster``, which
     may be long gone (a head that died without ``ray stop``), and then refuse ``num_cpus``
     (tests/runtime/test_stale_ray_address.py). To join a cluster, pass its address.
+
+    Every worker of the job gets ``runtime_env`` env vars: one torch thread, fewer malloc arenas,
+    and the Serve proxy's callback (``serve.proxy_guard``); a local cluster also gets
+    ``LOCAL_SYSTEM_CONFIG``.
     """
     if ray.is_initialized():
         return
@@ -43,4 +53,5 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
         ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True)
     else:
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, namespace=NAMESPACE,
-                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
+                 _system_config=LOCAL_SYSTEM_CONFIG)

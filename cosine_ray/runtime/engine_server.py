@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import uuid
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, Sequence
 
 import ray
@@ -66,6 +69,40 @@ def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
     return [ActorSlot(actor_name("stage", i), spawn(i), namespace=namespace) for i in range(config.num_stages)]
 
 
+def tokenizer_eos_id(path: Path) -> int | None:
+    """The tokenizer's end-of-sequence id as its files state it (``eos_token`` of
+    tokenizer_config.json or special_tokens_map.json, looked up in tokenizer.json's added
+    tokens, then its vocabulary); None when they do not say."""
+    def read(name: str) -> Any:
+        try:
+            return json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    token = next((t for cfg in (read("tokenizer_config.json"), read("special_tokens_map.json"))
+                  if isinstance(cfg, dict) and (t := cfg.get("eos_token"))), None)
+    token = token.get("content") if isinstance(token, dict) else token
+    spec = read("tokenizer.json")
+    if not isinstance(token, str) or not isinstance(spec, dict):
+        return None
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+            return added["id"]
+    vocab = (spec.get("model") or {}).get("vocab")
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return found if isinstance(found, int) else None
+
+
+def eos_source(checkpoint: Any) -> Any:
+    """What ``engine.build.eos_token_ids`` reads the tokenizer's EOS from: the id its files state
+    (the engine needs nothing else of the tokenizer, which holds ~100 MB once loaded), else the
+    loaded tokenizer; None without tokenizer files."""
+    if not checkpoint.has_tokenizer:
+        return None
+    eos = tokenizer_eos_id(Path(checkpoint.path))
+    return SimpleNamespace(eos_token_id=eos) if eos is not None else checkpoint.load_tokenizer()
+
+
 class EngineServer:
     async def __init__(self, config_data: dict[str, Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         torch.set_num_threads(1)
@@ -80,7 +117,6 @@ class EngineServer:
         self.engine_id = uuid.uuid4().hex[:8]
         self.namespace = f"{NAMESPACE}.{self.engine_id}"
         checkpoint = resolve_checkpoint(config.model)
-        tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
         self.model_name = checkpoint.name
         self.vocab_size = checkpoint.config.vocab_size
 
@@ -104,7 +140,7 @@ class EngineServer:
         step_config = step_config_for(config, checkpoint)
         self.max_model_len = step_config.max_model_len
         self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
-                               eos_token_ids=eos_token_ids(checkpoint, tokenizer),
+                               eos_token_ids=eos_token_ids(checkpoint, eos_source(checkpoint)),
                                **cosine_components(config, checkpoint, run_profile_if_missing=True))
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)

@@ -35,6 +35,9 @@ def actor_options(role: str, index: int, config: EngineConfig) -> dict[str, Any]
         "namespace": NAMESPACE,
         "num_cpus": cluster.num_cpus_per_actor,
         "max_task_retries": 0,  # a restarted stage has lost its KV: never replay a call blindly
+        # no per-call task events: each would be kept by the GCS (for the state API / dashboard,
+        # neither of which we use), whose memory then grew with every step (docs/chaos.md)
+        "enable_task_events": False,
     }
     if role == "stage":
         options["max_restarts"] = cluster.stage_max_restarts

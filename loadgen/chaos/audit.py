@@ -1,7 +1,8 @@
 """The chaos run's verdict: every request accounted for, every answer right, every error clear.
 
-On top of the event ledger (``loadgen.ledger``: lost, duplicated, unknown, two ``[DONE]``, a
-reused response id), from the calls themselves:
+On top of the event ledger (``loadgen.ledger``: lost, duplicated, unknown; **duplicated** here
+counts each request recorded twice, given two ``[DONE]``, or sharing its response id with
+another request), from the calls themselves:
 
 - **hung**: no outcome by the per-request deadline;
 - **wrong text**: a completed answer that differs from its shape's reference, or a partial
@@ -86,14 +87,21 @@ def audit(calls: Sequence[Call], ledger: Ledger, references: Mapping[str, str],
         elif c.error_kind in ("no_done", "malformed") or (
                 c.error_kind in CONNECTION_KINDS and not _within(c, outages)):
             unclear.append(f"{c.request_id}: {c.error_kind}: {c.error}")
+    oks = [e for e in ledger.events if e["event"] == "ok"]
+    by_response: dict[str, set[str]] = {}
+    for e in oks:
+        if e.get("response_id"):
+            by_response.setdefault(e["response_id"], set()).add(e["request_id"])
+    duplicated = set(base["problems"].get("duplicated", [])) | set(base["problems"].get("bad_done_markers", []))
+    duplicated |= {r for ids in by_response.values() if len(ids) > 1 for r in ids}  # one answer, two requests
     outcomes = Counter(c.outcome for c in calls)
     problems = {"hung": hung, "wrong_text": wrong_text, "server_errors": server_errors,
                 "unclear_errors": unclear, "no_reference": not_ours}
     ok = base["is_consistent"] and not any(problems.values())
     return {
         "ok": ok, "requests": len(calls), "outcomes": dict(outcomes),
-        "lost": base["num_lost"], "duplicated": base["num_duplicated"] + base["num_reused_response_ids"]
-        + base["num_bad_done_markers"], "hung": len(hung), "wrong_text": len(wrong_text),
+        "lost": base["num_lost"], "duplicated": max(len(duplicated), base["num_duplicated"]), "hung": len(hung),
+        "wrong_text": len(wrong_text),
         "server_errors": len(server_errors), "unclear_errors": len(unclear),
         "errors_by_kind": dict(Counter(f"{c.error_kind}:{c.http_status or c.error_type or ''}"
                                        for c in calls if c.outcome == "failed")),

@@ -48,6 +48,8 @@ def add_parsers(sub: Any) -> None:
     f.add_argument("--clients", type=int, default=16)
     f.add_argument("--kill-every", type=float, default=30.0, help="seconds between faults")
     f.add_argument("--kinds", default="all", help="comma list of stage,drafter,engine,proxy,worker,pause,node (or all)")
+    f.add_argument("--order", choices=("random", "cycle"), default="random",
+                   help="random: each fault's kind at random; cycle: every kind in turn (seeded order)")
     f.add_argument("--max-kills", type=int, default=1000)
     f.add_argument("--pause-seconds", type=float, default=10.0, help="SIGSTOP..SIGCONT length of a pause fault")
     f.add_argument("--recovery-timeout", type=float, default=300.0)
@@ -102,7 +104,7 @@ def chaos_config(args: argparse.Namespace) -> tuple[ChaosConfig, DeploymentOptio
     if launch and "{port}" not in launch:
         raise ValueError("--launch template must contain {port}")
     cfg = ChaosConfig(duration_s=args.duration, clients=args.clients, kill_every_s=args.kill_every, kinds=kinds,
-                      max_kills=args.max_kills, pause_s=args.pause_seconds, recovery_timeout_s=args.recovery_timeout,
+                      order=args.order, max_kills=args.max_kills, pause_s=args.pause_seconds, recovery_timeout_s=args.recovery_timeout,
                       request_timeout_s=args.request_timeout,
                       mix=Mix(args.stream_fraction, args.disconnect_fraction), memory_interval_s=args.memory_interval,
                       memory_warmup_s=args.memory_warmup, memory_min_span_s=args.memory_min_span, seed=args.seed,

@@ -42,7 +42,8 @@ ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"ray_process_reaper\.py", "reaper"),
     (r"cosine_ray\.cli\b.*\bserve\b|cosine-ray\s+serve\b", "server_cli"),
 )
-"""First match wins; anything else is ``other``."""
+"""Matched against the first four words of the command line (the raylet's later arguments name
+the agents' scripts); first match wins; anything else is ``other``."""
 _ROLE_RES = tuple((re.compile(p), role) for p, role in ROLE_PATTERNS)
 AGENT_ROLES = frozenset({"dashboard_agent", "runtime_env_agent"})
 """Per-node agents: killing one takes its raylet down (Ray fate-shares them), so the worker
@@ -65,8 +66,9 @@ class Proc:
 
 
 def classify(cmdline: str) -> str:
+    head = " ".join(cmdline.split()[:4])
     for pattern, role in _ROLE_RES:
-        if pattern.search(cmdline):
+        if pattern.search(head):
             return role
     return "other"
 

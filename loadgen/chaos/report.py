@@ -74,6 +74,7 @@ def summary_data(result: ChaosResult, verdict: Mapping[str, Any], *, footprint: 
                  "p50_s": float(np.percentile(ok, 50)) if ok else None,
                  "p99_s": float(np.percentile(ok, 99)) if ok else None},
         "audit": verdict, "faults": faults, "skipped_faults": result.skipped,
+        "probe_baseline_s": result.probe_baseline_s,
         "recovery_s_by_kind": {k: [f["recovery_s"] for f in faults if f["kind"] == k]
                                for k in KINDS if any(f["kind"] == k for f in faults)},
         "memory": {"footprint_before": footprint, "totals": result.memory.totals(), "slope_bound": slope_bound,
@@ -154,6 +155,7 @@ def print_report(data: Mapping[str, Any], console: Console | None = None) -> Non
             ("Throughput (req/s, output tok/s)", f"{load['requests_per_s']:.2f}, {load['output_tokens_per_s']:.1f}"),
             ("Latency p50 / p99 (s, completed)", f"{_fmt(load['p50_s'])} / {_fmt(load['p99_s'])}"),
             ("Faults injected / skipped", f"{len(data['faults'])} / {len(data['skipped_faults'])}"),
+            ("Probe latency under load, no fault (s)", ", ".join(f"{x:.2f}" for x in data["probe_baseline_s"]) or "–"),
             ("Idle after the load", str(data["verdict"]["idle_after"]))]
     totals = mem.get("totals") or {}
     if totals:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -42,6 +43,9 @@ class ChaosConfig:
     clients: int = 16
     kill_every_s: float = 30.0
     kinds: tuple[str, ...] = KINDS
+    order: str = "random"
+    """``random``: each fault's kind drawn at random; ``cycle``: the kinds in turn (a seeded
+    shuffle), so a short run meets every kind."""
     max_kills: int = 1000
     pause_s: float = 10.0
     """How long a ``pause`` fault keeps its process stopped."""
@@ -68,6 +72,8 @@ class ChaosConfig:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.clients < 1 or self.max_kills < 0 or self.warmup_concurrency < 1:
             raise ValueError("--clients must be >= 1 and --max-kills >= 0")
+        if self.order not in ("random", "cycle"):
+            raise ValueError(f"--order must be random or cycle, got {self.order!r}")
 
 
 @dataclass
@@ -86,6 +92,8 @@ class ChaosResult:
     idle: dict[str, Any]
     abort_reason: str | None = None
     model: str | None = None
+    probe_baseline_s: list[float] = field(default_factory=list)
+    """Latencies of probes sent under load before the first fault."""
 
 
 class ChaosRun:
@@ -108,8 +116,12 @@ class ChaosRun:
         self.memory = MemoryLog()
         self.stopping = asyncio.Event()
         self.abort_reason: str | None = None
+        self.interrupted = False
+        self._main: asyncio.Task | None = None
         self.load_start_t = self.load_end_t = 0.0
         self._num_probes = 0
+        self.probe_baseline_s: list[float] = []
+        self._cycle: list[str] = []
         seeds = np.random.SeedSequence(cfg.seed).spawn(cfg.clients + 1)
         self.fault_rng = np.random.default_rng(seeds[0])
         self.client_rngs = [np.random.default_rng(s) for s in seeds[1:]]
@@ -181,6 +193,7 @@ class ChaosRun:
             return
         next_t = self.load_start_t + self.cfg.kill_every_s
         last_t = self.load_start_t + self.cfg.duration_s - self.cfg.kill_every_s
+        await self.probe_baseline(client, count=3)
         while len(self.faults) < self.cfg.max_kills:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), max(0.0, next_t - self.clock()))
@@ -194,17 +207,30 @@ class ChaosRun:
             await self.recover(client, fault)
             await follow
             if fault.recovered_t is None:
-                self.abort_reason = f"fault #{fault.index} ({fault.kind}): not recovered within " \
-                                    f"{self.cfg.recovery_timeout_s:g} s"
+                self.abort_reason = self.abort_reason or (f"fault #{fault.index} ({fault.kind}): not recovered "
+                                                          f"within {self.cfg.recovery_timeout_s:g} s")
                 self.stopping.set()
                 return
             self.log(f"[chaos] #{fault.index} {fault.kind}: recovered in {fault.recovery_s:.1f} s "
                      f"({len(fault.in_flight)} requests were in flight)")
             next_t = max(fault.t + self.cfg.kill_every_s, fault.recovered_t + 1.0)
 
+    async def probe_baseline(self, client: httpx.AsyncClient, count: int) -> None:
+        """Probe latency under load before any fault: what a recovery time is to be read against."""
+        for _ in range(count):
+            self._num_probes += 1
+            probe = await self.call(client, self.probe, Call(f"p-{self._num_probes:05d}", "probe", "probe", False))
+            if probe.outcome == "ok":
+                self.probe_baseline_s.append(probe.end_t - probe.sent_t)
+
     async def inject(self) -> Fault | None:
         kinds = list(self.cfg.kinds)
-        first = kinds[int(self.fault_rng.integers(len(kinds)))]
+        if self.cfg.order == "cycle":
+            if not self._cycle:
+                self._cycle = [str(k) for k in self.fault_rng.permutation(kinds)]
+            first = self._cycle.pop(0)
+        else:
+            first = kinds[int(self.fault_rng.integers(len(kinds)))]
         for kind in [first, *[k for k in self.fault_rng.permutation(kinds) if k != first]]:
             t = self.clock()
             in_flight = list(self.in_flight)
@@ -225,7 +251,7 @@ class ChaosRun:
     async def recover(self, client: httpx.AsyncClient, fault: Fault) -> None:
         """Until /health is 200 and a probe sent after it succeeds (or the recovery deadline)."""
         deadline = fault.t + self.cfg.recovery_timeout_s
-        while self.clock() < deadline:
+        while self.clock() < deadline and not self.interrupted:
             status = await self.health(client)
             if status != 200:
                 fault.health_down = True
@@ -267,7 +293,26 @@ class ChaosRun:
                 out[name] = float(m.group(1))
         return out
 
+    def interrupt(self) -> None:
+        """First Ctrl-C: stop the load and the faults, finish, write what was measured; second: cancel."""
+        if self.interrupted and self._main is not None:
+            self._main.cancel()
+        self.interrupted = True
+        self.abort_reason = self.abort_reason or "interrupted (Ctrl-C): the load stopped early"
+        self.stopping.set()
+
     async def main(self) -> ChaosResult:
+        self._main = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGINT, self.interrupt)
+        try:
+            return await self._main_body()
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGINT)
+
+    async def _main_body(self) -> ChaosResult:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=10.0)
         idle: dict[str, Any] = {}
@@ -284,7 +329,7 @@ class ChaosRun:
                 await memory
         return ChaosResult(self.cfg, self.shapes, self.references, self.calls, self.ledger, self.faults,
                            self.memory, self.load_start_t, self.load_end_t, self.skipped, idle, self.abort_reason,
-                           self.model)
+                           self.model, self.probe_baseline_s)
 
     async def load(self, client: httpx.AsyncClient) -> None:
         self.load_start_t = self.clock()
