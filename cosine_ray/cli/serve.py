@@ -348,6 +348,24 @@ def place_actors(plan: ServePlan) -> ServePlan:
     return dataclasses.replace(plan, engine=engine, app_args={**engine, **ingress})
 
 
+def deploy_in_child(plan: ServePlan, address: str) -> None:
+    """``serve.run`` of the application in a child process (``cli/serve_deploy.py``), so this
+    long-lived driver never imports the engine and torch; CliError with the child's one-line
+    reason if the application did not start."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".err", encoding="utf-8") as err:
+        spec = {"address": address, "app_args": plan.app_args, "name": plan.app_name,
+                "route_prefix": plan.route_prefix, "error_file": err.name}
+        done = subprocess.run([sys.executable, "-m", "cosine_ray.cli.serve_deploy"], input=json.dumps(spec),
+                              text=True, check=False)
+        if done.returncode != 0:
+            reason = err.read().strip() or f"the deploying process exited with {done.returncode}"
+            raise CliError(f"the application did not start: {reason}")
+
+
 def run(args: argparse.Namespace) -> int:
     plan = serve_plan(args)
     for what in plan.ignored:
@@ -357,7 +375,6 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cosine_ray.runtime.cluster import connect
-    from cosine_ray.serve.app import build_app
 
     address = plan.engine["cluster"].get("address")
     if address:
@@ -387,7 +404,14 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--config {args.config}: Serve settings: {str(exc).splitlines()[0]}") from None
     print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s) and drafters "
           f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
-    serve.run(build_app(plan.app_args), name=plan.app_name, route_prefix=plan.route_prefix, blocking=False)
+    try:
+        deploy_in_child(plan, ray.get_runtime_context().gcs_address)
+    except CliError:
+        try:
+            serve.delete(plan.app_name)  # what Serve kept of the failed application (a joined cluster stays up)
+        finally:
+            ray.shutdown()
+        raise
     url = f"http://{plan.host}:{plan.port}{plan.route_prefix.rstrip('/')}"
     print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
           f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)

@@ -7,6 +7,7 @@
 * Five drafters asking 0.5 CPU each on the worker's 2 CPUs: the fifth can never start. The CLI
   says so and serves without it; the engine deployed without the CLI (``serve.run``, as
   ``serve deploy`` does) leaves it out by itself and starts instead of waiting for it.
+* An application whose engine cannot start: one line with the replica's own error.
 
 The cluster lives in a helper process (two_node_cluster.py): this process stays on the
 session's cluster. Tiny random-weight model with SmolLM2's tokenizer; outputs are compared
@@ -120,11 +121,25 @@ def test_the_cli_serves_without_the_drafter_that_cannot_be_placed(two_nodes, tin
         assert "serving without drafter suffix:instruction" not in text
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        # the CLI process only waits for Ctrl-C: the application was bound in a child, so it
+        # never loaded torch (cli/serve_deploy.py)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "cosine_ray_stats": True})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference, r.text[:300]
     finally:
         stop_cli(proc)
+
+
+def test_an_application_that_cannot_start_is_one_line_with_its_cause(two_nodes, tiny, tmp_path):
+    config = tmp_path / "engine.json"
+    config.write_text(json.dumps({"model": str(tiny[0].path), "num_stages": 1, "drafters": "retrieval:code",
+                                  "datastore_dir": str(tmp_path / "no-stores")}))
+    done = subprocess.run(serve_cmd(two_nodes, free_port(), config), capture_output=True, text=True, timeout=400,
+                          stdin=subprocess.DEVNULL)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith(
+        "cosine-ray: error: the application did not start: ValueError: no datastore at"), done.stderr[-2000:]
 
 
 DEPLOY_SCRIPT = """
