@@ -348,14 +348,17 @@ def place_actors(plan: ServePlan) -> ServePlan:
     return dataclasses.replace(plan, engine=engine, app_args={**engine, **ingress})
 
 
-def deploy_in_child(plan: ServePlan, address: str) -> None:
-    """``serve.run`` of the application in a child process (``cli/serve_deploy.py``), so this
-    long-lived driver never imports the engine and torch; CliError with the child's one-line
-    reason if the application did not start."""
+def deploy_in_child(plan: ServePlan) -> None:
+    """``serve.run`` of the application in a child process (``cli/serve_deploy.py``) on the
+    cluster this process is connected to, so this long-lived driver never imports the engine and
+    torch; CliError with the child's one-line reason if the application did not start."""
     import json
     import subprocess
     import tempfile
 
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
     with tempfile.NamedTemporaryFile("r", suffix=".err", encoding="utf-8") as err:
         spec = {"address": address, "app_args": plan.app_args, "name": plan.app_name,
                 "route_prefix": plan.route_prefix, "error_file": err.name}
@@ -405,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s) and drafters "
           f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
     try:
-        deploy_in_child(plan, ray.get_runtime_context().gcs_address)
+        deploy_in_child(plan)
     except CliError:
         try:
             serve.delete(plan.app_name)  # what Serve kept of the failed application (a joined cluster stays up)

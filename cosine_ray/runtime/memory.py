@@ -101,7 +101,7 @@ def drop_file_pages(suffix: str = ".safetensors") -> float:
         return 0.0
     dropped = 0.0
     for start, end, stats in _file_mappings(suffix):
-        if stats.get("Private_Dirty", 0) or stats.get("Anonymous", 0) or not stats.get("Rss", 0):
+        if stats.get("Anonymous", 0) or not stats.get("Rss", 0):  # copy-on-write pages are anonymous
             continue
         if madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
             dropped += stats["Rss"] / 1024
