@@ -326,49 +326,6 @@ def check_cluster_gpus(engine: dict[str, Any], resources: dict[str, float]) -> N
                        f"use --device cpu or add GPU nodes")
 
 
-def place_actors(plan: ServePlan) -> ServePlan:
-    """Check that the cluster can host every stage and drafter actor (``runtime.placement``):
-    CliError naming the stage that cannot be placed, what it asks and what the nodes offer;
-    a drafter that cannot is left out of the plan, with a note."""
-    from cosine_ray.engine.config import config_from_dict, config_to_dict
-    from cosine_ray.runtime.placement import PlacementError, check_placement, cluster_nodes, without_drafters
-
-    config = config_from_dict(plan.engine)
-    try:
-        unplaceable = check_placement(config, cluster_nodes())
-    except PlacementError as exc:
-        raise CliError(f"{exc}; give the nodes these resources, or change cluster.use_resources / "
-                       f"num_cpus_per_actor / --stages") from None
-    if not unplaceable:
-        return plan
-    for ask, why in unplaceable:
-        print(f"cosine-ray: note: serving without {ask.what}: {why}", file=sys.stderr, flush=True)
-    engine = config_to_dict(without_drafters(config, [ask.drafter_index for ask, _ in unplaceable]))
-    ingress = {k: v for k, v in plan.app_args.items() if k not in plan.engine}
-    return dataclasses.replace(plan, engine=engine, app_args={**engine, **ingress})
-
-
-def deploy_in_child(plan: ServePlan) -> None:
-    """``serve.run`` of the application in a child process (``cli/serve_deploy.py``) on the
-    cluster this process is connected to, so this long-lived driver never imports the engine and
-    torch; CliError with the child's one-line reason if the application did not start."""
-    import json
-    import subprocess
-    import tempfile
-
-    import ray
-
-    address = ray.get_runtime_context().gcs_address
-    with tempfile.NamedTemporaryFile("r", suffix=".err", encoding="utf-8") as err:
-        spec = {"address": address, "app_args": plan.app_args, "name": plan.app_name,
-                "route_prefix": plan.route_prefix, "error_file": err.name}
-        done = subprocess.run([sys.executable, "-m", "cosine_ray.cli.serve_deploy"], input=json.dumps(spec),
-                              text=True, check=False)
-        if done.returncode != 0:
-            reason = err.read().strip() or f"the deploying process exited with {done.returncode}"
-            raise CliError(f"the application did not start: {reason}")
-
-
 def run(args: argparse.Namespace) -> int:
     plan = serve_plan(args)
     for what in plan.ignored:
@@ -377,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from cosine_ray.cli.serve_start import deploy_in_child, place_actors
     from cosine_ray.runtime.cluster import connect
 
     address = plan.engine["cluster"].get("address")

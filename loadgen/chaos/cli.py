@@ -35,14 +35,17 @@ def add_parsers(sub: Any) -> None:
     target = ch.add_argument_group("server")
     target.add_argument("--url", default=None, help="join a running server on this machine (its Ray session)")
     target.add_argument("--launch", default=None, metavar="TEMPLATE",
-                        help=f"server command with {{port}} (and {{address}} with --head-node); default: {DEFAULT_LAUNCH!r}")
+                        help=f"server command with {{port}} (and {{address}} with --head-node); "
+                             f"default: {DEFAULT_LAUNCH!r}")
     target.add_argument("--launch-host", default="127.0.0.1")
     target.add_argument("--launch-timeout", type=float, default=900.0)
     target.add_argument("--stop-timeout", type=float, default=90.0)
     target.add_argument("--head-node", default=None, metavar="SPEC",
-                        help="start a Ray head node here first (ray start), e.g. CPU=2,datacenter_gpu=2; the server joins it")
+                        help="start a Ray head node here first (ray start), e.g. CPU=2,datacenter_gpu=2; "
+                             "the server joins it")
     target.add_argument("--worker-node", action="append", default=None, metavar="SPEC",
-                        help="a worker node on this machine (repeat), e.g. CPU=2,consumer_gpu=8: the node kind kills one")
+                        help="a worker node on this machine (repeat), e.g. CPU=2,consumer_gpu=8: "
+                             "the node kind kills one")
     f = ch.add_argument_group("faults")
     f.add_argument("--duration", type=float, default=1800.0, help="seconds of load after the warm-up pass")
     f.add_argument("--clients", type=int, default=16)
@@ -104,8 +107,8 @@ def chaos_config(args: argparse.Namespace) -> tuple[ChaosConfig, DeploymentOptio
     if launch and "{port}" not in launch:
         raise ValueError("--launch template must contain {port}")
     cfg = ChaosConfig(duration_s=args.duration, clients=args.clients, kill_every_s=args.kill_every, kinds=kinds,
-                      order=args.order, max_kills=args.max_kills, pause_s=args.pause_seconds, recovery_timeout_s=args.recovery_timeout,
-                      request_timeout_s=args.request_timeout,
+                      order=args.order, max_kills=args.max_kills, pause_s=args.pause_seconds,
+                      recovery_timeout_s=args.recovery_timeout, request_timeout_s=args.request_timeout,
                       mix=Mix(args.stream_fraction, args.disconnect_fraction), memory_interval_s=args.memory_interval,
                       memory_warmup_s=args.memory_warmup, memory_min_span_s=args.memory_min_span, seed=args.seed,
                       api_key=args.api_key, model=args.model)

@@ -112,6 +112,9 @@ class Deployment:
                                     log=self.log)
         self.server.start()
         self.server.wait_ready()
+        deadline = time.monotonic() + 60.0  # /health can answer before `cosine-ray serve`'s deploying child exits
+        while any(p.role == "server_deploy" for p in self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     def processes(self) -> list[procs.Proc]:
         """Every process of the deployment now."""

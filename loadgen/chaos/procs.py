@@ -40,6 +40,7 @@ ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"_private/log_monitor\.py", "log_monitor"),
     (r"ray\.util\.client\.server", "ray_client_server"),
     (r"ray_process_reaper\.py", "reaper"),
+    (r"cosine_ray\.cli\.serve_start\b", "server_deploy"),
     (r"cosine_ray\.cli\b.*\bserve\b|cosine-ray\s+serve\b", "server_cli"),
 )
 """Matched against the first four words of the command line (the raylet's later arguments name

@@ -11,6 +11,7 @@ and the deployment's summed RSS and PSS over time, every fault marked (colour = 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -57,6 +58,7 @@ def summary_data(result: ChaosResult, verdict: Mapping[str, Any], *, footprint: 
     slopes = result.memory.slopes(run_warmup_s=result.load_start_t + cfg.memory_warmup_s,
                                   warmup_s=cfg.memory_warmup_s, min_span_s=cfg.memory_min_span_s)
     judged = [r for r in slopes if r["judged"]]
+    not_judged = dict(Counter(r["role"] for r in slopes if not r["judged"]))
     worst = max(judged, key=lambda r: r["rss_slope"], default=None)
     load = [c for c in result.calls if c.kind == "load"]
     duration = max(result.load_end_t - result.load_start_t, 1e-9)
@@ -78,7 +80,7 @@ def summary_data(result: ChaosResult, verdict: Mapping[str, Any], *, footprint: 
         "recovery_s_by_kind": {k: [f["recovery_s"] for f in faults if f["kind"] == k]
                                for k in KINDS if any(f["kind"] == k for f in faults)},
         "memory": {"footprint_before": footprint, "totals": result.memory.totals(), "slope_bound": slope_bound,
-                   "judged_processes": len(judged), "worst": worst,
+                   "judged_processes": len(judged), "worst": worst, "not_judged_by_role": not_judged,
                    "pooled_by_role": result.memory.pooled_slopes(
                        run_warmup_s=result.load_start_t + cfg.memory_warmup_s, warmup_s=cfg.memory_warmup_s),
                    "processes": slopes},
@@ -155,7 +157,8 @@ def print_report(data: Mapping[str, Any], console: Console | None = None) -> Non
             ("Throughput (req/s, output tok/s)", f"{load['requests_per_s']:.2f}, {load['output_tokens_per_s']:.1f}"),
             ("Latency p50 / p99 (s, completed)", f"{_fmt(load['p50_s'])} / {_fmt(load['p99_s'])}"),
             ("Faults injected / skipped", f"{len(data['faults'])} / {len(data['skipped_faults'])}"),
-            ("Probe latency under load, no fault (s)", ", ".join(f"{x:.2f}" for x in data["probe_baseline_s"]) or "–"),
+            ("Probe latency under load, no fault (s)",
+             ", ".join(f"{x:.2f}" for x in data["probe_baseline_s"]) or "–"),
             ("Idle after the load", str(data["verdict"]["idle_after"]))]
     totals = mem.get("totals") or {}
     if totals:
@@ -166,6 +169,8 @@ def print_report(data: Mapping[str, Any], console: Console | None = None) -> Non
     rows.append(("Processes judged / worst RSS slope (MiB/min)",
                  f"{mem['judged_processes']} / " + (f"{worst['rss_slope']:+.2f} ({worst['role']} {worst['pid']})"
                                                      if worst else "–") + f" (bound {mem['slope_bound']:g})"))
+    rows.append(("Not judged (gone before their warm-up + span)",
+                 ", ".join(f"{k} {v}" for k, v in sorted(mem["not_judged_by_role"].items())) or "none"))
     if data["verdict"]["abort_reason"]:
         rows.append(("Aborted", data["verdict"]["abort_reason"]))
     for name, value in rows:

@@ -69,7 +69,8 @@ class ChaosConfig:
         for name in ("duration_s", "kill_every_s", "pause_s", "recovery_timeout_s", "request_timeout_s",
                      "memory_interval_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                flag = name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"--{flag} must be > 0, got {getattr(self, name)}")
         if self.clients < 1 or self.max_kills < 0 or self.warmup_concurrency < 1:
             raise ValueError("--clients must be >= 1 and --max-kills >= 0")
         if self.order not in ("random", "cycle"):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import httpx
 import numpy as np
 
-from loadgen.client import error_message
+from loadgen.client import decode_event, error_message
 from loadgen.workload import PromptRow
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -206,13 +206,9 @@ def _error_type(body: bytes) -> str | None:
 
 
 def _read_event(shape: Shape, call: Call, data: str, clock: Callable[[], float]) -> None:
-    try:
-        event = json.loads(data)
-    except json.JSONDecodeError:
-        call.fail("malformed", f"an SSE event is not JSON: {data[:80]!r}")
-        return
-    if not isinstance(event, dict):
-        call.fail("malformed", f"an SSE event is not an object: {data[:80]!r}")
+    event, malformed = decode_event(data)
+    if event is None:
+        call.fail("malformed", malformed or "")
         return
     if "error" in event:
         err = event["error"] if isinstance(event["error"], dict) else {}

@@ -7,6 +7,7 @@ same audit, is test_chaos_serve.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from stub_server import StubServer
 
 from loadgen.chaos import audit as audit_mod
+from loadgen.chaos import report
 from loadgen.chaos.faults import Fault
 from loadgen.chaos.run import ChaosConfig, ChaosRun
 from loadgen.chaos.traffic import Call, Mix, Shape
@@ -118,12 +120,21 @@ def run_against_stub(mode: dict[str, str], *, request_timeout_s: float = 10.0, l
     verdict = audit_mod.audit(result.calls, result.ledger, result.references, result.faults)
     assert result.references == {"probe": REF, "s000": REF, "s001": REF}
     assert len(result.faults) == 1 and result.faults[0].recovered_t is not None
+    run_against_stub.last_result = result
     return verdict
 
 
-def test_a_run_whose_server_recovers_cleanly_passes():
+def test_a_run_whose_server_recovers_cleanly_passes(tmp_path):
     verdict = run_against_stub({})
     assert verdict["ok"] and verdict["outcomes"]["ok"] == verdict["requests"] > 20, verdict
+    # the report of that run: files next to each other, the fault with how its in-flight requests ended
+    data = report.write(run_against_stub.last_result, verdict, tmp_path, footprint=None, slope_bound=0.5, config={})
+    for name in ("chaos.json", "chaos.png", "ledger.jsonl", "calls.jsonl", "memory.csv"):
+        assert (tmp_path / name).stat().st_size > 0
+    (fault,) = data["faults"]
+    assert fault["kind"] == "stage" and fault["in_flight"] == fault["completed"] > 0 and fault["recovery_s"] > 0
+    assert not data["verdict"]["ok"] and not data["verdict"]["memory_ok"]  # no process could be judged
+    assert json.loads((tmp_path / "chaos.json").read_text())["audit"]["ok"]
 
 
 @pytest.mark.parametrize("mode, counter", [

@@ -28,6 +28,7 @@ from loadgen.launcher import ServerProcess, free_port
 
 ray = pytest.importorskip("ray")
 
+from engine_app import our_actors  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
@@ -35,11 +36,6 @@ pytestmark = [pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("stage", "drafter", "engine", "proxy", "worker", "pause")
 READY_TIMEOUT_S = 360.0
-
-
-def our_actors() -> list[tuple[str, str]]:
-    return sorted((a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("cosine_ray:") or a["namespace"] == "serve")
 
 
 @pytest.fixture(scope="module")

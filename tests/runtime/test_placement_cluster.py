@@ -122,7 +122,7 @@ def test_the_cli_serves_without_the_drafter_that_cannot_be_placed(two_nodes, tin
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         # the CLI process only waits for Ctrl-C: the application was bound in a child, so it
-        # never loaded torch (cli/serve_deploy.py)
+        # never loaded torch (cli/serve_start.py)
         assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "cosine_ray_stats": True})

@@ -16,6 +16,7 @@ import yaml
 
 from cosine_ray.cli import build_parser, main
 from cosine_ray.cli import serve as serve_cli
+from cosine_ray.cli import serve_start
 from cosine_ray.engine.config import ClusterConfig, EngineConfig, StepConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,9 +220,9 @@ def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys)
     calls: dict = {}
     monkeypatch.setattr(cluster, "connect", lambda address, num_cpus=None: calls.setdefault("connect", address))
     monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
-    monkeypatch.setattr(serve_cli, "place_actors", lambda plan: plan)  # no cluster to ask here
+    monkeypatch.setattr(serve_start, "place_actors", lambda plan: plan)  # no cluster to ask here
     monkeypatch.setattr(serve, "start", lambda **kw: calls.setdefault("start", kw))
-    monkeypatch.setattr(serve_cli, "deploy_in_child", lambda plan: calls.setdefault(
+    monkeypatch.setattr(serve_start, "deploy_in_child", lambda plan: calls.setdefault(
         "run", (("APP", plan.app_args), {"name": plan.app_name, "route_prefix": plan.route_prefix, "blocking": False})))
     monkeypatch.setattr(serve, "delete", lambda name: calls.setdefault("delete", name))
     monkeypatch.setattr(serve, "shutdown", lambda: None)
@@ -256,7 +257,7 @@ def test_place_actors_leaves_out_the_drafter_no_node_can_host(tmp_path, monkeypa
                                                              {"CPU": 2.0, "consumer_gpu": 8.0}])
     path = write(tmp_path, {"drafters": "ngram,suffix:code,suffix:math,suffix:instruction,suffix:chat",
                             "cluster": {"use_resources": True, "drafters_in_engine": "none"}, "api_key": "k"})
-    placed = serve_cli.place_actors(plan("--config", path))
+    placed = serve_start.place_actors(plan("--config", path))
     assert placed.engine["drafters"] == "ngram,suffix:code,suffix:math,suffix:instruction"
     assert placed.app_args["drafters"] == placed.engine["drafters"] and placed.app_args["api_key"] == "k"
     (note,) = capsys.readouterr().err.strip().splitlines()
@@ -268,7 +269,7 @@ def test_place_actors_stops_at_a_stage_no_node_can_host(tmp_path, monkeypatch):
     import cosine_ray.runtime.placement as placement
     monkeypatch.setattr(placement, "cluster_nodes", lambda: [{"CPU": 2.0, "consumer_gpu": 8.0}])
     path = write(tmp_path, {"cluster": {"use_resources": True}})
-    with pytest.raises(serve_cli.CliError, match=r"cannot place the pipeline: stage 0 \(cosine_ray:stage:0\) asks "
+    with pytest.raises(serve_start.CliError, match=r"cannot place the pipeline: stage 0 \(cosine_ray:stage:0\) asks "
                                                  r"CPU 0.5, datacenter_gpu 1: no node has enough datacenter_gpu; "
                                                  r"the cluster offers node 1: CPU 2, consumer_gpu 8"):
-        serve_cli.place_actors(plan("--config", path))
+        serve_start.place_actors(plan("--config", path))
