@@ -16,15 +16,23 @@ duplicated, hung or wrong request is shown in test_chaos_audit.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from loadgen.chaos import audit as audit_mod
+from loadgen.chaos.deploy import Deployment, DeploymentOptions
+from loadgen.chaos.faults import Injector
+from loadgen.chaos.run import ChaosConfig, ChaosRun
+from loadgen.chaos.traffic import Mix, build_shapes
 from loadgen.cli import main
 from loadgen.launcher import ServerProcess, free_port
+from loadgen.workload import DEFAULT_DATASET_DIR, load_rows
 
 ray = pytest.importorskip("ray")
 
@@ -81,3 +89,32 @@ def test_three_minutes_of_chaos_lose_nothing(server, tmp_path, capsys):
     assert rc == 0 and data["verdict"]["ok"], err
     for name in ("chaos.png", "ledger.jsonl", "calls.jsonl", "memory.csv"):
         assert (out_dir / name).stat().st_size > 0
+
+
+class IngressKiller(Injector):
+    """The worker kind, aimed: it kills only the Serve ingress replica (``ray::ServeReplica``
+    of the ``cosine_ray`` deployment), the process whose loss Serve's proxy answered with a bare
+    500 (or a cut stream) before ``serve/proxy_guard.py``."""
+
+    def candidates(self, kind: str):
+        return [p for p in self.find() if p.role == "ingress"]
+
+
+def test_a_killed_ingress_replica_is_a_clean_503_never_a_500(server):
+    cfg = ChaosConfig(duration_s=45, clients=6, kill_every_s=15, kinds=("worker",), max_kills=2,
+                      request_timeout_s=120, recovery_timeout_s=240, mix=Mix(0.5, 0.0), memory_interval_s=60, seed=5)
+    rows = load_rows(DEFAULT_DATASET_DIR, "second-half")
+    shapes = build_shapes(rows, 6, np.random.default_rng(5), max_tokens=48, seeded_fraction=0.3,
+                          completions_fraction=0.5)
+    with Deployment(DeploymentOptions(url=server.url)) as dep:
+        injector = IngressKiller(dep.processes, np.random.default_rng(5), log=print)
+        result = asyncio.run(ChaosRun(cfg, server.url, shapes, find=dep.processes, injector=injector,
+                                      log=print).main())
+    verdict = audit_mod.audit(result.calls, result.ledger, result.references, result.faults)
+    lost_replica = [c for c in result.calls if c.error and "replica handling this request was lost" in c.error]
+    print(f"[chaos] ingress killed {len(result.faults)} times: {verdict['outcomes']}, {verdict['errors_by_kind']}")
+    assert [t["role"] for f in result.faults for t in f.targets] == ["ingress", "ingress"]
+    assert all(f.recovered_t is not None for f in result.faults)
+    assert lost_replica, "premise: the kills caught requests inside the replica"
+    assert verdict["server_errors"] == verdict["unclear_errors"] == 0, verdict["problems"]
+    assert verdict["ok"], verdict
