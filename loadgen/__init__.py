@@ -13,5 +13,6 @@ The pieces, in the order a run uses them:
     plots.py     PNG plots (matplotlib, Agg)
     launcher.py  start/stop a server process and wait for /health (compare --launch)
     compare.py   the same plan against several targets → one table normalised to a baseline
-    cli.py       ``cosine-loadgen run | compare``
+    chaos/       ``chaos``: faults under load, a ledger audit, memory over time (its __init__)
+    cli.py       ``cosine-loadgen run | compare | chaos | footprint``
 """

@@ -1,4 +1,5 @@
-"""``cosine-loadgen run | compare``: flag names follow ``vllm bench serve`` where one exists.
+"""``cosine-loadgen run | compare | chaos | footprint``: flag names follow ``vllm bench serve`` where
+one exists (``chaos`` and ``footprint``: ``loadgen/chaos/cli.py``).
 
 Exit codes: 0 every request completed and the ledger is consistent; 1 something failed (a
 request, an unreachable server, a server that did not come up, an interrupt): one line on
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--stop-timeout", type=float, default=90.0, help="seconds after SIGINT before SIGTERM/KILL")
     cmp_.add_argument("--baseline", default="off", help="target the table is normalised to")
     add_common_args(cmp_)
+    from loadgen.chaos.cli import add_parsers
+    add_parsers(sub)
     return parser
 
 
@@ -249,10 +252,15 @@ def _fail(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from loadgen.chaos import cli as chaos_cli
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "chaos":
+            return chaos_cli.run_chaos(args, _fail)
+        if args.command == "footprint":
+            return chaos_cli.run_footprint(args, _fail)
         return _run(args) if args.command == "run" else _compare(args)
-    except (UsageError, WorkloadError) as exc:
+    except (UsageError, WorkloadError, chaos_cli.UsageError) as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return 2
     except KeyboardInterrupt:

@@ -189,14 +189,21 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, record: RequestR
         record.fail("malformed", "the stream ended without data: [DONE]")
 
 
-def _read_event(data: str, record: RequestRecord, now: float, is_chat: bool) -> None:
+def decode_event(data: str) -> tuple[dict[str, Any] | None, str | None]:
+    """An SSE ``data:`` payload as a JSON object, or (None, why it is malformed)."""
     try:
         event = json.loads(data)
     except json.JSONDecodeError:
-        record.fail("malformed", f"an SSE event is not JSON: {data[:80]!r}")
-        return
+        return None, f"an SSE event is not JSON: {data[:80]!r}"
     if not isinstance(event, dict):
-        record.fail("malformed", f"an SSE event is not a JSON object: {data[:80]!r}")
+        return None, f"an SSE event is not a JSON object: {data[:80]!r}"
+    return event, None
+
+
+def _read_event(data: str, record: RequestRecord, now: float, is_chat: bool) -> None:
+    event, malformed = decode_event(data)
+    if event is None:
+        record.fail("malformed", malformed or "")
         return
     if "error" in event:
         record.fail("sse_error", f"error event: {error_message(data.encode())}")

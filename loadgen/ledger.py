@@ -2,9 +2,11 @@
 
 Every planned request id gets events in order: ``planned`` → ``sent`` → exactly one terminal
 event (``ok`` | ``failed``), or ``planned`` → ``not_sent`` (the run was aborted or hit
-``--duration``). ``check()`` counts what breaks that: lost (sent, no terminal event), duplicated
-(sent twice or two terminal events), unknown (an event for an id never planned), a completed
-stream without exactly one ``[DONE]``, and a response id the server reused. All must be 0.
+``--duration``); ``terminal`` can name other ending events (``chaos``: ``disconnected``,
+``hung``). ``check()`` counts what breaks that: lost (sent, no terminal event), duplicated (sent
+twice or two terminal events), unknown (an event for an id never planned), a completed stream
+without exactly one ``[DONE]`` (``ok`` events that carry a count), and a response id the server
+reused. All must be 0.
 ``ledger.jsonl`` is the event list, one JSON object per line, in the order they happened.
 """
 
@@ -22,6 +24,8 @@ TERMINAL = ("ok", "failed", "not_sent")
 @dataclass
 class Ledger:
     events: list[dict[str, Any]] = field(default_factory=list)
+    terminal: tuple[str, ...] = TERMINAL
+    """The events that end a request (``chaos`` adds ``disconnected`` and ``hung``)."""
 
     def record(self, event: str, request_id: str, t: float | None = None, **extra: Any) -> None:
         self.events.append({"event": event, "request_id": request_id,
@@ -32,10 +36,10 @@ class Ledger:
         planned = [e["request_id"] for e in self.events if e["event"] == "planned"]
         planned_set = set(planned)
         sent = Counter(e["request_id"] for e in self.events if e["event"] == "sent")
-        terminal = Counter(e["request_id"] for e in self.events if e["event"] in TERMINAL)
+        terminal = Counter(e["request_id"] for e in self.events if e["event"] in self.terminal)
         by_event = Counter(e["event"] for e in self.events)
         oks = [e for e in self.events if e["event"] == "ok"]
-        bad_done = [e["request_id"] for e in oks if e.get("done_markers") != 1]
+        bad_done = [e["request_id"] for e in oks if "done_markers" in e and e["done_markers"] != 1]
         response_ids = Counter(e["response_id"] for e in oks if e.get("response_id"))
         problems = {
             "lost": sorted(i for i in sent if terminal[i] == 0),
@@ -53,8 +57,9 @@ class Ledger:
             "failed": by_event["failed"], "not_sent": by_event["not_sent"],
             **{f"num_{k}": len(v) for k, v in problems.items()},
         }
+        out.update({event: by_event[event] for event in self.terminal if event not in out and event != "ok"})
         out["is_consistent"] = all(not v for v in problems.values()) and (
-            out["completed"] + out["failed"] + out["not_sent"] == out["planned"])
+            sum(by_event[event] for event in self.terminal) == out["planned"])
         out["problems"] = {k: v[:20] for k, v in problems.items() if v}
         return out
 
@@ -64,5 +69,6 @@ class Ledger:
                 f.write(json.dumps(event, sort_keys=True) + "\n")
 
     @classmethod
-    def read(cls, path: Path) -> "Ledger":
-        return cls([json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line])
+    def read(cls, path: Path, terminal: tuple[str, ...] = TERMINAL) -> "Ledger":
+        return cls([json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line],
+                   terminal)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.cli.args import CliError, add_device_args, check_local_device, load_engine, runner_from_args
+from cosine_ray.cli.args import CliError, add_device_args, check_local_device, runner_from_args
 from cosine_ray.datasets import default_prompt_dir
 from cosine_ray.metrics.names import STEP_PHASES
 

@@ -321,8 +321,8 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from cosine_ray.cli.serve_start import deploy_in_child, place_actors
     from cosine_ray.runtime.cluster import connect
-    from cosine_ray.serve.app import build_app
 
     address = plan.engine["cluster"].get("address")
     if address:
@@ -337,6 +337,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
     if address:
         check_cluster_gpus(plan.engine, ray.cluster_resources())
+    try:
+        plan = place_actors(plan)
+    except CliError:
+        ray.shutdown()
+        raise
     start = {"http_options": plan.http_options}
     if plan.proxy_location is not None:
         start["proxy_location"] = plan.proxy_location
@@ -347,7 +352,14 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--config {args.config}: Serve settings: {str(exc).splitlines()[0]}") from None
     print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s) and drafters "
           f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
-    serve.run(build_app(plan.app_args), name=plan.app_name, route_prefix=plan.route_prefix, blocking=False)
+    try:
+        deploy_in_child(plan)
+    except CliError:
+        try:
+            serve.delete(plan.app_name)  # what Serve kept of the failed application (a joined cluster stays up)
+        finally:
+            ray.shutdown()
+        raise
     url = f"http://{plan.host}:{plan.port}{plan.route_prefix.rstrip('/')}"
     print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
           f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)

@@ -188,7 +188,6 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, *, what: str, target: Path) ->
 
 def _save_hf_dir(out_dir: Path, hf_config: Any, state: dict[str, "torch.Tensor"]) -> None:
     """config.json + generation_config.json + model.safetensors (tied lm_head dropped)."""
-    import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 

@@ -64,6 +64,7 @@ class StageHost(_Hosted, StageWorker):
                              kv_token_budget=default_kv_tokens(config.step))
         self.capture_graphs(config.step)  # CUDA: before the first request
         self.stage_index = stage_index
+        memory.drop_file_pages()  # checkpoint pages read only to build fused copies (runtime/memory.py)
 
 
 class DrafterHost(_Hosted, DrafterWorker):
@@ -72,6 +73,7 @@ class DrafterHost(_Hosted, DrafterWorker):
     def __init__(self, config: EngineConfig, spec: DrafterSpec) -> None:
         self._start(config.cluster.threads_per_actor)
         DrafterWorker.__init__(self, make_drafter_worker(spec, config).drafter)
+        memory.drop_file_pages()  # a model drafter's checkpoint pages, as for a stage
 
 
 StageActor = ray.remote(StageHost)

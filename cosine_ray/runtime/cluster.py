@@ -6,6 +6,8 @@ import os
 
 import ray
 
+from cosine_ray.serve.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
 NAMESPACE = "cosine_ray"
 
 
@@ -15,6 +17,16 @@ worker, gRPC and the step loop allocate from a dozen threads; each thread arena 
 free, fragmented pages, which ``malloc_trim`` (runtime/memory.py) cannot all hand back, so the
 engine's resident memory crept up in steps under load (the soak test's RSS slope). Fewer
 arenas, less memory held apart; the threads that allocate here are not contended."""
+
+
+SERVE_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2"}
+"""Serve's controller health-checks each HTTP proxy every 2 s instead of 10: a dead proxy (whose
+health call fails at once) is replaced after 3 failed checks, ~6 s instead of ~30 s of refused
+connections (docs/chaos.md); a live but slow one still has the 10-s check timeout each time."""
+LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+"""A local cluster starts no idle Python workers ahead of need: every process of ours hosts an
+actor, which gets a worker of its own anyway, so prestarted ones only held an interpreter's
+memory (docs/chaos.md, the footprint at idle)."""
 
 
 def actor_name(role: str, index: int) -> str:
@@ -32,12 +44,18 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
     the last ``ray start`` recorded in ``<RAY_TMPDIR or /tmp>/ray/ray_current_cluster``, which
     may be long gone (a head that died without ``ray stop``), and then refuse ``num_cpus``
     (tests/runtime/test_stale_ray_address.py). To join a cluster, pass its address.
+
+    Every worker of the job gets ``runtime_env`` env vars: one torch thread, fewer malloc arenas,
+    Serve's proxy health-check period (``SERVE_ENV``) and the proxy's callback
+    (``serve.proxy_guard``); a local cluster also gets ``LOCAL_SYSTEM_CONFIG``.
     """
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **WORKER_MALLOC_ENV}}
+    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **WORKER_MALLOC_ENV,
+                                **SERVE_ENV, PROXY_CALLBACK_ENV: PROXY_CALLBACK}}  # serve/proxy_guard.py
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True)
     else:
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, namespace=NAMESPACE,
-                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
+                 _system_config=LOCAL_SYSTEM_CONFIG)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import uuid
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, Sequence
 
 import ray
@@ -30,6 +33,7 @@ from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import EngineConfig, config_from_dict
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.worker.target import kv_cache_fills
+from cosine_ray.engine.owners.constraints import TokenizerLoader
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
@@ -40,14 +44,20 @@ from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.engine_client import ACCEPTED
 from cosine_ray.runtime.memory import malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
-from cosine_ray.runtime.placement import actor_options
+from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,
+                                          describe, public, without_drafters)
 
 log = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "cosine_ray_engine"
 """Serve deployment name of the engine (the ingress deployment is ``cosine_ray``)."""
 READY_TIMEOUT_S = 900.0
-"""Longest wait for the stages and drafters to load (a first start converts the model)."""
+"""Longest wait for the stages to load (a first start converts the model)."""
+DRAFTER_READY_S = 60.0
+"""Longest wait for the drafter actors once the stages are up: a drafter never blocks serving
+(one that comes up later joins the drafting then)."""
+PENDING_REPORT_S = 30.0
+"""While actors are not up yet, say every this often which, what they ask and what is free."""
 
 
 def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
@@ -61,15 +71,54 @@ def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
     return [ActorSlot(actor_name("stage", i), spawn(i), namespace=namespace) for i in range(config.num_stages)]
 
 
+def tokenizer_eos_id(path: Path) -> int | None:
+    """The tokenizer's end-of-sequence id as its files state it (``eos_token`` of
+    tokenizer_config.json or special_tokens_map.json, looked up in tokenizer.json's added
+    tokens, then its vocabulary); None when they do not say."""
+    def read(name: str) -> Any:
+        try:
+            return json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    token = next((t for cfg in (read("tokenizer_config.json"), read("special_tokens_map.json"))
+                  if isinstance(cfg, dict) and (t := cfg.get("eos_token"))), None)
+    token = token.get("content") if isinstance(token, dict) else token
+    spec = read("tokenizer.json")
+    if not isinstance(token, str) or not isinstance(spec, dict):
+        return None
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+            return added["id"]
+    vocab = (spec.get("model") or {}).get("vocab")
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return found if isinstance(found, int) else None
+
+
+def eos_source(checkpoint: Any) -> Any:
+    """What ``engine.build.eos_token_ids`` reads the tokenizer's EOS from: the id its files state
+    (the engine needs nothing else of the tokenizer, which holds ~100 MB once loaded), else the
+    loaded tokenizer; None without tokenizer files."""
+    if not checkpoint.has_tokenizer:
+        return None
+    eos = tokenizer_eos_id(Path(checkpoint.path))
+    return SimpleNamespace(eos_token_id=eos) if eos is not None else checkpoint.load_tokenizer()
+
+
 class EngineServer:
     async def __init__(self, config_data: dict[str, Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         torch.set_num_threads(1)
         config = config_from_dict(config_data)
+        # an actor no node can ever host would wait in Ray's queue forever: a stage is an error
+        # that says so, a drafter is left out (runtime/placement.py)
+        unplaceable = check_placement(config, await asyncio.to_thread(cluster_nodes))
+        for ask, why in unplaceable:
+            log.warning("serving without %s: %s", ask.what, why)
+        config = without_drafters(config, [ask.drafter_index for ask, _ in unplaceable])
         self.config = config
         self.engine_id = uuid.uuid4().hex[:8]
         self.namespace = f"{NAMESPACE}.{self.engine_id}"
         checkpoint = resolve_checkpoint(config.model)
-        tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
         self.model_name = checkpoint.name
         self.vocab_size = checkpoint.config.vocab_size
 
@@ -93,15 +142,41 @@ class EngineServer:
         step_config = step_config_for(config, checkpoint)
         self.max_model_len = step_config.max_model_len
         components = cosine_components(config, checkpoint, run_profile_if_missing=True)  # while the actors load
-        slots = self.stage_slots + self.drafter_slots
-        await asyncio.gather(*(await_ref(s.handle.ping.remote(), ready_timeout_s) for s in slots))
+        asks = {a.name: a for a in actor_asks(config)}
+        await self._await_up(self.stage_slots, asks, ready_timeout_s, required=True)
+        # the tokenizer (~100 MB) is loaded only when a request first asks for a grammar
+        tokenizer = TokenizerLoader(checkpoint.load_tokenizer) if checkpoint.has_tokenizer else None
         self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
-                               eos_token_ids=eos_token_ids(checkpoint, tokenizer),
+                               eos_token_ids=eos_token_ids(checkpoint, eos_source(checkpoint)),
                                kv_num_blocks=await self.target.kv_capacity(), kv_fill=kv_cache_fills(config),
                                tokenizer=tokenizer, **components)
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
         self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held
+        await self._await_up(self.drafter_slots, asks, min(ready_timeout_s, DRAFTER_READY_S), required=False)
+
+    async def _await_up(self, slots: Sequence[ActorSlot], asks: dict[str, ActorAsk], timeout_s: float, *,
+                        required: bool) -> None:
+        """Until every slot's actor answers a ping: a stage not up within ``timeout_s`` fails the
+        engine's start, a drafter is left to join later. Pending ones are named every
+        ``PENDING_REPORT_S`` with what they ask and what the cluster has free."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = {s.name: asyncio.ensure_future(await_ref(s.handle.ping.remote(), timeout_s)) for s in slots}
+        while pending:
+            await asyncio.wait(pending.values(), timeout=min(PENDING_REPORT_S, max(0.1, deadline - loop.time())))
+            for name, fut in list(pending.items()):
+                if fut.done():
+                    del pending[name]
+                    if fut.exception() is not None and required:
+                        raise RuntimeError(f"{name} did not start: {type(fut.exception()).__name__}: "
+                                           f"{fut.exception()}") from fut.exception()
+                    if fut.exception() is not None:
+                        log.warning("drafter %s not up (%r); serving without it until it is", name, fut.exception())
+            if pending:
+                free = describe(public(await asyncio.to_thread(ray.available_resources)))
+                log.warning("waiting for %s: %s; free in the cluster now: %s", ", ".join(pending),
+                            "; ".join(f"{n} asks {describe(asks[n].resources)}" for n in pending if n in asks), free)
 
     # ---- Serve hooks --------------------------------------------------------------------------
     async def check_health(self) -> None:

@@ -85,6 +85,47 @@ def held_mib() -> dict[str, float]:
     return resident_mib()
 
 
+MADV_DONTNEED = 4
+
+
+def drop_file_pages(suffix: str = ".safetensors") -> float:
+    """Drop from this process's page tables the resident pages of file mappings whose path ends
+    with ``suffix``; returns the MiB dropped. A stage reads its slice of the checkpoint through
+    a mapping of the whole file: the fused weights it builds (q/k/v, gate/up) are copies, yet
+    the pages they were copied from stay resident in the mapping for as long as any weight still
+    points into it. After the drop, only the pages a forward reads again come back (shared, from
+    the page cache). A mapping with a private (copy-on-write) page is skipped: dropping would
+    revert it to the file's content."""
+    madvise = _glibc("madvise")
+    if madvise is None:
+        return 0.0
+    dropped = 0.0
+    for start, end, stats in _file_mappings(suffix):
+        if stats.get("Anonymous", 0) or not stats.get("Rss", 0):  # copy-on-write pages are anonymous
+            continue
+        if madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
+            dropped += stats["Rss"] / 1024
+    return dropped
+
+
+def _file_mappings(suffix: str) -> list[tuple[int, int, dict[str, int]]]:
+    """(start, end, smaps fields in KiB) of each mapping of a file ending with ``suffix``."""
+    out: list[tuple[int, int, dict[str, int]]] = []
+    current: dict[str, int] | None = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and ":" not in parts[0]:  # a mapping's header line
+                current = None
+                if len(parts) >= 6 and parts[5].endswith(suffix):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    current = {}
+                    out.append((lo, hi, current))
+            elif current is not None and parts[0].endswith(":") and len(parts) >= 2 and parts[1].isdigit():
+                current[parts[0][:-1]] = int(parts[1])
+    return out
+
+
 def start_heap_trimmer(interval_s: float = TRIM_INTERVAL_S) -> threading.Thread | None:
     """A daemon thread that calls ``release_free_heap`` every ``interval_s`` seconds."""
     if _glibc("malloc_trim") is None:

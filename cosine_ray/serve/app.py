@@ -27,7 +27,6 @@ from typing import Any
 from ray import serve
 
 from cosine_ray.engine.config import config_from_dict
-from cosine_ray.serve.openai_app import build_openai_app
 
 INGRESS_ARGS = ("api_key", "max_body_bytes", "max_ongoing_requests", "max_queued_requests",
                 "return_spec_stats", "metrics_require_key", "max_pending_requests", "request_timeout_s")
@@ -65,6 +64,7 @@ class OpenAIIngress:
         self.request_timeout_s = float(request_timeout_s)
 
     def __serve_build_asgi_app__(self):
+        from cosine_ray.serve.openai_app import build_openai_app  # here: importing this module stays light
         return build_openai_app(self.engine, self.tokenizer, model_name=self.engine.model_name,
                                 max_body_bytes=self.max_body_bytes, api_key=self.api_key,
                                 return_spec_stats=self.return_spec_stats,

@@ -17,7 +17,6 @@ import json
 import re
 import shlex
 import tomllib
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement

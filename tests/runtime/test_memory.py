@@ -68,3 +68,38 @@ def test_trimmer_thread_runs_in_the_background():
     assert thread is not None and thread.daemon
     time.sleep(0.2)
     assert thread.is_alive()
+
+
+DROP_SCRIPT = r"""
+import json, mmap, os, sys
+import numpy as np
+from cosine_ray.runtime.memory import _file_mappings, drop_file_pages
+
+path = sys.argv[1]
+data = np.arange(4 << 20, dtype=np.float32)  # 16 MiB
+data.tofile(path)
+clean = np.memmap(path, dtype=np.float32, mode="c")  # MAP_PRIVATE, read only from here on
+total = float(clean.sum())  # touch every page
+def rss_kib():
+    return sum(stats.get("Rss", 0) for _, _, stats in _file_mappings(".bin"))
+before = rss_kib()
+dropped = drop_file_pages(".bin")
+after_drop = rss_kib()
+same = float(clean.sum()) == total  # the pages come back from the file, unchanged
+dirty = np.memmap(path, dtype=np.float32, mode="c")
+dirty[0] = -1.0  # a copy-on-write page: dropping it would revert it to the file's 0.0
+drop_file_pages(".bin")
+print(json.dumps({"before": before, "after_drop": after_drop, "dropped_mib": dropped, "same": same,
+                  "dirty_kept": float(dirty[0]) == -1.0}))
+"""
+
+
+def test_dropping_file_pages_unmaps_what_was_read_and_skips_written_pages(tmp_path):
+    """What a stage does after building its fused weights (runtime/actors.py): the pages of a
+    checkpoint mapping leave this process's RSS, reading them again gives the file's bytes,
+    and a mapping with a page written copy-on-write is left alone (its write is not lost)."""
+    out = subprocess.run([sys.executable, "-c", DROP_SCRIPT, str(tmp_path / "weights.bin")], capture_output=True,
+                         text=True, timeout=120, check=True)
+    r = json.loads(out.stdout)
+    assert r["before"] >= 15 * 1024 and r["after_drop"] == 0 and r["dropped_mib"] >= 15, r
+    assert r["same"] and r["dirty_kept"], r

@@ -16,6 +16,7 @@ import yaml
 
 from cosine_ray.cli import build_parser, main
 from cosine_ray.cli import serve as serve_cli
+from cosine_ray.cli import serve_start
 from cosine_ray.engine.config import ClusterConfig, EngineConfig, ExperimentsConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,18 +211,19 @@ def test_an_unreachable_address_is_one_line_and_exit_2(capsys):
 
 def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys):
     """run() with Ray's entry points recorded: the file's http_options and proxy_location go to
-    serve.start, the app's name and route prefix to serve.run, args + ingress args to build_app."""
+    serve.start, the app's name and route prefix and its args + ingress args to the process that
+    deploys it (``deploy_in_child``: build_app, then serve.run)."""
     from ray import serve
 
     import cosine_ray.runtime.cluster as cluster
-    import cosine_ray.serve.app as app_module
 
     calls: dict = {}
     monkeypatch.setattr(cluster, "connect", lambda address, num_cpus=None: calls.setdefault("connect", address))
     monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
+    monkeypatch.setattr(serve_start, "place_actors", lambda plan: plan)  # no cluster to ask here
     monkeypatch.setattr(serve, "start", lambda **kw: calls.setdefault("start", kw))
-    monkeypatch.setattr(app_module, "build_app", lambda args: ("APP", args))
-    monkeypatch.setattr(serve, "run", lambda app, **kw: calls.setdefault("run", (app, kw)))
+    monkeypatch.setattr(serve_start, "deploy_in_child", lambda plan: calls.setdefault(
+        "run", (("APP", plan.app_args), {"name": plan.app_name, "route_prefix": plan.route_prefix, "blocking": False})))
     monkeypatch.setattr(serve, "delete", lambda name: calls.setdefault("delete", name))
     monkeypatch.setattr(serve, "shutdown", lambda: None)
     monkeypatch.setattr("ray.shutdown", lambda: None)
@@ -243,3 +245,31 @@ def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys)
     assert app_args["api_key"] == "k" and app_args["drafters"] == "ngram"
     assert calls["delete"] == "mine"
     assert "http://0.0.0.0:8123/llm/v1" in capsys.readouterr().out
+
+
+# ---- placement before anything starts (runtime/placement.py) -----------------------------------
+
+def test_place_actors_leaves_out_the_drafter_no_node_can_host(tmp_path, monkeypatch, capsys):
+    """The two-node cluster of docs/chaos.md: the fifth drafter asking 0.5 CPU of a 2-CPU node
+    is left out of what is deployed, with a note; the ingress args stay."""
+    import cosine_ray.runtime.placement as placement
+    monkeypatch.setattr(placement, "cluster_nodes", lambda: [{"CPU": 2.0, "datacenter_gpu": 2.0},
+                                                             {"CPU": 2.0, "consumer_gpu": 8.0}])
+    path = write(tmp_path, {"drafters": "ngram,suffix:code,suffix:math,suffix:instruction,suffix:chat",
+                            "cluster": {"use_resources": True, "drafters_in_engine": "none"}, "api_key": "k"})
+    placed = serve_start.place_actors(plan("--config", path))
+    assert placed.engine["drafters"] == "ngram,suffix:code,suffix:math,suffix:instruction"
+    assert placed.app_args["drafters"] == placed.engine["drafters"] and placed.app_args["api_key"] == "k"
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert note.startswith("cosine-ray: note: serving without drafter suffix:chat: drafter suffix:chat "
+                           "(cosine_ray:drafter:4) asks CPU 0.5, consumer_gpu 1"), note
+
+
+def test_place_actors_stops_at_a_stage_no_node_can_host(tmp_path, monkeypatch):
+    import cosine_ray.runtime.placement as placement
+    monkeypatch.setattr(placement, "cluster_nodes", lambda: [{"CPU": 2.0, "consumer_gpu": 8.0}])
+    path = write(tmp_path, {"cluster": {"use_resources": True}})
+    with pytest.raises(serve_start.CliError, match=r"cannot place the pipeline: stage 0 \(cosine_ray:stage:0\) asks "
+                                                 r"CPU 0.5, datacenter_gpu 1: no node has enough datacenter_gpu; "
+                                                 r"the cluster offers node 1: CPU 2, consumer_gpu 8"):
+        serve_start.place_actors(plan("--config", path))

@@ -15,6 +15,10 @@ The prompt (last user message, or the completion prompt) may carry directives:
     [[sse_error]]   an error event after the first chunk, then [DONE]    [[no_done]]    omit [DONE]
     [[drop]]        close the connection after the first chunk           [[sleep=S]]    sleep S s first
     [[accept=A/D]]  stats block with A accepted of D drafted tokens (default accept_default)
+    [[repeat]]      send the first chunk twice (a token answered twice)
+
+``forced`` holds directives applied to every request while set (the chaos tests' broken
+"recoveries"). A request with ``"stream": false`` gets one JSON completion with the same text.
 
 The stats block also has fields loadgen does not know (``domain``, ``drafters_used``), to check
 they are tolerated. Received request ids (``X-Request-Id``) and bodies are kept for assertions.
@@ -45,6 +49,7 @@ class StubServer:
         self.model = model
         self.lock = threading.Lock()
         self.received: list[tuple[str, dict[str, Any]]] = []
+        self.forced: dict[str, str] = {}
         self.num_active = self.max_active = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self.httpd.daemon_threads = True
@@ -112,7 +117,7 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             with stub.lock:
                 stub.received.append((self.headers.get("X-Request-Id", ""), body))
-            directives = dict(DIRECTIVE.findall(_prompt_text(body)))
+            directives = {**dict(DIRECTIVE.findall(_prompt_text(body))), **stub.forced}
             with stub.lock:
                 stub.num_active += 1
                 stub.max_active = max(stub.max_active, stub.num_active)
@@ -129,6 +134,8 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
                 status = int(directives["status"])
                 return self._json(status, {"error": {"message": f"injected status {status}", "type": "server_error",
                                                      "param": None, "code": None}})
+            if body.get("stream") is False:
+                return self._complete(body, directives)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
@@ -136,6 +143,18 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
                 self._stream(body, directives)
             except (BrokenPipeError, ConnectionResetError):
                 pass
+
+        def _complete(self, body: dict[str, Any], directives: dict[str, str]) -> None:
+            n = stub.num_chunks * stub.tokens_per_chunk
+            text = "".join(f"w{i} " for i in range(n))
+            if "repeat" in directives:
+                text = "".join(f"w{i} " for i in range(stub.tokens_per_chunk)) + text
+            time.sleep(stub.ttft_s + stub.chunk_s * (stub.num_chunks - 1))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if "messages" in body else {"index": 0, "text": text, "finish_reason": "length"})
+            self._json(200, {"id": f"cmpl-{threading.get_ident()}-{time.monotonic_ns()}", "model": stub.model,
+                             "choices": [choice], "usage": {"prompt_tokens": 7, "completion_tokens": n,
+                                                            "total_tokens": 7 + n}})
 
         def _send(self, obj: Any) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
@@ -162,6 +181,8 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
                     time.sleep(stub.chunk_s)
                 k = stub.tokens_per_chunk
                 self._send(chunk("".join(f"w{i * k + j} " for j in range(k))))
+                if i == 0 and "repeat" in directives:
+                    self._send(chunk("".join(f"w{j} " for j in range(k))))
                 if i == 0 and "drop" in directives:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return

@@ -15,7 +15,7 @@ the grammar forces next join the tree as a path of their own.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,9 +32,21 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 whitespace lets a model fill its tokens with blanks and never close the object."""
 
 
+class TokenizerLoader:
+    """The target's HF tokenizer, loaded on first ``load()``."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load = load
+
+    def load(self) -> Any:
+        return self._load()
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutput`` specs into llguidance matchers for one tokenizer (the
-    llguidance tokenizer is built once, on first use: about a second)."""
+    llguidance tokenizer is built once, on first use: about a second). ``tokenizer`` is the HF
+    tokenizer or a function that loads it: a server loads it (~100 MB) only when a request first
+    asks for a grammar."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.hf_tokenizer = tokenizer
@@ -45,7 +57,10 @@ class GrammarCompiler:
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             import llguidance.hf
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+            hf = self.hf_tokenizer
+            if isinstance(hf, TokenizerLoader):
+                hf = hf.load()
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
         return self._tokenizer
 
     @staticmethod

@@ -1,0 +1,105 @@
+"""Starting the application for ``cosine-ray serve``: placement checked first, then the
+deploy from a short-lived child process.
+
+``place_actors``: the cluster must be able to host every stage and drafter actor
+(``runtime.placement``): a stage that cannot be placed is a CliError naming it, what it asks
+and what the nodes offer; a drafter that cannot is left out of the plan, with a note.
+
+``deploy_in_child`` runs this module as a child (``main``): binding the application imports
+its classes, and with them torch and the engine, which the long-lived CLI process (the Ray
+driver that waits for Ctrl-C) then never needs to hold. The child reads ``{"address",
+"app_args", "name", "route_prefix", "error_file"}`` as JSON on stdin, joins the cluster, runs
+``serve.run`` and exits 0 once the application answers; on failure it writes one line
+(``failure_reason``) to ``error_file`` and exits 1. The application outlives it: Serve's
+controller owns the replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from cosine_ray.cli.args import CliError
+
+ServePlan = Any
+"""``cli.serve.ServePlan`` (not imported: ``cli.serve`` imports this module)."""
+
+
+def place_actors(plan: ServePlan) -> ServePlan:
+    """``plan`` without the drafters no node can host (a note for each); CliError for a stage."""
+    from cosine_ray.engine.config import config_from_dict, config_to_dict
+    from cosine_ray.runtime.placement import PlacementError, check_placement, cluster_nodes, without_drafters
+
+    config = config_from_dict(plan.engine)
+    try:
+        unplaceable = check_placement(config, cluster_nodes())
+    except PlacementError as exc:
+        raise CliError(f"{exc}; give the nodes these resources, or change cluster.use_resources / "
+                       f"num_cpus_per_actor / --stages") from None
+    if not unplaceable:
+        return plan
+    for ask, why in unplaceable:
+        print(f"cosine-ray: note: serving without {ask.what}: {why}", file=sys.stderr, flush=True)
+    engine = config_to_dict(without_drafters(config, [ask.drafter_index for ask, _ in unplaceable]))
+    ingress = {k: v for k, v in plan.app_args.items() if k not in plan.engine}
+    return dataclasses.replace(plan, engine=engine, app_args={**engine, **ingress})
+
+
+def deploy_in_child(plan: ServePlan) -> None:
+    """``serve.run`` of the application in a child process (``main``) on the
+    cluster this process is connected to, so this long-lived driver never imports the engine and
+    torch; CliError with the child's one-line reason if the application did not start."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    with tempfile.NamedTemporaryFile("r", suffix=".err", encoding="utf-8") as err:
+        spec = {"address": address, "app_args": plan.app_args, "name": plan.app_name,
+                "route_prefix": plan.route_prefix, "error_file": err.name}
+        done = subprocess.run([sys.executable, "-m", "cosine_ray.cli.serve_start"], input=json.dumps(spec),
+                              text=True, check=False)
+        if done.returncode != 0:
+            reason = err.read().strip() or f"the deploying process exited with {done.returncode}"
+            raise CliError(f"the application did not start: {reason}")
+
+
+def main() -> int:
+    spec = json.load(sys.stdin)
+    from ray import serve
+
+    from cosine_ray.runtime.cluster import connect
+    from cosine_ray.serve.app import build_app
+
+    try:
+        connect(spec["address"])
+        serve.run(build_app(spec["app_args"]), name=spec["name"], route_prefix=spec["route_prefix"],
+                  blocking=False)
+    except Exception as exc:  # a replica that cannot start, a bad setting: one line for the CLI
+        with open(spec["error_file"], "w", encoding="utf-8") as f:
+            f.write(failure_reason(serve, spec["name"], exc)[:1000])
+        return 1
+    return 0
+
+
+def failure_reason(serve, app_name: str, exc: Exception) -> str:
+    """The last line of a failed deployment's own message (its replica's exception, e.g.
+    ``ValueError: no datastore at ...``), else of the exception ``serve.run`` raised."""
+    def last(text: str) -> str | None:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return lines[-1] if lines else None
+
+    try:
+        app = serve.status().applications.get(app_name)
+        for deployment in (app.deployments.values() if app else []):
+            if str(deployment.status).endswith(("UNHEALTHY", "DEPLOY_FAILED")) and deployment.message:
+                return last(deployment.message) or ""
+    except Exception:  # the status is a nicety: fall back to the exception
+        pass
+    return last(str(exc)) or type(exc).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
