@@ -39,7 +39,7 @@ ray = pytest.importorskip("ray")
 from support.engine_app import our_actors  # noqa: E402
 from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.real_model, pytest.mark.full]
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("stage", "drafter", "engine", "proxy", "worker", "pause")

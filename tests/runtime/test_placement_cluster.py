@@ -34,7 +34,7 @@ pytest.importorskip("ray")
 from support.cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
 from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.real_model, pytest.mark.full]
 
 HELPER = Path(__file__).parents[1] / "support" / "two_node_cluster.py"
 HEAD = {"CPU": 2, "datacenter_gpu": 2}
