@@ -80,36 +80,42 @@ def _targets(seq: TrainSequence, to_compact: torch.Tensor) -> tuple[torch.Tensor
     return to_compact[seq.token_ids], ids, probs
 
 
-def distill_loss(model, batch: Sequence[TrainSequence], to_compact: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(mean soft cross-entropy over the batch's positions, positions, top-1 matches)."""
+def distill_loss(model, batch: Sequence[TrainSequence], to_compact: torch.Tensor
+                 ) -> tuple[torch.Tensor, int, int, int]:
+    """(mean soft cross-entropy over the batch's positions, positions, and over the rows that
+    predict an output token: how many, and how many have the target's top token as argmax)."""
     longest = max(len(s.token_ids) for s in batch)
+    k = batch[0].topk_ids.shape[1]
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     mask = torch.zeros(len(batch), longest, dtype=torch.long)
-    top_ids = torch.zeros(len(batch), longest, batch[0].topk_ids.shape[1], dtype=torch.long)
-    top_p = torch.zeros(len(batch), longest, batch[0].topk_ids.shape[1])
+    output_rows = torch.zeros(len(batch), longest, dtype=torch.bool)
+    top_ids = torch.zeros(len(batch), longest, k, dtype=torch.long)
+    top_p = torch.zeros(len(batch), longest, k)
     for i, s in enumerate(batch):
         x, ti, tp = _targets(s, to_compact)
         n = len(x)
         ids[i, :n], mask[i, :n], top_ids[i, :n], top_p[i, :n] = x, 1, ti, tp
+        output_rows[i, s.prompt_len - 1:n - 1] = True
     logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [B, L, V]
     logits[..., 0] = float("-inf")
     logprobs = torch.log_softmax(logits, dim=-1)
     valid = (mask.bool() & (top_p.sum(-1) > 0))  # [B, L]
     per_pos = -(top_p * logprobs.gather(-1, top_ids).nan_to_num(neginf=0.0)).sum(-1)
     n = int(valid.sum())
-    hits = int(((logits.argmax(-1) == top_ids[..., 0]) & valid & (top_ids[..., 0] > 0)).sum())
-    return (per_pos * valid).sum() / max(n, 1), n, hits
+    hits = int(((logits.argmax(-1) == top_ids[..., 0]) & output_rows & (top_ids[..., 0] > 0)).sum())
+    return (per_pos * valid).sum() / max(n, 1), n, hits, int(output_rows.sum())
 
 
 def evaluate(model, sequences: Sequence[TrainSequence], to_compact: torch.Tensor, batch_tokens: int) -> dict:
-    """Mean loss and top-1 agreement with the target on ``sequences``."""
+    """Mean loss over every position, and top-1 agreement with the target where it wrote its
+    answer (the rows a drafter drafts at; a top token outside the vocabulary counts as a miss)."""
     model.eval()
-    loss = n = hits = 0
+    loss = n = hits = outputs = 0
     with torch.no_grad():
         for batch in batches(sequences, batch_tokens, random.Random(0)):
-            l, k, h = distill_loss(model, batch, to_compact)
-            loss, n, hits = loss + float(l) * k, n + k, hits + h
-    return {"loss": loss / max(n, 1), "top1": hits / max(n, 1), "positions": n}
+            l, k, h, o = distill_loss(model, batch, to_compact)
+            loss, n, hits, outputs = loss + float(l) * k, n + k, hits + h, outputs + o
+    return {"loss": loss / max(n, 1), "top1": hits / max(outputs, 1), "output_positions": outputs}
 
 
 def train_domain(target_config, target_state: dict[str, torch.Tensor], train: Sequence[TrainSequence],
@@ -139,7 +145,7 @@ def train_domain(target_config, target_state: dict[str, torch.Tensor], train: Se
         model.train()
         seen = loss_sum = 0
         for batch in epoch_batches:
-            loss, n, _ = distill_loss(model, batch, to_compact)
+            loss, n, _, _ = distill_loss(model, batch, to_compact)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

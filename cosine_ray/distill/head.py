@@ -2,8 +2,8 @@
 
 At every position j of a sequence the head reads ``[E(x_{j+1}); f_j]`` and is trained towards
 the target's next feature f_{j+1} (smooth-L1, EAGLE's regression loss) and, through the target's
-frozen LM head, towards the target's top-k distribution at j + 1 (cross-entropy over those k
-candidates, ``cls_weight``). Input features get uniform noise of ``noise`` × their standard
+frozen LM head, towards the target's top-k distribution at j + 1 (cross-entropy over the head's
+vocabulary, ``cls_weight``). Input features get uniform noise of ``noise`` × their standard
 deviation (EAGLE's robustness to its own predicted features at deeper draft levels). The
 decoder layer starts as the target's last layer and ``fc`` as the sum of embedding and feature.
 Seeded: the same data and config give the same weights on the same machine.
@@ -50,6 +50,7 @@ def _batch_tensors(batch: Sequence[TrainSequence], embedding: torch.Tensor):
     top_ids = torch.zeros(len(batch), longest, k, dtype=torch.long)
     top_p = torch.zeros(len(batch), longest, k)
     mask = torch.zeros(len(batch), longest, dtype=torch.bool)
+    output_rows = torch.zeros(len(batch), longest, dtype=torch.bool)
     for i, s in enumerate(batch):
         n = len(s.token_ids) - 1
         f = s.features.float()
@@ -57,40 +58,44 @@ def _batch_tensors(batch: Sequence[TrainSequence], embedding: torch.Tensor):
         feat[i, :n], nxt[i, :n] = f[:-1], f[1:]
         top_ids[i, :n], top_p[i, :n] = s.topk_ids[1:], s.topk_logprobs[1:].exp()
         mask[i, :n] = True
+        output_rows[i, max(0, s.prompt_len - 2):n - 1] = True  # row j drafts x_{j+2}: output from P - 2 on
     positions = torch.arange(longest).expand(len(batch), longest)
-    return emb, feat, nxt, top_ids, top_p / top_p.sum(-1, keepdim=True).clamp_min(1e-9), mask, positions
+    return (emb, feat, nxt, top_ids, top_p / top_p.sum(-1, keepdim=True).clamp_min(1e-9), mask, positions,
+            output_rows)
 
 
-def head_loss(head: FeatureHead, batch: Sequence[TrainSequence], embedding: torch.Tensor, lm_head: torch.Tensor,
-              config: HeadTrainConfig, noise_scale: float, gen: torch.Generator | None
-              ) -> tuple[torch.Tensor, int, int]:
-    """(loss, positions, top-1 matches of the head's argmax among the k candidates)."""
-    emb, feat, nxt, top_ids, top_p, mask, positions = _batch_tensors(batch, embedding)
+def head_loss(head: FeatureHead, batch: Sequence[TrainSequence], embedding: torch.Tensor, rows: torch.Tensor,
+              to_vocab: torch.Tensor, config: HeadTrainConfig, noise_scale: float, gen: torch.Generator | None
+              ) -> tuple[torch.Tensor, int]:
+    """(loss, positions). ``rows``  # [V, H]: the LM head's rows of the head's vocabulary;
+    ``to_vocab``  # [target vocab]: a target id's index in it, -1 outside."""
+    emb, feat, nxt, top_ids, top_p, mask, positions, _ = _batch_tensors(batch, embedding)
     if gen is not None and config.noise > 0:
         feat = feat + (torch.rand(feat.shape, generator=gen) * 2 - 1) * config.noise * noise_scale
     g = head(emb, feat, positions)  # [B, L, H]
     reg = F.smooth_l1_loss(g, nxt, reduction="none").mean(-1)  # [B, L]
-    cand = lm_head[top_ids]  # [B, L, k, H]
-    logits = torch.einsum("blh,blkh->blk", g, cand)
-    ce = -(top_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+    idx = to_vocab[top_ids]  # [B, L, k], -1 outside the vocabulary
+    p = top_p * (idx >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    logprobs = torch.log_softmax(g @ rows.T, dim=-1)  # [B, L, V]
+    ce = -(p * logprobs.gather(-1, idx.clamp_min(0))).sum(-1)
     n = int(mask.sum())
-    loss = ((reg + config.cls_weight * ce) * mask).sum() / max(n, 1)
-    hits = int(((logits.argmax(-1) == 0) & mask).sum())
-    return loss, n, hits
+    return ((reg + config.cls_weight * ce) * mask).sum() / max(n, 1), n
 
 
 def evaluate_head(head: FeatureHead, sequences: Sequence[TrainSequence], embedding: torch.Tensor,
                   lm_head_rows: torch.Tensor, vocab: torch.Tensor, batch_tokens: int) -> dict:
-    """Top-1 agreement with the target's next-next token over the head's whole vocabulary."""
+    """Top-1 agreement with the target's next-next token over the head's whole vocabulary, on
+    the rows that draft an output token (what the head does in the engine)."""
     head.eval()
     n = hits = 0
     with torch.no_grad():
         for batch in batches(sequences, batch_tokens, random.Random(0)):
-            emb, feat, _, top_ids, _, mask, positions = _batch_tensors(batch, embedding)
+            emb, feat, _, top_ids, _, _, positions, rows = _batch_tensors(batch, embedding)
             g = head(emb, feat, positions)
             pred = vocab[(g @ lm_head_rows.T).argmax(-1)]  # [B, L]
-            hits += int(((pred == top_ids[..., 0]) & mask).sum())
-            n += int(mask.sum())
+            hits += int(((pred == top_ids[..., 0]) & rows).sum())
+            n += int(rows.sum())
     return {"top1": hits / max(n, 1), "positions": n}
 
 
@@ -113,6 +118,8 @@ def train_head(target_config, target_state: dict[str, torch.Tensor], train: Sequ
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, total // 20))
                                               * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     rows = lm_head[vocab]
+    to_vocab = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
+    to_vocab[vocab] = torch.arange(len(vocab))
     record = {"before": evaluate_head(head, val, embedding, rows, vocab, config.batch_tokens) if val else None,
               "epochs": []}
     start = time.perf_counter()
@@ -120,7 +127,7 @@ def train_head(target_config, target_state: dict[str, torch.Tensor], train: Sequ
         head.train()
         seen = loss_sum = 0
         for batch in epoch_batches:
-            loss, n, _ = head_loss(head, batch, embedding, lm_head, config, noise_scale, gen)
+            loss, n = head_loss(head, batch, embedding, rows, to_vocab, config, noise_scale, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

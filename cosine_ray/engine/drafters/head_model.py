@@ -78,17 +78,21 @@ class FeatureHead(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def init_from_target(self, state: dict[str, torch.Tensor], layer: int) -> None:
-        """The decoder layer from the target's ``layer``; ``fc`` adds embedding and feature."""
+        """Start as the identity on the feature: ``fc`` passes f_j through, the layer's q/k/v and
+        MLP input projections are the target's ``layer``'s and its two output projections are
+        zero (so g_j = f_j until training moves them)."""
         p = f"model.layers.{layer}."
         with torch.no_grad():
             for mine, theirs in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-                                 ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
-                                 ("down", "mlp.down_proj")):
+                                 ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj")):
                 getattr(self, mine).weight.copy_(state[p + theirs + ".weight"])
+            self.o.weight.zero_()
+            self.down.weight.zero_()
             self.input_norm.copy_(state[p + "input_layernorm.weight"])
             self.post_norm.copy_(state[p + "post_attention_layernorm.weight"])
-            eye = torch.eye(self.config.hidden_size)
-            self.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+            h = self.config.hidden_size
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:] = torch.eye(h)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x  # [..., T, hidden] after ``fc`` -> rotated q [..., T, heads, hd], k, v [..., T, kv_heads, hd]."""
