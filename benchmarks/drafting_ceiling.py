@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from cosine_ray.engine.drafters.base import DraftInput, Drafter, FinishedText
+from cosine_ray.engine.worker.features import FeatureRecord
 
 if TYPE_CHECKING:
     from cosine_ray.algo.latency_model import LatencyModel
     from cosine_ray.models.checkpoint import Checkpoint
 
-EXPERT_KINDS = ("suffix", "retrieval")
+EXPERT_KINDS = ("suffix", "retrieval", "distilled")
 ROUTES = ("all", "own", "wrong", "random1", "random2", "own+random1")
 DEFAULT_POLICIES = ("none/all;ngram/all;suffix/all;learning/own;learning/wrong;learning/random1;"
                     "learning/own+random1;learning/random2;learning/all;default/own+random1;default/random2")
@@ -97,7 +98,8 @@ def choose(names: Sequence[str], route: str, domain: str, rng: random.Random) ->
 
 
 def replay(warm: Sequence[Turn], measured: Sequence[Turn], drafters: Mapping[str, Drafter], route: str, *,
-           budget: int, tree_budget: int = 0, seed: int = 0, latency: LatencyModel | None = None) -> Replay:
+           budget: int, tree_budget: int = 0, seed: int = 0, latency: LatencyModel | None = None,
+           features: Any = None) -> Replay:
     """Replay ``measured`` turn by turn with ``drafters`` (name → Drafter) after learning ``warm``.
 
     A step starts with the turn's prompt and the output committed so far (its last token is the
@@ -105,7 +107,9 @@ def replay(warm: Sequence[Turn], measured: Sequence[Turn], drafters: Mapping[str
     token. ``tree_budget`` > 0 keeps only that many nodes of the union, the most confident
     first (cumulative confidence along the path, as the drafters reported it): the cap the
     engine's ``num_speculative_tokens`` puts on a request's tree. ``latency`` (an
-    ``algo.latency_model.LatencyModel``) prices the steps when given."""
+    ``algo.latency_model.LatencyModel``) prices the steps when given. ``features``: (a
+    ``FeatureStore`` a feature head reads, the target's features [T, H] of each measured turn's
+    prompt + output): each step hands the head the features of the positions committed since."""
     rng = random.Random(seed)
     names = list(drafters)
     out = Replay()
@@ -122,6 +126,7 @@ def replay(warm: Sequence[Turn], measured: Sequence[Turn], drafters: Mapping[str
         request_id = f"turn-{i}"
         y = turn.output
         pos = 1  # the first output token comes from the prefill, as in the engine
+        fed = 0  # positions whose features the store has had
         if latency is not None:
             # plain decoding's k-th step has the prompt and k - 1 output tokens cached
             out.plain_seconds += sum(latency.predict_llm([len(turn.prompt) + k - 1], [1]) for k in range(1, len(y)))
@@ -129,6 +134,12 @@ def replay(warm: Sequence[Turn], measured: Sequence[Turn], drafters: Mapping[str
             context = turn.prompt + y[:pos]
             truth = y[pos:]
             value: dict[tuple[int, ...], float] = {}  # node (its path) → best cumulative confidence
+            if features is not None:  # what the last stage would have returned: up to the root, exclusive
+                store, per_turn = features
+                end = len(context) - 1
+                store.record(request_id, FeatureRecord(tuple(range(fed, end)), tuple(context[fed:end]), None,
+                                                       per_turn[i][fed:end].float()))
+                fed = end
             for name in choose(names, route, turn.domain, rng):
                 start = time.thread_time()
                 proposal = drafters[name].propose([DraftInput(request_id, context, budget)])[0]
@@ -178,11 +189,21 @@ def parse_policies(text: str) -> list[tuple[str, str]]:
     return policies
 
 
-def build_drafters(text: str, checkpoint: Checkpoint, config: Any) -> dict[str, Drafter]:
+def build_drafters(text: str, checkpoint: Checkpoint, config: Any, features: Any = None) -> dict[str, Drafter]:
+    """Name → drafter; ``features`` (a ``FeatureStore``) for a feature head."""
     from cosine_ray.engine.build import build_drafter
     from cosine_ray.engine.config import parse_drafters
-    return {s.name: build_drafter(s, target=checkpoint, target_state={}, target_tokenizer=None, config=config)
-            for s in parse_drafters(text)}
+    specs = parse_drafters(text)
+    state = checkpoint.load_state_dict() if any(s.kind == "head" for s in specs) else {}
+    return {s.name: build_drafter(s, target=checkpoint, target_state=state, target_tokenizer=None, config=config,
+                                  features=features) for s in specs}
+
+
+def turn_features(checkpoint: Checkpoint, turns: Sequence[Turn]) -> list[Any]:
+    """The target's features (final-norm hidden states, fp16) [T, H] of each turn's prompt + output."""
+    from cosine_ray.distill.teacher import load_hf_target, teacher_forward
+    model = load_hf_target(checkpoint.path)
+    return [teacher_forward(model, [t.prompt + t.output], 1, True)[0][2] for t in turns]
 
 
 def decode_turns(engine: Any, items: Sequence[Any], tokenizer: Any, max_tokens: int) -> list[Turn]:
@@ -257,8 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from cosine_ray.cli.args import CliError
     from cosine_ray.cli.bench import DEFAULT_PROMPT_DIR, build_conversations
-    from cosine_ray.engine.config import config_from_dict
+    from cosine_ray.engine.config import config_from_dict, parse_drafters
     from cosine_ray.engine.profile import load_or_profile
+    from cosine_ray.engine.worker.features import FeatureStore
     from cosine_ray.models.loader import resolve_checkpoint
 
     torch.set_num_threads(args.threads)
@@ -298,11 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{latency.predict_llm([200], [9]) * 1e3:.1f} ms for 9", flush=True)
 
     rows = []
+    per_turn = None
+    if any("head" in {s.kind for s in parse_drafters(text)} for text, _ in policies):
+        started = time.perf_counter()
+        per_turn = turn_features(checkpoint, measured)
+        print(f"target features of the measured turns in {time.perf_counter() - started:.0f} s", flush=True)
     for tree_budget in tree_budgets:
         for drafters_text, route in policies:
-            drafters = build_drafters(drafters_text, checkpoint, config)  # "none": no drafters
+            store = FeatureStore() if per_turn is not None else None
+            drafters = build_drafters(drafters_text, checkpoint, config, store)  # "none": no drafters
             figures = replay(warm, measured, drafters, route, budget=args.budget, tree_budget=tree_budget,
-                             seed=args.seed, latency=latency).figures()
+                             seed=args.seed, latency=latency,
+                             features=(store, per_turn) if store is not None else None).figures()
             rows.append({"drafters": drafters_text, "route": route, "tree_budget": tree_budget, **figures})
             print(f"  {drafters_text}/{route}, tree budget {tree_budget or 'none'}: "
                   f"{figures['tokens_per_step']:.3f} tokens a step", flush=True)

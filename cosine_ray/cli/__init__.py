@@ -1,4 +1,4 @@
-"""``cosine-ray``: serve | generate | bench | profile | simulate | datastore build.
+"""``cosine-ray``: serve | generate | bench | profile | simulate | datastore build | distill.
 
 Bad input (empty prompt, max tokens < 1, negative temperature, unknown drafter, missing
 model path, ...) prints one line ``cosine-ray: error: ...`` and exits with status 2. Each
@@ -12,11 +12,11 @@ import os
 import sys
 from typing import Sequence
 
-from cosine_ray.cli import bench, datastore, generate, profile, serve, simulate
+from cosine_ray.cli import bench, datastore, distill, generate, profile, serve, simulate
 from cosine_ray.cli.args import CliError, Parser
 
 COMMANDS = {"generate": generate, "datastore": datastore, "serve": serve, "bench": bench, "profile": profile,
-            "simulate": simulate}
+            "simulate": simulate, "distill": distill}
 
 
 def build_parser() -> Parser:

@@ -7,6 +7,7 @@ profiler (``engine.profile``) and the Ray actors (``runtime``) build exactly the
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,21 @@ from cosine_ray.engine.config import EngineConfig, StepConfig
 from cosine_ray.engine.drafters.spec import DOMAINS, DrafterSpec
 from cosine_ray.engine.drafters.base import Drafter
 from cosine_ray.engine.drafters.datastore import Datastore
+from cosine_ray.engine.drafters.distilled import (DRAFTER_METADATA, DistilledConfig, load_distilled,
+                                                  tokenizer_fingerprint)
 from cosine_ray.engine.drafters.model import ModelDrafter, check_same_tokenizer
 from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter
 from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter
 from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 from cosine_ray.engine.drafters.worker import DrafterWorker
+from cosine_ray.engine.worker.features import FeatureStore
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 from cosine_ray.models.native import load_weights
 
 PACKAGED_DATASTORES = Path(__file__).resolve().parent.parent / "data" / "datastores"
+PACKAGED_DRAFTERS = Path(__file__).resolve().parent.parent / "data" / "drafters"
 
 
 def datastore_path(model_name: str, domain: str, root: str | Path | None = None) -> Path:
@@ -56,8 +61,37 @@ def build_target_stages(checkpoint: Checkpoint, state_dict: dict[str, torch.Tens
             for a, b in stage_slices(checkpoint.config.num_layers, num_stages)]
 
 
+def drafter_folder(spec: DrafterSpec, model_name: str) -> Path:
+    """A distilled drafter's or feature head's folder: for a domain (or ``head`` with no source)
+    the one packaged for ``model_name``, else the one ``cosine-ray distill`` wrote to the cache;
+    otherwise the given folder."""
+    if (spec.kind == "head" and not spec.source) or (spec.kind == "distilled" and spec.source in DOMAINS):
+        sub = spec.source or "head"
+        from cosine_ray.models.loader import cache_root
+        path = next((root / model_name / sub for root in (PACKAGED_DRAFTERS, cache_root() / "drafters")
+                     if (root / model_name / sub / DRAFTER_METADATA).is_file()), PACKAGED_DRAFTERS / model_name / sub)
+    else:
+        path = Path(spec.source).expanduser()
+    if not (path / DRAFTER_METADATA).is_file():
+        raise ValueError(f"drafter {spec.name!r}: no distilled drafter at {path}; build one with `cosine-ray "
+                         f"distill --model {model_name}` (docs/drafters.md) and pass its folder")
+    return path
+
+
+def check_distilled(folder: Path, name: str, target: Checkpoint, target_tokenizer: Any) -> None:
+    """Refuse a distilled drafter made for another tokenizer than the target's."""
+    meta = json.loads((folder / DRAFTER_METADATA).read_text())
+    if int(meta.get("target_vocab_size", -1)) != int(target.config.vocab_size):
+        raise ValueError(f"drafter {name!r} was distilled for a vocabulary of {meta.get('target_vocab_size')} "
+                         f"tokens, the target has {target.config.vocab_size}; drafters must share the target's tokenizer")
+    if target_tokenizer is not None and meta.get("tokenizer") not in (None, tokenizer_fingerprint(target_tokenizer)):
+        raise ValueError(f"drafter {name!r} was distilled with another tokenizer than the target's "
+                         f"({meta.get('target')}); drafters must share the target's tokenizer")
+
+
 def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[str, torch.Tensor],
-                  target_tokenizer: Any, config: EngineConfig) -> Drafter:
+                  target_tokenizer: Any, config: EngineConfig, features: FeatureStore | None = None) -> Drafter:
+    """``features``: the store the last stage fills (a ``head`` drafter reads it)."""
     dtype = getattr(torch, config.dtype)
     # NOTE(lead): the engine smooths n-gram counts (a continuation seen once gets confidence
     # 1/2, not 1): with the tree's confidence cut this keeps one-off matches from filling it.
@@ -72,6 +106,19 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
     if spec.kind == "self":
         return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
                             name="self", runner=config.runner)
+    if spec.kind == "distilled" or (spec.kind == "model" and (Path(spec.source) / DRAFTER_METADATA).is_file()):
+        folder = drafter_folder(DrafterSpec("distilled", spec.source), target.name)
+        check_distilled(folder, spec.name, target, target_tokenizer)
+        return load_distilled(folder, int(target.config.vocab_size), dtype=dtype, device=config.device, name=spec.name,
+                              config=DistilledConfig(layer_parallel=config.experiments.layer_parallel_drafting))
+    if spec.kind == "head":
+        from cosine_ray.engine.drafters.feature_head import load_feature_head
+        folder = drafter_folder(spec, target.name)
+        check_distilled(folder, spec.name, target, target_tokenizer)
+        if features is None:
+            raise ValueError(f"drafter {spec.name!r} reads the target's features, which only the single-process "
+                             f"engine (generate, bench) hands to drafters; leave it out of this drafter set")
+        return load_feature_head(folder, target_state or target.load_state_dict(), features, name=spec.name)
     if spec.kind == "model":
         ckpt = resolve_checkpoint(spec.source)
         if ckpt.has_tokenizer:
@@ -118,7 +165,7 @@ def make_drafter_worker(spec: DrafterSpec, config: EngineConfig) -> DrafterWorke
     """A drafter built where it will run (a drafter actor, or the engine for lookup
     drafters); loads only what it needs."""
     checkpoint = resolve_checkpoint(config.model)
-    needs_model = spec.kind in ("self", "model")
+    needs_model = spec.kind in ("self", "model", "distilled")
     return DrafterWorker(build_drafter(
         spec, target=checkpoint, target_state=load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
         if spec.kind == "self" else {},

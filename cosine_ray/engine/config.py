@@ -115,6 +115,10 @@ class ExperimentsConfig:
     suffix_index_tokens: int = 1_000_000
     """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
     evicted first (about 60 MB a drafter at the default)."""
+    layer_parallel_drafting: bool = False
+    """Distilled domain drafters draft EasySpec's way: after a step's first draft token, every
+    layer's attention reads the hidden state entering the first layer, and the inexact KV is
+    recomputed with the next step's bonus token (docs/drafters.md; not yet measured on trained drafters)."""
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNER_MODES:

@@ -17,6 +17,7 @@ from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
 from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker, default_kv_tokens, kv_cache_fills
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 
@@ -32,12 +33,16 @@ class LocalEngine:
         self.tokenizer = self.checkpoint.load_tokenizer() if self.checkpoint.has_tokenizer else None
         state = load_weights(self.checkpoint, config.weights, device=config.device, dtype=config.dtype)
         dtype = getattr(torch, config.dtype)
-        self.target = TargetWorker(build_target_stages(self.checkpoint, state, config.num_stages,
-                                                       dtype=dtype, device=config.device),
+        stages = build_target_stages(self.checkpoint, state, config.num_stages, dtype=dtype, device=config.device)
+        self.features = FeatureStore() if any(s.kind == "head" for s in config.drafters) else None
+        """The target's features for a feature head (``engine.worker.features``); None without one."""
+        if self.features is not None:
+            stages[-1] = FeatureStage.wrap(stages[-1], self.features)
+        self.target = TargetWorker(stages,
                                    kv_cache_memory=config.kv_cache_memory, runner=config.runner,
                                    external_blocks=True, kv_token_budget=default_kv_tokens(config.step))
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
-                                       target_tokenizer=self.tokenizer, config=config)
+                                       target_tokenizer=self.tokenizer, config=config, features=self.features)
                          for s in config.drafters]
         step = step_config_for(config, self.checkpoint)
         self.target.capture_graphs(step)  # CUDA: every bucket a step can reach, before the first request

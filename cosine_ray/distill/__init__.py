@@ -1,0 +1,1 @@
+"""Distillation: drafters trained on the target's own answers (``cosine-ray distill``)."""
