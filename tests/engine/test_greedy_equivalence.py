@@ -471,7 +471,7 @@ BF16_NEAR_TIE = 1.0
 @pytest.mark.parametrize("drafters", ["default", "ngram"])
 def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prompts, drafters):
     from cosine_ray.engine.build import build_target_stages
-    from cosine_ray.engine.worker.scoring import ScoreItem
+    from support.divergence import divergences
     from cosine_ray.engine.worker.target import TargetWorker
 
     def engine(drafter_set):
@@ -485,18 +485,9 @@ def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prom
     assert sum(o.stats.num_accepted_tokens for o in spec_outs) > 0
     worker = TargetWorker(build_target_stages(real_checkpoint, real_checkpoint.load_state_dict(), 1,
                                               dtype=torch.bfloat16, device="cpu"))
-    report, identical = [], 0
-    for k, (prompt, ref, out) in enumerate(zip(real_prompts, plain, spec_outs)):
-        ours = out.new_token_ids
-        if ours == ref:
-            identical += 1
-            continue
-        i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        assert i is not None, f"bf16 {drafters} prompt {k}: one output is a prefix of the other"
-        logits = worker.score([ScoreItem.prefill(f"gap-{k}", prompt + ref[:i])])[0][-1].float()
-        worker.release([f"gap-{k}"])
-        gap = float(logits[ref[i]] - logits[ours[i]])
-        report.append(f"prompt {k}: position {i}, plain {ref[i]}, speculative {ours[i]}, logit gap {gap:+.4f}")
-        assert abs(gap) <= BF16_NEAR_TIE, f"bf16 {drafters}: a real divergence: {report[-1]}"
+    identical, found = divergences(worker, real_prompts, plain, [o.new_token_ids for o in spec_outs])
+    report = [str(d) for d in found]
+    assert all(d.position is not None for d in found), f"bf16 {drafters}: one output is a prefix of the other: {found}"
+    assert all(abs(d.gap) <= BF16_NEAR_TIE for d in found), f"bf16 {drafters}: a real divergence: {report}"
     NEAR_TIES.append(f"bf16 {drafters}: {identical}/{len(real_prompts)} identical to our bf16 decode"
                      + "".join(f"; {r}" for r in report))

@@ -15,10 +15,10 @@ from cosine_ray.engine.build import build_target_stages
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.worker.scoring import ScoreItem
 from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import QuantLinear
+from support.divergence import divergences
 
 pytestmark = pytest.mark.real_model
 
@@ -53,18 +53,9 @@ def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, d
     assert sum(o.stats.num_accepted_tokens for o in spec_outs) > 0
     worker = TargetWorker(build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
                                               dtype=torch.float32, device="cpu"))
-    report, identical = [], 0
-    for k, (prompt, ref, out) in enumerate(zip(prompts, plain, spec_outs)):
-        ours = out.new_token_ids
-        if ours == ref:
-            identical += 1
-            continue
-        i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        assert i is not None, f"native {drafters} prompt {k}: one output is a prefix of the other"
-        logits = worker.score([ScoreItem.prefill(f"gap-{k}", prompt + ref[:i])])[0][-1].float()
-        worker.release([f"gap-{k}"])
-        gap = float(logits[ref[i]] - logits[ours[i]])
-        report.append(f"prompt {k}: position {i}, plain {ref[i]}, speculative {ours[i]}, logit gap {gap:+.4f}")
-        assert abs(gap) <= NATIVE_NEAR_TIE, f"native {drafters}: a real divergence: {report[-1]}"
+    identical, found = divergences(worker, prompts, plain, [o.new_token_ids for o in spec_outs])
+    report = [str(d) for d in found]
+    assert all(d.position is not None for d in found), f"native {drafters}: one output is a prefix of the other: {found}"
+    assert all(abs(d.gap) <= NATIVE_NEAR_TIE for d in found), f"native {drafters}: a real divergence: {report}"
     print(f"native {drafters}: {identical}/{len(prompts)} identical to our native decode" + "".join(f"; {r}" for r in report))
     assert identical >= len(prompts) // 2
