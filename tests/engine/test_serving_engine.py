@@ -122,6 +122,32 @@ def test_memory_pressure_preempts_and_every_request_finishes_with_its_text():
     assert core.num_tracked_requests == 0 and core.kv.num_used_blocks == 0
 
 
+def test_requests_preempted_again_and_again_never_stall_the_engine():
+    """Many requests admitted at once into a pool that holds about four of them, each preempted
+    in turn: the preempted ones wait holding no blocks (their cached prefixes pinned by waiting
+    requests once filled the pool with no request running, and the engine stalled)."""
+    target = TableTarget()
+    # 40 blocks of 16 tokens; each request grows to 64 + 96 tokens (+ a tree): about four fit
+    core = make(target, kv_num_blocks=40, max_num_seqs=16, num_speculative_tokens=4)
+    prompts = {f"r{i}": tokens(64, seed=60 + i) for i in range(16)}
+    steps = 0
+    step = core.step
+
+    async def bounded(lane=None):
+        nonlocal steps
+        steps += 1
+        assert steps < 5_000, (f"stalled: {len(core.running)} running, {len(core.pool.waiting)} waiting, "
+                               f"{core.kv.num_used_blocks} blocks held, {core.kv.num_free_blocks} free")
+        return await step(lane)
+
+    core.step = bounded
+    out, finals = run(core, [(rid, p, SamplingParams(max_tokens=96)) for rid, p in prompts.items()])
+    assert out == {rid: target.greedy(p, 96) for rid, p in prompts.items()}
+    assert all(f.finish_reason == "length" and f.error is None for f in finals.values())
+    assert core.scheduler.num_preemptions >= 4
+    assert core.num_tracked_requests == 0 and core.kv.num_used_blocks == 0
+
+
 def test_only_a_request_that_can_never_fit_is_refused_up_front():
     core = make(TableTarget(), kv_num_blocks=4, num_speculative_tokens=4)
     with pytest.raises(ValueError, match="KV blocks of 16 tokens; the KV cache holds 4"):

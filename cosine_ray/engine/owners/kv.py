@@ -88,32 +88,50 @@ class KVBlocks:
         return free is None or num_blocks <= free
 
     # ---- a request's table ---------------------------------------------------------------------
+    def _cached_blocks(self, request: Request) -> list[tuple[int, int]]:
+        """(block, chain hash) of the longest cached prefix of the request's context, in whole
+        blocks and all its tokens but the last at most; nothing is taken."""
+        context = request.context_token_ids
+        if not self.caching or (request.params.prompt_logprobs is not None and not request.output_token_ids):
+            return []  # prompt log-probabilities need every prompt row: its prompt is computed
+        bs, parent, found = self.block_size, 0, []
+        while (len(found) + 1) * bs <= len(context) - 1:
+            key = (parent, tuple(context[len(found) * bs:(len(found) + 1) * bs]))
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            parent = chain_hash(*key)
+            found.append((block, parent))
+        return found
+
+    def blocks_to_admit(self, request: Request) -> int:
+        """Free blocks a request that holds none would use up if admitted now: the new blocks
+        its context and one token more need, and the cached blocks of its prefix that nobody
+        references (taking them removes them from the free ones)."""
+        if request.prefix_looked_up:
+            return max(self.blocks_for(request.num_tokens + 1) - len(request.block_table), 0)
+        cached = self._cached_blocks(request)
+        idle = sum(1 for block, _ in cached if block in self._free)
+        return max(self.blocks_for(request.num_tokens + 1) - len(cached), 0) + idle
+
     def take_cached_prefix(self, request: Request) -> int:
         """For a request that holds no blocks: take the longest cached prefix of its context
         (whole blocks, all tokens but the last at most). Returns the tokens found."""
         if request.prefix_looked_up:
             return request.num_computed_tokens
         request.prefix_looked_up = True
-        context = request.context_token_ids
-        self.stats.queries += len(context)
-        if not self.caching or (request.params.prompt_logprobs is not None and not request.output_token_ids):
-            return 0  # prompt log-probabilities need every prompt row: its prompt is computed
-        bs, parent, found = self.block_size, 0, 0
-        while (found + 1) * bs <= len(context) - 1:
-            key = (parent, tuple(context[found * bs:(found + 1) * bs]))
-            block = self._block_of.get(key)
-            if block is None:
-                break
+        self.stats.queries += len(request.context_token_ids)
+        cached = self._cached_blocks(request)
+        for block, chained in cached:
             self._ref(block)
             request.block_table.append(block)
-            parent = chain_hash(*key)
-            request.block_contents.append(parent)
-            found += 1
-        self.stats.hits += found * bs
-        request.num_computed_tokens = found * bs
+            request.block_contents.append(chained)
+        found = len(cached) * self.block_size
+        self.stats.hits += found
+        request.num_computed_tokens = found
         if not request.output_token_ids:  # its prompt's hit (a resumed request's is not the prompt's)
-            request.stats.num_cached_tokens = found * bs
-        return found * bs
+            request.stats.num_cached_tokens = found
+        return found
 
     def ensure(self, request: Request, num_slots: int) -> bool:
         """Extend the request's table to cover ``num_slots`` logical slots; False (and no change)

@@ -142,16 +142,17 @@ class BatchScheduler:
     def _admit(self) -> None:
         """First come into the running batch while it has room and the KV pool can hold the
         next one's whole context (less its cached prefix, which it takes) and a token more: its
-        blocks are reserved now. Remember the largest batch since an admission."""
+        blocks are reserved now. A request that does not fit takes nothing: preempted requests
+        waiting with their cached prefixes pinned would fill the pool and stall every one. Remember the largest batch since an admission."""
         pool, kv = self.pool, self.kv
         before = len(pool.running)
         while pool.waiting and len(pool.running) < self.config.max_num_seqs:
             request = pool.waiting[0]
             if not request.prefix_looked_up and self._prefix_in_flight(request):
                 break  # it takes the blocks from the cache once they are computed
+            if not kv.can_fit(kv.blocks_to_admit(request)):
+                break  # it waits for blocks, holding none, and nobody overtakes it
             kv.take_cached_prefix(request)
-            if not kv.can_fit(kv.blocks_for(request.num_tokens + 1) - len(request.block_table)):
-                break  # it waits for blocks, and nobody overtakes it
             kv.ensure(request, request.num_tokens)
             pool.admit(request)
         self._peak = len(pool.running) if len(pool.running) > before else max(self._peak, len(pool.running))
