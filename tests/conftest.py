@@ -40,6 +40,7 @@ if _OWN_PROFILE_DIR:
 TINY_VOCAB = 256
 
 FULL_SUITE_MARKERS = ("ray", "real_model", "full")
+FULL_SUITE_ENV = "COSINE_RAY_FULL_SUITE"
 """Tests with one of these markers run only with ``--full``."""
 DECLARED_FIXTURES = {"ray_cluster": "ray", "real_checkpoint": "real_model", "real_hf_model": "real_model"}
 """Fixture -> the marker every test that uses it (directly or through another fixture) carries."""
@@ -47,9 +48,10 @@ _LEFT_OUT = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--full", action="store_true", default=False,
+    parser.addoption("--full", action="store_true", default=os.environ.get(FULL_SUITE_ENV) == "1",
                      help="the full suite: also run tests marked " + ", ".join(FULL_SUITE_MARKERS)
-                          + " (Ray clusters, the real model, servers, fuzzers, the soak)")
+                          + f" (Ray clusters, the real model, servers, fuzzers, the soak); {FULL_SUITE_ENV}=1 "
+                          "does the same (.ci/run sets it and runs the README's test command)")
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run tests marked slow")
     parser.addoption("--soak-seconds", type=float, default=420.0,

@@ -110,7 +110,8 @@ def _mode() -> str:
 
 def _base_env() -> dict[str, str]:
     env = dict(os.environ)
-    for name in ("PYTHONPATH", "COSINE_RAY_PROMPTS", "COSINE_RAY_KUBERAY_CRDS", "PYTEST_ADDOPTS"):
+    for name in ("PYTHONPATH", "COSINE_RAY_PROMPTS", "COSINE_RAY_KUBERAY_CRDS", "PYTEST_ADDOPTS",
+                 "COSINE_RAY_FULL_SUITE"):
         env.pop(name, None)
     return env
 
