@@ -240,7 +240,8 @@ def preemption(args, checkpoint) -> dict:
         done = [o for o in outs if isinstance(o, dict) and len(o["tokens"]) == args.output_tokens]
         results[name] = {"seconds": time.perf_counter() - start, "completed": len(done), "outs": outs,
                          "preemptions": eng.core.scheduler.num_preemptions}
-        print(f"{name:10} KV {memory and memory / 2**20:>7} MiB: {len(done)}/{len(prompts)} complete, "
+        kv = f"{memory / 2**20:.1f} MiB" if memory else "as needed"
+        print(f"{name:10} KV {kv:>10}: {len(done)}/{len(prompts)} complete, "
               f"{results[name]['preemptions']} preemptions, {results[name]['seconds']:.0f} s")
     same = sum(a == b for a, b in zip(results["budget"]["outs"], results["unbounded"]["outs"]))
     print(f"identical to the unbounded run (plain growth, no preemption): {same}/{len(prompts)}")
