@@ -243,7 +243,8 @@ def preemption(args, checkpoint) -> dict:
         kv = f"{memory / 2**20:.1f} MiB" if memory else "as needed"
         print(f"{name:10} KV {kv:>10}: {len(done)}/{len(prompts)} complete, "
               f"{results[name]['preemptions']} preemptions, {results[name]['seconds']:.0f} s")
-    same = sum(a == b for a, b in zip(results["budget"]["outs"], results["unbounded"]["outs"]))
+    same = sum(isinstance(a, dict) and isinstance(b, dict) and a["tokens"] == b["tokens"]
+               for a, b in zip(results["budget"]["outs"], results["unbounded"]["outs"]))
     print(f"identical to the unbounded run (plain growth, no preemption): {same}/{len(prompts)}")
     out = {k: {kk: vv for kk, vv in v.items() if kk != "outs"} for k, v in results.items()}
     out["identical"] = f"{same}/{len(prompts)}"
