@@ -25,24 +25,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cosine_ray.datasets import domain_prompts  # noqa: E402
 from cosine_ray.models.loader import resolve_checkpoint  # noqa: E402
-
-
-def fixed_length_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """``n`` prompts of exactly ``length`` tokens from the packaged prompt texts."""
-    rows = [r["prompt"] for d in ("code", "math", "instruction", "chat") for r in domain_prompts(d, "all")]
-    prompts, text = [], ""
-    for row in rows:
-        text += row + "\n"
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-            text = ""
-        if len(prompts) == n:
-            break
-    return prompts
+from serving_engine import fixed_length_prompts, hf_greedy  # noqa: E402
 
 
 def wait_ready(base: str, server: subprocess.Popen, timeout_s: float = 900) -> float:
@@ -109,17 +95,9 @@ def main() -> None:
             server.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-    import torch
-    model = ck.load_hf_model()
-    same = 0
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_tokens,
-                                 do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
-                                 eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
-        text = tokenizer.decode(ref[0, len(prompt):].tolist(), skip_special_tokens=True)
-        same += not isinstance(out, BaseException) and out[0] == text
+    refs = hf_greedy(ck, prompts, args.output_tokens, ignore_eos=True)
+    same = sum(not isinstance(out, BaseException) and out[0] == tokenizer.decode(ref, skip_special_tokens=True)
+               for out, ref in zip(outs, refs))
     print(f"text identical to HF greedy (fp32, decoded): {same}/{len(prompts)}")
 
 

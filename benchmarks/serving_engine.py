@@ -148,20 +148,41 @@ def prefix(args, checkpoint) -> dict:
     return result
 
 
-def hf_check(checkpoint, prompts, outputs, max_tokens: int, *, ignore_eos: bool = False) -> str:
-    """How many outputs equal HF transformers' greedy decoding in fp32 (the lossless reference)."""
+def hf_greedy(checkpoint, prompts, max_tokens: int, *, ignore_eos: bool = False) -> list[list[int]]:
+    """HF transformers' greedy decoding in fp32 of each prompt (the lossless reference)."""
     import torch
     model = checkpoint.load_hf_model()
-    same = 0
-    for prompt, output in zip(prompts, outputs):
+    outs = []
+    for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                                  num_beams=1, temperature=None, top_p=None, top_k=None,
                                  eos_token_id=None if ignore_eos else model.generation_config.eos_token_id,
                                  pad_token_id=model.generation_config.pad_token_id or 0)
-        same += out[0, len(prompt):].tolist() == output
-    return f"{same}/{len(prompts)}"
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def hf_check(checkpoint, prompts, outputs, max_tokens: int, *, ignore_eos: bool = False) -> str:
+    """How many outputs equal HF transformers' greedy decoding in fp32."""
+    refs = hf_greedy(checkpoint, prompts, max_tokens, ignore_eos=ignore_eos)
+    return f"{sum(ref == output for ref, output in zip(refs, outputs))}/{len(prompts)}"
+
+
+def fixed_length_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` tokens, from the packaged prompt texts."""
+    rows = [r["prompt"] for d in ("code", "math", "instruction", "chat") for r in domain_prompts(d, "all")]
+    prompts, text = [], ""
+    for row in rows:
+        text += row + "\n"
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+            text = ""
+        if len(prompts) == n:
+            break
+    return prompts
 
 
 # ---- chunked prefill ----------------------------------------------------------------------------
@@ -210,17 +231,7 @@ def chunked(args, checkpoint) -> dict:
 
 # ---- preemption ---------------------------------------------------------------------------------
 def preemption(args, checkpoint) -> dict:
-    tokenizer = checkpoint.load_tokenizer()
-    rows = [r["prompt"] for d in ("code", "math", "instruction", "chat") for r in domain_prompts(d, "all")]
-    prompts, text = [], ""
-    for row in rows:  # prompts of exactly --prompt-tokens tokens, from the packaged texts
-        text += row + "\n"
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= args.prompt_tokens:
-            prompts.append(ids[:args.prompt_tokens])
-            text = ""
-        if len(prompts) == args.requests:
-            break
+    prompts = fixed_length_prompts(checkpoint.load_tokenizer(), args.requests, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     per_token = checkpoint.config.num_layers * 2 * checkpoint.config.num_kv_heads * checkpoint.config.head_dim * 4
     budget = args.contexts * (args.prompt_tokens + args.output_tokens + 16) * per_token
