@@ -110,6 +110,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin of RoPE at ``positions`` [T]  # each [T, 1, head_dim], for ``_apply_rope``"""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, head_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin, half = emb.sin(), inv_freq.shape[0]
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x  # [T, heads, head_dim] rotated: transformers' ``x * cos + rotate_half(x) * sin``, bit for
+    bit (``rotate_half(x) * sin == roll(x, head_dim / 2) * [-sin, sin]``: a sign flip is exact), in
+    four ops instead of seven; the engine rotates q and k together, in one call."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -349,20 +366,15 @@ class LlamaStage:
         """The decoder layers over x  # [T, hidden] at RoPE ``positions`` [T];
         ``attention(local_layer, q, k, v) -> [T, heads * head_dim]`` writes and reads the KV."""
         cfg = self.config
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(self.dtype)[:, None, :]  # [T, 1, head_dim]
-        sin = emb.sin().to(self.dtype)[:, None, :]
+        cos, signed_sin = _rope_tables(positions, self.inv_freq, self.dtype)
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for local, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = q.view(-1, nh, hd)
-            k = k.view(-1, nkv, hd)
-            v = v.view(-1, nkv, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk = qkv[:, :(nh + nkv) * hd].view(-1, nh + nkv, hd)  # q and k rotated together
+            qk = _apply_rope(qk, cos, signed_sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, (nh + nkv) * hd:].view(-1, nkv, hd)
             x = x + layer.o(attention(local, q, k, v))
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

@@ -392,3 +392,30 @@ def test_half_projection_is_computed_in_fp32_where_the_cpu_has_no_half_gemm(monk
         if not native:  # the fp32 product, rounded once
             assert torch.equal(y, exact.to(dtype))
         torch.testing.assert_close(y.float(), exact, atol=0.1, rtol=0.02)
+
+
+# ---- RoPE: q and k rotated together, in transformers' exact arithmetic --------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_transformers_rotation_bit_for_bit(dtype):
+    """The stage's rotation (roll by head_dim / 2 times a signed sin, q and k as one tensor cut
+    out of the fused projection) equals ``x * cos + rotate_half(x) * sin`` exactly, not just
+    closely: an fp32 forward must stay token-identical to transformers'."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from cosine_ray.models.llama import _apply_rope, _rope_tables
+
+    gen = torch.Generator().manual_seed(7)
+    num_heads, num_kv, head_dim, tokens = 9, 3, 64, 17
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    qkv = (torch.randn(tokens, (num_heads + 2 * num_kv) * head_dim, generator=gen) * 4).to(dtype)
+    cos, signed_sin = _rope_tables(positions, inv_freq, dtype)
+    ours = _apply_rope(qkv[:, :(num_heads + num_kv) * head_dim].view(tokens, num_heads + num_kv, head_dim),
+                       cos, signed_sin)
+    emb = torch.cat([positions[:, None].float() * inv_freq[None, :]] * 2, dim=-1)
+    q = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim).transpose(0, 1)[None]
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv) * head_dim].view(tokens, num_kv, head_dim).transpose(0, 1)[None]
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, emb.cos()[None].to(dtype), emb.sin()[None].to(dtype))
+    assert torch.equal(ours[:, :num_heads], ref_q[0].transpose(0, 1))
+    assert torch.equal(ours[:, num_heads:], ref_k[0].transpose(0, 1))
