@@ -313,11 +313,9 @@ def check_cluster_gpus(engine: dict[str, Any], resources: dict[str, float]) -> N
                        f"use --device cpu or add GPU nodes")
 
 
-def run(args: argparse.Namespace) -> int:
-    plan = serve_plan(args)
-    for what in plan.ignored:
-        print(f"cosine-ray: note: --config {args.config}: ignoring {what} (`serve run` applies it)",
-              file=sys.stderr, flush=True)
+def start_cluster_and_deploy(args: argparse.Namespace, plan: "ServePlan", deployer) -> "ServePlan":
+    """Connect to (or start) the cluster, check placement, start Serve and deploy the
+    application through ``deployer``; CliError on any user-facing failure."""
     import ray
     from ray import serve
 
@@ -353,13 +351,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s) and drafters "
           f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
     try:
-        deploy_in_child(plan)
+        deploy_in_child(plan, deployer)
     except CliError:
         try:
             serve.delete(plan.app_name)  # what Serve kept of the failed application (a joined cluster stays up)
         finally:
             ray.shutdown()
         raise
+    return plan
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = serve_plan(args)
+    for what in plan.ignored:
+        print(f"cosine-ray: note: --config {args.config}: ignoring {what} (`serve run` applies it)",
+              file=sys.stderr, flush=True)
+    from cosine_ray.cli.serve_start import start_deployer
+
+    deployer = start_deployer()  # imports the engine while the cluster starts; told what to deploy below
+    try:
+        plan = start_cluster_and_deploy(args, plan, deployer)
+    finally:
+        deployer.cancel()  # a no-op once it deployed
+    import ray
+    from ray import serve
     url = f"http://{plan.host}:{plan.port}{plan.route_prefix.rstrip('/')}"
     print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
           f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)

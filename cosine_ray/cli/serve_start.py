@@ -7,8 +7,10 @@ and what the nodes offer; a drafter that cannot is left out of the plan, with a 
 
 ``deploy_in_child`` runs this module as a child (``main``): binding the application imports
 its classes, and with them torch and the engine, which the long-lived CLI process (the Ray
-driver that waits for Ctrl-C) then never needs to hold. The child reads ``{"address",
-"app_args", "name", "route_prefix", "error_file"}`` as JSON on stdin, joins the cluster, runs
+driver that waits for Ctrl-C) then never needs to hold. The CLI starts the child first
+(``start_deployer``), so that these imports overlap the cluster's start. The child imports,
+then reads ``{"address", "app_args", "name", "route_prefix", "error_file"}`` as JSON on stdin
+(nothing: it exits 0), joins the cluster, runs
 ``serve.run`` and exits 0 once the application answers; on failure it writes one line
 (``failure_reason``) to ``error_file`` and exits 1. The application outlives it: Serve's
 controller owns the replicas.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,31 +52,67 @@ def place_actors(plan: ServePlan) -> ServePlan:
     return dataclasses.replace(plan, engine=engine, app_args={**engine, **ingress})
 
 
-def deploy_in_child(plan: ServePlan) -> None:
-    """``serve.run`` of the application in a child process (``main``) on the
-    cluster this process is connected to, so this long-lived driver never imports the engine and
-    torch; CliError with the child's one-line reason if the application did not start."""
+class Deployer:
+    """The deploying child, started early (``start_deployer``) so that its imports (torch, the
+    engine, Serve's client: seconds) overlap the local cluster's and Serve's start; it waits on
+    stdin for the spec. ``cancel`` kills it if it is still waiting (a start that failed first)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "cosine_ray.cli.serve_start"], stdin=subprocess.PIPE,
+                                     text=True)
+
+    def deploy(self, spec: dict[str, Any]) -> int:
+        self.proc.communicate(json.dumps(spec))
+        return self.proc.returncode
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:  # still importing, or waiting for a spec: nothing of it to keep
+            self.proc.kill()
+            self.proc.wait()
+            self.proc.stdin.close()
+
+
+def start_deployer() -> Deployer:
+    return Deployer()
+
+
+def deploy_in_child(plan: ServePlan, deployer: Deployer | None = None) -> None:
+    """``serve.run`` of the application in a child process (``main``; ``deployer``'s, else a new
+    one) on the cluster this process is connected to, so this long-lived driver never imports
+    the engine and torch; CliError with the child's one-line reason if the application did not
+    start."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
+    deployer = deployer or Deployer()
     with tempfile.NamedTemporaryFile("r", suffix=".err", encoding="utf-8") as err:
+        # what ray.init set in this process's environment after the child started (RAY_AUTH_MODE
+        # for the cluster's token authentication), which a child started now would inherit
+        ray_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
         spec = {"address": address, "app_args": plan.app_args, "name": plan.app_name,
-                "route_prefix": plan.route_prefix, "error_file": err.name}
-        done = subprocess.run([sys.executable, "-m", "cosine_ray.cli.serve_start"], input=json.dumps(spec),
-                              text=True, check=False)
-        if done.returncode != 0:
-            reason = err.read().strip() or f"the deploying process exited with {done.returncode}"
+                "route_prefix": plan.route_prefix, "error_file": err.name, "env": ray_env}
+        returncode = deployer.deploy(spec)
+        if returncode != 0:
+            reason = err.read().strip() or f"the deploying process exited with {returncode}"
             raise CliError(f"the application did not start: {reason}")
 
 
 def main() -> int:
-    spec = json.load(sys.stdin)
     from ray import serve
 
     from cosine_ray.runtime.cluster import connect
     from cosine_ray.serve.app import build_app
 
+    text = sys.stdin.read()  # imports first, while the parent starts the cluster; then the spec
+    if not text.strip():
+        return 0  # cancelled: the parent stopped before deploying
+    spec = json.loads(text)
     try:
+        os.environ.update(spec.get("env", {}))
+        if os.environ.get("RAY_AUTH_MODE"):  # Ray read its config when imported: read it again
+            from ray._raylet import Config
+
+            Config.initialize("")
         connect(spec["address"])
         serve.run(build_app(spec["app_args"]), name=spec["name"], route_prefix=spec["route_prefix"],
                   blocking=False)

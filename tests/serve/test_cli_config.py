@@ -222,7 +222,8 @@ def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
     monkeypatch.setattr(serve_start, "place_actors", lambda plan: plan)  # no cluster to ask here
     monkeypatch.setattr(serve, "start", lambda **kw: calls.setdefault("start", kw))
-    monkeypatch.setattr(serve_start, "deploy_in_child", lambda plan: calls.setdefault(
+    monkeypatch.setattr(serve_start, "start_deployer", lambda: types.SimpleNamespace(cancel=lambda: None))
+    monkeypatch.setattr(serve_start, "deploy_in_child", lambda plan, deployer: calls.setdefault(
         "run", (("APP", plan.app_args), {"name": plan.app_name, "route_prefix": plan.route_prefix, "blocking": False})))
     monkeypatch.setattr(serve, "delete", lambda name: calls.setdefault("delete", name))
     monkeypatch.setattr(serve, "shutdown", lambda: None)
