@@ -10,8 +10,10 @@ served by both sides from one file: **F32** (the packaged Q4_1 GGUF dequantized 
 ``llama-quantize``: exactly our dense fp32 weights) against ``--weights dense``, and **Q4_1**
 (the packaged file) against ``--weights native``; ours plain (``none``) and with ``--drafters``.
 Prompts: the held-back ones of ``cosine-ray bench``, chat-templated, sent to both as token ids,
-greedy. Modes: ``http`` server to server with one client, ``inprocess`` our ``LocalEngine``
-against the same llama-server; rounds alternate the order. Printed: tok/s median (min-max), our
+greedy. Modes: ``http`` server to server with one client (llama-server with ``--threads``
+threads; ours with ``--threads - 1`` in its stage, the other core(s) left to its engine, ingress
+and proxy processes), ``inprocess`` our ``LocalEngine`` (``--threads`` threads) against the
+same llama-server; rounds alternate the order. Printed: tok/s median (min-max), our
 ratio to llama.cpp per round, texts identical to llama.cpp's, peak memory (docs/performance-cpu.md).
 """
 
@@ -170,10 +172,14 @@ def llama_server(binary: Path, model: Path, threads: int, parallel: int, max_len
 
 
 def our_server(weights: str, drafters: str, threads: int, workdir: Path) -> Server:
+    """One stage with ``threads - 1`` torch threads (at least 1): the engine, ingress and proxy
+    processes need the rest, and a stage whose OpenMP threads share their cores with them
+    waits at every barrier for a thread the kernel has descheduled (measured on 2 cores, c = 1,
+    plain: 11-15 tok/s with 2 stage threads against 16-27 with 1)."""
     port = free_port()
     config = workdir / f"engine-{weights}-{drafters}.yaml"
     config.write_text(f"model: smollm2-135m\ndrafters: {drafters}\nnum_stages: 1\nweights: {weights}\n"
-                      f"cluster:\n  threads_per_actor: {threads}\n")
+                      f"cluster:\n  threads_per_actor: {max(1, threads - 1)}\n")
     return Server([sys.executable, "-m", "cosine_ray.cli", "serve", "--config", str(config), "--port", str(port)],
                   port, "/health", workdir / f"serve-{weights}-{drafters}.log")
 
