@@ -313,7 +313,7 @@ def check_cluster_gpus(engine: dict[str, Any], resources: dict[str, float]) -> N
                        f"use --device cpu or add GPU nodes")
 
 
-def start_cluster_and_deploy(args: argparse.Namespace, plan: "ServePlan", deployer) -> "ServePlan":
+def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer) -> ServePlan:
     """Connect to (or start) the cluster, check placement, start Serve and deploy the
     application through ``deployer``; CliError on any user-facing failure."""
     import ray
