@@ -174,8 +174,7 @@ def llama_server(binary: Path, model: Path, threads: int, parallel: int, max_len
 def our_server(weights: str, drafters: str, threads: int, workdir: Path) -> Server:
     """One stage with ``threads - 1`` torch threads (at least 1): the engine, ingress and proxy
     processes need the rest, and a stage whose OpenMP threads share their cores with them
-    waits at every barrier for a thread the kernel has descheduled (measured on 2 cores, c = 1,
-    plain: 11-15 tok/s with 2 stage threads against 16-27 with 1)."""
+    waits at every barrier for a thread the kernel has descheduled (docs/performance-cpu.md)."""
     port = free_port()
     config = workdir / f"engine-{weights}-{drafters}.yaml"
     config.write_text(f"model: smollm2-135m\ndrafters: {drafters}\nnum_stages: 1\nweights: {weights}\n"
