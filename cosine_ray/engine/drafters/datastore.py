@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -91,7 +90,7 @@ class ContinuationIndex:
     def __init__(self, sequences: Sequence[Sequence[int]], max_n: int) -> None:
         if max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {max_n}")
-        counts: dict[tuple[int, ...], Counter] = {}
+        counts: dict[tuple[int, ...], dict[int, int]] = {}  # plain dicts: built at every engine start
         for seq in sequences:
             seq = tuple(seq)
             for end in range(1, len(seq)):
@@ -100,12 +99,13 @@ class ContinuationIndex:
                     key = seq[end - n:end]
                     counter = counts.get(key)
                     if counter is None:
-                        counts[key] = Counter({next_token: 1})
+                        counts[key] = {next_token: 1}
                     else:
-                        counter[next_token] += 1
+                        counter[next_token] = counter.get(next_token, 0) + 1
         self.max_n = max_n
         self._table: dict[tuple[int, ...], tuple[int, tuple[tuple[int, int], ...]]] = {
-            key: (sum(counter.values()), tuple(sorted(counter.items(), key=by_count, reverse=True)))
+            key: (sum(counter.values()), tuple(counter.items()) if len(counter) == 1 else
+                  tuple(sorted(counter.items(), key=by_count, reverse=True)))  # stable: ties keep first occurrence
             for key, counter in counts.items()
         }
 
