@@ -366,22 +366,35 @@ def run(args: argparse.Namespace) -> int:
     for what in plan.ignored:
         print(f"cosine-ray: note: --config {args.config}: ignoring {what} (`serve run` applies it)",
               file=sys.stderr, flush=True)
-    from cosine_ray.cli.serve_start import start_deployer
+    from cosine_ray.cli.serve_start import Deployer
 
-    deployer = start_deployer()  # imports the engine while the cluster starts; told what to deploy below
+    deployer = Deployer()  # imports the engine while the cluster starts; told what to deploy below
+    # Ctrl-C / SIGTERM from now on, also during the start and when inherited as ignored (a
+    # background job): stop; during the start that means killing the deploying child
+    stop = threading.Event()
+
+    def on_stop(*_: Any) -> None:
+        stop.set()
+        deployer.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_stop)
     try:
         plan = start_cluster_and_deploy(args, plan, deployer)
+    except CliError:
+        if stop.is_set():  # the deploy failed because we killed it: not an error of the user's
+            print("cosine_ray: stopped during the start", file=sys.stderr, flush=True)
+            return 130
+        raise
     finally:
         deployer.cancel()  # a no-op once it deployed
     import ray
     from ray import serve
-    url = f"http://{plan.host}:{plan.port}{plan.route_prefix.rstrip('/')}"
-    print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
-          f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    if not stop.is_set():
+        url = f"http://{plan.host}:{plan.port}{plan.route_prefix.rstrip('/')}"
+        print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
+              f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)
+        stop.wait()
     print("cosine_ray: shutting down", file=sys.stderr, flush=True)
     try:
         serve.delete(plan.app_name)  # the engine deployment takes its stage and drafter actors with it

@@ -8,7 +8,7 @@ and what the nodes offer; a drafter that cannot is left out of the plan, with a 
 ``deploy_in_child`` runs this module as a child (``main``): binding the application imports
 its classes, and with them torch and the engine, which the long-lived CLI process (the Ray
 driver that waits for Ctrl-C) then never needs to hold. The CLI starts the child first
-(``start_deployer``), so that these imports overlap the cluster's start. The child imports,
+(``Deployer``), so that these imports overlap the cluster's start. The child imports,
 then reads ``{"address", "app_args", "name", "route_prefix", "error_file"}`` as JSON on stdin
 (nothing: it exits 0), joins the cluster, runs
 ``serve.run`` and exits 0 once the application answers; on failure it writes one line
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,38 +54,39 @@ def place_actors(plan: ServePlan) -> ServePlan:
 
 
 class Deployer:
-    """The deploying child, started early (``start_deployer``) so that its imports (torch, the
-    engine, Serve's client: seconds) overlap the local cluster's and Serve's start; it waits on
-    stdin for the spec. ``cancel`` kills it if it is still waiting (a start that failed first)."""
+    """The deploying child, started early so that its imports (torch, the engine, Serve's
+    client: seconds) overlap the local cluster's and Serve's start; it waits on stdin for the
+    spec. ``cancel`` kills it while it imports, waits or deploys (a start that failed first, or
+    Ctrl-C during the start: ``deploy`` then returns the kill's status at once)."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "cosine_ray.cli.serve_start"], stdin=subprocess.PIPE,
                                      text=True)
+        self.cancelled = False
 
     def deploy(self, spec: dict[str, Any]) -> int:
-        self.proc.communicate(json.dumps(spec))
-        return self.proc.returncode
+        if self.cancelled:
+            return self.proc.wait()
+        try:
+            self.proc.communicate(json.dumps(spec))
+        except (BrokenPipeError, ValueError):  # cancelled while the spec was being written
+            pass
+        return self.proc.wait()
 
     def cancel(self) -> None:
-        if self.proc.poll() is None:  # still importing, or waiting for a spec: nothing of it to keep
+        """Kill the child if it still runs (a no-op once it deployed); safe in a signal handler."""
+        self.cancelled = True
+        if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
-            self.proc.stdin.close()
 
 
-def start_deployer() -> Deployer:
-    return Deployer()
-
-
-def deploy_in_child(plan: ServePlan, deployer: Deployer | None = None) -> None:
-    """``serve.run`` of the application in a child process (``main``; ``deployer``'s, else a new
-    one) on the cluster this process is connected to, so this long-lived driver never imports
-    the engine and torch; CliError with the child's one-line reason if the application did not
-    start."""
+def deploy_in_child(plan: ServePlan, deployer: Deployer) -> None:
+    """``serve.run`` of the application in ``deployer``'s child process (``main``) on the cluster
+    this process is connected to, so this long-lived driver never imports the engine and torch;
+    CliError with the child's one-line reason if the application did not start."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
-    deployer = deployer or Deployer()
     with tempfile.NamedTemporaryFile("r", suffix=".err", encoding="utf-8") as err:
         # what ray.init set in this process's environment after the child started (RAY_AUTH_MODE
         # for the cluster's token authentication), which a child started now would inherit
@@ -98,8 +100,10 @@ def deploy_in_child(plan: ServePlan, deployer: Deployer | None = None) -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the CLI's to handle: it kills this child
     from ray import serve
 
+    import cosine_ray.runtime.engine_server  # noqa: F401  (what build_app binds: torch and the engine)
     from cosine_ray.runtime.cluster import connect
     from cosine_ray.serve.app import build_app
 

@@ -222,7 +222,7 @@ def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
     monkeypatch.setattr(serve_start, "place_actors", lambda plan: plan)  # no cluster to ask here
     monkeypatch.setattr(serve, "start", lambda **kw: calls.setdefault("start", kw))
-    monkeypatch.setattr(serve_start, "start_deployer", lambda: types.SimpleNamespace(cancel=lambda: None))
+    monkeypatch.setattr(serve_start, "Deployer", lambda: types.SimpleNamespace(cancel=lambda: None))
     monkeypatch.setattr(serve_start, "deploy_in_child", lambda plan, deployer: calls.setdefault(
         "run", (("APP", plan.app_args), {"name": plan.app_name, "route_prefix": plan.route_prefix, "blocking": False})))
     monkeypatch.setattr(serve, "delete", lambda name: calls.setdefault("delete", name))
@@ -231,7 +231,7 @@ def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys)
     # no signal handlers in the test process, and Ctrl-C at once
     monkeypatch.setattr(serve_cli, "signal", types.SimpleNamespace(signal=lambda *a: None, SIGINT=2, SIGTERM=15))
     monkeypatch.setattr(serve_cli, "threading", types.SimpleNamespace(
-        Event=lambda: types.SimpleNamespace(wait=lambda: True, set=lambda: None)))
+        Event=lambda: types.SimpleNamespace(wait=lambda: True, set=lambda: None, is_set=lambda: False)))
     path = write(tmp_path, {**serve_config({"drafters": "ngram", "api_key": "k"}, proxy_location="HeadOnly"),
                             "http_options": {"host": "0.0.0.0", "port": 8123, "request_timeout_s": 30}})
     data = yaml.safe_load(Path(path).read_text())
