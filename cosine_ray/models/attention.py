@@ -195,8 +195,22 @@ def _ascending(slots: list[int]) -> bool:
     return all(b == a + 1 for a, b in zip(slots, slots[1:]))
 
 
+def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wide: bool, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; ``wide``: in float64, cast back, so that a row's result
+    does not depend on the shapes it is computed in. The CPU kernel splits its sums by the
+    call's query and key lengths, so a row of a tree verify (padded keys, several queries) and
+    the same row of a one-token step differ in the last bit of fp32, and a bf16 rounding
+    downstream (the int4 kernels' activations of ``--weights native``) can turn that bit into
+    another token at a near-tie. In float64 both sums round to the same fp32 value (a difference
+    would need one within ~1e-16 of a rounding boundary): speculative and batched decoding then
+    give exactly the plain decode's text on that path. ``LlamaStage.wide_attention`` says where."""
+    if not wide:
+        return F.scaled_dot_product_attention(query, keys, values, **kwargs)
+    return F.scaled_dot_product_attention(query.double(), keys.double(), values.double(), **kwargs).to(query.dtype)
+
+
 def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           *, scale: float) -> torch.Tensor:
+           *, scale: float, wide: bool = False) -> torch.Tensor:
     """q  # [T, heads, head_dim]; k, v  # [T, kv_heads, head_dim] -> [T, heads * head_dim].
     Writes k and v into the pool first."""
     kv_cache.write_slots(layer, plan.slot_mapping, k, v)
@@ -204,15 +218,15 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
     gqa = k.shape[1] != heads
     if len(plan.groups) == 1 and isinstance(plan.groups[0], _Batched) and plan.groups[0].query_rows is None \
             and plan.groups[0].rows is None:
-        return _attend_batched(plan.groups[0], kv_cache, layer, q, scale, gqa)  # the common case: no scatter
+        return _attend_batched(plan.groups[0], kv_cache, layer, q, scale, gqa, wide)  # the common case: no scatter
     out = q.new_empty(num_tokens, heads * head_dim)
     for g in plan.groups:
         if isinstance(g, _Batched):
             if g.rows is not None:
                 start, stop = g.rows
-                out[start:stop] = _attend_batched(g, kv_cache, layer, q[start:stop], scale, gqa)
+                out[start:stop] = _attend_batched(g, kv_cache, layer, q[start:stop], scale, gqa, wide)
                 continue
-            rows = _attend_batched(g, kv_cache, layer, q.index_select(0, g.query_rows), scale, gqa)
+            rows = _attend_batched(g, kv_cache, layer, q.index_select(0, g.query_rows), scale, gqa, wide)
             if g.real is not None:
                 rows = rows.index_select(0, g.real)
             out.index_copy_(0, g.out_rows, rows)
@@ -221,17 +235,17 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
         query = q[sl].transpose(0, 1)[None]
         if g.gather_index is None:  # a fresh chain: its own keys, causal
             keys, values = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = _sdpa(query, keys, values, wide, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             keys, values = kv_cache.gather(layer, g.gather_index)
-            o = F.scaled_dot_product_attention(query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            o = _sdpa(query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], wide,
                                                attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         out[sl] = o[0].transpose(0, 1).reshape(n, heads * head_dim)
     return out
 
 
 def _attend_batched(g: _Batched, kv_cache: KVCache, layer: int, q: torch.Tensor, scale: float,
-                    gqa: bool) -> torch.Tensor:
+                    gqa: bool, wide: bool = False) -> torch.Tensor:
     """q  # [B * n_max, heads, head_dim] (padded rows) -> [B * n_max, heads * head_dim]"""
     _, heads, head_dim = q.shape
     if g.span is not None:
@@ -239,7 +253,7 @@ def _attend_batched(g: _Batched, kv_cache: KVCache, layer: int, q: torch.Tensor,
     else:
         keys, values = kv_cache.gather(layer, g.gather_index)  # [B, L, kv, hd]
     query = q.view(g.size, g.max_new, heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.mask,
+    o = _sdpa(query, keys.transpose(1, 2), values.transpose(1, 2), wide, attn_mask=g.mask,
                                        scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2).reshape(g.size * g.max_new, heads * head_dim)
 
@@ -317,9 +331,9 @@ def padded_plan(inputs: PaddedInputs, kv_cache: KVCache) -> PaddedPlan:
 
 
 def attend_padded(plan: PaddedPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, *, scale: float) -> torch.Tensor:
+                  v: torch.Tensor, *, scale: float, wide: bool = False) -> torch.Tensor:
     """q  # [B * n, heads, head_dim]; k, v  # [B * n, kv_heads, head_dim] -> [B * n, heads * head_dim]:
     one scatter of the new keys and values, one gather, one attention call."""
     kv_cache.write_slots(layer, plan.slot_mapping, k, v)
     g = _Batched(plan.size, plan.max_new, plan.gather_index, plan.mask, None, None, None)
-    return _attend_batched(g, kv_cache, layer, q, scale, k.shape[1] != q.shape[1])
+    return _attend_batched(g, kv_cache, layer, q, scale, k.shape[1] != q.shape[1], wide)

@@ -288,6 +288,10 @@ class LlamaStage:
                 gate_up=linear([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"], gate_up_bias),
                 down=linear([f"{p}mlp.down_proj.weight"], down_bias),
             ))
+        self.wide_attention = self.device.type == "cpu" and any(
+            isinstance(m, QuantLinear) for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        """Attention in float64 (``models.attention._sdpa``): on CPU where bf16 roundings follow it
+        (the int4 kernels' activations), so that a row's logits do not depend on its batch."""
         self.norm_weight = get("model.norm.weight") if self.is_last else None
         self.lm_head: _Linear | QuantLinear | None = None
         """[hidden] -> [vocab]; with tied embeddings over the embedding matrix."""
@@ -349,7 +353,8 @@ class LlamaStage:
         plan = plan_attention(rids, counts, masks, kv_cache, extend=batch.extend, device=self.device)
         with eager_attention(self.device):
             x = self._layers(x, positions.to(self.device),
-                             lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale))
+                             lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale,
+                                                           wide=self.wide_attention))
         if order is not None:
             x = torch.empty_like(x).index_copy_(0, rows, x)
         if not self.is_last:
@@ -392,7 +397,7 @@ class LlamaStage:
         plan = padded_plan(inputs, kv_cache)
         x = self._layers(x, inputs.positions,
                          lambda local, q, k, v: attend_padded(plan, kv_cache, local, q, k, v,
-                                                              scale=self.attention_scale))
+                                                              scale=self.attention_scale, wide=self.wide_attention))
         if not self.is_last:
             return x
         return self.head(x if inputs.logit_rows is None else x.index_select(0, inputs.logit_rows))

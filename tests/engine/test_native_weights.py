@@ -1,9 +1,10 @@
 """Lossless on the native-weights path (``--weights native``: the embedded Q4_1/Q8_0 GGUF blocks
-multiplied by int4 kernels with bf16 activations): speculative greedy output is the same as our
-own plain decode on that path. As with bf16 (``test_greedy_equivalence``), a verify forward of a
-tree rounds its bf16 activations in other groupings than a one-token step, so a divergence is
-allowed only at a near-tie of the plain path's own logits (|gap| <= NATIVE_NEAR_TIE), and each is
-reported."""
+multiplied by int4 kernels with bf16 activations): speculative greedy output, batched, is
+exactly our own plain decode on that path. The int4 kernels are row-invariant (a row's result
+does not depend on the other rows); attention runs in float64 there (``LlamaStage.
+wide_attention``), because in fp32 the CPU kernel's sums depend on the call's shapes and the
+bf16 rounding after it turned last-bit differences into other tokens at near-ties (before it:
+5 of 8 held-back prompts identical at 128 tokens, c = 1)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,7 @@ from support.divergence import divergences
 
 pytestmark = pytest.mark.real_model
 
-MAX_TOKENS = 40
-NATIVE_NEAR_TIE = 1.0
-"""bf16 activations: 8 bf16 steps at logits of 16-32, as ``BF16_NEAR_TIE``."""
+MAX_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +53,13 @@ def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, d
     worker = TargetWorker(build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
                                               dtype=torch.float32, device="cpu"))
     identical, found = divergences(worker, prompts, plain, [o.new_token_ids for o in spec_outs])
-    report = [str(d) for d in found]
-    assert all(d.position is not None for d in found), f"native {drafters}: one output is a prefix of the other: {found}"
-    assert all(abs(d.gap) <= NATIVE_NEAR_TIE for d in found), f"native {drafters}: a real divergence: {report}"
-    print(f"native {drafters}: {identical}/{len(prompts)} identical to our native decode" + "".join(f"; {r}" for r in report))
-    assert identical >= len(prompts) // 2
+    assert identical == len(prompts), f"native {drafters}: {identical}/{len(prompts)} identical: " + \
+        "; ".join(str(d) for d in found)
+
+
+def test_native_stage_attends_in_float64_on_cpu(real_checkpoint):
+    stage = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
+                                dtype=torch.float32, device="cpu")[0]
+    dense = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "dense"), 1,
+                                dtype=torch.float32, device="cpu")[0]
+    assert stage.wide_attention and not dense.wide_attention
