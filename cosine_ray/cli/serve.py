@@ -355,6 +355,8 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     except CliError:
         try:
             serve.delete(plan.app_name)  # what Serve kept of the failed application (a joined cluster stays up)
+            if deployer.cancelled:  # stopped by Ctrl-C / SIGTERM: Serve goes too, as at a stop once serving
+                serve.shutdown()
         finally:
             ray.shutdown()
         raise
