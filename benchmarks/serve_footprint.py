@@ -7,9 +7,10 @@ Each start runs ``cosine-ray serve --port P SERVE ARGS`` (default: the README's 
 the embedded model with the default config) on a new local Ray cluster, and records when
 ``/health`` first answers 200 (*ready*), when the CLI prints its serving line, and how long the
 first chat completion takes. After ``--requests`` completions (the KV pool and step buffers at
-working size) it reads ``/proc/PID/smaps_rollup`` of every process the start created and prints
-them by role: RSS, PSS (shared pages divided among their users: what sums to the machine's
-memory) and USS (pages no other process maps). Then SIGINT, and the next start after
+working size) it reads the memory of every process the start created (``loadgen.chaos.procs``,
+as ``cosine-loadgen footprint`` does: RSS, PSS — shared pages divided among their users, what
+sums to the machine's memory — and private anonymous memory) and prints them, then their sums
+by role and by side (ours, Ray's and Serve's). Then SIGINT, and the next start after
 ``--gap-s`` seconds of quiet. Timing is wall clock on a machine that may be shared: the figures
 of every start are printed, not only the best.
 """
@@ -20,61 +21,20 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-ROLES = (  # (role, what its command line contains), first match wins
-    ("stage", "ray::StageHost"), ("drafter actor", "ray::DrafterHost"),
-    ("engine replica", "cosine_ray_engine"), ("ingress replica", "ServeReplica:"),
-    ("Serve controller", "ray::ServeController"), ("Serve proxy", "ray::ProxyActor"),
-    ("deploying child", "cosine_ray.cli.serve_start"), ("CLI (Ray driver)", "cosine-ray serve"),
-    ("CLI (Ray driver)", "cosine_ray.cli serve"),
-    ("Ray: GCS", "gcs_server"), ("Ray: raylet", "raylet/raylet"), ("Ray: dashboard", "dashboard.py"),
-    ("Ray: dashboard agent", "DashboardAgent"), ("Ray: runtime env agent", "RuntimeEnvAgent"),
-    ("Ray: log monitor", "log_monitor.py"), ("Ray: autoscaler monitor", "monitor.py"),
-    ("Ray: idle worker", "default_worker.py"),
-)
-OURS = {"stage", "drafter actor", "engine replica", "ingress replica", "deploying child", "CLI (Ray driver)"}
+from loadgen.chaos import procs
+from loadgen.chaos.memory import footprint
+from loadgen.chaos.report import footprint_table
+from loadgen.launcher import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pids() -> set[int]:
-    return {int(p) for p in os.listdir("/proc") if p.isdigit()}
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def memory_kib(pid: int) -> dict[str, int] | None:
-    """RSS, PSS and USS of one process (KiB), from smaps_rollup; None if it is gone."""
-    try:
-        fields = {}
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-            name, value = line.split(":", 1)
-            fields[name] = int(value.split()[0])
-    except (OSError, ValueError):
-        return None
-    return {"rss": fields.get("Rss", 0), "pss": fields.get("Pss", 0),
-            "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)}
-
-
-def role(cmd: str) -> str | None:
-    return next((name for name, needle in ROLES if needle in cmd), None)
+OURS = frozenset({"stage", "drafter", "engine", "ingress", "server_deploy", "server_cli"})
+"""The roles of ``loadgen.chaos.procs`` that are our processes; the rest are Ray's and Serve's."""
 
 
 def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -95,7 +55,6 @@ def chat(url: str, model: str, text: str, max_tokens: int) -> float:
 def one_start(serve_args: list[str], requests: int, max_tokens: int) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    before = pids()
     cmd = [sys.executable, "-m", "cosine_ray.cli", "serve", "--port", str(port), *serve_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -126,14 +85,9 @@ def one_start(serve_args: list[str], requests: int, max_tokens: int) -> dict:
                    "Give three tips for a job interview.", "Tell me about your weekend."]
         for i in range(requests):
             chat(url, model, prompts[i % len(prompts)], max_tokens)
-        procs = []
-        for pid in sorted(pids() - before):
-            cmd_text = cmdline(pid)
-            name = role(cmd_text)
-            mem = memory_kib(pid) if name else None
-            if mem:
-                procs.append({"pid": pid, "role": name, **mem})
-        return {"ready_s": ready, "serving_s": serving[0] if serving else None, "first_s": first, "procs": procs}
+        table = procs.process_table()
+        fp = footprint(p for p in procs.descendants(table, [os.getpid()]) if p.role != "other")
+        return {"ready_s": ready, "serving_s": serving[0] if serving else None, "first_s": first, "footprint": fp}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -144,26 +98,20 @@ def one_start(serve_args: list[str], requests: int, max_tokens: int) -> dict:
                 proc.wait(30)
 
 
-def report(result: dict) -> None:
-    by_role: dict[str, list[dict]] = {}
-    for p in result["procs"]:
-        by_role.setdefault(p["role"], []).append(p)
-    print("| process | n | RSS MiB | PSS MiB | USS MiB |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    order = [name for name, _ in ROLES]
-    totals = {"ours": [0, 0, 0], "Ray and Serve": [0, 0, 0]}
-    for name in sorted(by_role, key=order.index):
-        rows = by_role[name]
-        rss, pss, uss = (sum(p[k] for p in rows) / 1024 for k in ("rss", "pss", "uss"))
-        print(f"| {name} | {len(rows)} | {rss:.0f} | {pss:.0f} | {uss:.0f} |")
-        side = totals["ours" if name in OURS else "Ray and Serve"]
-        side[0] += rss
-        side[1] += pss
-        side[2] += uss
-    for side, (rss, pss, uss) in totals.items():
-        print(f"| **{side}** | | {rss:.0f} | **{pss:.0f}** | {uss:.0f} |")
-    print(f"| **all {len(result['procs'])} processes** | | {sum(t[0] for t in totals.values()):.0f} | "
-          f"**{sum(t[1] for t in totals.values()):.0f}** | {sum(t[2] for t in totals.values()):.0f} |")
+def report(fp: dict) -> None:
+    """Every process (``cosine-loadgen footprint``'s table), then the sums by role and by side."""
+    footprint_table(fp, "Processes of the server")
+    print("\n| role | n | RSS MiB | PSS MiB |")
+    print("| --- | ---: | ---: | ---: |")
+    sides = {"ours": [0.0, 0.0], "Ray and Serve": [0.0, 0.0]}
+    for role, agg in sorted(fp["by_role"].items(), key=lambda kv: -kv[1]["pss_mib"]):
+        print(f"| {role} | {agg['processes']} | {agg['rss_mib']:.0f} | {agg['pss_mib']:.0f} |")
+        side = sides["ours" if role in OURS else "Ray and Serve"]
+        side[0] += agg["rss_mib"]
+        side[1] += agg["pss_mib"]
+    for name, (rss, pss) in sides.items():
+        print(f"| **{name}** | | {rss:.0f} | **{pss:.0f}** |")
+    print(f"| **all {fp['num_processes']} processes** | | {fp['rss_mib']:.0f} | **{fp['pss_mib']:.0f}** |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.starts < 1 or args.requests < 0 or args.max_tokens < 1:
         print("serve_footprint: --starts >= 1, --requests >= 0, --max-tokens >= 1", file=sys.stderr)
         return 2
+    procs.set_child_subreaper()  # the daemons ray.init starts stay below this process, to be found
     results = []
     for i in range(args.starts):
         if i:
@@ -192,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nready (/health 200) over {len(ready)} starts: median {statistics.median(ready):.1f} s "
           f"({min(ready):.1f}-{max(ready):.1f})\n")
     print(f"memory after {args.requests} completions, last start:\n")
-    report(results[-1])
+    report(results[-1]["footprint"])
     return 0
 
 

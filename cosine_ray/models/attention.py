@@ -239,7 +239,7 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
         else:
             keys, values = kv_cache.gather(layer, g.gather_index)
             o = _sdpa(query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], wide,
-                                               attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+                      attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         out[sl] = o[0].transpose(0, 1).reshape(n, heads * head_dim)
     return out
 
@@ -254,7 +254,7 @@ def _attend_batched(g: _Batched, kv_cache: KVCache, layer: int, q: torch.Tensor,
         keys, values = kv_cache.gather(layer, g.gather_index)  # [B, L, kv, hd]
     query = q.view(g.size, g.max_new, heads, head_dim).transpose(1, 2)
     o = _sdpa(query, keys.transpose(1, 2), values.transpose(1, 2), wide, attn_mask=g.mask,
-                                       scale=scale, enable_gqa=gqa)
+              scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2).reshape(g.size * g.max_new, heads * head_dim)
 
 

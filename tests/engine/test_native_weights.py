@@ -3,8 +3,8 @@ multiplied by int4 kernels with bf16 activations): speculative greedy output, ba
 exactly our own plain decode on that path. The int4 kernels are row-invariant (a row's result
 does not depend on the other rows); attention runs in float64 there (``LlamaStage.
 wide_attention``), because in fp32 the CPU kernel's sums depend on the call's shapes and the
-bf16 rounding after it turned last-bit differences into other tokens at near-ties (before it:
-5 of 8 held-back prompts identical at 128 tokens, c = 1)."""
+bf16 rounding after it turns last-bit differences into other tokens at near-ties
+(docs/performance-cpu.md)."""
 
 from __future__ import annotations
 
