@@ -25,9 +25,9 @@ import ray
 import torch
 
 from cosine_ray.datasets import held_back_prompts
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_config_for
+from cosine_ray.engine.build import eos_token_ids, make_drafter_worker
 from cosine_ray.engine.components import cosine_components
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, config_from_dict
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, config_from_dict, step_config_for
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.local import encode_prompt

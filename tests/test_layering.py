@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "cosine_ray"
 
 LAYERS = ("cosine_ray.algo", "cosine_ray.models", "cosine_ray.engine", "cosine_ray.sim")
@@ -139,3 +141,36 @@ def test_cycle_finder_finds_a_planted_cycle(tmp_path):
     assert find_cycle(graph) in (["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"],)
     (root / "c.py").write_text("x = 1\n")
     assert find_cycle(import_graph(root)) is None
+
+
+INGRESS_PROBE = """
+import json, pickle, sys
+from cosine_ray.algo.logits_rules import RowRules, TokenLogprob
+from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.models.loader import resolve_checkpoint
+from cosine_ray.runtime.engine_client import RayEngineClient
+from cosine_ray.serve.app import OpenAIIngress, build_app
+from cosine_ray.serve.openai_app import build_openai_app
+tokenizer = resolve_checkpoint("smollm2-135m").load_tokenizer()
+ids = tokenizer.apply_chat_template([{{"role": "user", "content": "hi"}}], add_generation_prompt=True)
+pickle.loads({payload!r})
+build_openai_app(object(), tokenizer, model_name="m")
+print(json.dumps({{"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}}))
+"""
+
+
+@pytest.mark.real_model
+def test_openai_ingress_does_not_import_torch(real_checkpoint):
+    """The ingress replica tokenizes, unpickles the engine's outputs and serves HTTP: no tensors.
+    Loading torch there costs 2-3 s of CPU in every ``cosine-ray serve`` start."""
+    import pickle
+
+    from cosine_ray.algo.logits_rules import TokenLogprob
+    from cosine_ray.engine.request import RequestOutput
+
+    payload = pickle.dumps(RequestOutput("r", [1, 2], finished=False, logprobs=(TokenLogprob(1, -0.5, ((1, -0.5),)),)))
+    proc = subprocess.run([sys.executable, "-c", INGRESS_PROBE.format(payload=payload)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"torch": False, "transformers": True}, result

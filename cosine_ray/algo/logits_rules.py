@@ -11,14 +11,18 @@ give at that point. Order: mask, min_tokens, bias, repetition, frequency, presen
 
 Log-probabilities are the model's own: ``log_softmax`` of the raw logits, before any rule
 or temperature (vLLM's default ``raw_logprobs``).
+
+torch is imported inside the functions: the OpenAI ingress builds ``RowRules``-bearing params
+and receives ``TokenLogprob``s without loading it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,7 @@ def apply_rules(
     allowed: torch.Tensor | None = None,  # [n, vocab] bool
 ) -> torch.Tensor:  # [n, vocab] fp32
     """Row i's scores for the token after ``output_ids + paths[i]`` (module docstring)."""
+    import torch
     n, vocab = logits.shape
     assert len(paths) == n, f"{len(paths)} paths for {n} rows"
     scores = logits.float().clone()
@@ -81,6 +86,7 @@ def apply_rules(
 def _path_counts(prefix: Sequence[int], output_ids: Sequence[int], paths: Sequence[Sequence[int]],
                  vocab: int) -> torch.Tensor:  # [n, vocab] fp32
     """Occurrences of each token in prefix + output + paths[i], per row."""
+    import torch
     base = torch.bincount(torch.tensor([*prefix, *output_ids], dtype=torch.long), minlength=vocab).float()
     counts = base.expand(len(paths), vocab).clone()
     for i, path in enumerate(paths):
@@ -91,6 +97,7 @@ def _path_counts(prefix: Sequence[int], output_ids: Sequence[int], paths: Sequen
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, vocab] bool
     """``bitmask  # [n, ceil(vocab / 32)] int32`` (bit j of word w = token 32·w + j) → bool."""
+    import torch
     bits = torch.arange(32, dtype=torch.int32)
     return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
 
@@ -111,6 +118,7 @@ def token_logprobs(
     top_k: int,
 ) -> list[TokenLogprob]:
     """The model's log-probability of ``token_ids[i]`` under row i, and row i's top ``top_k``."""
+    import torch
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
     chosen = logprobs.gather(1, torch.tensor(list(token_ids), dtype=torch.long)[:, None]).squeeze(1).tolist()
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)

@@ -6,14 +6,13 @@ profiler (``engine.profile``) and the Ray actors (``runtime``) build exactly the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cosine_ray.engine.config import EngineConfig, StepConfig
+from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.spec import DOMAINS, DrafterSpec
 from cosine_ray.engine.drafters.base import Drafter
 from cosine_ray.engine.drafters.datastore import Datastore
@@ -179,12 +178,6 @@ def eos_token_ids(checkpoint: Checkpoint, tokenizer: Any) -> tuple[int, ...]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
-
-
-def step_config_for(config: EngineConfig, checkpoint: Checkpoint) -> StepConfig:
-    """The configured step settings, capped at the model's context length."""
-    return dataclasses.replace(config.step, max_model_len=min(
-        config.step.max_model_len, checkpoint.config.max_position_embeddings))
 
 
 def kv_bytes_per_token(checkpoint: Checkpoint, dtype: str) -> int:

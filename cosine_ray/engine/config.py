@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosine_ray.engine.drafters.spec import (DEFAULT_DRAFTERS, DRAFTER_KINDS, DrafterSpec,  # noqa: F401 (re-exported)
                                             parse_drafters)
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
 from cosine_ray.models.native import check_weights_mode
+
+if TYPE_CHECKING:
+    from cosine_ray.models.loader import Checkpoint
 
 
 CPU_MAX_NUM_SEQS = 8
@@ -414,3 +417,9 @@ def config_to_dict(config: EngineConfig) -> dict[str, Any]:
     out["experiments"] = {f.name: getattr(config.experiments, f.name) for f in fields(config.experiments)}
     out["cluster"] = {f.name: getattr(config.cluster, f.name) for f in fields(config.cluster)}
     return out
+
+
+def step_config_for(config: EngineConfig, checkpoint: Checkpoint) -> StepConfig:
+    """The configured step settings, capped at the model's context length."""
+    return dataclasses.replace(config.step, max_model_len=min(
+        config.step.max_model_len, checkpoint.config.max_position_embeddings))

@@ -9,9 +9,9 @@ import torch
 
 from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import as_dense
-from cosine_ray.engine.build import build_drafter, build_target_stages, eos_token_ids, step_config_for
+from cosine_ray.engine.build import build_drafter, build_target_stages, eos_token_ids
 from cosine_ray.engine.components import EMBEDDING_KEY, cosine_components
-from cosine_ray.engine.config import EngineConfig
+from cosine_ray.engine.config import EngineConfig, step_config_for
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import LocalDrafterClient

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cosine_ray.algo.logits_rules import RowRules, TokenLogprob
-from cosine_ray.algo.sampling import draw_seed
 
 if TYPE_CHECKING:
     from cosine_ray.algo.routing import RoutingVector
@@ -192,6 +191,7 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if self.seed is None:
+            from cosine_ray.algo.sampling import draw_seed  # here: the ingress imports this module without torch
             self.seed = draw_seed() if self.params.seed is None else int(self.params.seed)
         rules = self.params.row_rules(self.eos_token_ids)
         self.rules = None if rules.is_identity else rules

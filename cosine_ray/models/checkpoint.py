@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ModelConfig
 
+_TOKENIZERS_BACKEND = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""``tokenizer_class`` values that name transformers' plain ``tokenizers``-backed class."""
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -107,12 +110,28 @@ class Checkpoint:
                    ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"))
 
     def load_tokenizer(self):
-        """``AutoTokenizer.from_pretrained(self.path)``."""
+        """The tokenizer ``AutoTokenizer.from_pretrained(self.path)`` gives. Where
+        tokenizer_config.json names transformers' plain ``tokenizers`` backend, that class is
+        loaded directly: the same tokenizer without AutoTokenizer's model registry, which imports
+        torch (2-3 s of CPU in the OpenAI ingress, which needs no tensors)."""
         if not self.has_tokenizer:
             raise ModelLoadError(f"{self.path} has no tokenizer files (tokenizer.json, ...); "
                                  f"use a model directory that includes its tokenizer")
+        if (self.path / "tokenizer.json").is_file() and self._tokenizer_class() in _TOKENIZERS_BACKEND:
+            try:
+                from transformers.tokenization_utils_tokenizers import TokenizersBackend
+            except ImportError:  # transformers 4: no such module, AutoTokenizer below
+                pass
+            else:
+                return TokenizersBackend.from_pretrained(str(self.path))
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(self.path))
+
+    def _tokenizer_class(self) -> str | None:
+        try:
+            return json.loads((self.path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        except (OSError, ValueError, AttributeError):
+            return None
 
     def load_hf_model(self, **kwargs: Any):
         """transformers ``AutoModelForCausalLM`` in fp32, eval mode (reference for tests)."""

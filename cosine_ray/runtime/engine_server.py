@@ -28,9 +28,9 @@ from typing import Any, AsyncIterator, Sequence
 import ray
 import torch
 
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_config_for
+from cosine_ray.engine.build import eos_token_ids, make_drafter_worker
 from cosine_ray.engine.components import cosine_components
-from cosine_ray.engine.config import EngineConfig, config_from_dict
+from cosine_ray.engine.config import EngineConfig, config_from_dict, step_config_for
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.worker.target import kv_cache_fills
 from cosine_ray.engine.owners.constraints import TokenizerLoader

@@ -26,7 +26,7 @@ from typing import Any
 
 from ray import serve
 
-from cosine_ray.engine.config import config_from_dict
+from cosine_ray.engine.config import config_from_dict, step_config_for
 
 INGRESS_ARGS = ("api_key", "max_body_bytes", "max_ongoing_requests", "max_queued_requests",
                 "return_spec_stats", "metrics_require_key", "max_pending_requests", "request_timeout_s")
@@ -46,7 +46,6 @@ class OpenAIIngress:
                  max_body_bytes: int = 1 << 20, return_spec_stats: bool = False,
                  metrics_require_key: bool = False, max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
-        from cosine_ray.engine.build import step_config_for
         from cosine_ray.models.loader import resolve_checkpoint
         from cosine_ray.runtime.engine_client import RayEngineClient
 

@@ -546,3 +546,37 @@ def test_embedded_smollm2(monkeypatch):
     assert torch.isfinite(logits).all()
     nxt = int(logits[0, -1].argmax())
     print(f"greedy next token after 'The capital of France is': {tok.decode([nxt])!r}")
+
+
+@pytest.mark.real_model
+def test_load_tokenizer_is_autotokenizers(real_checkpoint, tmp_path):
+    """``load_tokenizer`` loads the ``tokenizers`` backend class directly (no torch): it must
+    tokenize, template and decode exactly as ``AutoTokenizer`` does, on every packaged prompt."""
+    from transformers import AutoTokenizer
+
+    from cosine_ray.datasets import DOMAIN_FILES, default_prompt_dir, read_prompts
+
+    ours = real_checkpoint.load_tokenizer()
+    auto = AutoTokenizer.from_pretrained(str(real_checkpoint.path))
+    assert type(ours) is type(auto)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.bos_token_id,
+                                                                        auto.pad_token_id)
+    prompts = [row["prompt"] for name in DOMAIN_FILES.values() for row in read_prompts(default_prompt_dir() / name)]
+    assert len(prompts) > 100
+    for prompt in prompts:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+        ids = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"] == ids
+        assert ours(prompt, add_special_tokens=True)["input_ids"] == auto(prompt, add_special_tokens=True)["input_ids"]
+        assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+
+    # another tokenizer_class goes through AutoTokenizer itself
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in real_checkpoint.path.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("config.json", "special_tokens_map.json"):
+            (other / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    copy = Checkpoint("other", other, real_checkpoint.config)
+    assert type(copy.load_tokenizer()) is type(AutoTokenizer.from_pretrained(str(other)))

@@ -18,8 +18,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker, step_config_for  # noqa: E402
-from cosine_ray.engine.config import config_from_dict  # noqa: E402
+from cosine_ray.engine.build import eos_token_ids, make_drafter_worker  # noqa: E402
+from cosine_ray.engine.config import config_from_dict, step_config_for  # noqa: E402
 from cosine_ray.engine.core import EngineCore  # noqa: E402
 from cosine_ray.engine.owners.drafting import LocalDrafterClient  # noqa: E402
 from cosine_ray.engine.loop import EngineLoop  # noqa: E402
