@@ -518,7 +518,7 @@ def _index_bytes(engine) -> int:
     for d in engine.drafters:
         if hasattr(d, "state_size"):
             size = d.state_size()
-            total += size["global_bytes"] + size["local_bytes"]
+            total += size.get("global_bytes", 0) + size.get("local_bytes", 0)
     return total
 
 

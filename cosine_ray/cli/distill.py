@@ -44,9 +44,10 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, help="tokens a domain drafter's head covers")
     p.add_argument("--head-vocab-size", type=int, default=8192, help="tokens the feature head drafts")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--head-epochs", type=int, default=4)
+    p.add_argument("--head-epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--head-lr", type=float, default=5e-4)
+    p.add_argument("--head-lr", type=float, default=2e-3)
+    p.add_argument("--head-batch-tokens", type=int, default=256, help="positions in one optimizer step of the head")
     p.add_argument("--top-k", type=int, default=16, help="target log-probabilities kept per position")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -78,8 +79,10 @@ def _prompts(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if min(args.max_tokens, args.batch_size, args.vocab_size, args.head_vocab_size, args.top_k, args.threads) < 1:
-        raise CliError("--max-tokens, --batch-size, --vocab-size, --head-vocab-size, --top-k and --threads must be >= 1")
+    if min(args.max_tokens, args.batch_size, args.vocab_size, args.head_vocab_size, args.head_batch_tokens, args.top_k,
+           args.threads) < 1:
+        raise CliError("--max-tokens, --batch-size, --vocab-size, --head-vocab-size, --head-batch-tokens, --top-k and "
+                       "--threads must be >= 1")
     if args.samples < 0 or args.epochs < 0 or args.head_epochs < 0 or (args.limit is not None and args.limit < 1):
         raise CliError("--samples, --epochs and --head-epochs must be >= 0, --limit >= 1")
     if not (args.temperature > 0 and args.lr > 0 and args.head_lr > 0):
@@ -145,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         domain=DomainTrainConfig(vocab_size=args.vocab_size, init_layers=layers, init=args.init, epochs=args.epochs,
                                  lr=args.lr, seed=args.seed, threads=args.threads),
         head_train=HeadTrainConfig(vocab_size=args.head_vocab_size, epochs=args.head_epochs, lr=args.head_lr,
-                                   seed=args.seed, threads=args.threads),
+                                   batch_tokens=args.head_batch_tokens, seed=args.seed, threads=args.threads),
         threads=args.threads, progress=args.progress)
     try:
         report = run_distill(config, log=print)

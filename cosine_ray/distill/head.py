@@ -28,13 +28,13 @@ from cosine_ray.engine.drafters.head_model import FeatureHead, HeadConfig
 class HeadTrainConfig:
     vocab_size: int = 8192
     """Target tokens the head drafts (the most frequent over all the data)."""
-    epochs: int = 4
-    lr: float = 5e-4
+    epochs: int = 10
+    lr: float = 2e-3
     cls_weight: float = 0.5
     """Weight of the top-k cross-entropy against the feature regression."""
     noise: float = 0.1
     """Uniform input-feature noise, in feature standard deviations."""
-    batch_tokens: int = 1024
+    batch_tokens: int = 256
     seed: int = 0
     threads: int = 2
 
