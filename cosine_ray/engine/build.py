@@ -23,7 +23,7 @@ from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter
 from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter
 from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.worker.features import FeatureStore
+from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
@@ -115,8 +115,8 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
         folder = drafter_folder(spec, target.name)
         check_distilled(folder, spec.name, target, target_tokenizer)
         if features is None:
-            raise ValueError(f"drafter {spec.name!r} reads the target's features, which only the single-process "
-                             f"engine (generate, bench) hands to drafters; leave it out of this drafter set")
+            raise ValueError(f"drafter {spec.name!r} reads the target's features: it is built beside the last "
+                             f"stage (build_stage), or by the single-process engine")
         return load_feature_head(folder, target_state or target.load_state_dict(), features, name=spec.name)
     if spec.kind == "model":
         ckpt = resolve_checkpoint(spec.source)
@@ -131,13 +131,30 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
     raise ValueError(f"unknown drafter kind {spec.kind!r}")
 
 
-def build_stage(config: EngineConfig, stage_index: int) -> LlamaStage:
-    """Pipeline stage ``stage_index`` of ``config.num_stages``, built where it will run."""
+def build_stage(config: EngineConfig, stage_index: int) -> tuple[LlamaStage, DrafterWorker | None]:
+    """Pipeline stage ``stage_index`` of ``config.num_stages``, built where it will run, and the
+    feature head that drafts beside it: the last stage of a config with a ``head`` drafter hands
+    its features to the head's store (``FeatureStage``), every other stage has none."""
     checkpoint = resolve_checkpoint(config.model)
     a, b = stage_slices(checkpoint.config.num_layers, config.num_stages)[stage_index]
     weights = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
-    return LlamaStage(checkpoint.config, weights, a, b,
-                      dtype=getattr(torch, config.dtype), device=config.device)
+    stage = LlamaStage(checkpoint.config, weights, a, b, dtype=getattr(torch, config.dtype), device=config.device)
+    head = head_spec(config)
+    if head is None or not stage.is_last:
+        return stage, None
+    features = FeatureStore()
+    tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
+    drafter = build_drafter(head, target=checkpoint, target_state=weights, target_tokenizer=tokenizer,
+                            config=config, features=features)
+    return FeatureStage.wrap(stage, features), DrafterWorker(drafter)
+
+
+def head_spec(config: EngineConfig) -> DrafterSpec | None:
+    """The config's feature head (at most one: it drafts from the last stage's features)."""
+    heads = [s for s in config.drafters if s.kind == "head"]
+    if len(heads) > 1:
+        raise ValueError("at most one feature head a drafter set: it runs beside the last pipeline stage")
+    return heads[0] if heads else None
 
 
 def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str | None = None, *,

@@ -49,11 +49,11 @@ class ExperimentsConfig:
     """False (ablation): fixed γ and fixed drafter participation."""
     drafters_per_request: int = 2
     """k: drafters routed to each request per step (adaptive: where participation starts)."""
-    shared_drafters: tuple[str, ...] = ("ngram",)
+    shared_drafters: tuple[str, ...] = ("ngram", "head")
     """Domain-agnostic drafters every request uses besides its k routed ones (the context
     n-gram drafter costs a dictionary lookup and knows the request's own text better than any
-    domain expert). Names not in the pool are ignored; with ``fusion="single"`` they compete
-    for the one slot like every other drafter."""
+    domain expert; a feature head is trained on every domain). Names not in the pool are
+    ignored; with ``fusion="single"`` they compete for the one slot like every other drafter."""
     max_drafters_per_request: int = 3
     total_gamma_max: int = 64
     """Γ_max: draft tokens per micro-batch (eq. 6; Algorithm 2 trims above it)."""

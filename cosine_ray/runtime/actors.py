@@ -14,12 +14,15 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from typing import Sequence
 
 import ray
 import torch
 
 from cosine_ray.engine.build import build_stage, make_drafter_worker
 from cosine_ray.engine.config import DrafterSpec, EngineConfig
+from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
+                                             FinishedText)
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.worker.target import StageWorker, default_kv_tokens, kv_budgets
 from cosine_ray.runtime import memory
@@ -53,18 +56,49 @@ class _Hosted:
         return memory.held_mib()
 
 
+HEAD_METHOD_PREFIX = "draft_"
+"""Of the ``StageHost`` methods that reach the feature head it hosts."""
+
+
 class StageHost(_Hosted, StageWorker):
-    """The stage worker, hosted: every method is ``StageWorker``'s."""
+    """The stage worker, hosted: every method is ``StageWorker``'s, and ``draft_*`` those of the
+    feature head the last stage hosts when the drafter set has one (``build_stage``: the head
+    reads the features this process's last stage computes). The head's methods carry a prefix
+    because ``release`` means freeing KV here (``RayDrafterClient(method_prefix=HEAD_METHOD_PREFIX)``)."""
 
     def __init__(self, config: EngineConfig, stage_index: int) -> None:
         self._start(config.cluster.threads_per_actor)
-        stage = build_stage(config, stage_index)
+        stage, self.head = build_stage(config, stage_index)
         StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0],
                              runner=config.runner, external_blocks=True,
                              kv_token_budget=default_kv_tokens(config.step))
         self.capture_graphs(config.step)  # CUDA: before the first request
         self.stage_index = stage_index
         memory.drop_file_pages()  # checkpoint pages read only to build fused copies (runtime/memory.py)
+
+
+    def _head(self) -> DrafterWorker:
+        if self.head is None:
+            raise RuntimeError(f"stage {self.stage_index} hosts no feature head")
+        return self.head
+
+    def draft_propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
+        return self._head().propose(inputs)
+
+    def draft_continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
+        return self._head().continue_drafts(queries)
+
+    def draft_continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+        return self._head().continue_chains(queries)
+
+    def draft_observe(self, feedback: Sequence[DraftFeedback]) -> None:
+        self._head().observe(feedback)
+
+    def draft_release(self, request_ids: Sequence[str]) -> None:
+        self._head().release(request_ids)
+
+    def draft_learn(self, texts: Sequence[FinishedText]) -> None:
+        self._head().learn(texts)
 
 
 class DrafterHost(_Hosted, DrafterWorker):

@@ -50,17 +50,24 @@ class ActorSlot:
 
 
 class RayDrafterClient:
-    """DrafterClient over a DrafterActor. A call that overruns its deadline keeps running in
+    """DrafterClient over a DrafterActor, or over the feature head a last StageActor hosts
+    (``method_prefix``). A call that overruns its deadline keeps running in
     the actor; until it returns, this drafter sits out the following steps instead of
     queueing more work behind it."""
 
-    def __init__(self, slot: ActorSlot, name: str, *, deadline_s: float, learns: bool = False) -> None:
+    def __init__(self, slot: ActorSlot, name: str, *, deadline_s: float, learns: bool = False,
+                 method_prefix: str = "") -> None:
         self.slot = slot
         self.name = name
         self.deadline_s = deadline_s
         self.learns = learns
         """The hosted drafter learns from finished requests (``learn`` is sent to it)."""
+        self.method_prefix = method_prefix
+        """Before each method name: ``draft_`` for the feature head a last stage hosts (``StageHost``)."""
         self._inflight: ray.ObjectRef | None = None
+
+    def _method(self, name: str):
+        return getattr(self.slot.handle, self.method_prefix + name)
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         return await self._call("propose", list(inputs))
@@ -77,7 +84,7 @@ class RayDrafterClient:
             if not ready:
                 raise TimeoutError(f"drafter {self.name} is still busy with an earlier call")
             self._inflight = None
-        ref = getattr(self.slot.handle, method).remote(arg)
+        ref = self._method(method).remote(arg)
         try:
             return await await_ref(ref, self.deadline_s)
         except asyncio.TimeoutError:
@@ -88,13 +95,13 @@ class RayDrafterClient:
             raise
 
     async def observe(self, feedback: Sequence[DraftFeedback]) -> None:
-        self.slot.handle.observe.remote(list(feedback))  # fire and forget: ordered before the next propose
+        self._method("observe").remote(list(feedback))  # fire and forget: ordered before the next propose
 
     async def release(self, request_ids: Sequence[str]) -> None:
-        self.slot.handle.release.remote(list(request_ids))
+        self._method("release").remote(list(request_ids))
 
     async def learn(self, texts: Sequence[FinishedText]) -> None:
-        self.slot.handle.learn.remote(list(texts))  # fire and forget, like observe
+        self._method("learn").remote(list(texts))  # fire and forget, like observe
 
 
 class RayTargetClient:

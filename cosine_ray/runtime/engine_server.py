@@ -30,7 +30,7 @@ import torch
 
 from cosine_ray.engine.build import eos_token_ids, make_drafter_worker
 from cosine_ray.engine.components import cosine_components
-from cosine_ray.engine.config import EngineConfig, config_from_dict, step_config_for
+from cosine_ray.engine.config import DrafterSpec, EngineConfig, config_from_dict, step_config_for
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.worker.target import kv_cache_fills
 from cosine_ray.engine.owners.constraints import TokenizerLoader
@@ -38,7 +38,7 @@ from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
-from cosine_ray.runtime.actors import DrafterActor, StageActor
+from cosine_ray.runtime.actors import HEAD_METHOD_PREFIX, DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.engine_client import ACCEPTED
@@ -69,6 +69,27 @@ def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
         return lambda: StageActor.options(**options).remote(config, i)
 
     return [ActorSlot(actor_name("stage", i), spawn(i), namespace=namespace) for i in range(config.num_stages)]
+
+
+def drafter_clients(config: EngineConfig, stages: Sequence[ActorSlot],
+                    namespace: str) -> list[LocalDrafterClient | RayDrafterClient]:
+    """One client per drafter of ``config``: a feature head drafts in the last stage's actor,
+    which computes its features (``runtime.actors.StageHost``); lookup drafters run in this
+    process (``cluster.drafters_in_engine``); the others get an actor each, named
+    ``cosine_ray:drafter:<i>`` by their place in the drafter list."""
+    deadline_s = config.step.drafter_deadline_s
+
+    def client(i: int, spec: DrafterSpec) -> LocalDrafterClient | RayDrafterClient:
+        if spec.kind == "head":
+            return RayDrafterClient(stages[-1], spec.name, deadline_s=deadline_s, method_prefix=HEAD_METHOD_PREFIX)
+        if spec.kind in config.cluster.drafters_in_engine:
+            return LocalDrafterClient(make_drafter_worker(spec, config))
+        options = {**actor_options("drafter", i, config), "namespace": namespace}
+        slot = ActorSlot(actor_name("drafter", i), lambda: DrafterActor.options(**options).remote(config, spec),
+                         namespace=namespace)
+        return RayDrafterClient(slot, spec.name, deadline_s=deadline_s, learns=spec.learns)
+
+    return [client(i, spec) for i, spec in enumerate(config.drafters)]
 
 
 def tokenizer_eos_id(path: Path) -> int | None:
@@ -122,21 +143,10 @@ class EngineServer:
         self.model_name = checkpoint.name
         self.vocab_size = checkpoint.config.vocab_size
 
-        def spawner(role: str, index: int, cls: Any, *args: Any):
-            options = {**actor_options(role, index, config), "namespace": self.namespace}
-            return lambda: cls.options(**options).remote(config, *args)
-
         self.stage_slots = stage_slots(config, self.namespace)
-        # Lookup drafters run here (cluster.drafters_in_engine); the others get an actor each,
-        # named by their place in the drafter list.
-        drafters: list[LocalDrafterClient | RayDrafterClient] = [
-            LocalDrafterClient(make_drafter_worker(spec, config)) if spec.kind in config.cluster.drafters_in_engine else
-            RayDrafterClient(ActorSlot(actor_name("drafter", i), spawner("drafter", i, DrafterActor, spec),
-                                       namespace=self.namespace),
-                             spec.name, deadline_s=config.step.drafter_deadline_s, learns=spec.learns)
-            for i, spec in enumerate(config.drafters)]
+        drafters = drafter_clients(config, self.stage_slots, self.namespace)
         self.local_drafters = [d for d in drafters if isinstance(d, LocalDrafterClient)]
-        self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient)]
+        self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient) and not d.method_prefix]
         self.drafter_slots = [d.slot for d in self.actor_drafters]
         self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
         step_config = step_config_for(config, checkpoint)

@@ -69,7 +69,8 @@ class ActorAsk:
 
 
 def actor_asks(config: EngineConfig) -> list[ActorAsk]:
-    """Every actor the engine creates, stages first (drafters run in the engine ask nothing)."""
+    """Every actor the engine creates, stages first (drafters run in the engine, and a feature
+    head, which runs in the last stage's actor, ask nothing)."""
     def resources(role: str, index: int) -> dict[str, float]:
         opts = actor_options(role, index, config)
         out = {"CPU": float(opts["num_cpus"]), **{k: float(v) for k, v in opts.get("resources", {}).items()}}
@@ -79,7 +80,8 @@ def actor_asks(config: EngineConfig) -> list[ActorAsk]:
 
     asks = [ActorAsk(actor_name("stage", i), f"stage {i}", resources("stage", i)) for i in range(config.num_stages)]
     asks += [ActorAsk(actor_name("drafter", i), f"drafter {spec.name}", resources("drafter", i), i)
-             for i, spec in enumerate(config.drafters) if spec.kind not in config.cluster.drafters_in_engine]
+             for i, spec in enumerate(config.drafters)
+             if spec.kind not in config.cluster.drafters_in_engine and spec.kind != "head"]
     return asks
 
 

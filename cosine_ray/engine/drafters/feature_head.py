@@ -48,7 +48,9 @@ class _Row:
 @dataclass(slots=True)
 class _State:
     seen: list[int] = field(default_factory=list)
-    """Context tokens x_0..x_m whose rows 0..m-1 are in ``k``/``v``."""
+    """Context tokens x_0..x_m whose rows ``start``..m-1 are in ``k``/``v``."""
+    start: int = 0
+    """Position of the first row (positions before it had no feature: a prefix-cache hit)."""
     k: torch.Tensor | None = None  # [m, kv_heads, head_dim]
     v: torch.Tensor | None = None
     features: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -84,13 +86,15 @@ class FeatureHeadDrafter:
 
     # ---- committed rows --------------------------------------------------------------------
     def _sync(self, request_id: str, context: Sequence[int]) -> _State | None:
-        """Bring the request's rows up to the root (rows 0..len(context) - 2); None when a
-        feature they need is missing."""
+        """Bring the request's rows up to the root (rows for positions ``start``..len(context) - 2);
+        None when the feature of the position before the root is missing. Rows start after the
+        last position without a feature: a prompt prefix the target read from the prefix cache
+        was never computed, so it has none, and the head attends to the rows after it."""
         state = self._states.setdefault(request_id, _State())
         state.features.update(self.store.committed(request_id, context))
         t = len(context) - 1
         rows = 0 if state.k is None else state.k.shape[0]
-        if rows == t and state.root_g is not None and state.seen == list(context):
+        if state.start + rows == t and state.root_g is not None and state.seen == list(context):
             return state  # this step's rows (and its draft cache) are current
         state.draft, state.root_g = {}, None
         if t < 1:
@@ -99,14 +103,19 @@ class FeatureHeadDrafter:
         limit = min(len(state.seen), len(context))
         while common < limit and state.seen[common] == context[common]:
             common += 1
-        keep = max(0, min(common - 1, rows, t - 1))  # row j reads x_{j+1}: valid while it matches
+        # row j reads x_{j+1}: valid while it matches
+        keep = max(0, min(common - 1 - state.start, rows, t - 1 - state.start))
+        missing = [j for j in range(state.start + keep, t) if j not in state.features]
+        if missing:
+            if missing[-1] == t - 1:
+                return None
+            state.start, keep = missing[-1] + 1, 0
         if state.k is not None:
             state.k, state.v = state.k[:keep], state.v[:keep]
-        if any(j not in state.features for j in range(keep, t)):
-            return None
-        new = torch.arange(keep, t)
-        emb = self.embedding[torch.tensor(list(context[keep + 1:t + 1]))]
-        feats = torch.stack([state.features[j] for j in range(keep, t)])
+        first = state.start + keep
+        new = torch.arange(first, t)
+        emb = self.embedding[torch.tensor(list(context[first + 1:t + 1]))]
+        feats = torch.stack([state.features[j] for j in range(first, t)])
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys = k if state.k is None or keep == 0 else torch.cat([state.k, k])
