@@ -5,15 +5,14 @@ deploy from a short-lived child process.
 (``runtime.placement``): a stage that cannot be placed is a CliError naming it, what it asks
 and what the nodes offer; a drafter that cannot is left out of the plan, with a note.
 
-``deploy_in_child`` runs this module as a child (``main``): binding the application imports
-its classes, and with them torch and the engine, which the long-lived CLI process (the Ray
-driver that waits for Ctrl-C) then never needs to hold. The CLI starts the child first
-(``Deployer``), so that these imports overlap the cluster's start. The child imports,
-then reads ``{"address", "app_args", "name", "route_prefix", "error_file"}`` as JSON on stdin
-(nothing: it exits 0), joins the cluster, runs
+``deploy_in_child`` runs this module as a child (``main``), which imports Serve's client and
+joins the cluster while the CLI process (the Ray driver that waits for Ctrl-C) starts it and
+Serve (``Deployer``: started first). The child reads ``{"address", "app_args", "name",
+"route_prefix", "error_file"}`` as JSON on stdin (nothing: it exits 0), joins the cluster, runs
 ``serve.run`` and exits 0 once the application answers; on failure it writes one line
 (``failure_reason``) to ``error_file`` and exits 1. The application outlives it: Serve's
-controller owns the replicas.
+controller owns the replicas. Neither process imports torch or the engine: ``build_app`` names
+the engine's class by import path, and only the engine replica imports it.
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ def place_actors(plan: ServePlan) -> ServePlan:
 
 
 class Deployer:
-    """The deploying child, started early so that its imports (torch, the engine, Serve's
-    client: seconds) overlap the local cluster's and Serve's start; it waits on stdin for the
+    """The deploying child, started early so that its imports (Serve's client: a second or
+    two) overlap the local cluster's and Serve's start; it waits on stdin for the
     spec. ``cancel`` kills it while it imports, waits or deploys (a start that failed first, or
     Ctrl-C during the start: ``deploy`` then returns the kill's status at once)."""
 
@@ -82,8 +81,7 @@ class Deployer:
 
 def deploy_in_child(plan: ServePlan, deployer: Deployer) -> None:
     """``serve.run`` of the application in ``deployer``'s child process (``main``) on the cluster
-    this process is connected to, so this long-lived driver never imports the engine and torch;
-    CliError with the child's one-line reason if the application did not start."""
+    this process is connected to; CliError with the child's one-line reason if the application did not start."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
@@ -103,7 +101,6 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the CLI's to handle: it kills this child
     from ray import serve
 
-    import cosine_ray.runtime.engine_server  # noqa: F401  (what build_app binds: torch and the engine)
     from cosine_ray.runtime.cluster import connect
     from cosine_ray.serve.app import build_app
 

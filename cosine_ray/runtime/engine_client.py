@@ -21,6 +21,8 @@ from cosine_ray.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
+ENGINE_DEPLOYMENT = "cosine_ray_engine"
+"""Serve deployment name of the engine (the ingress deployment is ``cosine_ray``)."""
 ACCEPTED = "accepted"
 """The first item of ``EngineServer.generate``'s stream: the call reached a live engine replica."""
 

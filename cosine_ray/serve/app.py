@@ -72,8 +72,14 @@ class OpenAIIngress:
                                 request_timeout_s=self.request_timeout_s)
 
 
+ENGINE_CLASS = "cosine_ray.runtime.engine_server.EngineServer"
+"""The engine deployment's class, by import path: the engine replica imports it (torch and the
+engine); the process that builds and deploys the application never does (``cosine-ray serve``'s
+deploying child, ``serve run``)."""
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT, EngineServer
+    from cosine_ray.runtime.engine_client import ENGINE_DEPLOYMENT
 
     args = dict(args or {})
     ingress = {k: args.pop(k) for k in INGRESS_ARGS if k in args}
@@ -82,9 +88,9 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     if max_pending < 1 or not float(ingress.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S)) > 0:
         raise ValueError("max_pending_requests must be >= 1 and request_timeout_s > 0")
     engine = serve.deployment(
-        EngineServer, name=ENGINE_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ENGINE_MAX_ONGOING,
+        name=ENGINE_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ENGINE_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0}, health_check_period_s=10, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=20).bind(args)
+        graceful_shutdown_timeout_s=20)(ENGINE_CLASS).bind(args)
     deployment = serve.deployment(
         OpenAIIngress, name="cosine_ray",
         max_ongoing_requests=int(ingress.pop("max_ongoing_requests", max_pending + CONTROL_HEADROOM)),
