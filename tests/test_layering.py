@@ -174,3 +174,30 @@ def test_openai_ingress_does_not_import_torch(real_checkpoint):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"torch": False, "transformers": True}, result
+
+
+DEPLOYER_PROBE = """
+import json, sys
+import cosine_ray.cli.serve_start
+from cosine_ray.serve.app import build_app
+app = build_app({"num_stages": 2})
+print(json.dumps({"torch": "torch" in sys.modules, "engine": "cosine_ray.engine.core" in sys.modules}))
+"""
+
+
+def test_building_the_application_does_not_import_the_engine():
+    """``cosine-ray serve``'s deploying child builds and deploys the application while Ray and
+    Serve start on the same cores: it names the engine's class by import path (the engine
+    replica imports it), so it never loads torch or the engine itself."""
+    proc = subprocess.run([sys.executable, "-c", DEPLOYER_PROBE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"torch": False, "engine": False}
+
+
+def test_the_engine_deployment_names_the_engine_server():
+    from ray.serve._private.replica import _load_deployment_def_from_import_path
+
+    from cosine_ray.runtime.engine_server import EngineServer
+    from cosine_ray.serve.app import ENGINE_CLASS
+
+    assert _load_deployment_def_from_import_path(ENGINE_CLASS) is EngineServer
