@@ -145,7 +145,10 @@ class Datastore:
             raise ValueError(f"{len(self._source_ids)} source_ids for {len(self._sequences)} sequences; "
                              "give one per sequence or none")
         self._metadata = metadata
-        self._index = ContinuationIndex(self._sequences, index_max_n)
+        if index_max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {index_max_n}")
+        self._index_max_n = index_max_n
+        self._index: ContinuationIndex | None = None  # built when a drafter first asks (a classifier reads only the sequences)
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[Sequence[int]], *, domain: str, model_name: str,
@@ -181,9 +184,10 @@ class Datastore:
         return len(self._sequences)
 
     def continuation_index(self, max_n: int | None = None) -> ContinuationIndex:
-        """The n-gram index; rebuilt (once) if a longer ``max_n`` than built is asked for."""
-        if max_n is not None and max_n > self._index.max_n:
-            self._index = ContinuationIndex(self._sequences, max_n)
+        """The n-gram index up to ``max_n`` (default: the ``index_max_n`` it was made with), built
+        at the first call; rebuilt (once) if a longer ``max_n`` than built is asked for."""
+        if self._index is None or (max_n is not None and max_n > self._index.max_n):
+            self._index = ContinuationIndex(self._sequences, max(max_n or 0, self._index_max_n))
         return self._index
 
     # ---- disk -----------------------------------------------------------------------------
