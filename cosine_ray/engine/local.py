@@ -9,7 +9,7 @@ import torch
 
 from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import as_dense
-from cosine_ray.engine.build import build_drafter, build_target_stages, eos_token_ids
+from cosine_ray.engine.build import build_drafter, build_target_stages, eos_token_ids, head_spec
 from cosine_ray.engine.components import EMBEDDING_KEY, cosine_components
 from cosine_ray.engine.config import EngineConfig, step_config_for
 from cosine_ray.engine.core import EngineCore
@@ -34,7 +34,7 @@ class LocalEngine:
         state = load_weights(self.checkpoint, config.weights, device=config.device, dtype=config.dtype)
         dtype = getattr(torch, config.dtype)
         stages = build_target_stages(self.checkpoint, state, config.num_stages, dtype=dtype, device=config.device)
-        self.features = FeatureStore() if any(s.kind == "head" for s in config.drafters) else None
+        self.features = FeatureStore() if head_spec(config) is not None else None
         """The target's features for a feature head (``engine.worker.features``); None without one."""
         if self.features is not None:
             stages[-1] = FeatureStage.wrap(stages[-1], self.features)

@@ -3,6 +3,7 @@ path, the head's incremental rows against its training forward, and its proposal
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cosine_ray.algo.tree import TokenTree
@@ -116,3 +117,13 @@ def test_budget_counts_every_path_token():
     assert sum(len(p) for p in leaves) <= 5
     # (1, 5) branches off an inner node: a new path of 2 tokens, past the budget; (3, 6) extends a leaf
     assert set(leaves) == {(1, 2, 4), (3, 6)}
+
+
+def test_one_feature_head_a_drafter_set(tiny_checkpoint):
+    """A head drafts from the last stage's features: two would share one store, so the
+    single-process engine refuses them as the stage actors do (``build.head_spec``)."""
+    from cosine_ray.engine.config import EngineConfig, parse_drafters
+    from cosine_ray.engine.local import LocalEngine
+
+    with pytest.raises(ValueError, match="at most one feature head"):
+        LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("head:a,head:b")))
