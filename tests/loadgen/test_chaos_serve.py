@@ -78,17 +78,30 @@ def test_three_minutes_of_chaos_lose_nothing(server, tmp_path, capsys):
     audit, faults = data["audit"], data["faults"]
     print(f"[chaos] {audit['requests']} requests: {audit['outcomes']}; errors seen: {audit['errors_by_kind']}; "
           f"recoveries (s): {data['recovery_s_by_kind']}")
-    assert (audit["lost"], audit["duplicated"], audit["hung"]) == (0, 0, 0), audit
-    assert (audit["wrong_text"], audit["server_errors"], audit["unclear_errors"]) == (0, 0, 0), audit["problems"]
-    assert audit["ledger"]["is_consistent"] and audit["outcomes"].get("ok", 0) > 100
-    assert audit["outcomes"].get("disconnected", 0) > 0  # callers that left early were in the mix
-    assert {f["kind"] for f in faults} == set(KINDS), [f["kind"] for f in faults]  # each kind at least once
-    assert all(f["recovery_s"] is not None for f in faults), faults
-    assert any(f["in_flight"] and f["failed"] for f in faults if f["kind"] == "engine")  # premise: kills hit requests
-    assert data["verdict"]["idle_after"]["idle"], data["verdict"]
-    assert rc == 0 and data["verdict"]["ok"], err
+    try:
+        assert (audit["lost"], audit["duplicated"], audit["hung"]) == (0, 0, 0), audit
+        assert (audit["wrong_text"], audit["server_errors"], audit["unclear_errors"]) == (0, 0, 0), audit["problems"]
+        assert audit["ledger"]["is_consistent"] and audit["outcomes"].get("ok", 0) > 100
+        assert audit["outcomes"].get("disconnected", 0) > 0  # callers that left early were in the mix
+        assert {f["kind"] for f in faults} == set(KINDS), [f["kind"] for f in faults]  # each kind at least once
+        assert all(f["recovery_s"] is not None for f in faults), faults
+        assert any(f["in_flight"] and f["failed"] for f in faults if f["kind"] == "engine")  # premise: kills hit requests
+        assert data["verdict"]["idle_after"]["idle"], data["verdict"]
+        assert rc == 0 and data["verdict"]["ok"], err
+    except AssertionError:  # what the server said while it happened: the logs go with the temp dir
+        print_server_complaints(server.log_path)
+        raise
     for name in ("chaos.png", "ledger.jsonl", "calls.jsonl", "memory.csv"):
         assert (out_dir / name).stat().st_size > 0
+
+
+def print_server_complaints(log_path: Path, limit: int = 200) -> None:
+    """The server log's last ``limit`` warning, error and traceback lines (its actors' included)."""
+    marks = ("WARNING", "ERROR", "Traceback", "Error:", "error:")
+    lines = [ln for ln in Path(log_path).read_text(errors="replace").splitlines() if any(m in ln for m in marks)]
+    print(f"[chaos] server log {log_path}: last {min(limit, len(lines))} of {len(lines)} warning/error lines")
+    for line in lines[-limit:]:
+        print(line[:400])
 
 
 class IngressKiller(Injector):
