@@ -81,7 +81,8 @@ class Deployer:
 
 def deploy_in_child(plan: ServePlan, deployer: Deployer) -> None:
     """``serve.run`` of the application in ``deployer``'s child process (``main``) on the cluster
-    this process is connected to; CliError with the child's one-line reason if the application did not start."""
+    this process is connected to; CliError with the child's one-line reason if the application
+    did not start."""
     import ray
 
     address = ray.get_runtime_context().gcs_address

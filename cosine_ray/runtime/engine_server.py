@@ -41,7 +41,7 @@ from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.runtime.actors import HEAD_METHOD_PREFIX, DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
-from cosine_ray.runtime.engine_client import ACCEPTED, ENGINE_DEPLOYMENT  # noqa: F401  (tests name it here)
+from cosine_ray.runtime.engine_client import ACCEPTED
 from cosine_ray.runtime.memory import malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,

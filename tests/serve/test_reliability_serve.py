@@ -55,7 +55,7 @@ from ray import serve  # noqa: E402
 from cosine_ray.engine.request import SamplingParams  # noqa: E402
 from cosine_ray.runtime.cluster import actor_name  # noqa: E402
 from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
-from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT  # noqa: E402
+from cosine_ray.runtime.engine_client import ENGINE_DEPLOYMENT  # noqa: E402
 from cosine_ray.runtime.memory import resident_mib  # noqa: E402
 
 from support.cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from cosine_ray.runtime.engine_server import ENGINE_DEPLOYMENT
+from cosine_ray.runtime.engine_client import ENGINE_DEPLOYMENT
 
 APP_NAME = "cosine_ray"
 

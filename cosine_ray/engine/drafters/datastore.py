@@ -148,7 +148,7 @@ class Datastore:
         if index_max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {index_max_n}")
         self._index_max_n = index_max_n
-        self._index: ContinuationIndex | None = None  # built when a drafter first asks (a classifier reads only the sequences)
+        self._index: ContinuationIndex | None = None  # built at a drafter's first ask: a classifier reads only sequences
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[Sequence[int]], *, domain: str, model_name: str,
