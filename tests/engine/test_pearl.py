@@ -218,13 +218,32 @@ class SlowDrafter:
         return await self.inner.continue_drafts(queries)
 
 
-@pytest.mark.parametrize("delay_s, pre_verifies", [(0.0, False), (0.05, True)])
-def test_auto_follows_the_measured_times(tiny_checkpoint, prompts, reference, delay_s, pre_verifies):
-    """Lookup drafting next to a tiny model's forward: requests with nothing drafted ahead draft
-    first. The same drafter made slow (50 ms a call, far above the forward): they pre-verify."""
+class SlowTarget:
+    """The verifier's target whose every scoring call takes ``delay_s`` more (a big target)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def score(self, items):
+        await asyncio.sleep(self.delay_s)
+        return await self.inner.score(items)
+
+
+@pytest.mark.parametrize("draft_delay_s, verify_delay_s, pre_verifies", [(0.0, 0.05, False), (0.05, 0.0, True)])
+def test_auto_follows_the_measured_times(tiny_checkpoint, prompts, reference, draft_delay_s, verify_delay_s,
+                                         pre_verifies):
+    """Lookup drafting next to a target made slow (50 ms a forward): requests with nothing drafted
+    ahead draft first. The same drafter made slow instead (50 ms a call, far above the tiny
+    forward): they pre-verify. Each side is 50 ms away from the other, so the scheduler's noise
+    cannot flip the choice."""
     engine = make_engine(tiny_checkpoint, "ngram", 1, pearl="auto")
     clients = engine.core.speculator.drafting.clients
-    clients["ngram"] = SlowDrafter(clients["ngram"], delay_s)
+    clients["ngram"] = SlowDrafter(clients["ngram"], draft_delay_s)
+    verifier = engine.core.verifier
+    verifier.target = SlowTarget(verifier.target, verify_delay_s)
     outs = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in prompts]
     assert [o.new_token_ids for o in outs] == reference
     stats = engine.core.pearl.stats
