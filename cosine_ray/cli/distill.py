@@ -43,10 +43,16 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", default="0,-1", help="layers the domain drafters start from (negative: from the end)")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokens a domain drafter's head covers")
     p.add_argument("--head-vocab-size", type=int, default=8192, help="tokens the feature head drafts")
+    p.add_argument("--shared-epochs", type=int, default=0,
+                   help="first train one drafter on every domain's answers for this many epochs; each domain "
+                        "drafter then starts from it (0: from the target's layers)")
+    p.add_argument("--shared-lr", type=float, default=1e-3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--head-epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--head-lr", type=float, default=2e-3)
+    p.add_argument("--batch-tokens", type=int, default=1024,
+                   help="padded tokens in one optimizer step of a domain drafter")
     p.add_argument("--head-batch-tokens", type=int, default=256, help="positions in one optimizer step of the head")
     p.add_argument("--top-k", type=int, default=16, help="target log-probabilities kept per position")
     p.add_argument("--seed", type=int, default=0)
@@ -79,14 +85,17 @@ def _prompts(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if min(args.max_tokens, args.batch_size, args.vocab_size, args.head_vocab_size, args.head_batch_tokens, args.top_k,
-           args.threads) < 1:
-        raise CliError("--max-tokens, --batch-size, --vocab-size, --head-vocab-size, --head-batch-tokens, --top-k and "
-                       "--threads must be >= 1")
-    if args.samples < 0 or args.epochs < 0 or args.head_epochs < 0 or (args.limit is not None and args.limit < 1):
-        raise CliError("--samples, --epochs and --head-epochs must be >= 0, --limit >= 1")
-    if not (args.temperature > 0 and args.lr > 0 and args.head_lr > 0):
-        raise CliError("--temperature, --lr and --head-lr must be > 0")
+    if min(args.max_tokens, args.batch_size, args.vocab_size, args.head_vocab_size, args.batch_tokens,
+           args.head_batch_tokens, args.top_k, args.threads) < 1:
+        raise CliError("--max-tokens, --batch-size, --vocab-size, --head-vocab-size, --batch-tokens, "
+                       "--head-batch-tokens, --top-k and --threads must be >= 1")
+    if min(args.samples, args.epochs, args.shared_epochs, args.head_epochs) < 0 or \
+            (args.limit is not None and args.limit < 1):
+        raise CliError("--samples, --epochs, --shared-epochs and --head-epochs must be >= 0, --limit >= 1")
+    if not (args.temperature > 0 and args.lr > 0 and args.shared_lr > 0 and args.head_lr > 0):
+        raise CliError("--temperature, --lr, --shared-lr and --head-lr must be > 0")
+    if args.shared_epochs and args.init:
+        raise CliError("--shared-epochs trains the target's own layers; it cannot be combined with --init")
     if not args.head and not args.domain_drafters:
         raise CliError("--no-head with --no-domain-drafters leaves nothing to train")
 
@@ -146,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         from_datastores=args.from_datastores, domain_drafters=args.domain_drafters, head=args.head,
         stop_after=args.stop_after, teacher=TeacherConfig(top_k=args.top_k),
         domain=DomainTrainConfig(vocab_size=args.vocab_size, init_layers=layers, init=args.init, epochs=args.epochs,
-                                 lr=args.lr, seed=args.seed, threads=args.threads),
+                                 lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, threads=args.threads,
+                                 shared_epochs=args.shared_epochs, shared_lr=args.shared_lr),
         head_train=HeadTrainConfig(vocab_size=args.head_vocab_size, epochs=args.head_epochs, lr=args.head_lr,
                                    batch_tokens=args.head_batch_tokens, seed=args.seed, threads=args.threads),
         threads=args.threads, progress=args.progress)

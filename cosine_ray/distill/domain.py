@@ -42,6 +42,11 @@ class DomainTrainConfig:
     seed: int = 0
     threads: int = 2
     """torch threads while training."""
+    shared_epochs: int = 0
+    """Epochs of one drafter over every domain's answers first (its vocabulary: the most
+    frequent tokens of them all); each domain drafter then starts from its layers and norm and
+    trains ``epochs`` on its own domain. 0: each starts from the target's layers."""
+    shared_lr: float = 1e-3
 
 
 def _student(source_config, source_state: dict[str, torch.Tensor], vocabulary: Sequence[int],
@@ -160,6 +165,21 @@ def train_domain(target_config, target_state: dict[str, torch.Tensor], train: Se
     record["layers_from_target"] = layers
     record["seconds"] = round(time.perf_counter() - start, 1)
     return model, record
+
+
+def shared_start(target_config, target_state: dict[str, torch.Tensor], trained, config: DomainTrainConfig
+                 ) -> dict[str, torch.Tensor]:
+    """``target_state`` with the layers ``config.init_layers`` (and the final norm) replaced by
+    those ``trained`` (a student of ``config``) learnt, so that ``_student`` starts from them."""
+    layers = [i % target_config.num_layers for i in config.init_layers]
+    out = dict(target_state)
+    for key, value in trained.state_dict().items():
+        if key == "model.norm.weight":
+            out[key] = value.detach().clone()
+        elif key.startswith("model.layers."):
+            mine, rest = key[len("model.layers."):].split(".", 1)
+            out[f"model.layers.{layers[int(mine)]}.{rest}"] = value.detach().clone()
+    return out
 
 
 def save_domain(model, folder: str | Path, metadata: dict) -> Path:

@@ -126,15 +126,31 @@ def run_distill(config: DistillConfig, log: Callable[[str], None] = print) -> di
     common = {"target": checkpoint.name, "target_vocab_size": int(checkpoint.config.vocab_size),
               "tokenizer": report["tokenizer"], "max_tokens": config.max_tokens, "samples": config.samples}
     if config.domain_drafters:
-        from cosine_ray.distill.domain import config_dict, save_domain, train_domain
-        for domain in config.prompts:
-            seqs = [s for s in sequences if s.domain == domain]
-            train, val = split_validation(seqs, config.val_share, config.domain.seed)
+        from dataclasses import replace
+
+        from cosine_ray.distill.domain import config_dict, save_domain, shared_start, train_domain
+        splits = {d: split_validation([s for s in sequences if s.domain == d], config.val_share, config.domain.seed)
+                  for d in config.prompts}
+        start_state = state
+        if config.domain.shared_epochs:
+            if config.domain.init:
+                raise ValueError("a shared start trains the target's own layers; it cannot start from --init")
+            train = [s for d in splits for s in splits[d][0]]
+            val = [s for d in splits for s in splits[d][1]]
+            vocab = frequent_vocabulary(train, config.domain.vocab_size, always=eos)
+            log(f"shared start: {len(train)} training answers of every domain, {len(val)} held out")
+            started = time.perf_counter()
+            shared, record = train_domain(checkpoint.config, state, train, val, vocab, replace(
+                config.domain, epochs=config.domain.shared_epochs, lr=config.domain.shared_lr), log)
+            start_state = shared_start(checkpoint.config, state, shared, config.domain)
+            report["shared_start"] = record
+            report["seconds"]["train:shared"] = round(time.perf_counter() - started, 1)
+        for domain, (train, val) in splits.items():
             vocab = frequent_vocabulary(train, config.domain.vocab_size, always=eos)
             log(f"domain drafter {domain}: {len(train)} training answers, {len(val)} held out, vocabulary "
                 f"{len(vocab)} tokens (covers {coverage(val or train, vocab):.1%} of held-out output tokens)")
             started = time.perf_counter()
-            model, record = train_domain(checkpoint.config, state, train, val, vocab, config.domain, log)
+            model, record = train_domain(checkpoint.config, start_state, train, val, vocab, config.domain, log)
             seconds = round(time.perf_counter() - started, 1)
             save_domain(model, out / domain, {**common, "domain": domain, "vocabulary": vocab,
                                               "data": {"answers": len(train), "tokens": sum(len(s.token_ids) for s in train),

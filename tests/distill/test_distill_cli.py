@@ -117,6 +117,38 @@ def test_resumes_from_a_partial_answers_file_and_is_seeded(distilled, tiny_targe
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_shared_start_trains_on_every_domain_first(distilled, tiny_target, tmp_path):
+    """``--shared-epochs``: one drafter over both domains' answers, then each domain drafter
+    starts from its layers; the answers and teacher shards of an earlier run are reused."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from cosine_ray.distill.dataset import frequent_vocabulary, load_sequences
+    from cosine_ray.distill.domain import DomainTrainConfig, _student, shared_start
+    shutil.copytree(distilled / "work", tmp_path / "work")
+    assert _distill(tiny_target, tmp_path, "--no-head", "--shared-epochs", "1") == 0
+    report = json.loads((tmp_path / "out" / "distill.json").read_text())
+    assert len(report["shared_start"]["epochs"]) == 1 and "train:shared" in report["seconds"]
+    for domain in PROMPTS:  # other starting layers, other weights
+        a, b = load_file(str(distilled / "out" / domain / "model.safetensors")), \
+            load_file(str(tmp_path / "out" / domain / "model.safetensors"))
+        assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], b["model.layers.0.self_attn.q_proj.weight"])
+    # the state a shared start hands on rebuilds the trained student's layers and norm exactly
+    config = DomainTrainConfig(vocab_size=64, init_layers=(0, -1))
+    state = tiny_target.load_state_dict()
+    vocab = frequent_vocabulary(load_sequences(tmp_path / "work" / "teacher"), 64)
+    trained, _ = _student(tiny_target.config, state, vocab, config)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1.0)
+    rebuilt, _ = _student(tiny_target.config, shared_start(tiny_target.config, state, trained, config), vocab, config)
+    mine, theirs = rebuilt.state_dict(), trained.state_dict()
+    for key in mine:
+        if key.startswith("model.layers.") or key == "model.norm.weight":
+            assert torch.equal(mine[key], theirs[key]), key
+
+
 def test_bad_input_is_one_line_and_exit_2(tiny_target, tmp_path, capsys):
     from support.tiny_checkpoint import write_tiny_checkpoint
     assert main(["distill", "--model", str(tmp_path / "missing")]) == 2
@@ -131,6 +163,11 @@ def test_bad_input_is_one_line_and_exit_2(tiny_target, tmp_path, capsys):
     assert "--prompts poetry=FILE" in capsys.readouterr().err
     assert main(["distill", "--model", str(tiny_target.path), "--layers", "0,9"]) == 2
     assert "outside" in capsys.readouterr().err
+    assert main(["distill", "--model", str(tiny_target.path), "--shared-epochs", "1", "--init", str(other.path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--shared-epochs" in err and len(err.splitlines()) == 1
+    assert main(["distill", "--model", str(tiny_target.path), "--batch-tokens", "0"]) == 2
+    assert "--batch-tokens" in capsys.readouterr().err
 
 
 def test_a_drafter_for_another_target_is_refused(distilled, tmp_path):
