@@ -22,7 +22,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -61,12 +61,16 @@ class Replay:
     """Predicted verify time with only the accepted nodes."""
     plain_seconds: float = 0.0
     """Predicted time of plain decoding, one step per token."""
+    domains: dict[str, list[int]] = field(default_factory=dict)
+    """Domain → [steps, tokens] of its turns."""
 
-    def figures(self) -> dict[str, float]:
+    def figures(self) -> dict[str, Any]:
         per_step = 1 / self.steps if self.steps else 0.0
         out = {"steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens * per_step,
                "nodes_per_step": self.nodes * per_step, "oracle_nodes_per_step": self.oracle_nodes * per_step,
-               "draft_ms_per_step": 1e3 * self.draft_seconds * per_step}
+               "draft_ms_per_step": 1e3 * self.draft_seconds * per_step,
+               "tokens_per_step_by_domain": {d: tokens / steps for d, (steps, tokens) in sorted(self.domains.items())
+                                             if steps}}
         if self.plain_seconds:
             out["projected_speedup"] = self.plain_seconds / (self.verify_seconds + self.draft_seconds)
             out["oracle_speedup"] = self.plain_seconds / (self.oracle_seconds + self.draft_seconds)
@@ -162,6 +166,9 @@ def replay(warm: Sequence[Turn], measured: Sequence[Turn], drafters: Mapping[str
             best = min(best, len(truth) - 1)  # the last token is a bonus, never a draft
             out.steps += 1
             out.tokens += best + 1
+            counts = out.domains.setdefault(turn.domain, [0, 0])
+            counts[0] += 1
+            counts[1] += best + 1
             out.nodes += len(trie)
             out.oracle_nodes += best
             if latency is not None:
@@ -355,6 +362,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{r['projected_speedup'] / base['projected_speedup']:.3f} | "
                          f"{r['oracle_speedup'] / base['oracle_speedup']:.3f} |")
             print(line)
+        domains = sorted({d for r in table for d in r["tokens_per_step_by_domain"]})
+        print("\ntokens a step by the turns' domain:\n")
+        print("| policy | " + " | ".join(domains) + " |")
+        print("|" + " --- |" * (len(domains) + 1))
+        for r in table:
+            by = r["tokens_per_step_by_domain"]
+            print(f"| {r['drafters']}/{r['route']} | " + " | ".join(f"{by[d]:.3f}" if d in by else "" for d in domains)
+                  + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "benchmarks/drafting_ceiling.py", "args": vars(args),

@@ -44,6 +44,16 @@ def test_plain_replay_commits_one_token_a_step_and_every_token_once():
     assert figures["projected_speedup"] == pytest.approx(1.0)  # the same steps as plain decoding
 
 
+def test_tokens_a_step_are_also_counted_by_the_turns_domain():
+    """A code expert that saw the code turn drafts it whole; the math turn, unseen, gets nothing."""
+    code, math = Turn("code", stream(7, 10), stream(8, 40)), Turn("math", stream(9, 10), stream(10, 30))
+    r = ceiling.replay([code], [code, math], experts("code"), "all", budget=8)
+    by = r.figures()["tokens_per_step_by_domain"]
+    assert by["math"] == 1.0 and by["code"] == 39 / 5  # 8 drafted + 1 bonus a step
+    assert sum(steps for steps, _ in r.domains.values()) == r.steps
+    assert sum(tokens for _, tokens in r.domains.values()) == r.tokens
+
+
 def test_an_identical_request_is_drafted_from_the_first_ones_output():
     prompt, output = stream(5, 20), stream(6, 60)
     warm, measured = [Turn("code", prompt, output)], [Turn("code", prompt, output)]
