@@ -18,8 +18,10 @@ from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
+from cosine_ray.engine.owners.economics import REFIT_EVERY
 from cosine_ray.engine.owners.scheduler import PROBE_EVERY
 
+from support.factories import Clock
 from support.fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
 DOMAINS = ("code", "math", "chat", "instruction")
@@ -70,9 +72,22 @@ class ParityDrafter(FakeDrafter):
         return DraftProposal(item.request_id, [path], [confs])
 
 
-def make(target, drafters, **config) -> EngineCore:
+def make(target, drafters, *, clock=time.monotonic, **config) -> EngineCore:
     return EngineCore(StepConfig(**config), target, list(drafters), vocab_size=VOCAB,
-                  domain_classifier=MarkerClassifier(), seed=0)
+                  domain_classifier=MarkerClassifier(), seed=0, clock=clock)
+
+
+class TimedTarget(TableTarget):
+    """A TableTarget whose every scoring call takes ``step_s`` on ``clock``, the engine's clock
+    (nothing else moves it: the step times the engine measures are exactly the target's)."""
+
+    def __init__(self, clock: Clock, step_s: float) -> None:
+        super().__init__()
+        self.clock, self.step_s = clock, step_s
+
+    async def score(self, items):
+        self.clock.now += self.step_s
+        return await super().score(items)
 
 
 def prompts_for(domain_index: int, n: int, start: int = 0) -> list[list[int]]:
@@ -173,8 +188,9 @@ def test_speculation_stays_on_when_drafts_are_right():
 def test_the_price_is_the_lps_lambda_over_the_measured_goodput_times_the_guards_level():
     """Tokens are worth the time per token at the operating point, not at plain decoding: once
     the guard has measured a goodput G > 1 for its level, TreeSelection prices at λ_LP·κ / G."""
-    target = TableTarget()
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    clock = Clock()
+    target = TimedTarget(clock, 0.005)
+    router = make(target, [OracleDrafter("oracle", target)], clock=clock, drafters_per_request=1)
     scheduler, guard = router.scheduler, router.scheduler.guard
     seen, decide, schedule = [], scheduler.policy.decide, scheduler.schedule
     lp_lams = []
@@ -195,7 +211,7 @@ def test_the_price_is_the_lps_lambda_over_the_measured_goodput_times_the_guards_
     tokens, _ = run(router, prompts_for(0, 3), max_tokens=300)  # enough steps at 3 rows for the bucket to measure
     assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 300) for p in prompts_for(0, 3)]
     assert all(lam == pytest.approx(lp * kappa / g) for lam, lp, kappa, g in seen)
-    # λ_LP as it is until the level has enough steps; then G of an oracle (the fake target is fast)
+    # λ_LP as it is until the level has enough steps; then G of an oracle
     assert seen[0][3] == 1.0 and max(g for *_, g in seen) > 1.5
 
 
@@ -671,13 +687,9 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
     steps, not the about 3× that the default's early steps made it here (without the rescale: 16.0
     against 4.8; on an H200 the 8-15 bucket's G read 30.9 and the guard fell to κ = 0)."""
 
-    class FiveMsTarget(TableTarget):
-        async def score(self, items):
-            time.sleep(0.005)
-            return await super().score(items)
-
-    target = FiveMsTarget()
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    clock = Clock()
+    target = TimedTarget(clock, 0.005)
+    router = make(target, [OracleDrafter("oracle", target)], clock=clock, drafters_per_request=1)
     guard = SpeculationGuard(decay=1.0, explore_share=0.0, young_explore_share=0.0, seed=0)
     router.scheduler.guard = router.learner.guard = guard  # one level, every step weighs the same
     observed, observe_level = [], router.learner.levels.observe
@@ -690,6 +702,7 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
 
     router.learner.levels.observe = spy
     run(router, prompts_for(0, 3), max_tokens=120)
+    assert len(observed) >= REFIT_EVERY
     final = router.learner.costs.latency
     assert final.c0 < 0.02 < LatencyModel.default().c0  # refitted to the 5 ms target
     reference = sum(y for *_, y in observed) / sum(s / final.predict_llm(c, [1] * len(c)) for c, s, _ in observed)

@@ -23,6 +23,7 @@ from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pearl import Pearl, after_token, trunk_tokens
 from cosine_ray.engine.types import Drafted, Verified
 from cosine_ray.engine.request import Request, SamplingParams
+from support.factories import Clock
 from support.hf_reference import hf_greedy
 
 MAX_TOKENS = 30
@@ -203,51 +204,58 @@ def test_auto_pre_verifies_only_while_drafting_is_slower():
 
 
 class SlowDrafter:
-    """A drafter client whose every call takes ``delay_s`` (a model drafter across a link)."""
+    """A drafter client whose every call takes ``delay_s`` on ``clock`` (a model drafter across a link)."""
 
-    def __init__(self, inner, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
+    def __init__(self, inner, delay_s: float, clock: Clock) -> None:
+        self.inner, self.delay_s, self.clock = inner, delay_s, clock
         self.name, self.learns = inner.name, inner.learns
 
     async def continue_chains(self, queries):
-        await asyncio.sleep(self.delay_s)
+        self.clock.now += self.delay_s
+        await asyncio.sleep(0)
         return await self.inner.continue_chains(queries)
 
     async def continue_drafts(self, queries):
-        await asyncio.sleep(self.delay_s)
+        self.clock.now += self.delay_s
+        await asyncio.sleep(0)
         return await self.inner.continue_drafts(queries)
 
 
 class SlowTarget:
-    """The verifier's target whose every scoring call takes ``delay_s`` more (a big target)."""
+    """The verifier's target whose every scoring call takes ``delay_s`` on ``clock`` (a big target)."""
 
-    def __init__(self, inner, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
+    def __init__(self, inner, delay_s: float, clock: Clock) -> None:
+        self.inner, self.delay_s, self.clock = inner, delay_s, clock
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     async def score(self, items):
-        await asyncio.sleep(self.delay_s)
+        self.clock.now += self.delay_s
+        await asyncio.sleep(0)
         return await self.inner.score(items)
 
 
-@pytest.mark.parametrize("draft_delay_s, verify_delay_s, pre_verifies", [(0.0, 0.05, False), (0.05, 0.0, True)])
+@pytest.mark.parametrize("draft_delay_s, verify_delay_s, pre_verifies", [(0.0, 0.05, False), (0.05, 0.01, True)])
 def test_auto_follows_the_measured_times(tiny_checkpoint, prompts, reference, draft_delay_s, verify_delay_s,
                                          pre_verifies):
-    """Lookup drafting next to a target made slow (50 ms a forward): requests with nothing drafted
-    ahead draft first. The same drafter made slow instead (50 ms a call, far above the tiny
-    forward): they pre-verify. Each side is 50 ms away from the other, so the scheduler's noise
-    cannot flip the choice."""
+    """Lookup drafting (no time) next to a target taking 50 ms a forward: requests with nothing
+    drafted ahead draft first. A drafter taking 50 ms a call next to a 10 ms forward: they
+    pre-verify. Times are read from clocks only the drafter and the target move."""
     engine = make_engine(tiny_checkpoint, "ngram", 1, pearl="auto")
+    draft_clock, verify_clock = Clock(), Clock()
+    engine.core.clock = draft_clock  # times the drafting done ahead
     clients = engine.core.speculator.drafting.clients
-    clients["ngram"] = SlowDrafter(clients["ngram"], draft_delay_s)
+    clients["ngram"] = SlowDrafter(clients["ngram"], draft_delay_s, draft_clock)
     verifier = engine.core.verifier
-    verifier.target = SlowTarget(verifier.target, verify_delay_s)
+    verifier.clock = verify_clock
+    verifier.target = SlowTarget(verifier.target, verify_delay_s, verify_clock)
     outs = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in prompts]
     assert [o.new_token_ids for o in outs] == reference
-    stats = engine.core.pearl.stats
+    pearl = engine.core.pearl
+    assert (pearl.draft_s, pearl.verify_s) == pytest.approx((draft_delay_s, verify_delay_s))
+    stats = pearl.stats
     if pre_verifies:
         assert stats.pre_verify > 0 and stats.drafted_first == 0
     else:
-        assert stats.drafted_first > 0 and stats.pre_verify <= len(prompts)  # only before the first measurement
+        assert stats.drafted_first > 0 and stats.pre_verify == 1  # only before the first measurement

@@ -163,12 +163,24 @@ def test_requests_arriving_while_one_runs_alone(tiny_checkpoint, prompts, refere
                          min_tree_confidence=0.0, adaptive=False, num_lanes=num_lanes)
 
     async def main():
+        # request i > 0 arrives once the first has streamed 5 + 5·i of its MAX_TOKENS + 10 tokens
+        arrive = {i: asyncio.Event() for i in range(1, len(prompts))}
+
         async def one(i, prompt):
-            await asyncio.sleep(0.05 * i)
+            if i:
+                await arrive[i].wait()
             tokens, last = [], None
-            async for out in engine.stream(prompt, SamplingParams(max_tokens=MAX_TOKENS + 10 * (i == 0))):
-                tokens += out.new_token_ids
-                last = out
+            try:
+                async for out in engine.stream(prompt, SamplingParams(max_tokens=MAX_TOKENS + 10 * (i == 0))):
+                    tokens += out.new_token_ids
+                    last = out
+                    for j in arrive if i == 0 else ():
+                        if len(tokens) >= 5 + 5 * j:
+                            arrive[j].set()
+            finally:
+                if i == 0:  # never leave the others waiting
+                    for event in arrive.values():
+                        event.set()
             return tokens, last.stats
 
         try:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.latency_model import LatencyModel, llm_features
 from cosine_ray.cli import main
 from cosine_ray.engine import profile
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.models.llama import projection_kernel
+from support.factories import Clock
 
 
 @pytest.fixture()
@@ -40,15 +41,43 @@ def test_quick_pass_measures_the_grid_and_fits(tiny_profile):
     assert {len(s.context_lens) for s in verify} == set(grid.batch_sizes)
     assert set(model.ssm) == {"ngram"} and len(model.ssm_samples) == len(grid.batch_sizes) * 2
     assert model.model_name == "tiny-llama" and model.num_stages == 1 and model.num_threads == 1
-    # The fit predicts its own samples: median relative error ≤ 50 %. Stated tolerance: the tiny
-    # model's forwards take ~1 ms, so on our shared 2-core machines (other agents' Ray tests
-    # running) single medians of 3 can be off several-fold; SmolLM2 figures are in the report.
+    assert all(s.seconds > 0 for s in model.llm_samples + model.ssm_samples)
+    # How well the fit predicts real timings is in the report (the tiny model's ~1 ms forwards
+    # on a shared machine say little); here: its stated error is its samples', and the stored
+    # fit is exactly the NNLS fit of the stored samples. Fit quality: the next test.
     errors = [abs(model.predict_llm(s.context_lens, s.num_new_tokens) / s.seconds - 1) for s in model.llm_samples]
-    assert statistics.median(errors) <= 0.5, errors
     assert max(errors) == pytest.approx(model.llm.max_rel_error, rel=1e-6)
-    # and the stored fit is exactly the NNLS fit of the stored samples
     refit = LatencyModel.fit(model.llm_samples, model.ssm_samples)
     assert refit.llm == model.llm and refit.ssm == model.ssm
+
+
+COST_LAW = (1e-3, 2e-4, 5e-5, 0.0, 1e-7)
+"""Seconds per regressor of T_llm (``llm_features``: 1, b, N, past the knee, attention)."""
+
+
+def test_quick_pass_times_each_grid_point_and_the_fit_recovers_the_costs(tiny_checkpoint, monkeypatch):
+    """A target whose forwards take COST_LAW's seconds on the profiler's clock (moved only by
+    them): each sample's time is its own forward's, and the fit predicts every sample."""
+    clock = Clock(0.0)
+
+    def cost(context_lens, num_new_tokens) -> float:
+        return sum(c * f for c, f in zip(COST_LAW, llm_features(context_lens, num_new_tokens)))
+
+    class TimedWorker(profile.TargetWorker):
+        def score(self, items, *args, **kwargs):
+            clock.now += cost([i.start_position for i in items], [len(i.token_ids) for i in items])
+            return super().score(items, *args, **kwargs)
+
+    monkeypatch.setattr(profile, "TargetWorker", TimedWorker)
+    monkeypatch.setattr(profile, "time", SimpleNamespace(perf_counter=clock))
+    config = EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("none"), num_threads=1)
+    model = profile.run_profile(config, quick=True)
+    grid = profile.ProfileGrid.for_mode(quick=True)
+    assert len(model.llm_samples) == (len(grid.batch_sizes) * len(grid.gammas) + 1) * len(grid.context_lens)
+    assert [s.seconds for s in model.llm_samples] == pytest.approx(
+        [cost(s.context_lens, s.num_new_tokens) for s in model.llm_samples], rel=1e-9)
+    errors = [abs(model.predict_llm(s.context_lens, s.num_new_tokens) / s.seconds - 1) for s in model.llm_samples]
+    assert max(errors) < 1e-6, errors
     # bigger batches cost more than one request (the fit is not degenerate)
     assert model.predict_llm([64] * 8, [9] * 8) > model.predict_llm([64], [1])
 

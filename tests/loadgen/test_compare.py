@@ -33,10 +33,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def test_compare_targets_same_plan_and_normalised_table(capsys, tmp_path, dataset):
-    # same 6 output tokens everywhere; fewer, fatter chunks = faster (like accepted drafts)
-    servers = {"off": StubServer(ttft_s=0.03, chunk_s=0.04, num_chunks=6, tokens_per_chunk=1),
-               "vanilla": StubServer(ttft_s=0.03, chunk_s=0.04, num_chunks=3, tokens_per_chunk=2),
-               "cosine": StubServer(ttft_s=0.03, chunk_s=0.04, num_chunks=2, tokens_per_chunk=3)}
+    # same 12 output tokens everywhere; fewer, fatter chunks = faster (like accepted drafts)
+    servers = {"off": StubServer(ttft_s=0.03, chunk_s=0.1, num_chunks=12, tokens_per_chunk=1),
+               "vanilla": StubServer(ttft_s=0.03, chunk_s=0.1, num_chunks=4, tokens_per_chunk=3),
+               "cosine": StubServer(ttft_s=0.03, chunk_s=0.1, num_chunks=2, tokens_per_chunk=6)}
     out_dir = tmp_path / "cmp"
     for s in servers.values():
         s.start()
@@ -63,7 +63,8 @@ def test_compare_targets_same_plan_and_normalised_table(capsys, tmp_path, datase
             summaries[name]["output_throughput"] / summaries["off"]["output_throughput"])
         assert (row["identical_to_baseline"], row["compared_with_baseline"]) == (4, 4)
         assert row["completed"] == 4
-    # E2EL 30+5·40 = 230 ms vs 30+2·40 = 110 vs 30+40 = 70: lower latency per token, in that order
+    # E2EL 30+11·100 = 1130 ms vs 30+3·100 = 330 vs 30+100 = 130: lower latency per token, in that
+    # order (each mean of 4 is at least 200 ms apart: one request would have to stall 0.8 s to swap two)
     assert rows_by["cosine"]["lpt_vs_baseline"] < rows_by["vanilla"]["lpt_vs_baseline"] < 1.0
     plans = {n: [(r["request_id"], r["source_id"], r["scheduled_s"])
                  for r in pq.read_table(out_dir / n / "requests.parquet").to_pylist()] for n in servers}

@@ -76,7 +76,8 @@ class StageEngine:
     async def start(self) -> "StageEngine":
         slots = [*self.slots, *self.drafter_slots.values()]
         await asyncio.gather(*(await_ref(s.handle.ping.remote(), 300) for s in slots))
-        drafters = [RayDrafterClient(self.drafter_slots[spec.name], spec.name, deadline_s=30.0)
+        # a respawned drafter's first call waits for the new actor to start: as long as that takes
+        drafters = [RayDrafterClient(self.drafter_slots[spec.name], spec.name, deadline_s=300.0)
                     if spec.name in self.drafter_slots else LocalDrafterClient(make_drafter_worker(spec, self.config))
                     for spec in self.config.drafters]
         self.core = EngineCore(step_config_for(self.config, self.ckpt), RayTargetClient(self.slots, deadline_s=30.0),
