@@ -6,8 +6,9 @@
 Each start runs ``cosine-ray serve --port P SERVE ARGS`` (default: the README's plain command,
 the embedded model with the default config) on a new local Ray cluster, and records when
 ``/health`` first answers 200 (*ready*), when the CLI prints its serving line, and how long the
-first chat completion takes. After ``--requests`` completions (the KV pool and step buffers at
-working size) it reads the memory of every process the start created (``loadgen.chaos.procs``,
+first chat completion takes, and the CPU-seconds the start's live processes have used by *ready*,
+by role (on a machine with few cores a start is mostly CPU). After ``--requests`` completions (the
+KV pool and step buffers at working size) it reads the memory of every process the start created (``loadgen.chaos.procs``,
 as ``cosine-loadgen footprint`` does: RSS, PSS — shared pages divided among their users, what
 sums to the machine's memory — and private anonymous memory) and prints them, then their sums
 by role and by side (ours, Ray's and Serve's). Then SIGINT, and the next start after
@@ -52,6 +53,17 @@ def chat(url: str, model: str, text: str, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def cpu_by_role(processes: list[procs.Proc]) -> dict[str, float]:
+    """CPU-seconds each role's live processes have used so far, and their sum as ``total``
+    (processes that already exited, such as the deploying child, are not counted)."""
+    out: dict[str, float] = {}
+    for p in processes:
+        if (seconds := procs.cpu_seconds(p.pid)) is not None:
+            out[p.role] = out.get(p.role, 0.0) + seconds
+    out["total"] = sum(out.values())
+    return out
+
+
 def one_start(serve_args: list[str], requests: int, max_tokens: int) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -73,6 +85,7 @@ def one_start(serve_args: list[str], requests: int, max_tokens: int) -> dict:
             try:
                 if get(f"{url}/health", timeout=1.0)[0] == 200:
                     ready = time.perf_counter() - t0
+                    cpu = cpu_by_role(procs.descendants(procs.process_table(), [os.getpid()]))
                     break
             except OSError:
                 pass
@@ -87,7 +100,8 @@ def one_start(serve_args: list[str], requests: int, max_tokens: int) -> dict:
             chat(url, model, prompts[i % len(prompts)], max_tokens)
         table = procs.process_table()
         fp = footprint(p for p in procs.descendants(table, [os.getpid()]) if p.role != "other")
-        return {"ready_s": ready, "serving_s": serving[0] if serving else None, "first_s": first, "footprint": fp}
+        return {"ready_s": ready, "serving_s": serving[0] if serving else None, "first_s": first,
+                "footprint": fp, "cpu_at_ready": cpu}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -137,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         serving = f"{r['serving_s']:.1f} s" if r["serving_s"] is not None else "not printed"
         print(f"start {i + 1}: /health 200 after {r['ready_s']:.1f} s, serving line {serving}, "
               f"first completion {r['first_s']:.2f} s", flush=True)
+        cpu = r["cpu_at_ready"]
+        print(f"  CPU-seconds at ready: {cpu['total']:.1f} (" + ", ".join(
+            f"{role} {s:.1f}" for role, s in sorted(cpu.items(), key=lambda kv: -kv[1]) if role != "total")
+            + ")", flush=True)
     ready = [r["ready_s"] for r in results]
     print(f"\nready (/health 200) over {len(ready)} starts: median {statistics.median(ready):.1f} s "
           f"({min(ready):.1f}-{max(ready):.1f})\n")

@@ -191,6 +191,17 @@ def session_processes(table: dict[int, Proc], session_dir: str) -> list[Proc]:
     return sorted(out.values(), key=lambda p: p.pid)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU-seconds a process has used so far (``/proc/PID/stat`` fields 14 and 15);
+    None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # ---- memory ----------------------------------------------------------------------------------
 
 _ROLLUP_KEYS = {"Rss:": "rss", "Pss:": "pss", "Anonymous:": "anon", "Swap:": "swap"}

@@ -4,13 +4,14 @@ memory slopes, the flags."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from loadgen.chaos.cluster import NodeSpec
 from loadgen.chaos.faults import parse_kinds
 from loadgen.chaos.memory import MemoryLog, Sample, slope_mib_per_min
-from loadgen.chaos.procs import classify, descendants, memory_mib, process_table, read_proc
+from loadgen.chaos.procs import classify, cpu_seconds, descendants, memory_mib, process_table, read_proc
 from loadgen.cli import main
 
 SESSION = "/tmp/rcabc/session_2026-12-01_17-27-06_123456_789"
@@ -52,6 +53,16 @@ def test_this_process_and_its_memory_are_read_from_proc():
     m = memory_mib(os.getpid())
     assert m["rss"] > 10 and (m.get("pss") is None or 0 < m["pss"] <= m["rss"])
     assert memory_mib(2**22 + 12345) is None  # no such process
+
+
+def test_cpu_seconds_of_a_process_grow_with_its_work():
+    before = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # 0.3 CPU-seconds of this process's own work
+        pass
+    after = cpu_seconds(os.getpid())
+    assert before is not None and after - before >= 0.2  # clock ticks: 10 ms each
+    assert cpu_seconds(2**22 + 12345) is None
 
 
 def test_node_specs():
