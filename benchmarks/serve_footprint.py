@@ -7,13 +7,13 @@ Each start runs ``cosine-ray serve --port P SERVE ARGS`` (default: the README's 
 the embedded model with the default config) on a new local Ray cluster, and records when
 ``/health`` first answers 200 (*ready*), when the CLI prints its serving line, and how long the
 first chat completion takes, and the CPU-seconds the start's live processes have used by *ready*,
-by role (on a machine with few cores a start is mostly CPU). After ``--requests`` completions (the
-KV pool and step buffers at working size) it reads the memory of every process the start created (``loadgen.chaos.procs``,
-as ``cosine-loadgen footprint`` does: RSS, PSS — shared pages divided among their users, what
-sums to the machine's memory — and private anonymous memory) and prints them, then their sums
-by role and by side (ours, Ray's and Serve's). Then SIGINT, and the next start after
-``--gap-s`` seconds of quiet. Timing is wall clock on a machine that may be shared: the figures
-of every start are printed, not only the best.
+by role (on a machine with few cores a start is mostly CPU). After ``--requests`` completions
+(the KV pool and step buffers at working size) it reads the memory of every process the start
+created (``loadgen.chaos.procs``, as ``cosine-loadgen footprint`` does: RSS, PSS — shared pages
+divided among their users, what sums to the machine's memory — and private anonymous memory)
+and prints them, then their sums by role and by side (ours, Ray's and Serve's). Then SIGINT,
+and the next start after ``--gap-s`` seconds of quiet. Timing is wall clock on a machine that
+may be shared: the figures of every start are printed, not only the best.
 """
 
 from __future__ import annotations

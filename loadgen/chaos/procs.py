@@ -74,17 +74,24 @@ def classify(cmdline: str) -> str:
     return "other"
 
 
-def read_proc(pid: int) -> Proc | None:
-    """One process, or None if it is gone (or is a kernel thread with no command line)."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after "pid (comm)" (so field N of proc(5) is item N - 3); None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def read_proc(pid: int) -> Proc | None:
+    """One process, or None if it is gone (or is a kernel thread with no command line)."""
+    fields = _stat_fields(pid)  # state ppid ... starttime is field 22
+    try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... starttime is field 22
-    if not cmdline or fields[0] == "Z":
+    if fields is None or not cmdline or fields[0] == "Z":
         return None
     return Proc(pid, int(fields[1]), int(fields[19]), cmdline, classify(cmdline))
 
@@ -194,12 +201,8 @@ def session_processes(table: dict[int, Proc], session_dir: str) -> list[Proc]:
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU-seconds a process has used so far (``/proc/PID/stat`` fields 14 and 15);
     None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- memory ----------------------------------------------------------------------------------
