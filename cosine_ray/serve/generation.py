@@ -124,7 +124,10 @@ class Admission:
 class Readiness:
     """``/health`` answers at once: it asks the engine in the background (one probe at a time,
     ``HEALTH_PROBE_TIMEOUT_S`` each) and waits at most ``HEALTH_ANSWER_S`` for it; until the
-    engine has answered once the status is ``starting`` (503), later the last answer stands."""
+    engine has answered once the status is ``starting`` (503), later the last answer stands.
+    A probe that fails before the engine ever answered is its start (Serve holds calls to a
+    replica still in ``__init__``: model load, stage actors), logged at debug; once it has
+    answered, a failed probe is a warning."""
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
@@ -136,8 +139,13 @@ class Readiness:
             info = await asyncio.wait_for(self.engine.health(), timeout=HEALTH_PROBE_TIMEOUT_S)
             self.last = str(info.get("status", "unknown"))
         except Exception as exc:
-            log.warning("health check failed: %s: %s", type(exc).__name__, exc)
-            self.last = "starting" if self.last == "starting" else "unreachable"
+            why = (f"no answer within {HEALTH_PROBE_TIMEOUT_S:g} s" if isinstance(exc, asyncio.TimeoutError)
+                   else f"{type(exc).__name__}: {exc}")
+            if self.last == "starting":
+                log.debug("engine still starting (health probe: %s)", why)
+            else:
+                log.warning("health check failed: %s", why)
+                self.last = "unreachable"
         return self.last
 
     async def status(self) -> str:

@@ -315,3 +315,40 @@ def test_health_answers_at_once_while_the_engine_starts():
     lines = [line for line in metrics.splitlines() if "/health" in line and not line.startswith("#")]
     assert any('code="503"' in line or 'status="503"' in line for line in lines), lines
     assert any('"200"' in line for line in lines) and not any('"500"' in line for line in lines)
+
+
+def test_health_probes_warn_only_once_the_engine_has_answered(monkeypatch, caplog):
+    """Probes that time out while the engine starts are its start (debug), not failures; once it
+    has answered, a failed probe is a warning that says why and /health reads ``unreachable``."""
+    from cosine_ray.serve import generation
+
+    monkeypatch.setattr(generation, "HEALTH_PROBE_TIMEOUT_S", 0.05)
+
+    class Engine:
+        answer: object = "hang"
+
+        async def health(self):
+            if self.answer == "hang":
+                await asyncio.sleep(10)
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return {"status": self.answer}
+
+    async def run() -> list[str]:
+        engine = Engine()
+        readiness = generation.Readiness(engine)
+        seen = []
+        for answer in ("hang", "hang", "ok", "hang", ConnectionError("stage gone"), "ok"):
+            engine.answer = answer
+            await readiness._ask()
+            seen.append(readiness.last)
+        return seen
+
+    with caplog.at_level("DEBUG", logger=generation.log.name):
+        seen = asyncio.run(run())
+    assert seen == ["starting", "starting", "ok", "unreachable", "unreachable", "ok"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["health check failed: no answer within 0.05 s",
+                        "health check failed: ConnectionError: stage gone"]
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG" and "still starting" in r.getMessage()]
+    assert len(debug) == 2
