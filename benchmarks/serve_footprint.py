@@ -13,7 +13,9 @@ created (``loadgen.chaos.procs``, as ``cosine-loadgen footprint`` does: RSS, PSS
 divided among their users, what sums to the machine's memory — and private anonymous memory)
 and prints them, then their sums by role and by side (ours, Ray's and Serve's). Then SIGINT,
 and the next start after ``--gap-s`` seconds of quiet. Timing is wall clock on a machine that
-may be shared: the figures of every start are printed, not only the best.
+may be shared: the figures of every start are printed, not only the best, each beside the
+machine's speed just before it (``import torch`` in a fresh interpreter, wall seconds: a start
+runs it in three processes, and a machine whose speed varies from day to day shows it here).
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def cpu_by_role(processes: list[procs.Proc]) -> dict[str, float]:
             out[p.role] = out.get(p.role, 0.0) + seconds
     out["total"] = sum(out.values())
     return out
+
+
+def import_torch_s() -> float:
+    """Wall seconds of ``import torch`` in a fresh interpreter: the machine's speed now."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - start
 
 
 def one_start(serve_args: list[str], requests: int, max_tokens: int) -> dict:
@@ -146,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.starts):
         if i:
             time.sleep(args.gap_s)
+        reference = import_torch_s()
         r = one_start(serve_args, args.requests, args.max_tokens)
         results.append(r)
         serving = f"{r['serving_s']:.1f} s" if r["serving_s"] is not None else "not printed"
         print(f"start {i + 1}: /health 200 after {r['ready_s']:.1f} s, serving line {serving}, "
-              f"first completion {r['first_s']:.2f} s", flush=True)
+              f"first completion {r['first_s']:.2f} s (import torch just before: {reference:.2f} s)", flush=True)
         cpu = r["cpu_at_ready"]
         print(f"  CPU-seconds at ready: {cpu['total']:.1f} (" + ", ".join(
             f"{role} {s:.1f}" for role, s in sorted(cpu.items(), key=lambda kv: -kv[1]) if role != "total")
