@@ -58,8 +58,10 @@ def test_vocabulary_mapping_and_calibration(compact_drafter_dir, layer_parallel)
     held = drafter.cache.committed_length("r")
     assert held == (len(context) if layer_parallel else len(context) + len(p.paths[0]) - 1)
     chains = drafter.continue_chains([ContinueQuery("r", context, ((), (p.paths[0][0],)), 2, 3)])[0]
-    assert chains[1][0] == chains[0][1] or layer_parallel  # continuing the top token = the next level
+    assert [len(chain) for chain in chains] == [1, 1]  # one level a prefix, whatever the depth asked
     assert chains[0][0][0][0] == p.paths[0][0]
+    # continuing the top token = the next level (layer-parallel drafted it from stale inputs)
+    assert len(p.paths[0]) < 2 or chains[1][0][0][0] == p.paths[0][1] or layer_parallel
     drafter.release("r")
     assert drafter.num_tracked_requests == 0
 
@@ -78,3 +80,41 @@ def test_decoding_with_a_distilled_drafter_is_lossless(tiny_checkpoint, compact_
     outs = engine.generate(prompts, params)
     assert [o.new_token_ids for o in outs] == want
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
+
+
+class Leader:
+    """A drafter whose token always wins fusion and is outside the distilled drafter's
+    vocabulary, so fusion's trunk leaves the distilled drafter's chain every round."""
+
+    name = "leader"
+
+    async def continue_drafts(self, queries):
+        return [[[(7, 0.99)] for _ in q.prefixes] for q in queries]
+
+
+def test_fusion_costs_a_distilled_drafter_at_most_two_forwards_a_round(compact_drafter_dir):
+    """Chains to the tree's depth at every call cost 8 + 7 + ... + 1 = 36 forwards for one
+    request at depth 8 when fusion follows another drafter; one level a call costs the root's
+    forward and then two a round (the trunk, the drafter's own branch), with the same answers
+    as a fresh drafter gives each fused prefix."""
+    import asyncio
+
+    from cosine_ray.algo.fusion import FusionState
+    from cosine_ray.engine.drafters.worker import DrafterWorker
+    from cosine_ray.engine.owners.drafting import LocalDrafterClient, fuse_drafts
+
+    drafter = load_distilled(compact_drafter_dir, 256, name="distilled")
+    forwards = []
+    inner = drafter._forward
+    drafter._forward = lambda rids, chains, fuzzy: forwards.append(len(rids)) or inner(rids, chains, fuzzy)
+    context, depth = (100, 120, 101, 130, 102), 8
+    states = {"r": FusionState(("leader", "distilled"), depth)}
+    clients = {"leader": Leader(), "distilled": LocalDrafterClient(DrafterWorker(drafter))}
+    asyncio.run(fuse_drafts(clients, states, {"r": context}, deadline_s=30.0, vocab_size=256))
+    state = states["r"]
+    assert state.trunk == [7] * depth and state.trunk_owners == ["leader"] * depth  # premise: it lost every round
+    assert len(forwards) <= 1 + 2 * (depth - 1), forwards
+    fresh = load_distilled(compact_drafter_dir, 256, name="fresh")
+    for level, (token, raw) in enumerate(state.answers["distilled"]):
+        want = fresh.continue_drafts([ContinueQuery(f"f{level}", context, ((7,) * level,), 1, 1)])[0][0][0]
+        assert token == want[0] and raw == pytest.approx(want[1], rel=1e-5)

@@ -132,3 +132,30 @@ def test_chained_fusion_builds_the_same_trees_with_fewer_drafter_calls(stores, b
     print(f"\n[chains] {len(contexts)} requests, 5 drafters, depth 8: {plain.rounds} rounds; drafter calls "
           f"{plain.calls} in {plain.calling_rounds} rounds one position at a time -> {chained.calls} in "
           f"{chained.calling_rounds} with chains")
+
+
+class Leader:
+    """Always wins fusion with a token the model drafter does not propose here."""
+
+    name = "leader"
+
+    async def continue_drafts(self, queries):
+        return [[[(3, 0.999)] for _ in q.prefixes] for q in queries]
+
+
+def test_fusion_costs_a_model_drafter_at_most_two_forwards_a_round(tiny_draft_checkpoint):
+    """A model drafter answers one level a call (each level is a forward): fusion that follows
+    another drafter every round costs it the root's forward and two a round after, not a chain
+    to the tree's depth at every call (8 + 7 + ... + 1 = 36 at depth 8)."""
+    model = ModelDrafter(LlamaStage(tiny_draft_checkpoint.config, tiny_draft_checkpoint.load_state_dict()),
+                         name="draft")
+    forwards = []
+    inner = model.runner.forward
+    model.runner.forward = lambda batch, cache: forwards.append(1) or inner(batch, cache)
+    context, depth = (5, 17, 42, 9, 77, 130), 8
+    states = {"r": FusionState(("leader", "draft"), depth)}
+    asyncio.run(fuse_drafts({"leader": Leader(), "draft": LocalDrafterClient(DrafterWorker(model))}, states,
+                            {"r": context}, deadline_s=30.0, vocab_size=256))
+    state = states["r"]
+    assert state.trunk_owners == ["leader"] * depth and all(t != 3 for t, _ in state.answers["draft"]), state.answers
+    assert len(forwards) <= 1 + 2 * (depth - 1), len(forwards)

@@ -198,14 +198,19 @@ class DistilledDrafter:
         return out
 
     def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
-        entries = [((qi, si), q.request_id, list(q.context_token_ids) + list(p), q.depth, q.k)
+        """One level per prefix, whatever depth is asked (an answer may cover 1..depth levels).
+        A lookup drafter answers a chain ahead for free; here each level is a forward, and fusion
+        leaves a drafter's chain whenever another drafter's token wins, so chains to the tree's
+        depth at every call cost on the order of depth²/2 forwards a step. One level a call costs
+        at most two forwards a fusion round (the trunk and the drafter's own branch) and gives
+        the same answers: fusion asks again for exactly the prefixes it still needs."""
+        entries = [((qi, si), q.request_id, list(q.context_token_ids) + list(p), 1, q.k)
                    for qi, q in enumerate(queries) if q.k > 0 and q.depth > 0 for si, p in enumerate(q.prefixes)]
         done = self._by_slot(entries)
         return [[done.get((qi, si)) or [[]] for si in range(len(q.prefixes))] for qi, q in enumerate(queries)]
 
     def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
-        one = [ContinueQuery(q.request_id, q.context_token_ids, q.prefixes, q.k, 1) for q in queries]
-        return [[levels[0] for levels in per_query] for per_query in self.continue_chains(one)]
+        return [[levels[0] for levels in per_query] for per_query in self.continue_chains(queries)]
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         active = [inp for inp in inputs if inp.max_draft_tokens > 0]

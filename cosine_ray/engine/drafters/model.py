@@ -98,6 +98,11 @@ class ModelDrafter:
                                  zip(top.indices[row, :q.k].tolist(), top.values[row, :q.k].tolist())]
         return out
 
+    def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+        """One level per prefix, whatever depth is asked: a level is a forward here, and fusion
+        asks again for exactly the prefixes it still needs (``DistilledDrafter.continue_chains``)."""
+        return [[[cands] for cands in per_query] for per_query in self.continue_drafts(queries)]
+
     @torch.inference_mode()
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         active = [inp for inp in inputs if inp.max_draft_tokens > 0]

@@ -4,10 +4,11 @@ Two ways to draft a batch, both one call per drafter for all the requests routed
 
 - ``fuse_drafts``: CoSine's token fusion (eq. 4, ``algo.fusion``), round by round — each
   round asks every drafter to continue the fused prefix (and its own losing token) of each
-  of its requests, then fuses the answers by calibrated confidence. A drafter answers a
-  whole chain ahead (``continue_chains``) and is called again only for prefixes its chain
+  of its requests, then fuses the answers by calibrated confidence. A lookup drafter answers
+  a whole chain ahead (``continue_chains``) and is called again only for prefixes its chain
   does not cover, i.e. after fusion's trunk left it: the rounds are the same, the drafter
-  round trips far fewer;
+  round trips far fewer. A model drafter answers one level a call, since each level is a
+  forward that a chain fusion leaves would waste;
 - ``gather_proposals``: each drafter proposes whole paths on its own (single-drafter
   speculation, and the union-of-paths mode).
 
