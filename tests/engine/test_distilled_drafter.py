@@ -15,6 +15,7 @@ from cosine_ray.engine.drafters.distilled import (DRAFTER_METADATA, DistilledCon
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.models.llama import LlamaStage, StageBatch
+from support.fakes import fuse_behind_leader
 
 VOCAB = list(range(100, 164))  # target ids the drafter covers (compact ids 1..64)
 
@@ -82,36 +83,19 @@ def test_decoding_with_a_distilled_drafter_is_lossless(tiny_checkpoint, compact_
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
 
 
-class Leader:
-    """A drafter whose token always wins fusion and is outside the distilled drafter's
-    vocabulary, so fusion's trunk leaves the distilled drafter's chain every round."""
-
-    name = "leader"
-
-    async def continue_drafts(self, queries):
-        return [[[(7, 0.99)] for _ in q.prefixes] for q in queries]
-
 
 def test_fusion_costs_a_distilled_drafter_at_most_two_forwards_a_round(compact_drafter_dir):
     """Chains to the tree's depth at every call cost 8 + 7 + ... + 1 = 36 forwards for one
     request at depth 8 when fusion follows another drafter; one level a call costs the root's
     forward and then two a round (the trunk, the drafter's own branch), with the same answers
-    as a fresh drafter gives each fused prefix."""
-    import asyncio
-
-    from cosine_ray.algo.fusion import FusionState
-    from cosine_ray.engine.drafters.worker import DrafterWorker
-    from cosine_ray.engine.owners.drafting import LocalDrafterClient, fuse_drafts
-
+    as a fresh drafter gives each fused prefix. The leader's token 7 is outside the drafter's
+    vocabulary, so the drafter never agrees with it."""
     drafter = load_distilled(compact_drafter_dir, 256, name="distilled")
     forwards = []
     inner = drafter._forward
     drafter._forward = lambda rids, chains, fuzzy: forwards.append(len(rids)) or inner(rids, chains, fuzzy)
     context, depth = (100, 120, 101, 130, 102), 8
-    states = {"r": FusionState(("leader", "distilled"), depth)}
-    clients = {"leader": Leader(), "distilled": LocalDrafterClient(DrafterWorker(drafter))}
-    asyncio.run(fuse_drafts(clients, states, {"r": context}, deadline_s=30.0, vocab_size=256))
-    state = states["r"]
+    state = fuse_behind_leader(drafter, 7, context, depth)
     assert state.trunk == [7] * depth and state.trunk_owners == ["leader"] * depth  # premise: it lost every round
     assert len(forwards) <= 1 + 2 * (depth - 1), forwards
     fresh = load_distilled(compact_drafter_dir, 256, name="fresh")

@@ -24,6 +24,7 @@ from cosine_ray.engine.build import PACKAGED_DATASTORES
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import LocalDrafterClient, fuse_drafts
 from cosine_ray.models.llama import LlamaStage
+from support.fakes import fuse_behind_leader
 
 DOMAINS = ("code", "math", "instruction", "chat")
 
@@ -134,14 +135,6 @@ def test_chained_fusion_builds_the_same_trees_with_fewer_drafter_calls(stores, b
           f"{chained.calling_rounds} with chains")
 
 
-class Leader:
-    """Always wins fusion with a token the model drafter does not propose here."""
-
-    name = "leader"
-
-    async def continue_drafts(self, queries):
-        return [[[(3, 0.999)] for _ in q.prefixes] for q in queries]
-
 
 def test_fusion_costs_a_model_drafter_at_most_two_forwards_a_round(tiny_draft_checkpoint):
     """A model drafter answers one level a call (each level is a forward): fusion that follows
@@ -152,10 +145,7 @@ def test_fusion_costs_a_model_drafter_at_most_two_forwards_a_round(tiny_draft_ch
     forwards = []
     inner = model.runner.forward
     model.runner.forward = lambda batch, cache: forwards.append(1) or inner(batch, cache)
-    context, depth = (5, 17, 42, 9, 77, 130), 8
-    states = {"r": FusionState(("leader", "draft"), depth)}
-    asyncio.run(fuse_drafts({"leader": Leader(), "draft": LocalDrafterClient(DrafterWorker(model))}, states,
-                            {"r": context}, deadline_s=30.0, vocab_size=256))
-    state = states["r"]
+    depth = 8
+    state = fuse_behind_leader(model, 3, (5, 17, 42, 9, 77, 130), depth)
     assert state.trunk_owners == ["leader"] * depth and all(t != 3 for t, _ in state.answers["draft"]), state.answers
     assert len(forwards) <= 1 + 2 * (depth - 1), len(forwards)

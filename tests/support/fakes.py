@@ -297,3 +297,30 @@ async def drain(router, *, max_steps: int = 20000):
                 assert out.request_id not in finals, "finished twice"
                 finals[out.request_id] = out
     raise AssertionError("router did not finish")
+
+
+# ---- fusion behind a drafter that always wins --------------------------------------------------
+
+class LeadingDrafter:
+    """A fusion client whose one token wins every round (confidence 0.999), so fusion's trunk
+    leaves every other drafter's chain each round: the worst case of a drafter's fusion cost."""
+
+    def __init__(self, token: int, name: str = "leader") -> None:
+        self.token, self.name = token, name
+
+    async def continue_drafts(self, queries):
+        return [[[(self.token, 0.999)] for _ in q.prefixes] for q in queries]
+
+
+def fuse_behind_leader(drafter, token: int, context: tuple[int, ...], depth: int, vocab_size: int = 256):
+    """One request's fusion state after ``fuse_drafts`` with ``LeadingDrafter(token)`` first and
+    ``drafter`` (in process, through ``DrafterWorker``) second."""
+    from cosine_ray.algo.fusion import FusionState
+    from cosine_ray.engine.drafters.worker import DrafterWorker
+    from cosine_ray.engine.owners.drafting import LocalDrafterClient, fuse_drafts
+
+    leader = LeadingDrafter(token)
+    states = {"r": FusionState((leader.name, drafter.name), depth)}
+    clients = {leader.name: leader, drafter.name: LocalDrafterClient(DrafterWorker(drafter))}
+    asyncio.run(fuse_drafts(clients, states, {"r": context}, deadline_s=30.0, vocab_size=vocab_size))
+    return states["r"]

@@ -119,6 +119,17 @@ class Drafter(Protocol):
     # from finished requests; the engine calls it when requests end with stop or length)
 
 
+def one_level_chains(drafter: Drafter, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
+    """``continue_chains`` answered one level a prefix, whatever depth is asked (an answer may
+    cover 1..depth levels): for drafters whose every level is a forward. Fusion leaves a
+    drafter's chain whenever another drafter's token wins, so chains to the tree's depth at
+    every call cost on the order of depth²/2 forwards a step; one level a call costs at most
+    two forwards a fusion round (the trunk and the drafter's own branch) and gives the same
+    answers, since fusion asks again for exactly the prefixes it still needs."""
+    return continue_chains(drafter, [ContinueQuery(q.request_id, q.context_token_ids, q.prefixes, q.k, min(q.depth, 1))
+                                     for q in queries])
+
+
 def continue_chains(drafter: Drafter, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
     """Per query, per prefix: up to ``depth`` candidate lists, the i-th continuing
     ``prefix ⊕ (top token of each earlier list)``; a chain ends after an empty list. Exactly

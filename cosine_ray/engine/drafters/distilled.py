@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
+                                             one_level_chains)
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
 DRAFTER_METADATA = "cosine_ray_drafter.json"
@@ -198,19 +199,13 @@ class DistilledDrafter:
         return out
 
     def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
-        """One level per prefix, whatever depth is asked (an answer may cover 1..depth levels).
-        A lookup drafter answers a chain ahead for free; here each level is a forward, and fusion
-        leaves a drafter's chain whenever another drafter's token wins, so chains to the tree's
-        depth at every call cost on the order of depth²/2 forwards a step. One level a call costs
-        at most two forwards a fusion round (the trunk and the drafter's own branch) and gives
-        the same answers: fusion asks again for exactly the prefixes it still needs."""
-        entries = [((qi, si), q.request_id, list(q.context_token_ids) + list(p), 1, q.k)
-                   for qi, q in enumerate(queries) if q.k > 0 and q.depth > 0 for si, p in enumerate(q.prefixes)]
-        done = self._by_slot(entries)
-        return [[done.get((qi, si)) or [[]] for si in range(len(q.prefixes))] for qi, q in enumerate(queries)]
+        return one_level_chains(self, queries)
 
     def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
-        return [[levels[0] for levels in per_query] for per_query in self.continue_chains(queries)]
+        entries = [((qi, si), q.request_id, list(q.context_token_ids) + list(p), 1, q.k)
+                   for qi, q in enumerate(queries) if q.k > 0 for si, p in enumerate(q.prefixes)]
+        done = self._by_slot(entries)
+        return [[(done.get((qi, si)) or [[]])[0] for si in range(len(q.prefixes))] for qi, q in enumerate(queries)]
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         active = [inp for inp in inputs if inp.max_draft_tokens > 0]

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
-from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
+from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
+                                             one_level_chains)
 from cosine_ray.models.runner import StepRunner
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
@@ -99,9 +100,7 @@ class ModelDrafter:
         return out
 
     def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
-        """One level per prefix, whatever depth is asked: a level is a forward here, and fusion
-        asks again for exactly the prefixes it still needs (``DistilledDrafter.continue_chains``)."""
-        return [[[cands] for cands in per_query] for per_query in self.continue_drafts(queries)]
+        return one_level_chains(self, queries)
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
