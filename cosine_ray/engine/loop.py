@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import OrderedDict
 from typing import AsyncIterator, Sequence
 
 from cosine_ray.engine.request import RequestOutput, SamplingParams
@@ -13,11 +14,15 @@ from cosine_ray.metrics.serving import RequestTimeline
 
 log = logging.getLogger(__name__)
 
+ABORTED_IDS_KEPT = 4096
+"""How many explicitly aborted request ids the loop remembers (``EngineLoop.abort``)."""
+
 
 class EngineLoop:
     """Owns the step task. ``generate`` yields RequestOutputs until the request finishes;
     a caller that stops iterating (client disconnect, cancellation) aborts its request, or
-    finishes it as ``stop`` when it said so first (``finish``: a stop string)."""
+    finishes it as ``stop`` when it said so first (``finish``: a stop string). ``abort`` ends a
+    request by id, for a caller whose closing of the stream may not arrive."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -26,6 +31,8 @@ class EngineLoop:
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self._finished_by_caller: set[str] = set()
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        """Ids aborted before their ``generate`` arrived (the last ``ABORTED_IDS_KEPT``)."""
 
     def _ensure_running(self) -> None:
         if self._wakeup is None:
@@ -88,6 +95,10 @@ class EngineLoop:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self._aborted:  # its caller gave up before the call got here
+            del self._aborted[request_id]
+            yield RequestOutput(request_id, [], True, "abort")
+            return
         self._ensure_running()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -115,6 +126,26 @@ class EngineLoop:
                 timeline.finish("stop" if by_caller else "abort")
                 self.core.abort(request_id)
                 self._wakeup.set()
+
+    def abort(self, request_id: str) -> bool:
+        """End a request by id, whatever became of its stream. The ingress sends this besides
+        closing the stream: Serve carries a stream's cancellation on a best-effort basis, and
+        one lost in transit (a cancel that lands while Serve is still routing the call) would
+        leave the request running to its length with nobody reading. A live stream ends now
+        (``abort``, or ``stop`` after ``finish``); an id not seen here is remembered, so that a
+        ``generate`` arriving after its abort ends at once. True if a live stream was ended."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            self._aborted[request_id] = None
+            while len(self._aborted) > ABORTED_IDS_KEPT:
+                self._aborted.popitem(last=False)
+            return False
+        self.core.abort(request_id)
+        reason = "stop" if request_id in self._finished_by_caller else "abort"
+        queue.put_nowait(RequestOutput(request_id, [], True, reason))
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return True
 
     @property
     def num_streams(self) -> int:

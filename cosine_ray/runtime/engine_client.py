@@ -2,12 +2,23 @@
 
 Tokens stream back through a Serve streaming call. Every wait has a deadline: an engine that
 dies or stops producing tokens ends the stream with an error output (the ingress turns it
-into a 503), never a hang. The engine's first item is ``ACCEPTED`` (a live replica runs the
-call), awaited for ``call_timeout_s`` only: a call Serve holds because no engine replica is up
-(one was just killed, a new one is starting) gets its 503 within seconds, not after
-``token_timeout_s``. Closing the stream early (client disconnect) cancels the call,
-which Serve propagates into the engine's generator: the request is aborted there and its
-state freed on every stage and drafter. No call here blocks the event loop (no ``ray.get``).
+into a 503), never a hang.
+
+* The engine's first item is ``ACCEPTED`` (a live replica runs the call), awaited for
+  ``call_timeout_s`` only: a call Serve holds because no engine replica is up (one was just
+  killed, a new one is starting) gets its 503 within seconds.
+* Then come outputs and, after each ``HEARTBEAT_S`` without one, ``ALIVE``. A stream that gets
+  neither for ``token_timeout_s`` has lost its engine (killed, paused, cut off) and ends with an
+  error, also when Ray has not reported the replica dead: a streaming call to a dead actor is
+  not always failed at once.
+* Closing the stream early (client disconnect) cancels the call, which Serve propagates into
+  the engine's generator: the request is aborted there and its state freed on every stage and
+  drafter. Serve's cancellation is best effort (one that lands while the call is still being
+  routed is lost, and the request would run to its length with nobody reading), so the close
+  also sends the engine an explicit ``abort`` of the request id, in the background with its
+  own deadline.
+
+No call here blocks the event loop (no ``ray.get``).
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence, TypeVar
 
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 
@@ -25,19 +36,53 @@ ENGINE_DEPLOYMENT = "cosine_ray_engine"
 """Serve deployment name of the engine (the ingress deployment is ``cosine_ray``)."""
 ACCEPTED = "accepted"
 """The first item of ``EngineServer.generate``'s stream: the call reached a live engine replica."""
+ALIVE = "alive"
+"""An item of ``EngineServer.generate``'s stream after ``HEARTBEAT_S`` without an output."""
+HEARTBEAT_S = 5.0
+T = TypeVar("T")
+
+
+async def with_heartbeats(items: AsyncIterator[T], every_s: float = HEARTBEAT_S) -> AsyncIterator[T | str]:
+    """``items``, with ``ALIVE`` after every ``every_s`` seconds in which none came. Closing or
+    cancelling this closes ``items`` (a pending wait for its next item is cancelled first)."""
+    it = items.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield ALIVE
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:  # cancelled inside ``items`` (its own cleanup runs), then awaited
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await it.aclose()
 
 
 class RayEngineClient:
     def __init__(self, handle: Any, *, model_name: str, max_model_len: int, vocab_size: int,
-                 token_timeout_s: float = 120.0, call_timeout_s: float = 5.0) -> None:
+                 token_timeout_s: float = 30.0, call_timeout_s: float = 5.0) -> None:
         self.handle = handle
         """``DeploymentHandle`` of the engine deployment (``runtime.engine_server.EngineServer``)."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.token_timeout_s = token_timeout_s
-        """Longest wait for the next output (covers a stage restart and re-prefill)."""
+        """Longest wait for the next item of an accepted stream: an output or the engine's
+        ``ALIVE`` (every ``HEARTBEAT_S`` without one, so a stage restart and re-prefill, or a
+        long queue, are covered by heartbeats; six missed ones mean the engine is gone)."""
         self.call_timeout_s = call_timeout_s
+        self._aborts: set[asyncio.Task] = set()
+        """Explicit aborts in flight (held so they are not collected before they run)."""
         """Deadline of the unary calls (check_request, finish, health, ...: milliseconds when the
         engine is up) and of a stream's ``ACCEPTED``. While no engine replica is up, Serve holds a
         call until one is, so this is also how long a request waits for a restarting engine
@@ -66,13 +111,15 @@ class RayEngineClient:
                             raise RuntimeError(f"the engine's stream began with {out!r}, not {ACCEPTED!r}")
                         accepted = True
                         continue
+                    if isinstance(out, str) and out == ALIVE:
+                        continue
                 except StopAsyncIteration:
                     break
                 except (asyncio.TimeoutError, Exception) as exc:
                     if isinstance(exc, asyncio.CancelledError):
                         raise
                     log.warning("request %s lost its engine: %r", request_id, exc)
-                    gen.cancel()  # a call Serve still holds must never start on the next replica
+                    self._cancel(gen, request_id)  # a held call must never start on the next replica
                     finished = True
                     yield RequestOutput(request_id, [], True, "error", error=f"engine unavailable: {type(exc).__name__}")
                     return
@@ -80,7 +127,27 @@ class RayEngineClient:
                 yield out
         finally:
             if not finished:
-                gen.cancel()  # Serve cancels the engine's generator: the request is aborted there
+                self._cancel(gen, request_id)
+
+    def _cancel(self, gen: Any, request_id: str) -> None:
+        """Cancel the engine call (Serve cancels the engine's generator: the request is aborted
+        there) and, in case that cancellation is lost, abort the request id explicitly."""
+        gen.cancel()
+
+        async def abort() -> None:
+            try:
+                await self._call("abort", request_id)
+            except Exception as exc:  # the engine is gone or restarting: nothing left to abort
+                log.debug("explicit abort of %s failed: %r", request_id, exc)
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # closed outside an event loop (collected at shutdown)
+            return
+        # a fresh context: not a child call of the cancelled request, which Serve would cancel too
+        task = contextvars.Context().run(loop.create_task, abort())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def finish(self, request_id: str) -> None:
         """Awaited before the stream is closed: the engine must have it before the cancellation."""

@@ -16,6 +16,7 @@ the old and the new engine run side by side for a moment, each with its own set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -41,7 +42,7 @@ from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.runtime.actors import HEAD_METHOD_PREFIX, DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
-from cosine_ray.runtime.engine_client import ACCEPTED
+from cosine_ray.runtime.engine_client import ACCEPTED, with_heartbeats
 from cosine_ray.runtime.memory import malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,
@@ -197,13 +198,18 @@ class EngineServer:
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput | str]:
-        """``ACCEPTED``, then the request's outputs; a cancelled stream (client gone) aborts it."""
+        """``ACCEPTED``, then the request's outputs, with ``ALIVE`` after each ``HEARTBEAT_S``
+        without one (``RayEngineClient.stream``); a cancelled stream (client gone) aborts it."""
         yield ACCEPTED  # RayEngineClient.stream: a call that reached no live replica ends in seconds
-        async for out in self.loop.generate(prompt_token_ids, params, request_id):
-            yield out
+        # closed here, not left to the collector: Serve may cancel this generator at its yield
+        async with contextlib.aclosing(with_heartbeats(self.loop.generate(prompt_token_ids, params,
+                                                                          request_id))) as outs:
+            async for out in outs:
+                yield out
 
     async def abort(self, request_id: str) -> bool:
-        return self.core.abort(request_id)
+        """``EngineLoop.abort``: the ingress's explicit abort after closing a stream early."""
+        return self.loop.abort(request_id)
 
     async def finish(self, request_id: str) -> bool:
         """The ingress ends a streaming request as a normal completion (a stop string): its

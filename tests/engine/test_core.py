@@ -507,6 +507,41 @@ def test_closing_a_stream_aborts_and_frees(tiny_checkpoint, tiny_stages):
     assert worker.num_cached_requests() == 0 and ngram.num_tracked_requests == 0
 
 
+def test_abort_by_id_ends_a_stream_nobody_reads_and_refuses_a_late_generate(tiny_checkpoint, tiny_stages):
+    """The ingress's explicit abort (sent besides closing its stream, whose cancellation Serve
+    may lose): a stream left open and unread is ended and freed; an id aborted before its
+    ``generate`` arrives never starts."""
+    ngram = NgramDrafter()
+    worker, router = tiny_router(tiny_stages, [ngram], num_speculative_tokens=3)
+    loop = EngineLoop(router)
+
+    async def drain(stream) -> list:
+        return [out async for out in stream]
+
+    async def go():
+        stream = loop.generate(tiny_prompts()[0], SamplingParams(max_tokens=200), "orphan")
+        first = await stream.__anext__()  # then nobody reads it again, and nobody closes it
+        assert loop.abort("orphan")
+        rest = await asyncio.wait_for(drain(stream), 10)  # what was queued, then the end
+        for _ in range(100):  # the loop releases at its next step
+            if not router.has_work:
+                break
+            await asyncio.sleep(0.01)
+        freed = worker.num_cached_requests() == 0 and ngram.num_tracked_requests == 0
+        assert not loop.abort("late")  # not seen yet: remembered
+        late = await asyncio.wait_for(drain(loop.generate(tiny_prompts()[1], SamplingParams(max_tokens=30), "late")), 10)
+        again = await loop.generate_all(tiny_prompts()[1], SamplingParams(max_tokens=5), "late")  # once only
+        await loop.shutdown()
+        return first, rest, freed, late, again
+
+    first, rest, freed, late, again = asyncio.run(go())
+    total = len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort" and total < 200
+    assert freed and router.metrics.get("cosine_ray:request_success", finished_reason="abort") == 1
+    assert [(o.new_token_ids, o.finish_reason) for o in late] == [([], "abort")]
+    assert again.finish_reason == "length" and len(again.new_token_ids) == 5
+
+
 def test_target_failure_fails_running_requests_without_hanging():
     target = TableTarget()
     loop = EngineLoop(make_router(target, [OracleDrafter("oracle", target)], num_speculative_tokens=2))

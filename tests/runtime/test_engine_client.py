@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.runtime.engine_client import ACCEPTED, RayEngineClient
+from cosine_ray.runtime.engine_client import ACCEPTED, ALIVE, RayEngineClient, with_heartbeats
 
 
 class _Stream:
@@ -35,9 +35,23 @@ class _Stream:
 class _Handle:
     def __init__(self, stream: _Stream) -> None:
         self.stream = stream
+        self.aborted: list[str] = []
+        """Request ids of the ``abort`` calls that reached the engine."""
 
     def options(self, **_):
         return self
+
+    @property
+    def abort(self):
+        handle = self
+
+        class Method:
+            @staticmethod
+            async def remote(request_id: str) -> bool:
+                handle.aborted.append(request_id)
+                return False
+
+        return Method
 
     @property
     def generate(self):
@@ -79,3 +93,68 @@ def test_a_stream_that_does_not_begin_with_accepted_is_an_error():
     stream = _Stream([(0.0, RequestOutput("r", [5], True, "length"))])
     outs, _ = _run(stream, call_timeout_s=0.2, token_timeout_s=30.0)
     assert [(o.finished, o.finish_reason, o.error) for o in outs] == [(True, "error", "engine unavailable: RuntimeError")]
+
+
+def test_closing_a_stream_early_also_aborts_the_request_by_id():
+    """Serve's cancellation is best effort: the client aborts the id too, with its own
+    deadline, and only for a stream that did not finish."""
+    handle = _Handle(_Stream([(0.0, ACCEPTED)] + [(0.0, RequestOutput("r", [5], False))] * 5))
+    client = RayEngineClient(handle, model_name="m", max_model_len=64, vocab_size=10, call_timeout_s=1.0)
+
+    async def main():
+        stream = client.stream([1, 2], SamplingParams(max_tokens=8), "r")
+        await stream.__anext__()
+        await stream.aclose()  # the client went away
+        await asyncio.sleep(0.05)  # the abort runs in the background
+        return list(handle.aborted)
+
+    assert asyncio.run(main()) == ["r"] and handle.stream.cancelled
+    finished = _Handle(_Stream([(0.0, ACCEPTED), (0.0, RequestOutput("r", [6], True, "length"))]))
+    client.handle = finished
+
+    async def to_the_end():
+        outs = [out async for out in client.stream([1, 2], SamplingParams(max_tokens=1), "r")]
+        await asyncio.sleep(0.05)
+        return outs
+
+    assert len(asyncio.run(to_the_end())) == 1 and finished.aborted == [] and not finished.stream.cancelled
+
+
+def test_an_accepted_stream_that_goes_silent_ends_with_an_error_heartbeats_keep_it_open():
+    """After ACCEPTED the engine sends outputs or ALIVE; a stream silent for token_timeout_s
+    lost its engine even if Ray never says so. Heartbeats are not outputs."""
+    silent = _Stream([(0.0, ACCEPTED), (0.0, RequestOutput("r", [5], False))])  # then nothing, ever
+    outs, waited = _run(silent, call_timeout_s=0.2, token_timeout_s=0.5)
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([5], None), ([], "error")]
+    assert waited < 5.0 and silent.cancelled
+    beating = _Stream([(0.0, ACCEPTED)] + [(0.2, ALIVE)] * 6 + [(0.2, RequestOutput("r", [6], True, "length"))])
+    outs, waited = _run(beating, call_timeout_s=0.2, token_timeout_s=0.5)  # 1.4 s in all, no gap of 0.5 s
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([6], "length")] and waited > 1.0
+    assert not beating.cancelled
+
+
+def test_with_heartbeats_fills_silences_and_closing_it_closes_the_source():
+    closed = []
+
+    async def source():
+        try:
+            yield 1
+            await asyncio.sleep(0.35)
+            yield 2
+            await asyncio.sleep(3600)  # a request still queued when its caller leaves
+            yield 3
+        finally:
+            closed.append(True)
+
+    async def main():
+        beats = with_heartbeats(source(), every_s=0.1)
+        got = [await beats.__anext__()]
+        while got[-1] != 2:
+            got.append(await beats.__anext__())
+        got.append(await beats.__anext__())  # a beat while the source waits
+        await beats.aclose()
+        return got
+
+    got = asyncio.run(main())
+    assert got[0] == 1 and got[-1] == ALIVE and got.count(ALIVE) >= 3 and set(got) == {1, 2, ALIVE}, got
+    assert closed == [True]
