@@ -2,7 +2,7 @@
 
 Tokens stream back through a Serve streaming call. Every wait has a deadline: an engine that
 dies or stops producing tokens ends the stream with an error output (the ingress turns it
-into a 503), never a hang.
+into a 503), never a hang. No call here blocks the event loop (no ``ray.get``).
 
 * The engine's first item is ``ACCEPTED`` (a live replica runs the call), awaited for
   ``call_timeout_s`` only: a call Serve holds because no engine replica is up (one was just
@@ -17,8 +17,6 @@ into a 503), never a hang.
   routed is lost, and the request would run to its length with nobody reading), so the close
   also sends the engine an explicit ``abort`` of the request id, in the background with its
   own deadline.
-
-No call here blocks the event loop (no ``ray.get``).
 """
 
 from __future__ import annotations
