@@ -79,12 +79,12 @@ class RayEngineClient:
         ``ALIVE`` (every ``HEARTBEAT_S`` without one, so a stage restart and re-prefill, or a
         long queue, are covered by heartbeats; six missed ones mean the engine is gone)."""
         self.call_timeout_s = call_timeout_s
-        self._aborts: set[asyncio.Task] = set()
-        """Explicit aborts in flight (held so they are not collected before they run)."""
         """Deadline of the unary calls (check_request, finish, health, ...: milliseconds when the
         engine is up) and of a stream's ``ACCEPTED``. While no engine replica is up, Serve holds a
         call until one is, so this is also how long a request waits for a restarting engine
         before its 503."""
+        self._aborts: set[asyncio.Task] = set()
+        """Explicit aborts in flight (held so they are not collected before they run)."""
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         response = getattr(self.handle, method).remote(*args)
@@ -109,7 +109,7 @@ class RayEngineClient:
                             raise RuntimeError(f"the engine's stream began with {out!r}, not {ACCEPTED!r}")
                         accepted = True
                         continue
-                    if isinstance(out, str) and out == ALIVE:
+                    if out == ALIVE:
                         continue
                 except StopAsyncIteration:
                     break
