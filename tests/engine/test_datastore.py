@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -43,6 +45,18 @@ def test_file_layout(tmp_path):
     meta = json.loads(table.schema.metadata[METADATA_KEY])
     assert meta["format_version"] == FORMAT_VERSION
     assert meta["model_name"] == "SmolLM2-135M-Instruct" and meta["vocab_size"] == 49152
+
+
+def test_load_reads_the_file_without_pyarrows_dataset_modules(tmp_path):
+    """An engine start loads every domain's datastore: ``pq.read_table`` would import pyarrow's
+    dataset and compute modules for it (checked in a fresh interpreter, where nothing else has)."""
+    path = make_store().save(tmp_path / "code.parquet")
+    code = ("import sys; from cosine_ray.engine.drafters.datastore import Datastore; "
+            f"s = Datastore.load({str(path)!r}); assert len(s) == 3; "
+            "print(sorted(m for m in ('pyarrow.dataset', 'pyarrow.compute') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[]"]
 
 
 def test_empty_datastore_round_trip(tmp_path):

@@ -211,7 +211,7 @@ class Datastore:
             raise ValueError(f"datastore file {path} does not exist; create one with "
                              "Datastore.from_sequences(...).save(path)")
         try:
-            table = pq.read_table(path)
+            table = read_parquet(path)
         except (pa.ArrowException, OSError) as exc:
             raise ValueError(f"{path} is not a readable Parquet file ({exc}); rebuild the datastore") from exc
         raw_metadata = (table.schema.metadata or {}).get(METADATA_KEY)
@@ -234,6 +234,13 @@ class Datastore:
         sequences = table.column("token_ids").to_pylist()
         source_ids = table.column("source_id").to_pylist()
         return cls(sequences, metadata, source_ids, index_max_n=index_max_n)
+
+
+def read_parquet(path: Path) -> pa.Table:
+    """One Parquet file as a table, read through ``ParquetFile``: ``pq.read_table`` would also
+    import pyarrow's dataset and compute modules, CPU an engine's start pays for nothing."""
+    with pq.ParquetFile(path) as f:
+        return f.read()
 
 
 def _checked_sequence(i: int, seq: Sequence[int], vocab_size: int | None) -> tuple[int, ...]:

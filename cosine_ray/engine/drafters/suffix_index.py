@@ -30,6 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cosine_ray.engine.drafters.datastore import read_parquet
+
 SENTINEL = -1
 _HASH_BASE = 0x100000001B3  # FNV-1 64-bit prime
 _HASH_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier (Fibonacci hashing)
@@ -370,7 +372,7 @@ def read_snapshot(path: str | os.PathLike) -> list[tuple[list[int], int]]:
     if not path.is_file():
         raise ValueError(f"suffix snapshot {path} does not exist; write one with SuffixDrafter.save(path)")
     try:
-        table = pq.read_table(path)
+        table = read_parquet(path)
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"{path} is not a readable Parquet file ({exc}); delete it to start empty") from exc
     raw = (table.schema.metadata or {}).get(SNAPSHOT_METADATA_KEY)
