@@ -47,11 +47,11 @@ def add_parser(sub) -> None:
                    help="first train one drafter on every domain's answers for this many epochs; each domain "
                         "drafter then starts from it (0: from the target's layers)")
     p.add_argument("--shared-lr", type=float, default=1e-3)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--head-epochs", type=int, default=10)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--head-lr", type=float, default=2e-3)
-    p.add_argument("--batch-tokens", type=int, default=1024,
+    p.add_argument("--batch-tokens", type=int, default=256,
                    help="padded tokens in one optimizer step of a domain drafter")
     p.add_argument("--head-batch-tokens", type=int, default=256, help="positions in one optimizer step of the head")
     p.add_argument("--top-k", type=int, default=16, help="target log-probabilities kept per position")

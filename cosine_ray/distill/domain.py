@@ -34,10 +34,10 @@ class DomainTrainConfig:
     """Layers the student starts from (negative: from the end); their count is its depth."""
     init: str | None = None
     """A model with the target's tokenizer whose layers the student starts from; None: the target."""
-    epochs: int = 3
-    lr: float = 3e-4
+    epochs: int = 8
+    lr: float = 2e-3
     weight_decay: float = 0.0
-    batch_tokens: int = 1024
+    batch_tokens: int = 256
     """Padded tokens per optimiser step."""
     seed: int = 0
     threads: int = 2
