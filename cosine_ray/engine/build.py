@@ -24,6 +24,7 @@ from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDraft
 from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
+from cosine_ray.engine.worker.target import TargetWorker, default_kv_tokens
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
@@ -52,6 +53,21 @@ def load_datastore(spec: DrafterSpec, model_name: str, root: str | Path | None =
         return stores[0]
     return Datastore.from_sequences([s for ds in stores for s in ds.sequences], domain="mixed",
                                     model_name=model_name)
+
+
+def build_target(config: EngineConfig, checkpoint: Checkpoint,
+                 state: dict[str, torch.Tensor]) -> tuple[TargetWorker, FeatureStore | None]:
+    """Every pipeline stage of ``config`` in this process, run one after another (the in-process
+    engine; the Serve engine with ``cluster.stages_in_engine``), and the store a feature head
+    drafts from when the drafter set has one (the last stage fills it)."""
+    stages = build_target_stages(checkpoint, state, config.num_stages, dtype=getattr(torch, config.dtype),
+                                 device=config.device)
+    features = FeatureStore() if head_spec(config) is not None else None
+    if features is not None:
+        stages[-1] = FeatureStage.wrap(stages[-1], features)
+    worker = TargetWorker(stages, kv_cache_memory=config.kv_cache_memory, runner=config.runner,
+                          external_blocks=True, kv_token_budget=default_kv_tokens(config.step))
+    return worker, features
 
 
 def build_target_stages(checkpoint: Checkpoint, state_dict: dict[str, torch.Tensor],

@@ -206,6 +206,12 @@ class ClusterConfig:
     drafter_max_restarts: int = -1
     """Ray restarts of a drafter actor (-1 = unlimited); a drafter killed for good is respawned."""
     stage_max_restarts: int = -1
+    stages_in_engine: bool = False
+    """The target's stages run inside the engine replica, one after another, instead of one
+    actor each (vLLM's single-process executor): on a machine of a few cores this saves a
+    process that imports torch per stage (CPU-seconds at start, memory) and the Ray calls of
+    every step. A feature head then drafts in the engine too. Stage actors are what spreads the
+    target over devices and nodes, and what a lost stage restarts (CLI ``--stages-in-engine``)."""
     drafters_in_engine: tuple[str, ...] = ("ngram", "retrieval", "suffix")
     """Drafter kinds that run inside the engine process instead of an actor of their own: the
     n-gram, retrieval and suffix drafters are table lookups (no model, no GPU) that take micro-
@@ -227,6 +233,8 @@ class ClusterConfig:
             raise ValueError("num_cpus_per_actor must be >= 0 and threads_per_actor >= 1")
         if self.stage_deadline_s <= 0:
             raise ValueError("stage_deadline_s must be > 0")
+        if not isinstance(self.stages_in_engine, bool):
+            raise ValueError(f"stages_in_engine must be true or false, got {self.stages_in_engine!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +278,8 @@ class EngineConfig:
     after the weights (shared by the stages of one process on one device); on CPU the pool
     starts small and doubles as requests need it."""
     num_threads: int | None = None
-    """torch intra-op threads for this process; None leaves torch's default."""
+    """torch intra-op threads for this process; None leaves torch's default (Serve's engine
+    replica: 1, or with ``cluster.stages_in_engine`` the stage actors' threads together)."""
     datastore_dir: str | None = None
     """Where default retrieval datastores live; None = the packaged ones."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

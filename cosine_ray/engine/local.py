@@ -9,7 +9,7 @@ import torch
 
 from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import as_dense
-from cosine_ray.engine.build import build_drafter, build_target_stages, eos_token_ids, head_spec
+from cosine_ray.engine.build import build_drafter, build_target, eos_token_ids
 from cosine_ray.engine.components import EMBEDDING_KEY, cosine_components
 from cosine_ray.engine.config import EngineConfig, step_config_for
 from cosine_ray.engine.core import EngineCore
@@ -17,8 +17,7 @@ from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
-from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker, default_kv_tokens, kv_cache_fills
+from cosine_ray.engine.worker.target import LocalTargetClient, kv_cache_fills
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 
 
@@ -32,15 +31,8 @@ class LocalEngine:
         self.checkpoint = checkpoint or resolve_checkpoint(config.model)
         self.tokenizer = self.checkpoint.load_tokenizer() if self.checkpoint.has_tokenizer else None
         state = load_weights(self.checkpoint, config.weights, device=config.device, dtype=config.dtype)
-        dtype = getattr(torch, config.dtype)
-        stages = build_target_stages(self.checkpoint, state, config.num_stages, dtype=dtype, device=config.device)
-        self.features = FeatureStore() if head_spec(config) is not None else None
-        """The target's features for a feature head (``engine.worker.features``); None without one."""
-        if self.features is not None:
-            stages[-1] = FeatureStage.wrap(stages[-1], self.features)
-        self.target = TargetWorker(stages,
-                                   kv_cache_memory=config.kv_cache_memory, runner=config.runner,
-                                   external_blocks=True, kv_token_budget=default_kv_tokens(config.step))
+        self.target, self.features = build_target(config, self.checkpoint, state)
+        """``features``: the target's features for a feature head (``engine.worker.features``); None without one."""
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config, features=self.features)
                          for s in config.drafters]

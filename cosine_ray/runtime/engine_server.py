@@ -6,7 +6,8 @@ Serve starts it, health-checks it (``check_health``), restarts it when it dies, 
 it when the application's config changes (a ``serve deploy`` with other engine settings
 starts a new engine and drains the old one). The stage and drafter actors are created by the
 engine replica and owned by it: they die with it (Ray's ownership fate-sharing), so a
-replaced or restarted engine never leaves stages behind.
+replaced or restarted engine never leaves stages behind. With ``cluster.stages_in_engine`` the
+replica builds the stages itself and runs them in its own process (``local_target``).
 
 Actor names: ``cosine_ray:stage:<i>`` and ``cosine_ray:drafter:<i>`` in the engine's own
 namespace ``cosine_ray.<engine id>`` (``describe()["namespace"]``). During a rolling update
@@ -29,11 +30,12 @@ from typing import Any, AsyncIterator, Sequence
 import ray
 import torch
 
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker
+from cosine_ray.engine.build import build_drafter, build_target, eos_token_ids, head_spec, make_drafter_worker
 from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import DrafterSpec, EngineConfig, config_from_dict, step_config_for
 from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.worker.target import kv_cache_fills
+from cosine_ray.engine.drafters.worker import DrafterWorker
+from cosine_ray.engine.worker.target import LocalTargetClient, kv_cache_fills
 from cosine_ray.engine.owners.constraints import TokenizerLoader
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
@@ -43,7 +45,8 @@ from cosine_ray.runtime.actors import HEAD_METHOD_PREFIX, DrafterActor, StageAct
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.engine_client import ACCEPTED, with_heartbeats
-from cosine_ray.runtime.memory import malloc_in_use_mib, start_heap_trimmer
+from cosine_ray.models.native import load_weights
+from cosine_ray.runtime.memory import drop_file_pages, malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,
                                           describe, public, without_drafters)
@@ -70,15 +73,18 @@ def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
     return [ActorSlot(actor_name("stage", i), spawn(i), namespace=namespace) for i in range(config.num_stages)]
 
 
-def drafter_clients(config: EngineConfig, stages: Sequence[ActorSlot],
-                    namespace: str) -> list[LocalDrafterClient | RayDrafterClient]:
-    """One client per drafter of ``config``: a feature head drafts in the last stage's actor,
-    which computes its features (``runtime.actors.StageHost``); lookup drafters run in this
-    process (``cluster.drafters_in_engine``); the others get an actor each, named
+def drafter_clients(config: EngineConfig, stages: Sequence[ActorSlot], namespace: str, *,
+                    head: DrafterWorker | None = None) -> list[LocalDrafterClient | RayDrafterClient]:
+    """One client per drafter of ``config``: a feature head drafts beside the last stage, which
+    computes its features: in its actor (``runtime.actors.StageHost``), or here as ``head``
+    when the stages run in this process; lookup drafters run in this process
+    (``cluster.drafters_in_engine``); the others get an actor each, named
     ``cosine_ray:drafter:<i>`` by their place in the drafter list."""
     deadline_s = config.step.drafter_deadline_s
 
     def client(i: int, spec: DrafterSpec) -> LocalDrafterClient | RayDrafterClient:
+        if spec.kind == "head" and head is not None:
+            return LocalDrafterClient(head)
         if spec.kind == "head":
             return RayDrafterClient(stages[-1], spec.name, deadline_s=deadline_s, method_prefix=HEAD_METHOD_PREFIX)
         if spec.kind in config.cluster.drafters_in_engine:
@@ -125,6 +131,24 @@ def eos_source(checkpoint: Any) -> Any:
     return SimpleNamespace(eos_token_id=eos) if eos is not None else checkpoint.load_tokenizer()
 
 
+def local_target(config: EngineConfig, checkpoint: Any,
+                 step_config: Any) -> tuple[LocalTargetClient, DrafterWorker | None]:
+    """``cluster.stages_in_engine``: every stage built in this process (``engine.build.build_target``),
+    and the feature head that drafts from the last stage's features (None without one)."""
+    state = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
+    worker, features = build_target(config, checkpoint, state)
+    worker.capture_graphs(step_config)  # CUDA: before the first request
+    spec = head_spec(config)
+    head = None
+    if spec is not None:
+        tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
+        head = DrafterWorker(build_drafter(spec, target=checkpoint, target_state=state, target_tokenizer=tokenizer,
+                                           config=config, features=features))
+    del state
+    drop_file_pages()  # checkpoint pages read only to build fused copies, as in a stage actor
+    return LocalTargetClient(worker), head
+
+
 class EngineServer:
     async def __init__(self, config_data: dict[str, Any], ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         torch.set_num_threads(1)
@@ -142,13 +166,21 @@ class EngineServer:
         self.model_name = checkpoint.name
         self.vocab_size = checkpoint.config.vocab_size
 
-        self.stage_slots = stage_slots(config, self.namespace)
-        drafters = drafter_clients(config, self.stage_slots, self.namespace)
+        step_config = step_config_for(config, checkpoint)
+        head = None
+        if config.cluster.stages_in_engine:
+            # the threads the stage actors would have had together; set on this loop's thread,
+            # which runs the forwards (a thread's OpenMP setting is its own)
+            torch.set_num_threads(config.num_threads or config.cluster.threads_per_actor * config.num_stages)
+            self.stage_slots: list[ActorSlot] = []
+            self.target, head = local_target(config, checkpoint, step_config)  # nothing is served before
+        else:
+            self.stage_slots = stage_slots(config, self.namespace)
+            self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
+        drafters = drafter_clients(config, self.stage_slots, self.namespace, head=head)
         self.local_drafters = [d for d in drafters if isinstance(d, LocalDrafterClient)]
         self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient) and not d.method_prefix]
         self.drafter_slots = [d.slot for d in self.actor_drafters]
-        self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
-        step_config = step_config_for(config, checkpoint)
         self.max_model_len = step_config.max_model_len
         components = cosine_components(config, checkpoint, run_profile_if_missing=True)  # while the actors load
         asks = {a.name: a for a in actor_asks(config)}
@@ -230,7 +262,8 @@ class EngineServer:
                 "engine_id": self.engine_id, "namespace": self.namespace,
                 "stages": [s.name for s in self.stage_slots], "drafters": [d.name for d in self.core.drafters],
                 "config": {"num_stages": self.config.num_stages,
-                           "num_speculative_tokens": self.config.step.num_speculative_tokens}}
+                           "num_speculative_tokens": self.config.step.num_speculative_tokens,
+                           "stages_in_engine": self.config.cluster.stages_in_engine}}
 
     async def health(self) -> dict[str, Any]:
         status = {"status": "ok", "running": len(self.core.running), "waiting": len(self.core.waiting)}
@@ -262,7 +295,11 @@ class EngineServer:
         replica's HTTP counts ``http`` = (replica id, cumulative totals)."""
         if http is not None:
             self.core.metrics.add_http_totals(*http)
-        await self._stage_reader.refresh()
+        if isinstance(self.target, LocalTargetClient):  # stages in this process: read them now
+            for index, stage in enumerate(self.target.worker.stages):
+                self.core.exporter.stage_utilisation(index, *stage.utilisation(), self.engine_id)
+        else:
+            await self._stage_reader.refresh()
         collect_drafter_restarts(self.core.exporter, self.drafter_slots, [d.name for d in self.actor_drafters])
         return self.loop.metrics_snapshot()
 

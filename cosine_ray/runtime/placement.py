@@ -68,21 +68,40 @@ class ActorAsk:
     """Its place in the engine's drafter list (drafters only)."""
 
 
+def _asked(options: Mapping[str, Any]) -> dict[str, float]:
+    """The Ray resources actor ``options`` ask, without the zero ones."""
+    out = {"CPU": float(options.get("num_cpus", 0)), "GPU": float(options.get("num_gpus", 0)),
+           **{k: float(v) for k, v in options.get("resources", {}).items()}}
+    return {k: v for k, v in out.items() if v > 0}
+
+
+ENGINE_ASK = "cosine_ray_engine"
+"""``ActorAsk.name`` of the engine replica when the stages run in it (Serve places it)."""
+
+
 def actor_asks(config: EngineConfig) -> list[ActorAsk]:
     """Every actor the engine creates, stages first (drafters run in the engine, and a feature
-    head, which runs in the last stage's actor, ask nothing)."""
-    def resources(role: str, index: int) -> dict[str, float]:
-        opts = actor_options(role, index, config)
-        out = {"CPU": float(opts["num_cpus"]), **{k: float(v) for k, v in opts.get("resources", {}).items()}}
-        if opts.get("num_gpus"):
-            out["GPU"] = float(opts["num_gpus"])
-        return {k: v for k, v in out.items() if v > 0}
-
-    asks = [ActorAsk(actor_name("stage", i), f"stage {i}", resources("stage", i)) for i in range(config.num_stages)]
-    asks += [ActorAsk(actor_name("drafter", i), f"drafter {spec.name}", resources("drafter", i), i)
+    head, which runs beside the last stage, ask nothing); with ``cluster.stages_in_engine`` the
+    engine replica itself, which asks what a stage would, in the stages' place."""
+    if config.cluster.stages_in_engine:
+        asks = [ActorAsk(ENGINE_ASK, "the engine with its stages", _asked(engine_actor_options(config)))]
+    else:
+        asks = [ActorAsk(actor_name("stage", i), f"stage {i}", _asked(actor_options("stage", i, config)))
+                for i in range(config.num_stages)]
+    asks += [ActorAsk(actor_name("drafter", i), f"drafter {spec.name}", _asked(actor_options("drafter", i, config)), i)
              for i, spec in enumerate(config.drafters)
              if spec.kind not in config.cluster.drafters_in_engine and spec.kind != "head"]
     return asks
+
+
+def engine_actor_options(config: EngineConfig) -> dict[str, Any]:
+    """The engine replica's ``ray_actor_options``: it reserves no CPU (it schedules; the stages
+    compute), unless the stages run in it (``cluster.stages_in_engine``), when it asks what
+    stage 0 would have asked."""
+    if not config.cluster.stages_in_engine:
+        return {"num_cpus": 0}
+    stage = actor_options("stage", 0, config)
+    return {k: stage[k] for k in ("num_cpus", "num_gpus", "resources") if k in stage}
 
 
 def describe(resources: Mapping[str, float]) -> str:

@@ -80,16 +80,17 @@ deploying child, ``serve run``)."""
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     from cosine_ray.runtime.engine_client import ENGINE_DEPLOYMENT
+    from cosine_ray.runtime.placement import engine_actor_options
 
     args = dict(args or {})
     ingress = {k: args.pop(k) for k in INGRESS_ARGS if k in args}
-    config_from_dict(args)  # validate before anything starts
+    config = config_from_dict(args)  # validate before anything starts
     max_pending = int(ingress.get("max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS))
     if max_pending < 1 or not float(ingress.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S)) > 0:
         raise ValueError("max_pending_requests must be >= 1 and request_timeout_s > 0")
     engine = serve.deployment(
         name=ENGINE_DEPLOYMENT, num_replicas=1, max_ongoing_requests=ENGINE_MAX_ONGOING,
-        ray_actor_options={"num_cpus": 0}, health_check_period_s=10, health_check_timeout_s=30,
+        ray_actor_options=engine_actor_options(config), health_check_period_s=10, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=20)(ENGINE_CLASS).bind(args)
     deployment = serve.deployment(
         OpenAIIngress, name="cosine_ray",

@@ -61,3 +61,39 @@ def test_the_head_drafts_beside_the_last_stage_actor(distilled, tiny_target, ray
     assert [o.new_token_ids for o in outs] == expected
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
 
+
+
+def test_the_head_drafts_beside_stages_in_the_engine(distilled, tiny_target):
+    """``cluster.stages_in_engine``: the engine builds the stages and the head in its own process
+    (``local_target``) and reaches the head as an in-process drafter; the text is plain
+    decoding's and the head drafted."""
+    import asyncio
+
+    from cosine_ray.engine.build import eos_token_ids
+    from cosine_ray.engine.config import config_from_dict, step_config_for
+    from cosine_ray.engine.core import EngineCore
+    from cosine_ray.engine.loop import EngineLoop
+    from cosine_ray.engine.owners.drafting import LocalDrafterClient
+    from cosine_ray.runtime.engine_server import drafter_clients, local_target
+
+    config = config_from_dict({"model": str(tiny_target.path), "drafters": f"head:{distilled / 'out' / 'head'}",
+                               "num_stages": 2, "cluster": {"stages_in_engine": True}})
+    plain = LocalEngine(EngineConfig(model=str(tiny_target.path), drafters=()))
+    prompts = [plain.encode(p) for p in (PROMPTS["code"][1], PROMPTS["math"][2], "an unseen prompt")]
+    expected = [o.new_token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=16))]
+    step = step_config_for(config, tiny_target)
+    target, head = local_target(config, tiny_target, step)
+    drafters = drafter_clients(config, [], "unused", head=head)
+    assert head is not None and [type(d) for d in drafters] == [LocalDrafterClient]
+
+    async def main():
+        core = EngineCore(step, target, drafters, vocab_size=tiny_target.config.vocab_size,
+                          eos_token_ids=eos_token_ids(tiny_target, None), kv_num_blocks=await target.kv_capacity())
+        loop = EngineLoop(core)
+        outs = await asyncio.gather(*(loop.generate_all(p, SamplingParams(max_tokens=16)) for p in prompts))
+        await loop.shutdown()
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(main(), 300))
+    assert [o.new_token_ids for o in outs] == expected
+    assert sum(o.stats.num_draft_tokens for o in outs) > 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from cosine_ray.engine.config import config_from_dict
-from cosine_ray.runtime.placement import (PlacementError, actor_asks, check_placement, plan_placement,
-                                          without_drafters)
+from cosine_ray.runtime.placement import (PlacementError, actor_asks, check_placement, engine_actor_options,
+                                          plan_placement, without_drafters)
 
 FIVE_DRAFTERS = "ngram,suffix:code,suffix:math,suffix:instruction,suffix:chat"
 HEAD = {"CPU": 2.0, "datacenter_gpu": 2.0, "memory": 8e9, "object_store_memory": 2e9, "node:10.0.0.1": 1.0}
@@ -29,6 +29,24 @@ def test_every_actor_asks_its_cpus_and_its_role_resource():
     # drafters that run inside the engine process ask nothing
     assert [a.what for a in actor_asks(config(drafters_in_engine="ngram"))][2:] == [
         "drafter suffix:code", "drafter suffix:math", "drafter suffix:instruction", "drafter suffix:chat"]
+
+
+def test_stages_in_the_engine_make_the_engine_ask_what_a_stage_would():
+    """``cluster.stages_in_engine``: no stage actor; the engine replica asks a stage's resources
+    (Serve places it), and a cluster without them is an error before anything starts."""
+    assert engine_actor_options(config()) == {"num_cpus": 0}
+    in_engine = config(stages_in_engine=True)
+    assert engine_actor_options(in_engine) == {"num_cpus": 0.5, "resources": {"datacenter_gpu": 1}}
+    asks = actor_asks(in_engine)
+    assert [a.name for a in asks] == ["cosine_ray_engine"] + [f"cosine_ray:drafter:{i}" for i in range(5)]
+    assert asks[0].resources == {"CPU": 0.5, "datacenter_gpu": 1.0} and asks[0].drafter_index is None
+    with pytest.raises(PlacementError, match=r"the engine with its stages \(cosine_ray_engine\) asks CPU 0.5, "
+                                             r"datacenter_gpu 1: no node has enough datacenter_gpu"):
+        check_placement(in_engine, [WORKER])
+    cuda = config_from_dict({"device": "cuda", "cluster": {"stages_in_engine": True}})
+    assert engine_actor_options(cuda) == {"num_cpus": 0.5, "num_gpus": 1}
+    with pytest.raises(ValueError, match="stages_in_engine must be true or false"):
+        config(stages_in_engine="yes")
 
 
 def test_the_two_node_scenario_leaves_out_one_drafter_and_says_why():

@@ -104,12 +104,13 @@ def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
 
 # ---- engines ----------------------------------------------------------------------------------
 
-def engine_config_data(tiny: Tiny, num_stages: int) -> dict[str, Any]:
+def engine_config_data(tiny: Tiny, num_stages: int, *, stages_in_engine: bool = False) -> dict[str, Any]:
     return {"model": str(tiny.ckpt.path), "drafters": DRAFTERS[num_stages], "num_stages": num_stages,
             "step": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_num_seqs": 8,
                      "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE,
                      "adaptive": False},  # fixed γ: the random tiny model's drafts are verified
-            "cluster": {"stage_deadline_s": 30.0, "drafters_in_engine": "none"}}  # every drafter an actor
+            "cluster": {"stage_deadline_s": 30.0, "drafters_in_engine": "none",  # every drafter an actor
+                        "stages_in_engine": stages_in_engine}}
 
 
 class Engines:
@@ -117,22 +118,23 @@ class Engines:
 
     def __init__(self, tiny: Tiny) -> None:
         self.tiny = tiny
-        self.num_stages: int | None = None
+        self.deployed: tuple[int, bool] | None = None
         self.info: dict[str, Any] = {}
         self.client: RayEngineClient | None = None
 
-    def get(self, num_stages: int) -> tuple[dict[str, Any], RayEngineClient]:
-        if self.num_stages != num_stages:
+    def get(self, num_stages: int, *, stages_in_engine: bool = False) -> tuple[dict[str, Any], RayEngineClient]:
+        if self.deployed != (num_stages, stages_in_engine):
             start = time.perf_counter()
-            self.num_stages = None
-            self.info = deploy(engine_config_data(self.tiny, num_stages))
+            self.deployed = None
+            self.info = deploy(engine_config_data(self.tiny, num_stages, stages_in_engine=stages_in_engine))
             ENGINE_NAMESPACE["current"] = self.info["namespace"]
             self.client = RayEngineClient(engine_handle(), model_name=self.info["model"],
                                           max_model_len=self.info["max_model_len"],
                                           vocab_size=self.info["vocab_size"], token_timeout_s=180.0,
                                           call_timeout_s=30.0)
-            self.num_stages = num_stages
-            _timed(f"engine with {num_stages} stage(s) + drafters [{DRAFTERS[num_stages]}] ready", start)
+            self.deployed = (num_stages, stages_in_engine)
+            where = " in the engine" if stages_in_engine else ""
+            _timed(f"engine with {num_stages} stage(s){where} + drafters [{DRAFTERS[num_stages]}] ready", start)
         return self.info, self.client
 
 
@@ -254,6 +256,31 @@ def our_named_actors() -> dict[str, str]:
 
 
 # ---- (a) pipeline depth changes nothing ----------------------------------------------------------
+
+def test_stages_in_the_engine_match_hf_greedy(engines, tiny):
+    """``cluster.stages_in_engine``: the same two stages run inside the engine replica, one after
+    another; the text is HF's greedy text, no stage actor exists, and the stages' busy time
+    reaches the metrics."""
+    info, client = engines.get(2, stages_in_engine=True)
+    assert info["stages"] == [] and info["config"]["stages_in_engine"] is True
+    prompts, refs = tiny.prompts[:4] + tiny.prompts[-1:], tiny.refs[:4] + tiny.refs[-1:]
+
+    async def main():
+        return await asyncio.gather(*(collect(client, p, MAX_TOKENS) for p in prompts))
+
+    results = run(main(), 180)
+    for i, (res, ref) in enumerate(zip(results, refs)):
+        assert res.tokens == ref, f"prompt {i}: stages in the engine differ from greedy"
+        assert res.last.finish_reason == "length" and res.last.error is None
+    stats = [r.last.stats for r in results]
+    assert sum(s.accepted_by.get("self", 0) for s in stats) > 0  # the self drafter's actor drafted
+    assert not any(name.startswith("cosine_ray:stage:") for name in our_named_actors())
+    assert set(engine_call("actor_pids")) == {"engine", actor_name("drafter", 0), actor_name("drafter", 1)}
+    idle = run(wait_idle(client, 5.0), 30)
+    assert is_idle(idle) and len(idle["kv"]) == 2
+    busy = run(client.metrics_snapshot(), 30)["cosine_ray:stage_busy_seconds"]
+    assert len(busy) == 2 and all(v > 0 for v in busy.values())
+
 
 @pytest.mark.parametrize("num_stages", [1, 3, 2])  # 2 last: the tests below reuse its engine
 def test_pipeline_matches_local_engine_and_hf_greedy(engines, tiny, num_stages):

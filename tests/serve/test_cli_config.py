@@ -79,6 +79,17 @@ def test_enforce_eager_flag_sets_the_runner(tmp_path):
         assert engine_config_from_args(build_parser().parse_args(argv)).runner == runner
 
 
+def test_stages_in_engine_flag_runs_one_lane(tmp_path):
+    """``--stages-in-engine``: the stages run one after another in the engine, so one micro-batch
+    lane keeps the batch whole; a file's own ``num_lanes`` stands."""
+    p = plan("--stages-in-engine")
+    assert p.engine["cluster"]["stages_in_engine"] is True and p.engine["num_stages"] == 2
+    assert p.engine["experiments"]["num_lanes"] == 1
+    assert plan().engine["cluster"]["stages_in_engine"] is False
+    from_file = write(tmp_path, {"cluster": {"stages_in_engine": True}, "step": {"num_lanes": 2}})
+    assert plan("--config", from_file).engine["experiments"]["num_lanes"] == 2
+
+
 def test_an_engine_config_file_takes_the_ingress_args_too(tmp_path):
     """An engine config file is the application builder's ``args``: ingress args included."""
     p = plan("--config", write(tmp_path, {"num_stages": 1, "api_key": "k", "metrics_require_key": True}))

@@ -44,7 +44,7 @@ def deploy(args: dict[str, Any], *, timeout_s: float = 600.0, app_name: str = AP
 
     config = config_from_dict({k: v for k, v in args.items() if k not in INGRESS_KEYS})
     want = {"num_stages": config.num_stages, "num_speculative_tokens": config.step.num_speculative_tokens,
-            "drafters": [s.name for s in config.drafters]}
+            "stages_in_engine": config.cluster.stages_in_engine, "drafters": [s.name for s in config.drafters]}
     # Serve versions a deployment of ``serve.run`` with a string from the global ``random``
     # module, which conftest's autouse fixture seeds identically for every test: two deploys in
     # one process would get the same version and Serve would keep the old engine.

@@ -350,6 +350,9 @@ class LocalTargetClient:
     async def kv_capacity(self) -> int | None:
         return self.worker.kv_capacity()
 
+    async def kv_usage(self) -> list[dict[str, int]]:
+        return [stage.kv_usage() for stage in self.worker.stages]
+
     async def recover(self, timeout_s: float) -> bool:
         for stage in self.worker.stages:
             stage.release_all()
