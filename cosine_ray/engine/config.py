@@ -198,7 +198,8 @@ class ClusterConfig:
     """Stages ask for the custom resource ``datacenter_gpu`` and drafters for
     ``consumer_gpu`` (advertise them with ``ray start --resources=...``)."""
     num_cpus_per_actor: float = 0.5
-    """Ray CPU reservation of each stage/drafter actor (the engine replica reserves none)."""
+    """Ray CPU reservation of each stage/drafter actor (the engine replica reserves none, or a
+    stage's with ``stages_in_engine``)."""
     threads_per_actor: int = 1
     """torch intra-op threads inside each actor, so actors do not fight over cores."""
     stage_deadline_s: float = 60.0
@@ -211,7 +212,9 @@ class ClusterConfig:
     actor each (vLLM's single-process executor): on a machine of a few cores this saves a
     process that imports torch per stage (CPU-seconds at start, memory) and the Ray calls of
     every step. A feature head then drafts in the engine too. Stage actors are what spreads the
-    target over devices and nodes, and what a lost stage restarts (CLI ``--stages-in-engine``)."""
+    target over devices and nodes, and what a lost stage restarts: in the engine there is no
+    stage to lose, ``stage_deadline_s``, ``stage_max_restarts`` and ``stage_recovery_s`` do not
+    apply, and a forward that fails fails its requests (CLI ``--stages-in-engine``)."""
     drafters_in_engine: tuple[str, ...] = ("ngram", "retrieval", "suffix")
     """Drafter kinds that run inside the engine process instead of an actor of their own: the
     n-gram, retrieval and suffix drafters are table lookups (no model, no GPU) that take micro-
@@ -278,8 +281,9 @@ class EngineConfig:
     after the weights (shared by the stages of one process on one device); on CPU the pool
     starts small and doubles as requests need it."""
     num_threads: int | None = None
-    """torch intra-op threads for this process; None leaves torch's default (Serve's engine
-    replica: 1, or with ``cluster.stages_in_engine`` the stage actors' threads together)."""
+    """torch intra-op threads of the in-process engine; None leaves torch's default. Serve's
+    engine replica runs 1, or with ``cluster.stages_in_engine`` this (None: the stage actors'
+    threads together)."""
     datastore_dir: str | None = None
     """Where default retrieval datastores live; None = the packaged ones."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

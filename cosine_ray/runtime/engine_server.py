@@ -41,11 +41,11 @@ from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
+from cosine_ray.models.native import load_weights
 from cosine_ray.runtime.actors import HEAD_METHOD_PREFIX, DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
 from cosine_ray.runtime.engine_client import ACCEPTED, with_heartbeats
-from cosine_ray.models.native import load_weights
 from cosine_ray.runtime.memory import drop_file_pages, malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,
@@ -172,6 +172,9 @@ class EngineServer:
             # the threads the stage actors would have had together; set on this loop's thread,
             # which runs the forwards (a thread's OpenMP setting is its own)
             torch.set_num_threads(config.num_threads or config.cluster.threads_per_actor * config.num_stages)
+            # before the stages: a missing latency profile is measured on a model of its own,
+            # which on CUDA must not find the stages' KV pools holding the device's memory
+            components = cosine_components(config, checkpoint, run_profile_if_missing=True)
             self.stage_slots: list[ActorSlot] = []
             self.target, head = local_target(config, checkpoint, step_config)  # nothing is served before
         else:
@@ -182,7 +185,8 @@ class EngineServer:
         self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient) and not d.method_prefix]
         self.drafter_slots = [d.slot for d in self.actor_drafters]
         self.max_model_len = step_config.max_model_len
-        components = cosine_components(config, checkpoint, run_profile_if_missing=True)  # while the actors load
+        if not config.cluster.stages_in_engine:  # while the stage and drafter actors load
+            components = cosine_components(config, checkpoint, run_profile_if_missing=True)
         asks = {a.name: a for a in actor_asks(config)}
         await self._await_up(self.stage_slots, asks, ready_timeout_s, required=True)
         # the tokenizer (~100 MB) is loaded only when a request first asks for a grammar
