@@ -159,10 +159,16 @@ def build_stage(config: EngineConfig, stage_index: int) -> tuple[LlamaStage, Dra
     if head is None or not stage.is_last:
         return stage, None
     features = FeatureStore()
+    return FeatureStage.wrap(stage, features), build_head(head, config, checkpoint, weights, features)
+
+
+def build_head(spec: DrafterSpec, config: EngineConfig, checkpoint: Checkpoint, state: dict[str, torch.Tensor],
+               features: FeatureStore) -> DrafterWorker:
+    """The feature head ``spec``, drafting from ``features``, which the last stage beside it fills
+    (in a stage actor, ``build_stage``; in the Serve engine with ``cluster.stages_in_engine``)."""
     tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
-    drafter = build_drafter(head, target=checkpoint, target_state=weights, target_tokenizer=tokenizer,
-                            config=config, features=features)
-    return FeatureStage.wrap(stage, features), DrafterWorker(drafter)
+    return DrafterWorker(build_drafter(spec, target=checkpoint, target_state=state, target_tokenizer=tokenizer,
+                                       config=config, features=features))
 
 
 def head_spec(config: EngineConfig) -> DrafterSpec | None:

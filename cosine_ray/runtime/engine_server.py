@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Sequence
 import ray
 import torch
 
-from cosine_ray.engine.build import build_drafter, build_target, eos_token_ids, head_spec, make_drafter_worker
+from cosine_ray.engine.build import build_head, build_target, eos_token_ids, head_spec, make_drafter_worker
 from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import DrafterSpec, EngineConfig, config_from_dict, step_config_for
 from cosine_ray.engine.core import EngineCore
@@ -139,11 +139,7 @@ def local_target(config: EngineConfig, checkpoint: Any,
     worker, features = build_target(config, checkpoint, state)
     worker.capture_graphs(step_config)  # CUDA: before the first request
     spec = head_spec(config)
-    head = None
-    if spec is not None:
-        tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
-        head = DrafterWorker(build_drafter(spec, target=checkpoint, target_state=state, target_tokenizer=tokenizer,
-                                           config=config, features=features))
+    head = build_head(spec, config, checkpoint, state, features) if spec is not None else None
     del state
     drop_file_pages()  # checkpoint pages read only to build fused copies, as in a stage actor
     return LocalTargetClient(worker), head
