@@ -325,7 +325,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     import ray
     from ray import serve
 
-    from cosine_ray.cli.serve_start import deploy_in_child, place_actors
+    from cosine_ray.cli.serve_start import ServeStart, deploy_in_child, place_actors
     from cosine_ray.runtime.cluster import connect
 
     address = plan.engine["cluster"].get("address")
@@ -349,8 +349,11 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     start = {"http_options": plan.http_options}
     if plan.proxy_location is not None:
         start["proxy_location"] = plan.proxy_location
+    starting = ServeStart(**start)  # the deploy needs only Serve's controller, not its HTTP proxy
+    starting.wait_for_controller()
     try:
-        serve.start(**start)
+        if starting.done.is_set():
+            starting.result()
     except ValueError as exc:  # pydantic's ValidationError of a bad http_options / proxy_location
         ray.shutdown()
         raise CliError(f"--config {args.config}: Serve settings: {str(exc).splitlines()[0]}") from None
@@ -359,7 +362,9 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
           f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
     try:
         deploy_in_child(plan, deployer)
+        starting.result()  # the proxy is up too
     except CliError:
+        starting.done.wait()  # what follows tears Serve down: not while it starts
         try:
             serve.delete(plan.app_name)  # what Serve kept of the failed application (a joined cluster stays up)
             if deployer.cancelled:  # stopped by Ctrl-C / SIGTERM: Serve goes too, as at a stop once serving

@@ -1,6 +1,9 @@
 """Starting the application for ``cosine-ray serve``: placement checked first, then the
 deploy from a short-lived child process.
 
+``ServeStart``: Serve's start in a thread, so that the application deploys while Serve's HTTP
+proxy starts.
+
 ``place_actors``: the cluster must be able to host every stage and drafter actor
 (``runtime.placement``): a stage that cannot be placed is a CliError naming it, what it asks
 and what the nodes offer; a drafter that cannot is left out of the plan, with a note.
@@ -24,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any
 
 from cosine_ray.cli.args import CliError
@@ -50,6 +54,48 @@ def place_actors(plan: ServePlan) -> ServePlan:
     engine = config_to_dict(without_drafters(config, [ask.drafter_index for ask, _ in unplaceable]))
     ingress = {k: v for k, v in plan.app_args.items() if k not in plan.engine}
     return dataclasses.replace(plan, engine=engine, app_args={**engine, **ingress})
+
+
+class ServeStart:
+    """``serve.start(**options)`` in a thread. ``serve.start`` returns once every HTTP proxy
+    answers (on a 2-core machine ~2 s of a new process importing Serve), but the deploy needs
+    only the controller: ``wait_for_controller`` returns as soon as the controller actor exists,
+    so the application's replicas start beside the proxy rather than after it (the proxy routes
+    to them once both are up). ``result`` waits for the start and raises what it raised."""
+
+    def __init__(self, **options: Any) -> None:
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(options,), name="serve-start", daemon=True).start()
+
+    def _run(self, options: dict[str, Any]) -> None:
+        from ray import serve
+        try:
+            serve.start(**options)
+        except BaseException as exc:  # raised again by result(), in the caller's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait_for_controller(self, poll_s: float = 0.05) -> None:
+        """Until Serve's controller actor exists or the start ended (failed or done)."""
+        import ray
+        try:
+            from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+        except ImportError:  # a Serve without these names: wait for the whole start
+            self.done.wait()
+            return
+        while not self.done.wait(poll_s):
+            try:
+                ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+                return
+            except ValueError:  # not created yet
+                continue
+
+    def result(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class Deployer:
