@@ -178,13 +178,15 @@ def llama_server(binary: Path, model: Path, threads: int, parallel: int, max_len
 
 
 def our_server(weights: str, drafters: str, threads: int, workdir: Path) -> Server:
-    """One stage with ``threads - 1`` torch threads (at least 1): the engine, ingress and proxy
-    processes need the rest, and a stage whose OpenMP threads share their cores with them
-    waits at every barrier for a thread the kernel has descheduled (docs/performance-cpu.md)."""
+    """One stage actor with ``threads - 1`` torch threads (at least 1): the engine, ingress and
+    proxy processes need the rest, and a stage whose OpenMP threads share their cores with them
+    waits at every barrier for a thread the kernel has descheduled (docs/performance-cpu.md).
+    A stage actor, as in every run published there, not the stages in the engine that
+    ``cosine-ray serve`` has run by default on a local CPU cluster since 2026-12-03."""
     port = free_port()
     config = workdir / f"engine-{weights}-{drafters}.yaml"
     config.write_text(f"model: smollm2-135m\ndrafters: {drafters}\nnum_stages: 1\nweights: {weights}\n"
-                      f"cluster:\n  threads_per_actor: {max(1, threads - 1)}\n")
+                      f"cluster:\n  threads_per_actor: {max(1, threads - 1)}\n  stages_in_engine: false\n")
     return Server([sys.executable, "-m", "cosine_ray.cli", "serve", "--config", str(config), "--port", str(port)],
                   port, "/health", workdir / f"serve-{weights}-{drafters}.log")
 

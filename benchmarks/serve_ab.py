@@ -6,7 +6,7 @@ at concurrency 1 and 8, and whether their texts are the same.
 
 Example (the stage actors against the stages in the engine, docs/performance-cpu.md):
 
-    python benchmarks/serve_ab.py --variant actors= --variant in-engine=--stages-in-engine
+    python benchmarks/serve_ab.py --variant actors=--no-stages-in-engine --variant in-engine=
 
 Each round starts every variant in turn, in the same order, on a fresh local Ray cluster
 (``ray stop`` before each start), and with one client: ``/health`` 200 after the launch

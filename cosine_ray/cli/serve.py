@@ -57,9 +57,10 @@ def add_parser(sub) -> None:
                      metavar="KINDS",
                      help="drafter kinds run inside the engine process (default: ngram,retrieval,suffix, "
                           "table lookups); none = every drafter in an actor of its own")
-    srv.add_argument("--stages-in-engine", action="store_true", default=None,
+    srv.add_argument("--stages-in-engine", action=argparse.BooleanOptionalAction, default=None,
                      help="run the target's stages inside the engine replica instead of one actor each "
-                          "(one process fewer per stage: a faster start and less memory on a small machine)")
+                          "(default: in the engine on a local CPU cluster, where it starts sooner with less "
+                          "memory; one actor per stage when joining a cluster with --address or on CUDA)")
     add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
     srv.add_argument("--return-spec-stats", action="store_true",
@@ -181,8 +182,10 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
         cluster["address"] = args.address
     if getattr(args, "drafters_in_engine", None) is not None:
         cluster["drafters_in_engine"] = args.drafters_in_engine
-    if getattr(args, "stages_in_engine", None):
-        cluster["stages_in_engine"] = True
+    if getattr(args, "stages_in_engine", None) is not None:
+        cluster["stages_in_engine"] = args.stages_in_engine
+    elif "stages_in_engine" not in (data.get("cluster") or {}):
+        cluster["stages_in_engine"] = local_cpu(config, args.address)
     runner = runner_from_args(args)
     config = config.replace(**cluster, **cosine_step_overrides(args), **({"runner": runner} if runner else {}))
     given = {**(data.get("step") or data.get("router") or {}), **(data.get("experiments") or {})}
@@ -192,6 +195,16 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
         # stages in the engine run one after another, so one lane keeps the batch whole
         config = config.replace(num_lanes=1 if config.cluster.stages_in_engine else config.num_stages)
     return config_to_dict(config)
+
+
+def local_cpu(config, address: str | None) -> bool:
+    """Where neither a flag nor the file says, ``cosine-ray serve`` runs the stages in the engine
+    when it starts a local cluster on CPU: one machine, where a stage actor is a process that
+    imports torch (a slower start, more memory) and a Ray call every step, and spreads nothing
+    (docs/performance-cpu.md). Joining a cluster, on CUDA (a device per stage), or with
+    ``cluster.use_resources`` (stages placed on the nodes that offer ``datacenter_gpu``), one
+    actor each."""
+    return not (address or config.cluster.address or config.cluster.use_resources) and str(config.device) == "cpu"
 
 
 def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str, Any]:

@@ -214,7 +214,9 @@ class ClusterConfig:
     every step. A feature head then drafts in the engine too. Stage actors are what spreads the
     target over devices and nodes, and what a lost stage restarts: in the engine there is no
     stage to lose, ``stage_deadline_s``, ``stage_max_restarts`` and ``stage_recovery_s`` do not
-    apply, and a forward that fails fails its requests (CLI ``--stages-in-engine``)."""
+    apply, and a forward that fails fails its requests (CLI ``--stages-in-engine``). Where
+    neither its file nor a flag says, ``cosine-ray serve`` sets it when it starts a local cluster
+    on CPU without ``use_resources`` (one machine), and leaves it false otherwise."""
     drafters_in_engine: tuple[str, ...] = ("ngram", "retrieval", "suffix")
     """Drafter kinds that run inside the engine process instead of an actor of their own: the
     n-gram, retrieval and suffix drafters are table lookups (no model, no GPU) that take micro-

@@ -54,7 +54,9 @@ def test_engine_yaml_is_what_serve_runs_without_flags():
     from_file = plan("--config", str(ENGINE_YAML))
     assert from_file.engine == default.engine
     assert (from_file.host, from_file.port, from_file.app_args) == (default.host, default.port, default.app_args)
-    assert default.engine["num_stages"] == 2 and default.engine["experiments"]["num_lanes"] == 2
+    # a local CPU cluster: the two stages in the engine, one lane
+    assert default.engine["num_stages"] == 2 and default.engine["experiments"]["num_lanes"] == 1
+    assert default.engine["cluster"]["stages_in_engine"] is True
     assert default.engine["model"] == "smollm2-135m"
     # every field of the engine config is written out, each with a comment
     text = ENGINE_YAML.read_text()
@@ -85,9 +87,29 @@ def test_stages_in_engine_flag_runs_one_lane(tmp_path):
     p = plan("--stages-in-engine")
     assert p.engine["cluster"]["stages_in_engine"] is True and p.engine["num_stages"] == 2
     assert p.engine["experiments"]["num_lanes"] == 1
-    assert plan().engine["cluster"]["stages_in_engine"] is False
+    actors = plan("--no-stages-in-engine")
+    assert actors.engine["cluster"]["stages_in_engine"] is False and actors.engine["experiments"]["num_lanes"] == 2
     from_file = write(tmp_path, {"cluster": {"stages_in_engine": True}, "step": {"num_lanes": 2}})
     assert plan("--config", from_file).engine["experiments"]["num_lanes"] == 2
+
+
+def test_stages_run_in_the_engine_by_default_only_on_a_local_cpu_cluster(tmp_path, monkeypatch):
+    """Neither flag nor file: in the engine when serve starts a local cluster on CPU; one actor
+    per stage when it joins a cluster (--address, or the file's cluster.address), runs on CUDA
+    or places stages by resource (use_resources); a file's own setting and the flags win."""
+    assert plan().engine["cluster"]["stages_in_engine"] is True
+    joined = plan("--address", "10.0.0.1:6379")
+    assert joined.engine["cluster"]["stages_in_engine"] is False and joined.engine["experiments"]["num_lanes"] == 2
+    in_file = write(tmp_path, {"num_stages": 2, "cluster": {"address": "10.0.0.1:6379"}})
+    assert plan("--config", in_file).engine["cluster"]["stages_in_engine"] is False
+    monkeypatch.setattr(serve_cli, "check_local_device", lambda device: None)  # no GPU on this machine
+    on_cuda = plan("--device", "cuda")
+    assert on_cuda.engine["cluster"]["stages_in_engine"] is False and on_cuda.engine["experiments"]["num_lanes"] == 2
+    placed = write(tmp_path, {"num_stages": 2, "cluster": {"use_resources": True}}, "placed.yaml")
+    assert plan("--config", placed).engine["cluster"]["stages_in_engine"] is False
+    said = write(tmp_path, {"num_stages": 2, "cluster": {"stages_in_engine": False}}, "said.yaml")
+    assert plan("--config", said).engine["cluster"]["stages_in_engine"] is False
+    assert plan("--address", "10.0.0.1:6379", "--stages-in-engine").engine["cluster"]["stages_in_engine"] is True
 
 
 def test_an_engine_config_file_takes_the_ingress_args_too(tmp_path):
@@ -98,7 +120,7 @@ def test_an_engine_config_file_takes_the_ingress_args_too(tmp_path):
 
 
 def test_serve_config_yaml_is_the_same_application_as_serve():
-    default = plan()
+    default = plan("--no-stages-in-engine")  # the documented difference: a cluster's stage actors
     from_file = plan("--config", str(SERVE_YAML))
     assert from_file.engine == default.engine
     assert from_file.app_args == default.app_args  # no ingress args: no key, like serve's default
