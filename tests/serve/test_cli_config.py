@@ -281,6 +281,48 @@ def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys)
     assert "http://0.0.0.0:8123/llm/v1" in capsys.readouterr().out
 
 
+def test_the_deploy_goes_out_once_the_controller_exists_not_after_the_proxy(monkeypatch):
+    """``ServeStart``: serve.start runs in a thread; ``wait_for_controller`` returns while the
+    HTTP proxy still starts (serve.start not yet returned), and ``result`` waits for the rest.
+    A start that fails before any controller exists ends the wait and raises its error."""
+    import threading
+
+    import ray
+    from ray import serve
+
+    created, proxy_up, order = threading.Event(), threading.Event(), []
+
+    def start(**options):
+        order.append(("controller", options))
+        created.set()
+        assert proxy_up.wait(10), "the proxy never came up"
+        order.append(("proxy", None))
+
+    def get_actor(name, namespace=None):
+        if not created.is_set():
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+        return object()
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    starting = serve_start.ServeStart(http_options={"port": 8123})
+    starting.wait_for_controller()
+    assert order == [("controller", {"http_options": {"port": 8123}})] and not starting.done.is_set()
+    proxy_up.set()
+    starting.result()
+    assert [step for step, _ in order] == ["controller", "proxy"]
+
+    def refused(**options):
+        raise ValueError("bad http_options")
+
+    created.clear()
+    monkeypatch.setattr(serve, "start", refused)
+    failed = serve_start.ServeStart(http_options={"port": -1})
+    failed.wait_for_controller()  # returns: no controller will come
+    with pytest.raises(ValueError, match="bad http_options"):
+        failed.result()
+
+
 # ---- placement before anything starts (runtime/placement.py) -----------------------------------
 
 def test_place_actors_leaves_out_the_drafter_no_node_can_host(tmp_path, monkeypatch, capsys):
