@@ -27,7 +27,7 @@ from loadgen.chaos.traffic import Mix, build_shapes
 from loadgen.launcher import LaunchError
 from loadgen.workload import DEFAULT_DATASET_DIR, SPLITS, load_rows
 
-DEFAULT_LAUNCH = "cosine-ray serve --port {port} --drafters-in-engine ngram"
+DEFAULT_LAUNCH = "cosine-ray serve --port {port} --drafters-in-engine ngram --no-stages-in-engine"
 
 
 def add_parsers(sub: Any) -> None:
