@@ -89,6 +89,9 @@ class ConfigFile:
     route_prefix: str = "/"
     ignored: list[str] = field(default_factory=list)
     """Serve settings of the file that ``cosine-ray serve`` does not apply."""
+    serve_config: bool = False
+    """A Ray Serve config (``applications:``): what ``serve run`` of it runs, so the CLI adds no
+    default of its own for the stages (``local_cpu``)."""
 
 
 def read_config_file(path: str) -> ConfigFile:
@@ -142,7 +145,7 @@ def _read_serve_config(path: str, data: dict[str, Any]) -> ConfigFile:
     ignored += [f"{a.get('name', '?')} (another application)" for a in apps if a is not app]
     return ConfigFile(engine=engine, ingress=ingress, http_options=dict(http), proxy_location=data.get("proxy_location"),
                       app_name=str(app.get("name", APP_NAME)), route_prefix=str(app.get("route_prefix", "/")),
-                      ignored=ignored)
+                      ignored=ignored, serve_config=True)
 
 
 # ---- what to run ----------------------------------------------------------------------------
@@ -184,7 +187,7 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
         cluster["drafters_in_engine"] = args.drafters_in_engine
     if getattr(args, "stages_in_engine", None) is not None:
         cluster["stages_in_engine"] = args.stages_in_engine
-    elif "stages_in_engine" not in (data.get("cluster") or {}):
+    elif "stages_in_engine" not in (data.get("cluster") or {}) and not (file is not None and file.serve_config):
         cluster["stages_in_engine"] = local_cpu(config, args.address)
     runner = runner_from_args(args)
     config = config.replace(**cluster, **cosine_step_overrides(args), **({"runner": runner} if runner else {}))
@@ -198,7 +201,8 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
 
 
 def local_cpu(config, address: str | None) -> bool:
-    """Where neither a flag nor the file says, ``cosine-ray serve`` runs the stages in the engine
+    """Where neither a flag nor the file says (a Ray Serve config file keeps what ``serve run``
+    of it runs: one actor per stage), ``cosine-ray serve`` runs the stages in the engine
     when it starts a local cluster on CPU: one machine, where a stage actor is a process that
     imports torch (a slower start, more memory) and a Ray call every step, and spreads nothing
     (docs/performance-cpu.md). Joining a cluster, on CUDA (a device per stage), or with
@@ -364,18 +368,18 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
         start["proxy_location"] = plan.proxy_location
     starting = ServeStart(**start)  # the deploy needs only Serve's controller, not its HTTP proxy
     starting.wait_for_controller()
-    try:
-        if starting.done.is_set():
-            starting.result()
-    except ValueError as exc:  # pydantic's ValidationError of a bad http_options / proxy_location
+    if starting.done.is_set() and starting.error is not None:  # failed before any controller
         ray.shutdown()
-        raise CliError(f"--config {args.config}: Serve settings: {str(exc).splitlines()[0]}") from None
+        raise serve_start_error(args, starting.error)
     where = " in the engine" if plan.engine["cluster"].get("stages_in_engine") else ""
     print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s){where} and drafters "
           f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
     try:
         deploy_in_child(plan, deployer)
-        starting.result()  # the proxy is up too
+        try:
+            starting.result()  # the proxy is up too
+        except Exception as exc:  # a proxy that never answered, settings an existing Serve refused
+            raise serve_start_error(args, exc) from None
     except CliError:
         starting.done.wait()  # what follows tears Serve down: not while it starts
         try:
@@ -386,6 +390,19 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
             ray.shutdown()
         raise
     return plan
+
+
+def serve_start_error(args: argparse.Namespace, exc: BaseException) -> BaseException:
+    """What ``serve.start`` raised, as the CLI's one line: bad HTTP settings (pydantic's
+    ValidationError is a ValueError) name the file; anything else, such as a proxy that never
+    answered, says so. Not an Exception (KeyboardInterrupt): raised as it is."""
+    if not isinstance(exc, Exception):
+        return exc
+    first = (str(exc).splitlines() or [type(exc).__name__])[0]
+    if isinstance(exc, ValueError):
+        where = f"--config {args.config}: " if args.config else ""
+        return CliError(f"{where}Serve settings: {first}")
+    return CliError(f"Serve's HTTP proxy did not start: {type(exc).__name__}: {first}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -89,7 +89,7 @@ class ServeStart:
             try:
                 ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
                 return
-            except ValueError:  # not created yet
+            except Exception:  # not created yet (ValueError), or the lookup failed: ask again
                 continue
 
     def result(self) -> None:

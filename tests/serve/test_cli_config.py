@@ -108,6 +108,9 @@ def test_stages_run_in_the_engine_by_default_only_on_a_local_cpu_cluster(tmp_pat
     placed = write(tmp_path, {"num_stages": 2, "cluster": {"use_resources": True}}, "placed.yaml")
     assert plan("--config", placed).engine["cluster"]["stages_in_engine"] is False
     said = write(tmp_path, {"num_stages": 2, "cluster": {"stages_in_engine": False}}, "said.yaml")
+    # a Ray Serve config runs what `serve run` of it runs: stage actors where it does not say
+    serve_file = write(tmp_path, serve_config({"num_stages": 2, "step": {"num_lanes": 2}}), "serve.yaml")
+    assert plan("--config", serve_file).engine["cluster"]["stages_in_engine"] is False
     assert plan("--config", said).engine["cluster"]["stages_in_engine"] is False
     assert plan("--address", "10.0.0.1:6379", "--stages-in-engine").engine["cluster"]["stages_in_engine"] is True
 
@@ -242,29 +245,80 @@ def test_an_unreachable_address_is_one_line_and_exit_2(capsys):
 
 # ---- run(): what reaches Ray Serve ----------------------------------------------------------------
 
+def fake_ray(monkeypatch, calls: dict) -> None:
+    """run()'s Ray entry points recorded in ``calls``, no cluster, no signal handlers, and a
+    Ctrl-C at once after serving starts."""
+    from ray import serve
+
+    import cosine_ray.runtime.cluster as cluster
+
+    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus=None: calls.setdefault("connect", address))
+    monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
+    monkeypatch.setattr(serve_start, "place_actors", lambda plan: plan)  # no cluster to ask here
+    monkeypatch.setattr(serve_start, "Deployer", lambda: types.SimpleNamespace(cancel=lambda: None, cancelled=False))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.setdefault("delete", name))
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    monkeypatch.setattr("ray.shutdown", lambda: None)
+    monkeypatch.setattr(serve_cli, "signal", types.SimpleNamespace(signal=lambda *a: None, SIGINT=2, SIGTERM=15))
+    monkeypatch.setattr(serve_cli, "threading", types.SimpleNamespace(
+        Event=lambda: types.SimpleNamespace(wait=lambda: True, set=lambda: None, is_set=lambda: False)))
+
+
+def test_serve_failing_after_the_deploy_is_one_line_and_deletes_the_app(tmp_path, monkeypatch, capsys):
+    """The deploy goes out before serve.start returns (ServeStart): a proxy that then never
+    answers is exit 2 with one line, and the deployed application is deleted; bad settings
+    refused before any controller exists stop the start before the deploy."""
+    import threading
+
+    import ray
+    from ray import serve
+
+    calls: dict = {}
+    fake_ray(monkeypatch, calls)
+    created, deployed = threading.Event(), threading.Event()
+
+    def start(**options):
+        created.set()
+        assert deployed.wait(10), "the deploy never went out"
+        raise TimeoutError("HTTP proxies not available after 60s.")
+
+    def get_actor(name, namespace=None):
+        if not created.is_set():
+            raise ValueError(name)
+        return object()
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(serve_start, "deploy_in_child", lambda plan, deployer: deployed.set())
+    assert main(["serve", "--drafters", "ngram"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["cosine-ray: error: Serve's HTTP proxy did not start: TimeoutError: "
+                   "HTTP proxies not available after 60s."], err
+    assert calls["delete"] == "cosine_ray"
+
+    def refused(**options):
+        raise ValueError("1 validation error for HTTPOptions\nport: bad")
+
+    calls.clear()
+    deployed.clear()
+    monkeypatch.setattr(serve, "start", refused)
+    assert main(["serve", "--drafters", "ngram"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["cosine-ray: error: Serve settings: 1 validation error for HTTPOptions"], err
+    assert not deployed.is_set() and "delete" not in calls
+
+
 def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys):
     """run() with Ray's entry points recorded: the file's http_options and proxy_location go to
     serve.start, the app's name and route prefix and its args + ingress args to the process that
     deploys it (``deploy_in_child``: build_app, then serve.run)."""
     from ray import serve
 
-    import cosine_ray.runtime.cluster as cluster
-
     calls: dict = {}
-    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus=None: calls.setdefault("connect", address))
-    monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
-    monkeypatch.setattr(serve_start, "place_actors", lambda plan: plan)  # no cluster to ask here
+    fake_ray(monkeypatch, calls)
     monkeypatch.setattr(serve, "start", lambda **kw: calls.setdefault("start", kw))
-    monkeypatch.setattr(serve_start, "Deployer", lambda: types.SimpleNamespace(cancel=lambda: None))
     monkeypatch.setattr(serve_start, "deploy_in_child", lambda plan, deployer: calls.setdefault(
         "run", (("APP", plan.app_args), {"name": plan.app_name, "route_prefix": plan.route_prefix, "blocking": False})))
-    monkeypatch.setattr(serve, "delete", lambda name: calls.setdefault("delete", name))
-    monkeypatch.setattr(serve, "shutdown", lambda: None)
-    monkeypatch.setattr("ray.shutdown", lambda: None)
-    # no signal handlers in the test process, and Ctrl-C at once
-    monkeypatch.setattr(serve_cli, "signal", types.SimpleNamespace(signal=lambda *a: None, SIGINT=2, SIGTERM=15))
-    monkeypatch.setattr(serve_cli, "threading", types.SimpleNamespace(
-        Event=lambda: types.SimpleNamespace(wait=lambda: True, set=lambda: None, is_set=lambda: False)))
     path = write(tmp_path, {**serve_config({"drafters": "ngram", "api_key": "k"}, proxy_location="HeadOnly"),
                             "http_options": {"host": "0.0.0.0", "port": 8123, "request_timeout_s": 30}})
     data = yaml.safe_load(Path(path).read_text())
