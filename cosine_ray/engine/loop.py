@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 from collections import OrderedDict
@@ -39,7 +40,12 @@ class EngineLoop:
             self._wakeup = asyncio.Event()
         if not self._tasks or all(t.done() for t in self._tasks):
             loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._run(lane))
+            # A fresh context, not the caller's: Ray's async actors keep the current task in a
+            # context variable, which create_task copies, so steps started inside the first
+            # request's call made their stage and drafter calls as that request's children, and
+            # Serve's cancel of the request (its client left) cancelled them with it: the step
+            # failed, and its stage counted as lost (tests/runtime/test_loop_context.py).
+            self._tasks = [loop.create_task(self._run(lane), context=contextvars.Context())
                            for lane in range(self.core.config.num_lanes)]
 
     async def _run(self, lane: int) -> None:
