@@ -72,3 +72,33 @@ def test_serve_finds_the_callback():
     assert module == ReplicaLossGuard.__module__ and name == middlewares.__name__
     (mw,) = middlewares()
     assert mw.cls is ReplicaLossGuard
+
+
+def not_ready_proxy(routes_ready: bool):
+    """Serve's proxy: ``/-/healthz`` 200 once it has its route table (else 503), and its own 404
+    for a path no route serves (every path, while it has no routes)."""
+    async def proxy(scope, receive, send):
+        if scope["path"] == "/-/healthz":
+            status, body = (200, b"success") if routes_ready else (503, b"Route table is not populated yet.")
+        else:
+            status = 404
+            body = f"Path '{scope['path']}' not found. Ping http://.../-/routes for available routes.".encode()
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    return proxy
+
+
+async def model_not_found(scope, receive, send):
+    """The ingress's own OpenAI 404 (an unknown model): never the proxy's."""
+    await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b'{"error": {"code": "model_not_found"}}', "more_body": False})
+
+
+def test_a_proxy_without_routes_answers_503_and_a_ready_proxys_404_passes():
+    start, body = run_guarded(not_ready_proxy(routes_ready=False))
+    assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"1"
+    assert json.loads(body["body"])["error"]["code"] == "proxy_not_ready"
+    start, body = run_guarded(not_ready_proxy(routes_ready=True))  # a path no route serves
+    assert start["status"] == 404 and b"for available routes" in body["body"]
+    start, body = run_guarded(model_not_found)
+    assert start["status"] == 404 and b"model_not_found" in body["body"]
