@@ -9,7 +9,8 @@ ingress ends a failed one: an SSE error event (503), then ``data: [DONE]``. A cl
 first (the proxy's 499) gets nothing. A proxy just restarted serves HTTP before the controller
 sent it the route table, and answers every path 404 (``Path ... not found``) meanwhile: the
 guard asks the proxy's own ``/-/healthz`` and, while that says not ready, answers such a 404 as
-a 503 with ``Retry-After`` (a 404 of a ready proxy, a path no route serves, passes). ``middlewares()`` is what Serve calls in every proxy
+a 503 with ``Retry-After`` (a 404 of a ready proxy, a path no route serves, passes).
+``middlewares()`` is what Serve calls in every proxy
 (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` = ``PROXY_CALLBACK``; ``runtime.cluster.connect``
 sets it for the job, whose Serve controller passes it to the proxies it starts). Standard
 library only: it is imported in the proxy process.
