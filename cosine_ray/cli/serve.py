@@ -342,7 +342,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     import ray
     from ray import serve
 
-    from cosine_ray.cli.serve_start import ServeStart, deploy_in_child, place_actors
+    from cosine_ray.cli.serve_start import ServeStart, deploy_in_child, place_actors, serve_start_error
     from cosine_ray.runtime.cluster import connect
 
     address = plan.engine["cluster"].get("address")
@@ -370,7 +370,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     starting.wait_for_controller()
     if starting.done.is_set() and starting.error is not None:  # failed before any controller
         ray.shutdown()
-        raise serve_start_error(args, starting.error)
+        raise serve_start_error(args.config, starting.error)
     where = " in the engine" if plan.engine["cluster"].get("stages_in_engine") else ""
     print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s){where} and drafters "
           f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
@@ -379,7 +379,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
         try:
             starting.result()  # the proxy is up too
         except Exception as exc:  # a proxy that never answered, settings an existing Serve refused
-            raise serve_start_error(args, exc) from None
+            raise serve_start_error(args.config, exc) from None
     except CliError:
         starting.done.wait()  # what follows tears Serve down: not while it starts
         try:
@@ -390,19 +390,6 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
             ray.shutdown()
         raise
     return plan
-
-
-def serve_start_error(args: argparse.Namespace, exc: BaseException) -> BaseException:
-    """What ``serve.start`` raised, as the CLI's one line: bad HTTP settings (pydantic's
-    ValidationError is a ValueError) name the file; anything else, such as a proxy that never
-    answered, says so. Not an Exception (KeyboardInterrupt): raised as it is."""
-    if not isinstance(exc, Exception):
-        return exc
-    first = (str(exc).splitlines() or [type(exc).__name__])[0]
-    if isinstance(exc, ValueError):
-        where = f"--config {args.config}: " if args.config else ""
-        return CliError(f"{where}Serve settings: {first}")
-    return CliError(f"Serve's HTTP proxy did not start: {type(exc).__name__}: {first}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -98,6 +98,19 @@ class ServeStart:
             raise self.error
 
 
+def serve_start_error(config_path: str | None, exc: BaseException) -> BaseException:
+    """What ``serve.start`` raised, as the CLI's one line: bad HTTP settings (pydantic's
+    ValidationError is a ValueError) name the file; anything else, such as a proxy that never
+    answered, says so. Not an Exception (KeyboardInterrupt): raised as it is."""
+    if not isinstance(exc, Exception):
+        return exc
+    first = (str(exc).splitlines() or [type(exc).__name__])[0]
+    if isinstance(exc, ValueError):
+        where = f"--config {config_path}: " if config_path else ""
+        return CliError(f"{where}Serve settings: {first}")
+    return CliError(f"Serve's HTTP proxy did not start: {type(exc).__name__}: {first}")
+
+
 class Deployer:
     """The deploying child, started early so that its imports (Serve's client: a second or
     two) overlap the local cluster's and Serve's start; it waits on stdin for the
