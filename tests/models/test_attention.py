@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models.attention import BATCHED_MAX_NEW, attend, plan_attention
+from cosine_ray.models.attention import BATCHED_MAX_NEW, _sdpa, attend, plan_attention
 from cosine_ray.models.kv_cache import KVCache
 
 LAYERS, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
@@ -53,7 +53,7 @@ class Reference:
         return torch.cat(out)
 
 
-def run_step(cache, ref, rids, counts, masks, g, committed, *, extend=False):
+def run_step(cache, ref, rids, counts, masks, g, committed, *, extend=False, wide=False):
     total = sum(counts)
     q = torch.randn(total, HEADS, DIM, generator=g)
     k = torch.randn(total, KV_HEADS, DIM, generator=g)
@@ -61,13 +61,15 @@ def run_step(cache, ref, rids, counts, masks, g, committed, *, extend=False):
     extend_from = {r: cache.committed_length(r) + cache.num_speculative(r) for r in rids} if extend else None
     plan = plan_attention(rids, counts, masks, cache, extend=extend, device=torch.device("cpu"))
     for layer in range(LAYERS):
-        got = attend(plan, cache, layer, q, k, v, scale=0.3)
+        got = attend(plan, cache, layer, q, k, v, scale=0.3, wide=wide)
         want = ref.step(rids, counts, masks, q, k, v, layer, committed, extend_from)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["fp32", "float64"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_steps_equal_the_per_request_reference(block_size):
+def test_mixed_steps_equal_the_per_request_reference(block_size, wide):
+    """Also with ``wide``: the native path's float64 attention, cast back to fp32."""
     g = torch.Generator().manual_seed(0)
     cache = KVCache(LAYERS, KV_HEADS, DIM, block_size=block_size, initial_capacity=8)
     ref = Reference()
@@ -76,20 +78,20 @@ def test_mixed_steps_equal_the_per_request_reference(block_size):
     for rid in ("filler", "a", "b", "c", "d"):
         cache.allocate(rid)
         committed[rid] = 0
-    run_step(cache, ref, ["filler"], [40], [None], g, committed)  # a long fresh chain: a single
+    run_step(cache, ref, ["filler"], [40], [None], g, committed, wide=wide)  # a long fresh chain: a single
     cache.commit("filler")
-    run_step(cache, ref, ["a", "b"], [5, BATCHED_MAX_NEW + 3], [None, None], g, committed)  # prefills
+    run_step(cache, ref, ["a", "b"], [5, BATCHED_MAX_NEW + 3], [None, None], g, committed, wide=wide)  # prefills
     cache.commit_many([("a", None), ("b", None)])
     committed.update(a=5, b=BATCHED_MAX_NEW + 3, filler=40)
     cache.free("filler")
-    run_step(cache, ref, ["c", "d"], [3, 1], [None, None], g, committed)  # into freed blocks
+    run_step(cache, ref, ["c", "d"], [3, 1], [None, None], g, committed, wide=wide)  # into freed blocks
     cache.commit_many([("c", None), ("d", None)])
     committed.update(c=3, d=1)
     for step in range(4):
         # decodes, trees of several sizes, and a continued long chain (b), all in one step
         counts = [1, 6, BATCHED_MAX_NEW + 1 if step == 0 else 4, 2]
         masks = [None, random_tree(6, g), None if step == 0 else random_tree(4, g), random_tree(2, g)]
-        run_step(cache, ref, ["d", "a", "b", "c"], counts, masks, g, committed)
+        run_step(cache, ref, ["d", "a", "b", "c"], counts, masks, g, committed, wide=wide)
         keeps = {"d": [0], "a": [0, 2], "b": list(range(counts[2])) if step == 0 else [0], "c": [0, 1]}
         cache.commit_many(keeps.items())
         for rid, keep in keeps.items():
@@ -101,21 +103,42 @@ def test_mixed_steps_equal_the_per_request_reference(block_size):
             committed[rid] += len(keep)
     # decodes only (one batched call, no padding, no scatter), then one request alone (a view
     # of its consecutive slots when its blocks are in order)
-    run_step(cache, ref, ["a", "b", "c", "d"], [1, 1, 1, 1], [None] * 4, g, committed)
+    run_step(cache, ref, ["a", "b", "c", "d"], [1, 1, 1, 1], [None] * 4, g, committed, wide=wide)
     cache.commit_many((rid, None) for rid in "abcd")
     committed.update({rid: committed[rid] + 1 for rid in "abcd"})
     cache.allocate("e")
     committed["e"] = 0
-    run_step(cache, ref, ["e"], [3], [None], g, committed)
+    run_step(cache, ref, ["e"], [3], [None], g, committed, wide=wide)
     cache.commit("e")
     committed["e"] = 3
-    run_step(cache, ref, ["e"], [3], [random_tree(3, g)], g, committed)
+    run_step(cache, ref, ["e"], [3], [random_tree(3, g)], g, committed, wide=wide)
     for rid in ("a", "b", "c", "d"):
         assert cache.committed_length(rid) == committed[rid]
         for layer in range(LAYERS):
             keys, values = cache.view(rid, layer, committed[rid])
             torch.testing.assert_close(keys.transpose(0, 1), torch.stack(ref.k[(rid, layer)]), rtol=0, atol=0)
             torch.testing.assert_close(values.transpose(0, 1), torch.stack(ref.v[(rid, layer)]), rtol=0, atol=0)
+
+
+def test_float64_attention_gives_a_row_what_it_gives_it_alone():
+    """The native path's promise (tests/engine/test_native_weights.py): a decode row attended
+    alone and the same row inside a padded, masked verify call (more query rows, keys past its
+    own) come out bit for bit the same in fp32."""
+    g = torch.Generator().manual_seed(3)
+    length, pad, rows = 900, 5, 4
+    keys = torch.randn(2, KV_HEADS, length + pad, DIM, generator=g)
+    values = torch.randn(2, KV_HEADS, length + pad, DIM, generator=g)
+    query = torch.randn(2, HEADS, rows, DIM, generator=g)
+    mask = torch.rand(2, 1, rows, length + pad, generator=g) < 0.7
+    mask[0, 0, 0] = False
+    mask[0, 0, 0, :length] = True  # row (0, 0): exactly the first `length` keys
+    together = _sdpa(query, keys, values, True, attn_mask=mask, scale=0.3, enable_gqa=True)
+    alone = _sdpa(query[:1, :, :1], keys[:1, :, :length], values[:1, :, :length], True, scale=0.3, enable_gqa=True)
+    assert together.dtype == torch.float32
+    assert torch.equal(together[0, :, 0], alone[0, :, 0])
+    want = F.scaled_dot_product_attention(query.double(), keys.double(), values.double(), attn_mask=mask,
+                                          scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(together, want.float(), rtol=1e-6, atol=1e-6)
 
 
 def test_cpu_groups_by_query_length():
