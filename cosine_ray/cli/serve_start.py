@@ -58,10 +58,10 @@ def place_actors(plan: ServePlan) -> ServePlan:
 
 class ServeStart:
     """``serve.start(**options)`` in a thread. ``serve.start`` returns once every HTTP proxy
-    answers (a new process that imports Serve), but the deploy needs
-    only the controller: ``wait_for_controller`` returns as soon as the controller actor exists,
-    so the application's replicas start beside the proxy rather than after it (the proxy routes
-    to them once both are up). ``result`` waits for the start and raises what it raised."""
+    answers (a new process that imports Serve), but the deploy needs only the controller:
+    ``wait_for_controller`` returns as soon as the controller actor exists, so the application's
+    replicas start beside the proxy rather than after it (the proxy routes to them once both are
+    up). ``result`` waits for the start and raises what it raised."""
 
     def __init__(self, **options: Any) -> None:
         self.error: BaseException | None = None

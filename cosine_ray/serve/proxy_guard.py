@@ -10,10 +10,9 @@ first (the proxy's 499) gets nothing. A proxy just restarted serves HTTP before 
 sent it the route table, and answers every path 404 (``Path ... not found``) meanwhile: the
 guard asks the proxy's own ``/-/healthz`` and, while that says not ready, answers such a 404 as
 a 503 with ``Retry-After`` (a 404 of a ready proxy, a path no route serves, passes).
-``middlewares()`` is what Serve calls in every proxy
-(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` = ``PROXY_CALLBACK``; ``runtime.cluster.connect``
-sets it for the job, whose Serve controller passes it to the proxies it starts). Standard
-library only: it is imported in the proxy process.
+``middlewares()`` is what Serve calls in every proxy (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``
+= ``PROXY_CALLBACK``; ``runtime.cluster.connect`` sets it for the job, whose Serve controller
+passes it to the proxies it starts). Standard library only: it is imported in the proxy process.
 """
 
 from __future__ import annotations
@@ -85,7 +84,6 @@ class ReplicaLossGuard:
             elif state["sse"]:
                 tail = f"data: {json.dumps(ERROR)}\n\ndata: [DONE]\n\n".encode()
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
-
 
     async def _proxy_ready(self, scope: dict[str, Any]) -> bool:
         """Whether the proxy answers its ``/-/healthz`` with 200 (it has its routes); True when
