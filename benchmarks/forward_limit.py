@@ -1,7 +1,7 @@
 """A c = 1 plain decode step against the memory-bandwidth limit of this machine.
 
     python benchmarks/forward_limit.py [--model smollm2-135m] [--threads 2] [--context 256]
-        [--steps 40] [--rounds 3] [--paths dense,native,dense-bf16] [--divergence 12]
+        [--steps 40] [--rounds 3] [--paths dense,dense-onednn,native,dense-bf16] [--divergence 12]
 
 At one request a decode step reads every projection's weights once, so its floor is
 *bytes of weights read per token ÷ memory bandwidth*. This command measures the bandwidth (a sum
@@ -14,13 +14,17 @@ split of each path's step (projections / attention / the rest). ``--divergence N
 first N held-back prompts greedily on each path and counts texts identical to transformers' fp32
 greedy; at each first divergence it prints the logit gap of transformers' fp32 logits there.
 
-Paths: ``dense`` (fp32 checkpoint), ``native`` (the GGUF blocks, bf16 activations), ``dense-bf16``
-(bf16 matrices, oneDNN, on CPUs with a native bf16 GEMM).
+Paths: ``dense`` (fp32 checkpoint, the default projection kernel: ``models.cpu_gemm`` where it
+builds), ``dense-onednn`` (the same weights through oneDNN's packed linear, the kernel before it),
+``native`` (the GGUF blocks, bf16 activations), ``dense-bf16`` (bf16 matrices, oneDNN, on CPUs with
+a native bf16 GEMM).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -28,13 +32,14 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosine_ray.models.llama import LlamaStage, StageBatch, _Linear
+from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch, _Linear
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import QuantLinear
 
-PATHS = {"dense": ("dense", torch.float32), "native": ("native", torch.float32),
-         "dense-bf16": ("dense", torch.bfloat16)}
+PATHS = {"dense": ("dense", torch.float32, None), "dense-onednn": ("dense", torch.float32, "onednn"),
+         "native": ("native", torch.float32, None), "dense-bf16": ("dense", torch.bfloat16, None)}
+"""name -> (weights mode, dtype, ``COSINE_RAY_CPU_GEMM`` while the stage is built, or the default)"""
 
 
 def bandwidth_gbs(threads: int, mib: int = 512, reps: int = 7) -> float:
@@ -61,6 +66,8 @@ def weight_bytes(proj) -> int:
     """Bytes one application of ``proj`` reads from its weights."""
     if isinstance(proj, QuantLinear):
         return proj.nbytes
+    if proj.blocked is not None:
+        return proj.out_features * proj.blocked.shape[1] * 4  # the padding is never read for real rows
     w = proj.packed if proj.packed is not None else proj.w_t
     return w.numel() * w.element_size()
 
@@ -109,15 +116,50 @@ def time_projections(stage: LlamaStage, steps: int) -> list[float]:
 
 
 def _in_features(p: _Linear) -> int:
+    if p.blocked is not None:
+        return int(p.blocked.shape[1])
     if p.w_t is not None:
         return int(p.w_t.shape[0])
     return int(p.packed.shape[1])  # oneDNN's packed weight keeps [out, in]
 
 
+@contextlib.contextmanager
+def _kernel(name: str | None):
+    """``COSINE_RAY_CPU_GEMM`` set to ``name`` while a stage is built (its projections choose then)."""
+    before = os.environ.get(CPU_GEMM_ENV)
+    if name is not None:
+        os.environ[CPU_GEMM_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CPU_GEMM_ENV, None)
+        else:
+            os.environ[CPU_GEMM_ENV] = before
+
+
+@contextlib.contextmanager
+def _projections_labelled():
+    """``models.cpu_gemm`` runs through ctypes, which the profiler cannot see: while profiling,
+    every ``_Linear`` call is recorded as ``cpu_gemm.linear`` (counted as a projection)."""
+    call = _Linear.__call__
+
+    def labelled(self, x):
+        if self.blocked is None:
+            return call(self, x)
+        with torch.profiler.record_function("cpu_gemm.linear"):
+            return call(self, x)
+    _Linear.__call__ = labelled
+    try:
+        yield
+    finally:
+        _Linear.__call__ = call
+
+
 def split(stage: LlamaStage, dec: Decoder, steps: int) -> dict[str, float]:
     """ms per step in projections / attention / everything else (torch.profiler, self time)."""
     dec.reset()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _projections_labelled(), profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             dec.step()
@@ -197,12 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory bandwidth, {args.threads} threads (sum of 512 MiB, best of 7): {bw:.1f} GB/s")
     stages, decoders = {}, {}
     for name in names:
-        mode, dtype = PATHS[name]
+        mode, dtype, kernel = PATHS[name]
         if name == "dense-bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             print("dense-bf16: skipped (this CPU has no native bf16 GEMM)")
             continue
         try:
-            stages[name] = LlamaStage(ckpt.config, load_weights(ckpt, mode), dtype=dtype)
+            with _kernel(kernel):
+                stages[name] = LlamaStage(ckpt.config, load_weights(ckpt, mode), dtype=dtype)
         except ValueError as exc:
             print(f"{name}: skipped ({exc})")
             continue

@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from cosine_ray.models import cpu_gemm
 from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.attention import (PaddedInputs, attend, attend_padded, eager_attention, padded_plan,
                                          plan_attention, query_bucket)
@@ -134,7 +135,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 CPU_GEMM_ENV = "COSINE_RAY_CPU_GEMM"
-"""``onednn`` (default on CPU where it works) or ``mkl``: the kernel of the projections."""
+"""``blocked`` (default on CPU: our own fp32 kernel, ``models.cpu_gemm``, where it builds;
+oneDNN for other dtypes), ``onednn`` or ``mkl``: the kernel of the CPU projections."""
+CPU_GEMM_KERNELS = ("blocked", "onednn", "mkl")
 
 
 def onednn_available() -> bool:
@@ -143,12 +146,15 @@ def onednn_available() -> bool:
 
 
 def projection_kernel(device: torch.device | str) -> str:
-    """The projection kernel stages built now on ``device`` use: ``onednn`` or ``mkl`` on CPU
-    (``COSINE_RAY_CPU_GEMM``; a dtype oneDNN cannot pack on this CPU still falls back to MKL
-    per weight), ``default`` elsewhere (``x @ w_t``)."""
+    """The kernel of the fp32 projections stages built now on ``device`` use: ``blocked``,
+    ``onednn`` or ``mkl`` on CPU (``COSINE_RAY_CPU_GEMM``; half-precision weights go to oneDNN
+    under ``blocked``, and a dtype oneDNN cannot pack on this CPU to MKL, per weight),
+    ``default`` elsewhere (``x @ w_t``)."""
     device = torch.device(device)
     if device.type != "cpu":
         return "default"
+    if _use_blocked(device, torch.float32):
+        return "blocked"
     return "onednn" if _use_onednn(device) else "mkl"
 
 
@@ -162,18 +168,33 @@ def _native_half_gemm(dtype: torch.dtype) -> bool:
         return False
 
 
+def _cpu_gemm_choice() -> str:
+    choice = os.environ.get(CPU_GEMM_ENV, "blocked").strip().lower()
+    if choice not in CPU_GEMM_KERNELS:
+        raise ValueError(f"{CPU_GEMM_ENV}={choice!r}: use one of {', '.join(CPU_GEMM_KERNELS)}")
+    return choice
+
+
+def _use_blocked(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32 and _cpu_gemm_choice() == "blocked"
+            and cpu_gemm.available())
+
+
 def _use_onednn(device: torch.device) -> bool:
-    choice = os.environ.get(CPU_GEMM_ENV, "onednn").strip().lower()
-    if choice not in ("onednn", "mkl"):
-        raise ValueError(f"{CPU_GEMM_ENV}={choice!r}: use onednn or mkl")
-    return choice == "onednn" and device.type == "cpu" and onednn_available()
+    return _cpu_gemm_choice() in ("blocked", "onednn") and device.type == "cpu" and onednn_available()
 
 
 class _Linear:
     """One projection, ``y = x W^T + b``, with the kernel chosen once at load time.
 
-    On CPU the weight is pre-packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``,
-    the layout PyTorch's own frozen CPU graphs use) and applied with ``_linear_pointwise``:
+    An fp32 weight on CPU goes, by default, to our own kernel (``models.cpu_gemm``: 32-column
+    blocks, one contiguous stream each at one row, every output summed in one order whatever
+    the rows): on our 2-core AMD EPYC it applies the embedded model's layers at one row at
+    about the memory bandwidth, where oneDNN's packed linear took ~1.7x that, and is as fast
+    as oneDNN up to the 64 rows measured (docs/performance-cpu.md). Where it cannot be built
+    (no C compiler), for half-precision weights, or with ``COSINE_RAY_CPU_GEMM=onednn``, the
+    weight is pre-packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``, the layout
+    PyTorch's own frozen CPU graphs use) and applied with ``_linear_pointwise``:
     no re-packing per call, and a JIT kernel for the CPU at hand. For the 1-17 rows of a
     verify step this is what makes extra draft tokens cheap: measured on our 2-core AMD EPYC
     (AVX2) with SmolLM2's gate/up shape, 2 threads, MKL ``x @ W^T`` 0.15 / 0.33 / 0.56 /
@@ -192,14 +213,22 @@ class _Linear:
     against 0.10 / 0.46 / 1.8 / 6.2 ms in fp32 (``F.linear`` in bf16: 0.24 / 2.6 / 13 / 54 ms;
     the fp32 form: 0.41 / 0.57 / 4.8 / 8.0 ms): a bf16 test ran 25 minutes without finishing."""
 
-    __slots__ = ("packed", "w_t", "bias", "out_features", "upcast")
+    __slots__ = ("blocked", "blocked_bias", "packed", "w_t", "bias", "out_features", "upcast")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """weight  # [out, in] (the checkpoint's layout)"""
         self.bias = bias
         self.out_features = int(weight.shape[0])
+        self.blocked: torch.Tensor | None = None
+        """fp32 on CPU: [out / 32, in, 32] for ``models.cpu_gemm`` (the default kernel there)."""
+        self.blocked_bias: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.w_t: torch.Tensor | None = None
+        self.upcast = False
+        if _use_blocked(weight.device, weight.dtype):
+            self.blocked = cpu_gemm.pack(weight)
+            self.blocked_bias = None if bias is None else cpu_gemm.pad_bias(bias)
+            return
         if _use_onednn(weight.device):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -210,7 +239,18 @@ class _Linear:
         if self.packed is None:
             self.w_t = (weight.float() if self.upcast else weight).t().contiguous()
 
+    def weight(self) -> torch.Tensor:
+        """The weight as the checkpoint holds it, [out, in] (a copy where it is packed)."""
+        if self.blocked is not None:
+            return cpu_gemm.unpack(self.blocked, self.out_features)
+        if self.w_t is not None:
+            return self.w_t.t()
+        eye = torch.eye(int(self.packed.shape[1]), dtype=self.packed.dtype)
+        return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").t()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None:
+            return cpu_gemm.linear(x, self.blocked, self.out_features, self.blocked_bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.upcast:

@@ -55,10 +55,7 @@ class LayerParallelStage(LlamaStage):
         self.fuzzy = False
         ws, norms = [], []
         for layer in self.layers:
-            w = layer.qkv.w_t if layer.qkv.w_t is not None else None
-            if w is None:  # oneDNN-packed: rebuild [in, out] from an identity pass
-                eye = torch.eye(self.config.hidden_size, dtype=self.dtype, device=self.device)
-                w = layer.qkv(eye)
+            w = layer.qkv.weight().t()  # [in, out]
             ws.append(w * layer.input_norm[:, None])
             norms.append(layer.input_norm)
         self._qkv_all = torch.cat(ws, dim=1).contiguous()  # [hidden, layers * qkv]

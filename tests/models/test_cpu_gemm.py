@@ -1,0 +1,113 @@
+"""The fp32 CPU projection kernel (``models.cpu_gemm``): products equal to float64's within
+fp32 rounding, every row's result bit for bit the same whatever the other rows, the thread
+count or the tile that computed it, and a clean fallback to oneDNN where it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosine_ray.models import cpu_gemm, llama
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the kernel is not built here")
+
+SHAPES = [(1, 576, 960), (3, 576, 49), (17, 1536, 576), (64, 40, 100), (9, 7, 33), (130, 64, 32)]
+"""(rows, in, out): the model's shapes and ragged ones (out not a multiple of 32, odd in)."""
+
+
+def product(rows: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g)
+    return x, w, b
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_products_equal_float64_within_fp32_rounding(rows, k, n, with_bias):
+    x, w, b = product(rows, k, n)
+    bias = b if with_bias else None
+    y = cpu_gemm.linear(x, cpu_gemm.pack(w), n, None if bias is None else cpu_gemm.pad_bias(bias))
+    exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    # a sequential fp32 sum over k: |error| <= k * eps * sum |x w|, far below this bound
+    bound = 8 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t() + 1)
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(rows, k, n):
+    """Row invariance: what a verify step or a batch computes for a row is bit for bit what a
+    one-row decode step computes for it (the tiles of 8, 4, 2 and 1 rows sum alike)."""
+    x, w, _ = product(rows, k, n, seed=1)
+    packed = cpu_gemm.pack(w)
+    whole = cpu_gemm.linear(x, packed, n)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(cpu_gemm.linear(x, packed, n), whole)
+    finally:
+        torch.set_num_threads(threads)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(cpu_gemm.linear(x[i:i + 1], packed, n)[0], whole[i])
+    for start, stop in ((0, min(rows, 5)), (rows // 3, rows)):
+        assert torch.equal(cpu_gemm.linear(x[start:stop], packed, n), whole[start:stop])
+
+
+def test_strided_rows_and_leading_dimensions():
+    x, w, _ = product(12, 64, 96, seed=2)
+    packed = cpu_gemm.pack(w)
+    wide = torch.randn(12, 100)
+    wide[:, 10:74] = x  # rows with a stride of 100
+    assert torch.equal(cpu_gemm.linear(wide[:, 10:74], packed, 96), cpu_gemm.linear(x, packed, 96))
+    assert cpu_gemm.linear(x.view(3, 4, 64), packed, 96).shape == (3, 4, 96)
+    assert cpu_gemm.linear(x[:0], packed, 96).shape == (0, 96)
+
+
+def test_pack_round_trips():
+    _, w, _ = product(1, 33, 70, seed=3)
+    packed = cpu_gemm.pack(w)
+    assert packed.shape == (3, 33, 32) and torch.equal(cpu_gemm.unpack(packed, 70), w)
+
+
+@pytest.mark.parametrize("kernel", llama.CPU_GEMM_KERNELS)
+def test_projection_kernels_agree_and_report_their_weight(kernel, monkeypatch):
+    monkeypatch.setenv(llama.CPU_GEMM_ENV, kernel)
+    x, w, b = product(5, 64, 80, seed=4)
+    proj = llama._Linear(w, b)
+    assert (proj.blocked is not None) == (kernel == "blocked")
+    assert llama.projection_kernel("cpu") == kernel or (kernel == "onednn" and not llama.onednn_available())
+    torch.testing.assert_close(proj(x), x @ w.t() + b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(proj.weight(), w, atol=1e-6, rtol=0)
+
+
+def test_half_precision_weights_stay_off_the_fp32_kernel(monkeypatch):
+    monkeypatch.setenv(llama.CPU_GEMM_ENV, "blocked")
+    proj = llama._Linear(torch.randn(64, 32).to(torch.bfloat16))
+    assert proj.blocked is None
+
+
+def test_without_a_compiler_projections_fall_back_to_onednn(monkeypatch, tmp_path):
+    """No C compiler (or a failed build): the kernel reports unavailable and ``blocked``, the
+    default, builds oneDNN (or MKL) projections instead of failing."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("COSINE_RAY_CACHE", str(tmp_path / "cache"))  # nothing built there yet
+    cpu_gemm._library.cache_clear()
+    try:
+        assert not cpu_gemm.available()
+        monkeypatch.setenv(llama.CPU_GEMM_ENV, "blocked")
+        assert llama.projection_kernel("cpu") in ("onednn", "mkl")
+        x, w, _ = product(3, 32, 40, seed=5)
+        proj = llama._Linear(w)
+        assert proj.blocked is None
+        torch.testing.assert_close(proj(x), x @ w.t(), atol=1e-5, rtol=0)
+    finally:
+        monkeypatch.undo()
+        cpu_gemm._library.cache_clear()
+    assert cpu_gemm.available()
+
+
+def test_an_unknown_kernel_is_refused(monkeypatch):
+    monkeypatch.setenv(llama.CPU_GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="COSINE_RAY_CPU_GEMM"):
+        llama.projection_kernel("cpu")
