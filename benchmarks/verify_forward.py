@@ -3,14 +3,15 @@ bandwidth roofline, on any device (``--shapes``); or the real SmolLM2-135M split
 per CPU projection kernel (``--kernels``, the default mode).
 
     python benchmarks/verify_forward.py --shapes smollm2-135m,llama-3.2-1b [--device cuda] [--dtype bfloat16]
-    python benchmarks/verify_forward.py [--threads 1] [--context 128] [--reps 8] [--kernels mkl,onednn]
+    python benchmarks/verify_forward.py [--threads 1] [--context 128] [--reps 8] [--kernels blocked,onednn,mkl]
 
 ``--shapes`` builds a random-weight model of each named shape (``SHAPES``), prefills
 ``--context`` tokens for each of b requests and times one verify forward of n new tokens per
 request, median of ``--reps``, in four columns: ours eager and ours with the step runner (a
 CUDA graph on CUDA; the same fixed-shape step run eagerly on CPU), HF eager, a minimal static
 step in plain PyTorch, and the roofline (``--bandwidth-gbs``). Kernels mode times both stages
-with MKL's and oneDNN's projections alternating rep by rep (docs/benchmarks.md).
+with each named CPU projection kernel (``COSINE_RAY_CPU_GEMM``: our ``blocked`` one, oneDNN's,
+MKL's) alternating rep by rep (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--kernels", default="mkl,onednn")
+    ap.add_argument("--kernels", default="blocked,onednn")
     ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)}: the shapes mode")
     ap.add_argument("--batches", default="1,8,32", help="shapes mode: requests per forward")
     ap.add_argument("--tokens", default="1,8", help="shapes mode: new tokens per request")
