@@ -190,8 +190,9 @@ class _Linear:
     An fp32 weight on CPU goes, by default, to our own kernel (``models.cpu_gemm``: 32-column
     blocks, one contiguous stream each at one row, every output summed in one order whatever
     the rows): on our 2-core AMD EPYC it applies the embedded model's layers at one row at
-    about the memory bandwidth, where oneDNN's packed linear took ~1.7x that, and is as fast
-    as oneDNN up to the 64 rows measured (docs/performance-cpu.md). Where it cannot be built
+    about the memory bandwidth, where oneDNN's packed linear took ~1.7x that; whole verify
+    forwards were faster with up to 5 new tokens per request and 2-8 % slower with 9-17 on
+    several requests (docs/performance-cpu.md). Where it cannot be built
     (no C compiler), for half-precision weights, or with ``COSINE_RAY_CPU_GEMM=onednn``, the
     weight is pre-packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``, the layout
     PyTorch's own frozen CPU graphs use) and applied with ``_linear_pointwise``:
