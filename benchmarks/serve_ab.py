@@ -8,6 +8,9 @@ Example (the stage actors against the stages in the engine, docs/performance-cpu
 
     python benchmarks/serve_ab.py --variant actors=--no-stages-in-engine --variant in-engine=
 
+A variant's args may start with environment settings for its server, as in a shell:
+``--variant "onednn=COSINE_RAY_CPU_GEMM=onednn --drafters none"``.
+
 Each round starts every variant in turn, in the same order, on a fresh local Ray cluster
 (``ray stop`` before each start), and with one client: ``/health`` 200 after the launch
 (*ready*), two warm-up requests, then the first ``2 × domains`` held-back prompts one at a time
@@ -21,6 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import re
 import statistics
 import subprocess
 import sys
@@ -62,6 +68,29 @@ def parse_variant(text: str) -> tuple[str, str]:
     return name, args
 
 
+def split_env(serve_args: str) -> tuple[dict[str, str], list[str]]:
+    """Leading ``KEY=VALUE`` words (environment for the server), then the serve args."""
+    words, env = serve_args.split(), {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return env, words
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", type=parse_variant, action="append", required=True,
@@ -81,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], capture_output=True)
             time.sleep(3)
             port = free_port()
-            command = [sys.executable, "-m", "cosine_ray.cli", "serve", "--port", str(port), *serve_args.split()]
-            with ServerProcess(name, command, f"http://127.0.0.1:{port}", logs / f"{name}-{rnd}.log",
+            env, words = split_env(serve_args)
+            command = [sys.executable, "-m", "cosine_ray.cli", "serve", "--port", str(port), *words]
+            with environment(env), ServerProcess(name, command, f"http://127.0.0.1:{port}", logs / f"{name}-{rnd}.log",
                                log=lambda msg: None) as server:
                 ready = server.wait_ready()
                 asyncio.run(run_batch(server.url, prompts[:2], 1, args.max_tokens))  # warm-up
