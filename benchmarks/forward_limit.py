@@ -1,7 +1,7 @@
 """A c = 1 plain decode step against the memory-bandwidth limit of this machine.
 
     python benchmarks/forward_limit.py [--model smollm2-135m] [--threads 2] [--context 256]
-        [--steps 40] [--rounds 3] [--paths dense,dense-onednn,native,dense-bf16] [--divergence 12]
+        [--steps 40] [--rounds 3] [--paths dense,dense-onednn,native,native-int4pack,dense-bf16] [--divergence 12]
 
 At one request a decode step reads every projection's weights once, so its floor is
 *bytes of weights read per token ÷ memory bandwidth*. This command measures the bandwidth (a sum
@@ -14,10 +14,9 @@ split of each path's step (projections / attention / the rest). ``--divergence N
 first N held-back prompts greedily on each path and counts texts identical to transformers' fp32
 greedy; at each first divergence it prints the logit gap of transformers' fp32 logits there.
 
-Paths: ``dense`` (fp32 checkpoint, the default projection kernel: ``models.cpu_gemm`` where it
-builds), ``dense-onednn`` (the same weights through oneDNN's packed linear, the kernel before it),
-``native`` (the GGUF blocks, bf16 activations), ``dense-bf16`` (bf16 matrices, oneDNN, on CPUs with
-a native bf16 GEMM).
+Paths: ``dense`` and ``native`` (the fp32 checkpoint, the GGUF blocks: our kernels where they
+build), ``dense-onednn`` and ``native-int4pack`` (the same through oneDNN's packed linear and
+PyTorch's int4 kernel with bf16 activations), ``dense-bf16`` (bf16 matrices, oneDNN).
 """
 
 from __future__ import annotations
@@ -38,7 +37,8 @@ from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import QuantLinear
 
 PATHS = {"dense": ("dense", torch.float32, None), "dense-onednn": ("dense", torch.float32, "onednn"),
-         "native": ("native", torch.float32, None), "dense-bf16": ("dense", torch.bfloat16, None)}
+         "native": ("native", torch.float32, None), "native-int4pack": ("native", torch.float32, "onednn"),
+         "dense-bf16": ("dense", torch.bfloat16, None)}
 """name -> (weights mode, dtype, ``COSINE_RAY_CPU_GEMM`` while the stage is built, or the default)"""
 
 
@@ -141,19 +141,23 @@ def _kernel(name: str | None):
 @contextlib.contextmanager
 def _projections_labelled():
     """``models.cpu_gemm`` runs through ctypes, which the profiler cannot see: while profiling,
-    every ``_Linear`` call is recorded as ``cpu_gemm.linear`` (counted as a projection)."""
-    call = _Linear.__call__
+    every projection on it is recorded as ``cpu_gemm.linear`` (counted as a projection)."""
+    calls = {cls: cls.__call__ for cls in (_Linear, QuantLinear)}
 
-    def labelled(self, x):
-        if self.blocked is None:
-            return call(self, x)
-        with torch.profiler.record_function("cpu_gemm.linear"):
-            return call(self, x)
-    _Linear.__call__ = labelled
+    def labelled(call):
+        def run(self, x):
+            if self.blocked is None:
+                return call(self, x)
+            with torch.profiler.record_function("cpu_gemm.linear"):
+                return call(self, x)
+        return run
+    for cls, call in calls.items():
+        cls.__call__ = labelled(call)
     try:
         yield
     finally:
-        _Linear.__call__ = call
+        for cls, call in calls.items():
+            cls.__call__ = call
 
 
 def split(stage: LlamaStage, dec: Decoder, steps: int) -> dict[str, float]:

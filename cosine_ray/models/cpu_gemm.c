@@ -59,3 +59,144 @@ void cr_linear_f32(const float *x, int64_t ldx, const float *wp, const float *bi
         if (m < M) tile_1(x + m * ldx, ldx, blk, K, b, y + m * ldy + n0, ldy, cols);
     }
 }
+
+/* ---- GGUF blocks kept quantized: y = x W^T (+ b), W in groups of 32 along k ------------------
+ *
+ * Q4_0 and Q4_1 (w = d q + m, q in 0..15; Q4_0's m is -8 d):
+ *   codes [ceil(N / 32)][K / 2][32] uint8, code k in the low nibble and k + 1 in the high one
+ * Q8_0 (w = d q, q int8):
+ *   codes [ceil(N / 32)][K][32] int8
+ * d, m    [ceil(N / 32)][K / 32][32] fp32 (m NULL for Q8_0)
+ * xsum    [M][K / 32] scratch: x summed over each group (with m)
+ *
+ * Per group, y[m, n] += d (sum_k x q) + m (sum_k x): the inner sum is one register lane over the
+ * group's k in order and the groups go in order, so again a row's result never depends on M,
+ * the tile or the threads. x stays fp32. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline v16 from_m512(const void *v) { v16 out; memcpy(&out, v, sizeof out); return out; }
+
+/* 16 int8 codes -> floats (GCC 12 turns its own vector conversion of int8 into scalar code) */
+static inline v16 widen_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    return from_m512(&f);
+#elif defined(__AVX2__)
+    __m128i c = _mm_loadu_si128((const __m128i *)p);
+    __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)))};
+    return from_m512(h);
+#else
+    v16 out;
+    for (int i = 0; i < 16; i++) out[i] = (float)p[i];
+    return out;
+#endif
+}
+
+/* 16 bytes of nibbles -> the low codes (shift 0) or the high ones (shift 4) as floats */
+static inline v16 widen_u4(const uint8_t *p, int shift) {
+#if defined(__AVX512F__)
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512 f = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c, (unsigned)shift), _mm512_set1_epi32(15)));
+    return from_m512(&f);
+#elif defined(__AVX2__)
+    __m128i c = _mm_loadu_si128((const __m128i *)p);
+    __m256i lo = _mm256_cvtepu8_epi32(c), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(c, 8));
+    __m256i mask = _mm256_set1_epi32(15);
+    __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, shift), mask)),
+                   _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, shift), mask))};
+    return from_m512(h);
+#else
+    v16 out;
+    for (int i = 0; i < 16; i++) out[i] = (float)((p[i] >> shift) & 15);
+    return out;
+#endif
+}
+
+#define QACCUMULATE(ROWS, W0, W1, K)                                                            \
+    for (int i = 0; i < ROWS; i++) {                                                            \
+        v16 xv = (v16){0} + xg[i * ldx + (K)];                                                  \
+        part[i][0] += xv * (W0);                                                                \
+        part[i][1] += xv * (W1);                                                                \
+    }
+
+#define QTILE(ROWS)                                                                             \
+static inline void qtile_##ROWS(const float *x, int64_t ldx, const float *xsum, int64_t groups, \
+                                const uint8_t *codes, int nibbles, const float *d,              \
+                                const float *mins, const float *bias, float *y, int64_t ldy,    \
+                                int64_t cols) {                                                 \
+    v16 acc[ROWS][2];                                                                           \
+    for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = (v16){0};                           \
+    for (int64_t g = 0; g < groups; g++) {                                                      \
+        v16 part[ROWS][2];                                                                      \
+        for (int i = 0; i < ROWS; i++) part[i][0] = part[i][1] = (v16){0};                     \
+        const float *xg = x + g * 32;                                                           \
+        if (nibbles) {                                                                          \
+            for (int k = 0; k < 32; k += 2, codes += BLOCK) {                                   \
+                v16 a0 = widen_u4(codes, 0), a1 = widen_u4(codes + 16, 0);                      \
+                QACCUMULATE(ROWS, a0, a1, k)                                                    \
+                v16 b0 = widen_u4(codes, 4), b1 = widen_u4(codes + 16, 4);                      \
+                QACCUMULATE(ROWS, b0, b1, k + 1)                                                \
+            }                                                                                   \
+        } else {                                                                                \
+            for (int k = 0; k < 32; k++, codes += BLOCK) {                                      \
+                v16 w0 = widen_i8((const int8_t *)codes), w1 = widen_i8((const int8_t *)codes + 16); \
+                QACCUMULATE(ROWS, w0, w1, k)                                                    \
+            }                                                                                   \
+        }                                                                                       \
+        v16 d0 = load16(d + g * BLOCK), d1 = load16(d + g * BLOCK + 16);                        \
+        for (int i = 0; i < ROWS; i++) {                                                        \
+            acc[i][0] += d0 * part[i][0];                                                       \
+            acc[i][1] += d1 * part[i][1];                                                       \
+        }                                                                                       \
+        if (mins) {                                                                             \
+            v16 m0 = load16(mins + g * BLOCK), m1 = load16(mins + g * BLOCK + 16);              \
+            for (int i = 0; i < ROWS; i++) {                                                    \
+                v16 s = (v16){0} + xsum[i * groups + g];                                        \
+                acc[i][0] += m0 * s;                                                            \
+                acc[i][1] += m1 * s;                                                            \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int i = 0; i < ROWS; i++) {                                                            \
+        if (bias) { acc[i][0] += load16(bias); acc[i][1] += load16(bias + 16); }               \
+        float out[BLOCK];                                                                       \
+        store16(out, acc[i][0]);                                                                \
+        store16(out + 16, acc[i][1]);                                                           \
+        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));                                 \
+    }                                                                                           \
+}
+QTILE(1)
+QTILE(2)
+QTILE(4)
+
+/* nibbles: 1 for the Q4 layout, 0 for Q8_0's int8 codes; mins NULL for Q8_0 */
+void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles, const float *d,
+                 const float *mins, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                 int64_t K, float *xsum, int threads) {
+    int64_t blocks = (N + BLOCK - 1) / BLOCK, groups = K / 32;
+    int64_t block_bytes = nibbles ? K / 2 * BLOCK : K * BLOCK;
+    if (mins)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0;
+                for (int k = 0; k < 32; k++) s += x[i * ldx + g * 32 + k];
+                xsum[i * groups + g] = s;
+            }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < blocks; t++) {
+        int64_t n0 = t * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK, m = 0;
+        const uint8_t *c = codes + t * block_bytes;
+        const float *dd = d + n0 * groups, *mm = mins ? mins + n0 * groups : 0, *b = bias ? bias + n0 : 0;
+        for (; m + 4 <= M; m += 4)
+            qtile_4(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
+        if (m + 2 <= M) {
+            qtile_2(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
+            m += 2;
+        }
+        if (m < M)
+            qtile_1(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
+    }
+}

@@ -1,10 +1,13 @@
-"""The fp32 CPU projection kernel (``cpu_gemm.c``): built once per machine, loaded with ctypes.
+"""Our CPU projection kernels (``cpu_gemm.c``): built once per machine, loaded with ctypes.
 
 At one row a decode step only reads weights, so its projections should run at the memory
 bandwidth; oneDNN's packed fp32 linear ran the embedded model's at ~1.7x that (see
 docs/performance-cpu.md). ``cpu_gemm.c`` keeps each weight as 32-column blocks, ``[N/32][K][32]``,
 so that at one row every block is one contiguous stream, and sums every output in one fixed
-order whatever the number of rows (row-invariant).
+order whatever the number of rows (row-invariant). GGUF weights (``--weights native``) go the same
+way, kept quantized: ``pack_quant`` lays a :class:`~cosine_ray.models.quant.QuantTensor`'s codes
+out in the same 32-column blocks (4-bit codes two to a byte, Q8_0's as int8) with fp32 group
+scales, and ``linear_quant`` multiplies fp32 activations with them.
 
 The shared library is compiled on first use with the system C compiler (``$CC`` or ``cc``,
 ``-O3 -march=native -fopenmp``) into ``cache_root()/kernels`` under a key of the source, the
@@ -24,21 +27,34 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from cosine_ray.models.conversion import cache_root
 
-__all__ = ["BLOCK", "available", "linear", "pack", "unpack"]
+if TYPE_CHECKING:  # pragma: no cover
+    from cosine_ray.models.quant import QuantTensor
+
+__all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
+           "pack_quant", "unpack", "used_on"]
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
 """Output columns per weight block (two 16-lane registers)."""
+GROUP = 32
+"""Weights per GGUF block along the input dimension."""
+ENV = "COSINE_RAY_CPU_GEMM"
+"""``blocked`` (default: these kernels, where they build), ``onednn`` or ``mkl``: the kernel of
+the CPU projections (``mkl`` and ``onednn`` send GGUF weights to PyTorch's int4 kernel)."""
+KERNELS = ("blocked", "onednn", "mkl")
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
-_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
+_QUANT_ARGTYPES = [_P, _I, _P, ctypes.c_int, _P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
 
 
 def _cpu_signature() -> str:
@@ -87,12 +103,27 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.cr_linear_f32.argtypes = _ARGTYPES
     lib.cr_linear_f32.restype = None
+    lib.cr_linear_q.argtypes = _QUANT_ARGTYPES
+    lib.cr_linear_q.restype = None
     return lib
 
 
 def available() -> bool:
     """The kernel is built (or was built before) and loads on this machine."""
     return _library() is not None
+
+
+def choice() -> str:
+    """``COSINE_RAY_CPU_GEMM``, checked."""
+    value = os.environ.get(ENV, "blocked").strip().lower()
+    if value not in KERNELS:
+        raise ValueError(f"{ENV}={value!r}: use one of {', '.join(KERNELS)}")
+    return value
+
+
+def used_on(device: torch.device | str) -> bool:
+    """Projections built now on ``device`` use these kernels (fp32 and GGUF weights; the CPU only)."""
+    return torch.device(device).type == "cpu" and choice() == "blocked" and available()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -131,3 +162,61 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                       None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
                       rows.shape[0], out_features, k, torch.get_num_threads())
     return y.view(*x.shape[:-1], out_features)
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """t  # [N, ...] -> [ceil(N / 32), ..., 32], rows past N zero."""
+    n = t.shape[0]
+    padded = torch.zeros((-(-n // BLOCK) * BLOCK, *t.shape[1:]), dtype=t.dtype)
+    padded[:n] = t
+    return padded.view(-1, BLOCK, *t.shape[1:]).movedim(1, -1).contiguous()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockedQuant:
+    """A GGUF matrix [N, K] laid out for ``cr_linear_q`` (see ``cpu_gemm.c``)."""
+
+    codes: torch.Tensor
+    """uint8 [N/32, K/2, 32] (Q4_0, Q4_1: two codes a byte) or [N/32, K, 32] (Q8_0: int8 bits)."""
+    nibbles: bool
+    scales: torch.Tensor
+    """fp32 [N/32, K/32, 32]: d."""
+    mins: torch.Tensor | None
+    """fp32 [N/32, K/32, 32]: m (Q4_0: -8 d), or None (Q8_0)."""
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def pack_quant(weight: "QuantTensor") -> BlockedQuant:
+    """A :class:`~cosine_ray.models.quant.QuantTensor` in the kernel's blocks: the same weights,
+    exactly (``d q + m``; Q4_0 as ``d q + (-8 d)``; Q8_0 ``d q``)."""
+    d, m, codes = weight._fields()  # d, m [N, K/32]; codes [N, K] (0..15, or int8 for Q8_0)
+    n, k = weight.shape
+    if weight.fmt == "Q8_0":
+        return BlockedQuant(_blocks(codes.view(torch.uint8)), False, _blocks(d), None, n, k)
+    if m is None:  # Q4_0: w = d (q - 8)
+        m = -8 * d
+    pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K/2]: code k low, k + 1 high
+    return BlockedQuant(_blocks(pairs), True, _blocks(d), _blocks(m), n, k)
+
+
+def linear_quant(x: torch.Tensor, weight: BlockedQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x  # [..., K] fp32 -> [..., N] fp32 with ``weight`` from ``pack_quant`` and ``bias`` from
+    ``pad_bias``."""
+    lib = _library()
+    assert lib is not None, "cpu_gemm.linear_quant called where the kernel is not available"
+    k, n = weight.in_features, weight.out_features
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    scratch = torch.empty(max(rows.shape[0], 1), k // GROUP, dtype=torch.float32)
+    lib.cr_linear_q(rows.data_ptr(), rows.stride(0), weight.codes.data_ptr(), int(weight.nibbles),
+                    weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows.shape[0], n, k,
+                    scratch.data_ptr(), torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)

@@ -18,7 +18,6 @@ NOTE(lead): numerics follow transformers' Llama (fp32 RMSNorm, rotate-half RoPE,
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -134,10 +133,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-CPU_GEMM_ENV = "COSINE_RAY_CPU_GEMM"
-"""``blocked`` (default on CPU: our own fp32 kernel, ``models.cpu_gemm``, where it builds;
-oneDNN for other dtypes), ``onednn`` or ``mkl``: the kernel of the CPU projections."""
-CPU_GEMM_KERNELS = ("blocked", "onednn", "mkl")
+CPU_GEMM_ENV = cpu_gemm.ENV
+"""``blocked`` (default on CPU: our own kernels, ``models.cpu_gemm``, where they build; oneDNN for
+half-precision weights), ``onednn`` or ``mkl``: the kernel of the CPU projections."""
+CPU_GEMM_KERNELS = cpu_gemm.KERNELS
 
 
 def onednn_available() -> bool:
@@ -168,20 +167,12 @@ def _native_half_gemm(dtype: torch.dtype) -> bool:
         return False
 
 
-def _cpu_gemm_choice() -> str:
-    choice = os.environ.get(CPU_GEMM_ENV, "blocked").strip().lower()
-    if choice not in CPU_GEMM_KERNELS:
-        raise ValueError(f"{CPU_GEMM_ENV}={choice!r}: use one of {', '.join(CPU_GEMM_KERNELS)}")
-    return choice
-
-
 def _use_blocked(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and _cpu_gemm_choice() == "blocked"
-            and cpu_gemm.available())
+    return dtype == torch.float32 and cpu_gemm.used_on(device)
 
 
 def _use_onednn(device: torch.device) -> bool:
-    return _cpu_gemm_choice() in ("blocked", "onednn") and device.type == "cpu" and onednn_available()
+    return cpu_gemm.choice() in ("blocked", "onednn") and device.type == "cpu" and onednn_available()
 
 
 class _Linear:
@@ -330,9 +321,11 @@ class LlamaStage:
                 down=linear([f"{p}mlp.down_proj.weight"], down_bias),
             ))
         self.wide_attention = self.device.type == "cpu" and any(
-            isinstance(m, QuantLinear) for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            isinstance(m, QuantLinear) and m.blocked is None
+            for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
         """Attention in float64 (``models.attention._sdpa``): on CPU where bf16 roundings follow it
-        (the int4 kernels' activations), so that a row's logits do not depend on its batch."""
+        (PyTorch's int4 kernels' activations), so that a row's logits do not depend on its batch.
+        Our own kernel (``models.cpu_gemm``) keeps the activations in fp32, as the dense path does."""
         self.norm_weight = get("model.norm.weight") if self.is_last else None
         self.lm_head: _Linear | QuantLinear | None = None
         """[hidden] -> [vocab]; with tied embeddings over the embedding matrix."""

@@ -5,7 +5,10 @@ Terms. A GGUF *block* holds 32 consecutive weights of one row (along the input d
 ``Q8_0`` (fp16 d, int8 codes: w = d q). A :class:`QuantTensor` is a matrix [N, K] of such blocks,
 rows in the order of our checkpoint names (``gguf_weights`` reads a file).
 
-:class:`QuantLinear` runs every format through PyTorch's own int4 weight-only kernel, groups of 32,
+:class:`QuantLinear` runs on CPU, by default, through our own kernel (``models.cpu_gemm``: the codes
+in 32-column blocks, fp32 activations, ``d (sum x q) + m (sum x)`` per group). Elsewhere (CUDA,
+or ``COSINE_RAY_CPU_GEMM=onednn|mkl``) it runs every format through PyTorch's own int4
+weight-only kernel, groups of 32,
 affine per group, ``w = (u - 8) s + z`` with u in 0..15: ``_weight_int4pack_mm_for_cpu`` on CPU
 and ``_weight_int4pack_mm`` (tinygemm) on CUDA, with bf16 activations and group scales (the
 only fast form of either: the result is cast back to the stage's dtype). Q4_0 and
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from cosine_ray.models import cpu_gemm
 
 GROUP = 32
 """Weights per GGUF block, and the group size of the int4 kernels."""
@@ -116,9 +121,14 @@ def pack_int4_for_cuda(u: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinear:
-    """``y = x W^T`` with W a :class:`QuantTensor`, kept in 4-bit codes on the device."""
+    """``y = x W^T`` with W a :class:`QuantTensor`, kept quantized on the device.
 
-    __slots__ = ("fmt", "out_features", "in_features", "packed", "scales_zeros", "device", "compute", "bias")
+    On CPU, by default, through our own kernel (``models.cpu_gemm``: the file's codes in 32-column
+    blocks, fp32 activations, each row's result independent of its batch); elsewhere, or with
+    ``COSINE_RAY_CPU_GEMM=onednn|mkl``, through PyTorch's int4 kernels (module docstring)."""
+
+    __slots__ = ("fmt", "out_features", "in_features", "packed", "scales_zeros", "device", "compute", "bias",
+                 "blocked", "blocked_bias")
 
     def __init__(self, weight: QuantTensor, *, dtype: torch.dtype, device: torch.device,
                  bias: torch.Tensor | None = None) -> None:
@@ -126,6 +136,14 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.device = torch.device(device)
         self.bias = bias
+        self.blocked: cpu_gemm.BlockedQuant | None = None
+        self.blocked_bias: torch.Tensor | None = None
+        self.packed = self.scales_zeros = None
+        self.compute = torch.float32
+        if cpu_gemm.used_on(self.device):
+            self.blocked = cpu_gemm.pack_quant(weight)
+            self.blocked_bias = None if bias is None else cpu_gemm.pad_bias(bias.float())
+            return
         u, s, z = weight.int4_affine()
         # bf16 activations: CUDA's tinygemm takes nothing else, and on CPU the fp32 and fp16 forms
         # of the kernel are scalar loops (10-100x slower than bf16 at 1-9 rows)
@@ -140,10 +158,14 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         """Bytes one multiplication reads: codes and group scales."""
+        if self.blocked is not None:
+            return self.blocked.nbytes
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x  # [M, in] -> [M, out] in x's dtype."""
+        if self.blocked is not None:
+            return cpu_gemm.linear_quant(x.float(), self.blocked, self.blocked_bias).to(x.dtype)
         xin = x.to(self.compute)
         if self.fmt == "Q8_0":
             xin = torch.cat([xin, xin], dim=-1)  # [M, 2 in]: the high codes, then the low ones

@@ -1,10 +1,11 @@
 """Lossless on the native-weights path (``--weights native``: the embedded Q4_1/Q8_0 GGUF blocks
-multiplied by int4 kernels with bf16 activations): speculative greedy output, batched, is
-exactly our own plain decode on that path. The int4 kernels are row-invariant (a row's result
-does not depend on the other rows); attention runs in float64 there (``LlamaStage.
-wide_attention``), because in fp32 the CPU kernel's sums depend on the call's shapes and the
-bf16 rounding after it turns last-bit differences into other tokens at near-ties
-(docs/performance-cpu.md)."""
+kept quantized): speculative greedy output, batched, is exactly our own plain decode on that
+path. On CPU the blocks go, by default, through our kernel (``models.cpu_gemm``: fp32
+activations, row-invariant), with fp32 attention as on the dense path; through PyTorch's int4
+kernels (``COSINE_RAY_CPU_GEMM=onednn``: bf16 activations, also row-invariant) attention runs in
+float64 (``LlamaStage.wide_attention``), because in fp32 the CPU attention's sums depend on the
+call's shapes and the bf16 rounding after it turns last-bit differences into other tokens at
+near-ties (docs/performance-cpu.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.worker.target import TargetWorker
+from cosine_ray.models import cpu_gemm
 from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import QuantLinear
 from support.divergence import divergences
@@ -44,8 +46,9 @@ def test_native_engine_runs_on_quantized_projections(real_checkpoint):
     assert all(isinstance(layer.gate_up, QuantLinear) and layer.gate_up.fmt == "Q4_1" for layer in stage.layers)
 
 
-@pytest.mark.parametrize("drafters", ["default", "ngram,self"])
-def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, drafters):
+@pytest.mark.parametrize("drafters,kernel", [("default", "blocked"), ("ngram,self", "blocked"), ("default", "onednn")])
+def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, drafters, kernel, monkeypatch):
+    monkeypatch.setenv(cpu_gemm.ENV, kernel)  # our kernel, or PyTorch's int4 one (float64 attention)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     plain = [o.new_token_ids for o in engine(real_checkpoint, "none").generate(prompts, params)]
     spec_outs = engine(real_checkpoint, drafters).generate(prompts, params)
@@ -53,13 +56,19 @@ def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, d
     worker = TargetWorker(build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
                                               dtype=torch.float32, device="cpu"))
     identical, found = divergences(worker, prompts, plain, [o.new_token_ids for o in spec_outs])
-    assert identical == len(prompts), f"native {drafters}: {identical}/{len(prompts)} identical: " + \
+    assert identical == len(prompts), f"native {drafters} ({kernel}): {identical}/{len(prompts)} identical: " + \
         "; ".join(str(d) for d in found)
 
 
-def test_native_stage_attends_in_float64_on_cpu(real_checkpoint):
+@pytest.mark.parametrize("kernel", ["blocked", "onednn"])
+def test_native_stage_attends_in_float64_where_its_activations_are_bf16(real_checkpoint, kernel, monkeypatch):
+    """PyTorch's int4 kernel (``onednn``/``mkl``) rounds activations to bf16: attention in float64.
+    Our kernel keeps them fp32, as the dense path does: fp32 attention."""
+    monkeypatch.setenv(cpu_gemm.ENV, kernel)
     stage = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
                                 dtype=torch.float32, device="cpu")[0]
     dense = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "dense"), 1,
                                 dtype=torch.float32, device="cpu")[0]
-    assert stage.wide_attention and not dense.wide_attention
+    ours = kernel == "blocked" and cpu_gemm.available()
+    assert stage.wide_attention is not ours and not dense.wide_attention
+    assert (stage.lm_head.blocked is not None) is ours

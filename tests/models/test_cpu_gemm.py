@@ -1,13 +1,19 @@
-"""The fp32 CPU projection kernel (``models.cpu_gemm``): products equal to float64's within
-fp32 rounding, every row's result bit for bit the same whatever the other rows, the thread
-count or the tile that computed it, and a clean fallback to oneDNN where it cannot be built."""
+"""Our CPU projection kernels (``models.cpu_gemm``), fp32 and GGUF blocks: products equal to
+float64's within fp32 rounding, every row's result bit for bit the same whatever the other rows,
+the thread count or the tile that computed it, and a clean fallback to oneDNN (PyTorch's int4
+kernel for GGUF weights) where they cannot be built."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
 from cosine_ray.models import cpu_gemm, llama
+from cosine_ray.models.quant import FORMATS, QuantLinear, QuantTensor
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the kernel is not built here")
 
@@ -111,3 +117,58 @@ def test_an_unknown_kernel_is_refused(monkeypatch):
     monkeypatch.setenv(llama.CPU_GEMM_ENV, "fast")
     with pytest.raises(ValueError, match="COSINE_RAY_CPU_GEMM"):
         llama.projection_kernel("cpu")
+
+
+# ---- GGUF blocks ------------------------------------------------------------------------------
+
+def quant_weight(fmt: str, n: int, k: int, seed: int) -> QuantTensor:
+    w = np.random.default_rng(seed).normal(0.0, 0.05, (n, k)).astype(np.float32)
+    return QuantTensor(fmt, torch.from_numpy(np.ascontiguousarray(quantize(w, GGMLQuantizationType[fmt]))), k)
+
+
+QUANT_SHAPES = [(1, 576, 960), (3, 64, 49), (9, 1536, 64), (17, 96, 100)]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows,k,n", QUANT_SHAPES)
+def test_quant_products_are_the_files_weights_within_fp32_rounding(fmt, rows, k, n):
+    q = quant_weight(fmt, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    y = cpu_gemm.linear_quant(x, cpu_gemm.pack_quant(q))
+    w = q.dequantize().double()
+    exact = x.double() @ w.t()
+    bound = 8 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().t() + 1)
+    assert y.shape == (rows, n) and ((y.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows,k,n", QUANT_SHAPES)
+def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt, rows, k, n):
+    packed = cpu_gemm.pack_quant(quant_weight(fmt, n, k, seed=7))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8))
+    whole = cpu_gemm.linear_quant(x, packed)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(cpu_gemm.linear_quant(x, packed), whole)
+    finally:
+        torch.set_num_threads(threads)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(cpu_gemm.linear_quant(x[i:i + 1], packed)[0], whole[i])
+    assert torch.equal(cpu_gemm.linear_quant(x[rows // 3:], packed), whole[rows // 3:])
+
+
+def test_quant_layout_halves_the_4_bit_codes():
+    q4, q8 = cpu_gemm.pack_quant(quant_weight("Q4_1", 64, 96, 1)), cpu_gemm.pack_quant(quant_weight("Q8_0", 64, 96, 1))
+    assert q4.nibbles and q4.codes.shape == (2, 48, 32) and q4.mins is not None
+    assert not q8.nibbles and q8.codes.shape == (2, 96, 32) and q8.mins is None
+    assert q4.nbytes == 64 * 48 + 2 * 64 * 3 * 4
+
+
+@pytest.mark.parametrize("kernel", llama.CPU_GEMM_KERNELS)
+def test_quant_linear_takes_the_kernel_chosen(kernel, monkeypatch):
+    monkeypatch.setenv(llama.CPU_GEMM_ENV, kernel)
+    layer = QuantLinear(quant_weight("Q4_0", 64, 64, 2), dtype=torch.float32, device=torch.device("cpu"))
+    assert (layer.blocked is not None) == (kernel == "blocked")
+    assert (layer.packed is not None) == (kernel != "blocked")

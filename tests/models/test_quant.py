@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from cosine_ray.models import cpu_gemm
 from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.native import NATIVE_FILE, _read_native_file, resolve_weights, write_native_file
@@ -49,7 +50,23 @@ def test_int4_affine_form_holds_the_same_weights(fmt):
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows", [1, 3, 9])
-def test_quant_linear_matches_bf16_activations_times_the_weights(fmt, rows):
+def test_quant_linear_on_our_kernel_is_fp32_activations_times_the_weights(fmt, rows):
+    if not cpu_gemm.available():
+        pytest.skip("no C compiler: our kernel is not built here")
+    q = blocks_of(random_weight(64, 128, 3), fmt)
+    layer = QuantLinear(q, dtype=torch.float32, device=torch.device("cpu"))
+    assert layer.blocked is not None and layer.packed is None
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    y = layer(x)
+    assert y.shape == (rows, 64) and y.dtype == torch.float32
+    ref = x.double() @ q.dequantize().double().t()  # the file's weights, exactly
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_quant_linear_matches_bf16_activations_times_the_weights(fmt, rows, monkeypatch):
+    monkeypatch.setenv(cpu_gemm.ENV, "onednn")  # PyTorch's int4 kernel
     q = blocks_of(random_weight(64, 128, 3), fmt)
     layer = QuantLinear(q, dtype=torch.float32, device=torch.device("cpu"))
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
@@ -61,7 +78,9 @@ def test_quant_linear_matches_bf16_activations_times_the_weights(fmt, rows):
     assert not torch.allclose(y.double(), torch.zeros_like(ref))
 
 
-def test_quant_linear_bias_and_row_independence():
+@pytest.mark.parametrize("kernel", ["blocked", "onednn"])
+def test_quant_linear_bias_and_row_independence(kernel, monkeypatch):
+    monkeypatch.setenv(cpu_gemm.ENV, kernel)
     q = blocks_of(random_weight(32, 64, 4), "Q4_1")
     bias = torch.randn(32)
     layer = QuantLinear(q, dtype=torch.float32, device=torch.device("cpu"), bias=bias)
