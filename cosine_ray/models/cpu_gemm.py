@@ -5,8 +5,8 @@ bandwidth; oneDNN's packed fp32 linear ran the embedded model's at ~1.7x that (s
 docs/performance-cpu.md). ``cpu_gemm.c`` keeps each weight as 32-column blocks, ``[N/32][K][32]``,
 so that at one row every block is one contiguous stream, and sums every output in one fixed
 order whatever the number of rows (row-invariant). GGUF weights (``--weights native``) go the same
-way, kept quantized: ``pack_quant`` lays a :class:`~cosine_ray.models.quant.QuantTensor`'s codes
-out in the same 32-column blocks (4-bit codes two to a byte, Q8_0's as int8) with fp32 group
+way, kept quantized: ``pack_quant`` lays a GGUF matrix's codes (``models.quant``) out in the
+same 32-column blocks (4-bit codes two to a byte, Q8_0's as int8) with fp32 group
 scales, and ``linear_quant`` multiplies fp32 activations with them.
 
 The shared library is compiled on first use with the system C compiler (``$CC`` or ``cc``,
@@ -29,14 +29,10 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from cosine_ray.models.conversion import cache_root
-
-if TYPE_CHECKING:  # pragma: no cover
-    from cosine_ray.models.quant import QuantTensor
 
 __all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
            "pack_quant", "unpack", "used_on"]
@@ -191,12 +187,12 @@ class BlockedQuant:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
 
-def pack_quant(weight: "QuantTensor") -> BlockedQuant:
-    """A :class:`~cosine_ray.models.quant.QuantTensor` in the kernel's blocks: the same weights,
-    exactly (``d q + m``; Q4_0 as ``d q + (-8 d)``; Q8_0 ``d q``)."""
-    d, m, codes = weight._fields()  # d, m [N, K/32]; codes [N, K] (0..15, or int8 for Q8_0)
-    n, k = weight.shape
-    if weight.fmt == "Q8_0":
+def pack_quant(fmt: str, d: torch.Tensor, m: torch.Tensor | None, codes: torch.Tensor) -> BlockedQuant:
+    """A GGUF matrix in the kernel's blocks, from its fields (``QuantTensor._fields()``): scales
+    and mins [N, K/32] fp32 (mins only for Q4_1), codes [N, K] (0..15; int8 for Q8_0). The same
+    weights, exactly: ``d q + m``, Q4_0 as ``d q + (-8 d)``, Q8_0 ``d q``."""
+    n, k = codes.shape
+    if fmt == "Q8_0":
         return BlockedQuant(_blocks(codes.view(torch.uint8)), False, _blocks(d), None, n, k)
     if m is None:  # Q4_0: w = d (q - 8)
         m = -8 * d

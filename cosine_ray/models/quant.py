@@ -141,7 +141,7 @@ class QuantLinear:
         self.packed = self.scales_zeros = None
         self.compute = torch.float32
         if cpu_gemm.used_on(self.device):
-            self.blocked = cpu_gemm.pack_quant(weight)
+            self.blocked = cpu_gemm.pack_quant(weight.fmt, *weight._fields())
             self.blocked_bias = None if bias is None else cpu_gemm.pad_bias(bias.float())
             return
         u, s, z = weight.int4_affine()

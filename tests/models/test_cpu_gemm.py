@@ -126,6 +126,10 @@ def quant_weight(fmt: str, n: int, k: int, seed: int) -> QuantTensor:
     return QuantTensor(fmt, torch.from_numpy(np.ascontiguousarray(quantize(w, GGMLQuantizationType[fmt]))), k)
 
 
+def pack(q: QuantTensor) -> cpu_gemm.BlockedQuant:
+    return cpu_gemm.pack_quant(q.fmt, *q._fields())
+
+
 QUANT_SHAPES = [(1, 576, 960), (3, 64, 49), (9, 1536, 64), (17, 96, 100)]
 
 
@@ -134,7 +138,7 @@ QUANT_SHAPES = [(1, 576, 960), (3, 64, 49), (9, 1536, 64), (17, 96, 100)]
 def test_quant_products_are_the_files_weights_within_fp32_rounding(fmt, rows, k, n):
     q = quant_weight(fmt, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
-    y = cpu_gemm.linear_quant(x, cpu_gemm.pack_quant(q))
+    y = cpu_gemm.linear_quant(x, pack(q))
     w = q.dequantize().double()
     exact = x.double() @ w.t()
     bound = 8 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().t() + 1)
@@ -144,7 +148,7 @@ def test_quant_products_are_the_files_weights_within_fp32_rounding(fmt, rows, k,
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows,k,n", QUANT_SHAPES)
 def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt, rows, k, n):
-    packed = cpu_gemm.pack_quant(quant_weight(fmt, n, k, seed=7))
+    packed = pack(quant_weight(fmt, n, k, seed=7))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8))
     whole = cpu_gemm.linear_quant(x, packed)
     threads = torch.get_num_threads()
@@ -160,7 +164,7 @@ def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt,
 
 
 def test_quant_layout_halves_the_4_bit_codes():
-    q4, q8 = cpu_gemm.pack_quant(quant_weight("Q4_1", 64, 96, 1)), cpu_gemm.pack_quant(quant_weight("Q8_0", 64, 96, 1))
+    q4, q8 = pack(quant_weight("Q4_1", 64, 96, 1)), pack(quant_weight("Q8_0", 64, 96, 1))
     assert q4.nibbles and q4.codes.shape == (2, 48, 32) and q4.mins is not None
     assert not q8.nibbles and q8.codes.shape == (2, 96, 32) and q8.mins is None
     assert q4.nbytes == 64 * 48 + 2 * 64 * 3 * 4
