@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -121,21 +122,6 @@ def _in_features(p: _Linear) -> int:
     if p.w_t is not None:
         return int(p.w_t.shape[0])
     return int(p.packed.shape[1])  # oneDNN's packed weight keeps [out, in]
-
-
-@contextlib.contextmanager
-def _kernel(name: str | None):
-    """``COSINE_RAY_CPU_GEMM`` set to ``name`` while a stage is built (its projections choose then)."""
-    before = os.environ.get(CPU_GEMM_ENV)
-    if name is not None:
-        os.environ[CPU_GEMM_ENV] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(CPU_GEMM_ENV, None)
-        else:
-            os.environ[CPU_GEMM_ENV] = before
 
 
 @contextlib.contextmanager
@@ -248,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print("dense-bf16: skipped (this CPU has no native bf16 GEMM)")
             continue
         try:
-            with _kernel(kernel):
+            with mock.patch.dict(os.environ, {CPU_GEMM_ENV: kernel} if kernel else {}):
                 stages[name] = LlamaStage(ckpt.config, load_weights(ckpt, mode), dtype=dtype)
         except ValueError as exc:
             print(f"{name}: skipped ({exc})")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
 import statistics
@@ -33,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import httpx
 
@@ -77,20 +77,6 @@ def split_env(serve_args: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-@contextlib.contextmanager
-def environment(env: dict[str, str]):
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", type=parse_variant, action="append", required=True,
@@ -112,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             env, words = split_env(serve_args)
             command = [sys.executable, "-m", "cosine_ray.cli", "serve", "--port", str(port), *words]
-            with environment(env), ServerProcess(name, command, f"http://127.0.0.1:{port}", logs / f"{name}-{rnd}.log",
-                               log=lambda msg: None) as server:
+            with mock.patch.dict(os.environ, env), \
+                    ServerProcess(name, command, f"http://127.0.0.1:{port}", logs / f"{name}-{rnd}.log",
+                                  log=lambda msg: None) as server:
                 ready = server.wait_ready()
                 asyncio.run(run_batch(server.url, prompts[:2], 1, args.max_tokens))  # warm-up
                 c1, texts1 = asyncio.run(run_batch(server.url, single, 1, args.max_tokens))

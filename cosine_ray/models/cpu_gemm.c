@@ -19,6 +19,18 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
+/* a tile's sums (+ bias) into the first ``cols`` columns of its ``rows`` rows of y */
+static inline void store_rows(int rows, v16 (*acc)[2], const float *bias, float *y, int64_t ldy,
+                              int64_t cols) {
+    for (int i = 0; i < rows; i++) {
+        if (bias) { acc[i][0] += load16(bias); acc[i][1] += load16(bias + 16); }
+        float out[BLOCK];
+        store16(out, acc[i][0]);
+        store16(out + 16, acc[i][1]);
+        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));
+    }
+}
+
 #define TILE(ROWS)                                                                              \
 static inline void tile_##ROWS(const float *x, int64_t ldx, const float *blk, int64_t K,        \
                                const float *bias, float *y, int64_t ldy, int64_t cols) {       \
@@ -32,13 +44,7 @@ static inline void tile_##ROWS(const float *x, int64_t ldx, const float *blk, in
             acc[i][1] += xv * w1;                                                               \
         }                                                                                       \
     }                                                                                           \
-    for (int i = 0; i < ROWS; i++) {                                                            \
-        if (bias) { acc[i][0] += load16(bias); acc[i][1] += load16(bias + 16); }               \
-        float out[BLOCK];                                                                       \
-        store16(out, acc[i][0]);                                                                \
-        store16(out + 16, acc[i][1]);                                                           \
-        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));                                 \
-    }                                                                                           \
+    store_rows(ROWS, acc, bias, y, ldy, cols);                                                  \
 }
 TILE(1)
 TILE(2)
@@ -160,13 +166,7 @@ static inline void qtile_##ROWS(const float *x, int64_t ldx, const float *xsum, 
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
-    for (int i = 0; i < ROWS; i++) {                                                            \
-        if (bias) { acc[i][0] += load16(bias); acc[i][1] += load16(bias + 16); }               \
-        float out[BLOCK];                                                                       \
-        store16(out, acc[i][0]);                                                                \
-        store16(out + 16, acc[i][1]);                                                           \
-        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));                                 \
-    }                                                                                           \
+    store_rows(ROWS, acc, bias, y, ldy, cols);                                                  \
 }
 QTILE(1)
 QTILE(2)

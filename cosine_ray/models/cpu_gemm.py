@@ -122,13 +122,17 @@ def used_on(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and choice() == "blocked" and available()
 
 
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """t  # [N, ...] -> [ceil(N / 32), ..., 32], rows past N zero."""
+    n = t.shape[0]
+    padded = torch.zeros((-(-n // BLOCK) * BLOCK, *t.shape[1:]), dtype=t.dtype)
+    padded[:n] = t
+    return padded.view(-1, BLOCK, *t.shape[1:]).movedim(1, -1).contiguous()
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight  # [N, K] fp32 -> [ceil(N / 32), K, 32], rows past N zero."""
-    n, k = weight.shape
-    blocks = -(-n // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, k, dtype=torch.float32)
-    padded[:n] = weight
-    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    """weight  # [N, K] -> [ceil(N / 32), K, 32] fp32, rows past N zero."""
+    return _blocks(weight.to(torch.float32))
 
 
 def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -139,33 +143,28 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def pad_bias(bias: torch.Tensor) -> torch.Tensor:
     """bias  # [N] -> [ceil(N / 32) * 32] fp32, zero past N (the kernel reads whole blocks)."""
-    out = torch.zeros(-(-bias.numel() // BLOCK) * BLOCK, dtype=torch.float32)
-    out[:bias.numel()] = bias
-    return out
+    return _blocks(bias.to(torch.float32)).reshape(-1)
+
+
+def _call_parts(x: torch.Tensor, k: int, n: int) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """The library, x  # [..., k] as rows with unit column stride, and their output [rows, n]."""
+    lib = _library()
+    assert lib is not None, "cpu_gemm called where the kernel is not available"
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return lib, rows, torch.empty(rows.shape[0], n, dtype=torch.float32)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x  # [..., K] fp32 -> [..., N] with ``packed`` from ``pack`` and ``bias`` from ``pad_bias``."""
-    lib = _library()
-    assert lib is not None, "cpu_gemm.linear called where the kernel is not available"
     k = packed.shape[1]
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    lib, rows, y = _call_parts(x, k, out_features)
     lib.cr_linear_f32(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                       None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
                       rows.shape[0], out_features, k, torch.get_num_threads())
     return y.view(*x.shape[:-1], out_features)
-
-
-def _blocks(t: torch.Tensor) -> torch.Tensor:
-    """t  # [N, ...] -> [ceil(N / 32), ..., 32], rows past N zero."""
-    n = t.shape[0]
-    padded = torch.zeros((-(-n // BLOCK) * BLOCK, *t.shape[1:]), dtype=t.dtype)
-    padded[:n] = t
-    return padded.view(-1, BLOCK, *t.shape[1:]).movedim(1, -1).contiguous()
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,13 +202,8 @@ def pack_quant(fmt: str, d: torch.Tensor, m: torch.Tensor | None, codes: torch.T
 def linear_quant(x: torch.Tensor, weight: BlockedQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x  # [..., K] fp32 -> [..., N] fp32 with ``weight`` from ``pack_quant`` and ``bias`` from
     ``pad_bias``."""
-    lib = _library()
-    assert lib is not None, "cpu_gemm.linear_quant called where the kernel is not available"
     k, n = weight.in_features, weight.out_features
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    lib, rows, y = _call_parts(x, k, n)
     scratch = torch.empty(max(rows.shape[0], 1), k // GROUP, dtype=torch.float32)
     lib.cr_linear_q(rows.data_ptr(), rows.stride(0), weight.codes.data_ptr(), int(weight.nibbles),
                     weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
