@@ -2,12 +2,15 @@
 
 import os as _os
 
-# OpenMP threads that wait for work by sleeping, not spinning (unless the user chose). With
-# torch's default busy-wait, a 2-thread forward collapses as soon as another process uses a
-# core (docs/choices.md, "CPU threads and memory"). libgomp reads this when it loads,
-# i.e. at the first `import torch`: importing cosine_ray first (the CLI, every Ray actor of
-# ours) is enough; a program that imported torch before cosine_ray keeps its own setting.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that spin for a short while (~0.3 ms) before they sleep, unless the user chose
+# (OMP_WAIT_POLICY or GOMP_SPINCOUNT). A CPU decode step runs ~120 parallel regions, and a thread
+# that sleeps between them is woken too late for each: passive waiting made a 2-thread step
+# twice as slow on an idle machine. Spinning threads lose to a process that keeps a core busy;
+# the engine then falls back to one thread (engine/worker/threads.py, docs/choices.md, "CPU
+# threads and memory"). libgomp reads both when it loads, at the first `import torch`:
+# importing cosine_ray first (the CLI, every Ray actor of ours) is enough.
+if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
+    _os.environ["GOMP_SPINCOUNT"] = "30000"
 
 # oneDNN (the CPU projections, ``models.llama.projection_kernel``) keeps two caches keyed by
 # input shape: ideep's (``LRU_CACHE_CAPACITY``) and oneDNN's primitive cache

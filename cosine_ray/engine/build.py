@@ -25,6 +25,7 @@ from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
 from cosine_ray.engine.worker.target import TargetWorker, default_kv_tokens
+from cosine_ray.engine.worker.threads import ThreadGovernor
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
@@ -65,8 +66,9 @@ def build_target(config: EngineConfig, checkpoint: Checkpoint,
     features = FeatureStore() if head_spec(config) is not None else None
     if features is not None:
         stages[-1] = FeatureStage.wrap(stages[-1], features)
+    governor = ThreadGovernor(torch.get_num_threads()) if config.device == "cpu" and torch.get_num_threads() > 1 else None
     worker = TargetWorker(stages, kv_cache_memory=config.kv_cache_memory, runner=config.runner,
-                          external_blocks=True, kv_token_budget=default_kv_tokens(config.step))
+                          external_blocks=True, kv_token_budget=default_kv_tokens(config.step), governor=governor)
     return worker, features
 
 

@@ -27,6 +27,7 @@ import torch
 
 from cosine_ray.engine.worker.scoring import (KVCommit, LayerItem, ScoreItem, ScoreOutput, apply_commits,
                                        build_stage_batch, score_output, split_output)
+from cosine_ray.engine.worker.threads import ThreadGovernor
 from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import StepRunner, startup_keys
 
@@ -243,9 +244,11 @@ class TargetWorker:
 
     def __init__(self, stages: Sequence[LlamaStage], *, max_kv_tokens: int | None = None,
                  kv_cache_memory: int | None = None, runner: str = "auto", external_blocks: bool = False,
-                 kv_token_budget: int | None = None) -> None:
+                 kv_token_budget: int | None = None, governor: ThreadGovernor | None = None) -> None:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("stages must cover the model from the embedding to the lm_head")
+        self.governor = governor
+        """CPU: picks the torch thread count step by step (``engine.worker.threads``)."""
         self.stages = [StageWorker(s, max_kv_tokens=max_kv_tokens, kv_budget_bytes=b, runner=runner,
                                    external_blocks=external_blocks, kv_token_budget=kv_token_budget)
                        for s, b in zip(stages, kv_budgets(stages, kv_cache_memory))]
@@ -258,10 +261,16 @@ class TargetWorker:
         as the work is queued (``PendingScore``)."""
         if not items:
             return PendingScore(items, None)
+        if self.governor is None:
+            return PendingScore(items, self._forward(items, commits))
+        with self.governor.step(sum(len(item.token_ids) for item in items)):
+            return PendingScore(items, self._forward(items, commits))
+
+    def _forward(self, items: Sequence[ScoreItem], commits: Sequence[KVCommit]):
         hidden = None
         for stage in self.stages:
             hidden = stage.forward_pending(items, hidden, commits)
-        return PendingScore(items, hidden)
+        return hidden
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         for stage in self.stages:
