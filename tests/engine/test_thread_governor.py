@@ -104,3 +104,14 @@ def test_switching_threads_every_step_changes_no_token(real_checkpoint, weights)
     finally:
         torch.set_num_threads(previous)
     assert outs["switching"] == outs["fixed"]
+
+
+def test_a_step_runs_on_the_governors_count_even_after_someone_else_set_another():
+    """Two engines in one process (``cosine-ray bench`` runs its systems in turn): each step is
+    on its own governor's count."""
+    machine = Machine({2: 0.010, 1: 0.020})
+    gov = ThreadGovernor(2, first_probe=100, set_threads=machine.set_threads, get_threads=lambda: machine.threads)
+    machine.threads = 1  # another engine's governor left one thread
+    with gov.step(1):
+        assert machine.threads == 2
+    assert machine.set_calls == [2]

@@ -33,12 +33,13 @@ class ThreadGovernor:
 
     def __init__(self, most: int, *, probe_steps: int = 4, first_probe: int = 16, last_probe: int = 1024,
                  gain: float = 0.85, set_threads: Callable[[int], None] = torch.set_num_threads,
+                 get_threads: Callable[[], int] = torch.get_num_threads,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if most < 2:
             raise ValueError(f"a thread governor needs at least 2 threads to choose from, not {most}")
         self.most, self.threads = most, most
         self.probe_steps, self.first_probe, self.last_probe, self.gain = probe_steps, first_probe, last_probe, gain
-        self._set_threads, self._clock = set_threads, clock
+        self._set_threads, self._get_threads, self._clock = set_threads, get_threads, clock
         self._interval = first_probe
         self._since_probe = 0
         self._recent: dict[int, deque[float]] = {}
@@ -52,7 +53,11 @@ class ThreadGovernor:
 
     @contextmanager
     def step(self, rows: int) -> Iterator[None]:
-        """Time one step of ``rows`` new tokens (the count to use is already set)."""
+        """Time one step of ``rows`` new tokens, on this governor's count (set again if someone
+        else changed it: another engine in the same process)."""
+        wanted = self._other() if self._probe is not None else self.threads
+        if self._get_threads() != wanted:
+            self._set_threads(wanted)
         start = self._clock()
         yield
         self.record(rows, self._clock() - start)
