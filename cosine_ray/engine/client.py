@@ -13,8 +13,10 @@ class EngineClient(Protocol):
     vocab_size: int
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs until ``finished``; closing the iterator early aborts the request."""
+               request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """Outputs until ``finished``; closing the iterator early aborts the request. With
+        ``every_s`` > 0 the caller needs no output sooner than that apart (not streaming to
+        its client): outputs that cross a process may be merged (``runtime.engine_client.coalesced``)."""
         ...
 
     async def finish(self, request_id: str) -> None:
@@ -51,8 +53,8 @@ class LocalEngineClient:
         self.vocab_size = engine.checkpoint.config.vocab_size
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               request_id: str) -> AsyncIterator[RequestOutput]:
-        return self.engine.loop.generate(prompt_token_ids, params, request_id)
+               request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        return self.engine.loop.generate(prompt_token_ids, params, request_id)  # in-process: nothing to save
 
     async def finish(self, request_id: str) -> None:
         self.engine.loop.finish(request_id)

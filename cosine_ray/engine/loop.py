@@ -9,7 +9,7 @@ import logging
 from collections import OrderedDict
 from typing import AsyncIterator, Sequence
 
-from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.request import RequestOutput, SamplingParams, merge_outputs
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.metrics.serving import RequestTimeline
 
@@ -166,19 +166,10 @@ class EngineLoop:
     async def generate_all(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                            request_id: str | None = None) -> RequestOutput:
         """Run to completion; returns one output holding every token."""
-        tokens: list[int] = []
-        logprobs: list = []
-        prompt_logprobs = None
-        last = None
+        merged = None
         async for out in self.generate(prompt_token_ids, params, request_id):
-            tokens.extend(out.new_token_ids)
-            logprobs.extend(out.logprobs or ())
-            prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_logprobs
-            last = out
-        return RequestOutput(last.request_id, tokens, True, last.finish_reason, last.num_prompt_tokens,
-                             last.num_output_tokens, last.stats, last.error,
-                             logprobs=tuple(logprobs) if params.logprobs is not None else None,
-                             prompt_logprobs=prompt_logprobs)
+            merged = out if merged is None else merge_outputs(merged, out)
+        return merged
 
     async def shutdown(self) -> None:
         await self.core.flush_learning()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -259,6 +260,16 @@ class RequestOutput:
     """One per token of ``new_token_ids`` when the request asked for them."""
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     """With the request's first output, when asked: None for the first prompt token, then one each."""
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: both outputs' tokens and log-probabilities,
+    the later one's state (finished, reason, counts, stats, error)."""
+    logprobs = None if first.logprobs is None and later.logprobs is None else \
+        (first.logprobs or ()) + (later.logprobs or ())
+    prompt_logprobs = first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs
+    return dataclasses.replace(later, new_token_ids=first.new_token_ids + later.new_token_ids, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
 
 
 def needs_prefill(request: Request) -> bool:

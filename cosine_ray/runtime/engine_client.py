@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from typing import Any, AsyncIterator, Sequence, TypeVar
+import time
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
-from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.request import RequestOutput, SamplingParams, merge_outputs
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,29 @@ ALIVE = "alive"
 """An item of ``EngineServer.generate``'s stream after ``HEARTBEAT_S`` without an output."""
 HEARTBEAT_S = 5.0
 T = TypeVar("T")
+
+
+async def coalesced(outputs: AsyncIterator[RequestOutput], every_s: float,
+                    clock: Callable[[], float] = time.monotonic) -> AsyncIterator[RequestOutput]:
+    """``outputs`` merged (``merge_outputs``) so that one goes out at most every ``every_s``
+    seconds, and the last at once; ``every_s`` 0 passes each through. Every item of a Serve
+    streaming call costs both processes CPU time, which on a small machine the forward's
+    threads pay for. Closing this closes ``outputs``."""
+    try:
+        if every_s <= 0:
+            async for out in outputs:
+                yield out
+            return
+        held, sent = None, clock()
+        async for out in outputs:
+            held = out if held is None else merge_outputs(held, out)
+            if held.finished or clock() - sent >= every_s:
+                yield held
+                held, sent = None, clock()
+        if held is not None:
+            yield held
+    finally:
+        await outputs.aclose()
 
 
 async def with_heartbeats(items: AsyncIterator[T], every_s: float = HEARTBEAT_S) -> AsyncIterator[T | str]:
@@ -95,8 +119,8 @@ class RayEngineClient:
             raise
 
     async def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     request_id: str) -> AsyncIterator[RequestOutput]:
-        gen = self.handle.options(stream=True).generate.remote(list(prompt_token_ids), params, request_id)
+                     request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        gen = self.handle.options(stream=True).generate.remote(list(prompt_token_ids), params, request_id, every_s)
         finished = False
         accepted = False
         try:

@@ -45,7 +45,7 @@ from cosine_ray.models.native import load_weights
 from cosine_ray.runtime.actors import HEAD_METHOD_PREFIX, DrafterActor, StageActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE, actor_name
-from cosine_ray.runtime.engine_client import ACCEPTED, with_heartbeats
+from cosine_ray.runtime.engine_client import ACCEPTED, coalesced, with_heartbeats
 from cosine_ray.runtime.memory import drop_file_pages, malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,
@@ -229,13 +229,14 @@ class EngineServer:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput | str]:
-        """``ACCEPTED``, then the request's outputs, with ``ALIVE`` after each ``HEARTBEAT_S``
-        without one (``RayEngineClient.stream``); a cancelled stream (client gone) aborts it."""
+                       request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput | str]:
+        """``ACCEPTED``, then the request's outputs, merged to one every ``every_s`` seconds at
+        most (``coalesced``), with ``ALIVE`` after each ``HEARTBEAT_S`` without one
+        (``RayEngineClient.stream``); a cancelled stream (client gone) aborts it."""
         yield ACCEPTED  # RayEngineClient.stream: a call that reached no live replica ends in seconds
         # closed here, not left to the collector: Serve may cancel this generator at its yield
-        async with contextlib.aclosing(with_heartbeats(self.loop.generate(prompt_token_ids, params,
-                                                                          request_id))) as outs:
+        outputs = coalesced(self.loop.generate(prompt_token_ids, params, request_id), every_s)
+        async with contextlib.aclosing(with_heartbeats(outputs)) as outs:
             async for out in outs:
                 yield out
 

@@ -63,7 +63,8 @@ FIELDS: tuple[Field, ...] = (
     _h("stream", BOTH, OV, "server-sent events; choices interleaved by index"),
     _h("stream_options", BOTH, OV, "include_usage, continuous_usage_stats"),
     _h("seed", BOTH, OV, "reproducible sampling, with or without speculation (choice i uses seed + i)"),
-    _h("stop", BOTH, OV, "up to 4 strings; the text ends before the first"),
+    _h("stop", BOTH, OV, "up to 4 strings; the text ends before the first, the usage and "
+       "log-probabilities at the token that completed it (as vLLM)"),
     _h("stop_token_ids", BOTH, V, "finish at these tokens (kept in the token count, not in the text)"),
     _h("ignore_eos", BOTH, V, "generate exactly max_tokens tokens"),
     _h("min_tokens", BOTH, V, "EOS and stop_token_ids held back until this many tokens"),

@@ -63,6 +63,7 @@ class TextStream:
         self.is_stopped = False
 
     def add(self, new_token_ids: Sequence[int], *, is_final: bool) -> str:
+        num_before = len(self.token_ids)
         self.token_ids.extend(new_token_ids)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if not is_final:
@@ -71,12 +72,23 @@ class TextStream:
         hits = [i for i in (text.find(s, self.num_sent_chars) for s in self.stop) if i >= 0]
         if hits:
             end, self.is_stopped = min(hits), True
+            del self.token_ids[self._num_tokens_to_stop(num_before):]
         elif not is_final:
             end -= self._num_held_back(text)
         self.text = text[:end] if self.is_stopped else text
         delta = text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
         return delta
+
+    def _num_tokens_to_stop(self, num_before: int) -> int:
+        """The fewest tokens whose text holds a stop string: the tokens an engine output (a
+        speculative step, or several merged) carried past it are not the completion's, in its
+        usage or its log-probabilities (vLLM counts up to the token that completed the stop)."""
+        for n in range(num_before + 1, len(self.token_ids)):
+            text = self.tokenizer.decode(self.token_ids[:n], skip_special_tokens=True)
+            if any(text.find(s, self.num_sent_chars) >= 0 for s in self.stop):
+                return n
+        return len(self.token_ids)
 
     def _num_held_back(self, text: str) -> int:
         longest = min(max((len(s) for s in self.stop), default=1) - 1, len(text) - self.num_sent_chars)
@@ -162,14 +174,17 @@ class Generation:
 
     def __init__(self, engine: EngineClient, tokenizer: Any, prompt_token_ids: list[int],
                  params: SamplingParams, stop: Sequence[str], request_id: str,
-                 on_close: Callable[[], None] | None = None, deadline: float | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, deadline: float | None = None,
+                 every_s: float = 0.0) -> None:
         self._on_close = on_close
         if on_close is not None:  # a Generation dropped without aclose() still frees its slot
             weakref.finalize(self, on_close)
         self.deadline = deadline
         """``time.monotonic()`` by which the request must finish (server-side timeout), or None."""
         self.engine = engine
-        self.outputs = engine.stream(prompt_token_ids, params, request_id)
+        self.outputs = engine.stream(prompt_token_ids, params, request_id, every_s)
+        """``every_s``: a response not streamed needs its text only at the end, and a stop string
+        found up to ``every_s`` late only costs the engine those extra tokens (``EngineClient.stream``)."""
         self.text = TextStream(tokenizer, stop)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.request_id = request_id
@@ -219,6 +234,8 @@ class Generation:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         delta = self.text.add(out.new_token_ids, is_final=out.finished)
+        if self.text.is_stopped:
+            del self.logprobs[len(self.text.token_ids):]  # those of tokens past the stop
         if self.text.is_stopped or out.finished:
             self.finish_reason = "stop" if self.text.is_stopped else out.finish_reason
             self.is_done = True

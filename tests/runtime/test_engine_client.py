@@ -8,7 +8,8 @@ import asyncio
 import time
 
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.runtime.engine_client import ACCEPTED, ALIVE, RayEngineClient, with_heartbeats
+from cosine_ray.algo.logits_rules import TokenLogprob
+from cosine_ray.runtime.engine_client import ACCEPTED, ALIVE, RayEngineClient, coalesced, with_heartbeats
 
 
 class _Stream:
@@ -158,3 +159,64 @@ def test_with_heartbeats_fills_silences_and_closing_it_closes_the_source():
     got = asyncio.run(main())
     assert got[0] == 1 and got[-1] == ALIVE and got.count(ALIVE) >= 3 and set(got) == {1, 2, ALIVE}, got
     assert closed == [True]
+
+
+class _Outputs:
+    """An engine's outputs for one request, one per ``tick`` of a fake clock; records its close."""
+
+    def __init__(self, outs: list[RequestOutput], clock: list[float], tick: float) -> None:
+        self.outs, self.clock, self.tick, self.closed = outs, clock, tick, False
+
+    async def gen(self):
+        try:
+            for out in self.outs:
+                self.clock[0] += self.tick
+                yield out
+        finally:
+            self.closed = True
+
+
+def _lp(token: int) -> TokenLogprob:
+    return TokenLogprob(token, -0.5, ())
+
+
+def _coalesce(outs: list[RequestOutput], every_s: float, tick: float) -> tuple[list[RequestOutput], _Outputs]:
+    clock = [0.0]
+    source = _Outputs(outs, clock, tick)
+
+    async def main():
+        return [o async for o in coalesced(source.gen(), every_s, clock=lambda: clock[0])]
+
+    return asyncio.run(main()), source
+
+
+def test_outputs_are_merged_to_one_per_interval_and_the_last_goes_at_once():
+    outs = [RequestOutput("r", [t], False, num_output_tokens=t, logprobs=(_lp(t),),
+                          prompt_logprobs=(None, _lp(9)) if t == 1 else None) for t in range(1, 8)]
+    outs.append(RequestOutput("r", [8, 9], True, "length", num_output_tokens=9, logprobs=(_lp(8), _lp(9))))
+    merged, source = _coalesce(outs, every_s=0.1, tick=0.03)  # a step every 30 ms: 4 steps an item
+    assert [o.new_token_ids for o in merged] == [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert [o.finished for o in merged] == [False, True] and merged[-1].finish_reason == "length"
+    assert [lp.token_id for o in merged for lp in o.logprobs] == list(range(1, 10))
+    assert merged[0].prompt_logprobs == (None, _lp(9)) and merged[1].prompt_logprobs is None
+    assert [o.num_output_tokens for o in merged] == [4, 9] and source.closed
+
+
+def test_no_interval_passes_every_output_through():
+    outs = [RequestOutput("r", [t], t == 3, "stop" if t == 3 else None) for t in (1, 2, 3)]
+    merged, _ = _coalesce(outs, every_s=0.0, tick=0.001)
+    assert merged == outs
+
+
+def test_closing_the_merged_stream_closes_the_engines():
+    """The client went away: the engine's generator is closed, which aborts the request."""
+    clock = [0.0]
+    source = _Outputs([RequestOutput("r", [t], False) for t in range(100)], clock, 0.2)
+
+    async def main():
+        merged = coalesced(source.gen(), 0.1, clock=lambda: clock[0])
+        first = await merged.__anext__()
+        await merged.aclose()
+        return first
+
+    assert asyncio.run(main()).new_token_ids == [0] and source.closed

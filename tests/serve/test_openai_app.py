@@ -20,12 +20,13 @@ from starlette.testclient import TestClient
 from support.tiny_checkpoint import write_tiny_checkpoint
 from support.uvicorn_thread import serve_in_thread
 
+from cosine_ray.algo.logits_rules import TokenLogprob
 from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import RequestOutput, RequestStats, SamplingParams
 from cosine_ray.serve.errors import EngineUnavailable
-from cosine_ray.serve.generation import TextStream
+from cosine_ray.serve.generation import Generation, TextStream
 from cosine_ray.serve.openai_app import build_openai_app
 
 pytestmark = pytest.mark.real_model  # the embedded SmolLM2's tokenizer
@@ -186,6 +187,34 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
     ts = TextStream(_ByteTokenizer(), stop=["STOP"])
     assert ts.add([0, 3], is_final=True) == "aST" and not ts.is_stopped
     assert TextStream(_ByteTokenizer()).add([0, 7], is_final=True) == "a\ufffd"  # final: nothing held
+
+
+def test_text_stream_keeps_the_tokens_up_to_the_one_that_completed_a_stop_string():
+    """An engine output may carry tokens past a stop string (a speculative step, or outputs merged
+    for a response that is not streamed): they leave the completion, so usage counts none."""
+    ts = TextStream(_ByteTokenizer(), stop=["STOP"])
+    assert ts.add([0], is_final=False) == "a"
+    assert ts.add([3, 4, 0, 1, 6], is_final=False) == "" and ts.is_stopped
+    assert (ts.token_ids, ts.text) == ([0, 3, 4], "a")
+    ts = TextStream(_ByteTokenizer(), stop=["\u00e9b"])  # the stop's first token holds half a character
+    assert ts.add([0, 7, 8, 1, 2, 2], is_final=True) == "a" and ts.token_ids == [0, 7, 8, 1]
+    ts = TextStream(_ByteTokenizer(), stop=["x"])
+    assert ts.add([0, 1, 6], is_final=True) == "ab" and ts.token_ids == [0, 1, 6]  # the last token
+
+
+def test_a_stopped_generation_counts_and_scores_only_the_tokens_up_to_the_stop():
+    class MergedEngine:  # one output holding two steps, the second past the stop string
+        async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+            ids = [0, 3, 4, 0, 1]
+            yield RequestOutput(request_id, ids, False, logprobs=tuple(TokenLogprob(i, -0.5) for i in ids))
+
+        async def finish(self, request_id):
+            pass
+
+    gen = Generation(MergedEngine(), _ByteTokenizer(), [1, 2], SamplingParams(max_tokens=9, logprobs=0),
+                     ["STOP"], "r", every_s=0.1)
+    assert asyncio.run(gen.collect()) == "a" and gen.finish_reason == "stop"
+    assert (gen.usage().completion_tokens, [lp.token_id for lp in gen.take_logprobs()]) == (3, [0, 3, 4])
 
 
 # ---- concurrency and disconnects ------------------------------------------------------------
@@ -398,7 +427,7 @@ class _FakeEngine:
     def __init__(self, outputs: list[RequestOutput] | Exception, health: Any = None) -> None:
         self.outputs, self._health, self.closed = outputs, health, 0
 
-    async def stream(self, prompt_token_ids, params, request_id):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
         try:
             if isinstance(self.outputs, Exception):
                 raise self.outputs

@@ -96,6 +96,7 @@ class Server:
     model: str = ""
     chat: list[Case] = field(default_factory=list)
     completion: list[Case] = field(default_factory=list)
+    tok: Any = None
 
     def log_tail(self, n: int = 60) -> str:
         return log_tail(self.log_path, n)
@@ -143,7 +144,7 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint, real_hf_model) -> Ser
     try:
         # the references are computed while the cluster loads the model
         ref_start = time.perf_counter()
-        tok = real_checkpoint.load_tokenizer()
+        tok = srv.tok = real_checkpoint.load_tokenizer()
         srv.chat, srv.completion = build_cases(real_hf_model, tok)
         _timed("HF greedy references", ref_start)
         wait_until_serving(proc, log_path, READY_TIMEOUT_S)
@@ -253,6 +254,24 @@ def test_completion_matches_hf_greedy(server, oai):
         assert resp.choices[0].finish_reason == case.finish_reason
         check_usage(resp.usage, case)
     _timed(f"{len(server.completion)} completions", start)
+
+
+def test_a_stop_string_ends_text_usage_and_logprobs_at_its_token(server, oai):
+    """Not streamed, the engine's outputs reach the ingress merged (0.1 s apart), so the stop
+    string is found some tokens late: those leave the text, the usage and the log-probabilities."""
+    cases = [case for case in server.completion if len(case.ref_text) >= 12]  # an EOS may end one early
+    assert cases, [case.ref_text for case in server.completion]
+    for case in cases:
+        at = 2 * len(case.ref_text) // 3
+        stop = case.ref_text[at:at + 4]
+        text = case.ref_text[:case.ref_text.find(stop)]
+        num_tokens = next(n for n in range(1, len(case.ref_ids) + 1)
+                          if stop in server.tok.decode(case.ref_ids[:n], skip_special_tokens=True))
+        resp = oai.completions.create(model=server.model, prompt=case.text, max_tokens=MAX_TOKENS, temperature=0,
+                                      stop=[stop], logprobs=1)
+        choice = resp.choices[0]
+        assert (choice.text, choice.finish_reason) == (text, "stop"), case.source
+        assert resp.usage.completion_tokens == len(choice.logprobs.tokens) == num_tokens, case.source
 
 
 def test_streaming_chat_matches_hf_greedy(server, aoai):
