@@ -4,10 +4,9 @@ import os as _os
 
 # OpenMP threads that spin for a short while (~0.3 ms) before they sleep, unless the user chose
 # (OMP_WAIT_POLICY or GOMP_SPINCOUNT). A CPU decode step runs ~120 parallel regions, and a thread
-# that sleeps between them is woken too late for each: passive waiting made a 2-thread step
-# twice as slow on an idle machine. Spinning threads lose to a process that keeps a core busy;
-# the engine then falls back to one thread (engine/worker/threads.py, docs/choices.md, "CPU
-# threads and memory"). libgomp reads both when it loads, at the first `import torch`:
+# that sleeps between them is woken too late for each (docs/performance-cpu.md). Spinning
+# threads lose to a process that keeps a core busy; the engine then falls back to one thread
+# (engine/worker/threads.py, docs/choices.md, "CPU threads and memory"). libgomp reads both when it loads, at the first `import torch`:
 # importing cosine_ray first (the CLI, every Ray actor of ours) is enough.
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "30000"

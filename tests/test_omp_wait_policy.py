@@ -1,7 +1,7 @@
 """Importing cosine_ray lets OpenMP threads spin briefly before they sleep unless the user chose
 how they wait (OMP_WAIT_POLICY or GOMP_SPINCOUNT): a thread woken from sleep for each of a CPU
-step's parallel regions halves a 2-thread step's speed. It also bounds oneDNN's per-shape
-caches (docs/choices.md, "CPU threads and memory")."""
+step's parallel regions slows the step. It also bounds oneDNN's per-shape caches
+(docs/choices.md, "CPU threads and memory")."""
 
 import os
 import subprocess

@@ -66,7 +66,8 @@ def build_target(config: EngineConfig, checkpoint: Checkpoint,
     features = FeatureStore() if head_spec(config) is not None else None
     if features is not None:
         stages[-1] = FeatureStage.wrap(stages[-1], features)
-    governor = ThreadGovernor(torch.get_num_threads()) if config.device == "cpu" and torch.get_num_threads() > 1 else None
+    threads = torch.get_num_threads()
+    governor = ThreadGovernor(threads) if config.device == "cpu" and threads > 1 else None
     worker = TargetWorker(stages, kv_cache_memory=config.kv_cache_memory, runner=config.runner,
                           external_blocks=True, kv_token_budget=default_kv_tokens(config.step), governor=governor)
     return worker, features

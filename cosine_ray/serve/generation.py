@@ -69,9 +69,9 @@ class TextStream:
         if not is_final:
             text = text.rstrip("\ufffd")
         end = len(text)
-        hits = [i for i in (text.find(s, self.num_sent_chars) for s in self.stop) if i >= 0]
-        if hits:
-            end, self.is_stopped = min(hits), True
+        stop_at = self._first_stop(text)
+        if stop_at is not None:
+            end, self.is_stopped = stop_at, True
             del self.token_ids[self._num_tokens_to_stop(num_before):]
         elif not is_final:
             end -= self._num_held_back(text)
@@ -85,10 +85,14 @@ class TextStream:
         speculative step, or several merged) carried past it are not the completion's, in its
         usage or its log-probabilities (vLLM counts up to the token that completed the stop)."""
         for n in range(num_before + 1, len(self.token_ids)):
-            text = self.tokenizer.decode(self.token_ids[:n], skip_special_tokens=True)
-            if any(text.find(s, self.num_sent_chars) >= 0 for s in self.stop):
+            if self._first_stop(self.tokenizer.decode(self.token_ids[:n], skip_special_tokens=True)) is not None:
                 return n
         return len(self.token_ids)
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the first stop string begins in the unsent part of ``text``, or None."""
+        hits = [i for i in (text.find(s, self.num_sent_chars) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
 
     def _num_held_back(self, text: str) -> int:
         longest = min(max((len(s) for s in self.stop), default=1) - 1, len(text) - self.num_sent_chars)

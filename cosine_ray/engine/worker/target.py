@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
@@ -261,16 +261,11 @@ class TargetWorker:
         as the work is queued (``PendingScore``)."""
         if not items:
             return PendingScore(items, None)
-        if self.governor is None:
-            return PendingScore(items, self._forward(items, commits))
-        with self.governor.step(sum(len(item.token_ids) for item in items)):
-            return PendingScore(items, self._forward(items, commits))
-
-    def _forward(self, items: Sequence[ScoreItem], commits: Sequence[KVCommit]):
         hidden = None
-        for stage in self.stages:
-            hidden = stage.forward_pending(items, hidden, commits)
-        return hidden
+        with nullcontext() if self.governor is None else self.governor.step(sum(len(i.token_ids) for i in items)):
+            for stage in self.stages:
+                hidden = stage.forward_pending(items, hidden, commits)
+        return PendingScore(items, hidden)
 
     def commit(self, commits: Sequence[KVCommit]) -> None:
         for stage in self.stages:
