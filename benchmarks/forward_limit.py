@@ -1,7 +1,7 @@
 """A c = 1 plain decode step against the memory-bandwidth limit of this machine.
 
     python benchmarks/forward_limit.py [--model smollm2-135m] [--threads 2] [--context 256]
-        [--steps 40] [--rounds 3] [--paths dense,dense-onednn,native,native-int4pack,dense-bf16] [--divergence 12]
+        [--steps 40] [--rounds 3] [--paths dense,dense-unfused,native,native-unfused,dense-onednn,native-int4pack,dense-bf16] [--divergence 12]
 
 At one request a decode step reads every projection's weights once, so its floor is
 *bytes of weights read per token ÷ memory bandwidth*. This command measures the bandwidth (a sum
@@ -16,7 +16,9 @@ greedy; at each first divergence it prints the logit gap of transformers' fp32 l
 
 Paths: ``dense`` and ``native`` (the fp32 checkpoint, the GGUF blocks: our kernels where they
 build), ``dense-onednn`` and ``native-int4pack`` (the same through oneDNN's packed linear and
-PyTorch's int4 kernel with bf16 activations), ``dense-bf16`` (bf16 matrices, oneDNN).
+PyTorch's int4 kernel with bf16 activations), ``dense-unfused`` and ``native-unfused`` (our kernels
+with each layer's norms, RoPE and MLP activation as PyTorch operations instead of in C:
+``COSINE_RAY_FUSED_LAYERS=0``), ``dense-bf16`` (bf16 matrices, oneDNN).
 """
 
 from __future__ import annotations
@@ -32,15 +34,18 @@ from unittest import mock
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch, _Linear
+from cosine_ray.models import cpu_gemm
+from cosine_ray.models.llama import CPU_GEMM_ENV, FUSED_ENV, LlamaStage, StageBatch, _Linear
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import QuantLinear
 
-PATHS = {"dense": ("dense", torch.float32, None), "dense-onednn": ("dense", torch.float32, "onednn"),
-         "native": ("native", torch.float32, None), "native-int4pack": ("native", torch.float32, "onednn"),
-         "dense-bf16": ("dense", torch.bfloat16, None)}
-"""name -> (weights mode, dtype, ``COSINE_RAY_CPU_GEMM`` while the stage is built, or the default)"""
+PATHS = {"dense": ("dense", torch.float32, {}), "dense-onednn": ("dense", torch.float32, {CPU_GEMM_ENV: "onednn"}),
+         "dense-unfused": ("dense", torch.float32, {FUSED_ENV: "0"}),
+         "native": ("native", torch.float32, {}), "native-int4pack": ("native", torch.float32, {CPU_GEMM_ENV: "onednn"}),
+         "native-unfused": ("native", torch.float32, {FUSED_ENV: "0"}),
+         "dense-bf16": ("dense", torch.bfloat16, {})}
+"""name -> (weights mode, dtype, environment while the stage is built)"""
 
 
 def bandwidth_gbs(threads: int, mib: int = 512, reps: int = 7) -> float:
@@ -127,8 +132,25 @@ def _in_features(p: _Linear) -> int:
 @contextlib.contextmanager
 def _projections_labelled():
     """``models.cpu_gemm`` runs through ctypes, which the profiler cannot see: while profiling,
-    every projection on it is recorded as ``cpu_gemm.linear`` (counted as a projection)."""
+    every projection on it is recorded as ``cpu_gemm.linear`` (counted as a projection), and a
+    fused layer's two calls as ``cpu_gemm.fused`` (its projections and small operations together),
+    and our attention kernel as ``cpu_gemm.attention``."""
     calls = {cls: cls.__call__ for cls in (_Linear, QuantLinear)}
+    fused = {name: getattr(cpu_gemm.FusedLayer, name) for name in ("pre", "post")}
+
+    def labelled_fused(call):
+        def run(self, *args):
+            with torch.profiler.record_function("cpu_gemm.fused"):
+                return call(self, *args)
+        return run
+    for name, call in fused.items():
+        setattr(cpu_gemm.FusedLayer, name, labelled_fused(call))
+    attend_rows = cpu_gemm.attend_rows
+
+    def labelled_attention(*args):
+        with torch.profiler.record_function("cpu_gemm.attention"):
+            return attend_rows(*args)
+    cpu_gemm.attend_rows = labelled_attention
 
     def labelled(call):
         def run(self, x):
@@ -144,6 +166,9 @@ def _projections_labelled():
     finally:
         for cls, call in calls.items():
             cls.__call__ = call
+        for name, call in fused.items():
+            setattr(cpu_gemm.FusedLayer, name, call)
+        cpu_gemm.attend_rows = attend_rows
 
 
 def split(stage: LlamaStage, dec: Decoder, steps: int) -> dict[str, float]:
@@ -154,10 +179,12 @@ def split(stage: LlamaStage, dec: Decoder, steps: int) -> dict[str, float]:
         for _ in range(steps):
             dec.step()
         wall = time.perf_counter() - start
-    parts = {"projections": 0.0, "attention": 0.0}
+    parts = {"projections": 0.0, "fused layer calls (projections + small ops)": 0.0, "attention": 0.0}
     for e in prof.key_averages():
         name = e.key
-        if "linear" in name or "int4pack" in name or name in ("aten::mm", "aten::addmm"):
+        if name == "cpu_gemm.fused":
+            parts["fused layer calls (projections + small ops)"] += e.self_cpu_time_total
+        elif "linear" in name or "int4pack" in name or name in ("aten::mm", "aten::addmm"):
             parts["projections"] += e.self_cpu_time_total
         elif "attention" in name:
             parts["attention"] += e.self_cpu_time_total
@@ -229,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory bandwidth, {args.threads} threads (sum of 512 MiB, best of 7): {bw:.1f} GB/s")
     stages, decoders = {}, {}
     for name in names:
-        mode, dtype, kernel = PATHS[name]
+        mode, dtype, env = PATHS[name]
         if name == "dense-bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             print("dense-bf16: skipped (this CPU has no native bf16 GEMM)")
             continue
         try:
-            with mock.patch.dict(os.environ, {CPU_GEMM_ENV: kernel} if kernel else {}):
+            with mock.patch.dict(os.environ, env):
                 stages[name] = LlamaStage(ckpt.config, load_weights(ckpt, mode), dtype=dtype)
         except ValueError as exc:
             print(f"{name}: skipped ({exc})")

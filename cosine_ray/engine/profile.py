@@ -33,6 +33,7 @@ import torch
 
 from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
+from cosine_ray.models import cpu_gemm
 from cosine_ray.models.native import load_weights
 from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig
@@ -90,6 +91,7 @@ def profile_path(config: EngineConfig) -> Path:
     short hash of the full path."""
     spec = str(config.model)
     kernel = projection_kernel(config.device)
+    kernel += "-fused" if kernel == "blocked" and cpu_gemm.fused_on(config.device) else ""
     kernel = f"-k{kernel}" if kernel != "default" else ""
     kernel += f"-w{config.weights}" if config.weights != "dense" else ""  # quantized steps cost less
     name = Path(spec).name or spec

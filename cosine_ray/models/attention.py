@@ -14,6 +14,13 @@ loop, and builds on the host (copied to the device once) what the layers need:
 - a *single* for each longer chain: a fresh prefill attends causally to itself, a continued
   one (a later chunk) gathers its slots and uses a causal-offset mask.
 
+On CPU, in a stage whose layers run fused (``cpu_gemm.fused_on``, fp32), the batched requests'
+rows go instead to our own kernel (``cpu_gemm.attend_rows``): each row gets the list of pool
+slots it sees (``RowKeys``, built once per step from the same masks) and is computed alone, in
+one order, so its result does not depend on the step's other rows; a PyTorch attention call
+costs ~0.1 ms at one query row, 30 of them a decode step. The long chains stay on
+``scaled_dot_product_attention``.
+
 The fixed-shape step of ``models.runner`` (``padded_plan``) builds the same masks inside a
 CUDA graph. The figures behind the CPU grouping are in docs/history.
 """
@@ -27,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cosine_ray.models import cpu_gemm
 from cosine_ray.models.kv_cache import KVCache
 
 EAGER_CUDA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
@@ -87,10 +95,26 @@ class _Single:
 
 
 @dataclass(slots=True)
+class RowKeys:
+    """The batched requests' query rows as lists of the pool slots each attends to (CPU, for
+    ``cpu_gemm.attend_rows``): row ``rows[r]`` of the flat batch sees ``keys[ptr[r]:ptr[r + 1]]``."""
+
+    rows: torch.Tensor
+    """[R] int64"""
+    ptr: torch.Tensor
+    """[R + 1] int64"""
+    keys: torch.Tensor
+    """[nnz] int64 pool slots, each row's in logical order."""
+    max_keys: int
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor
     """[T] pool slot of every new token, in flat batch order."""
     groups: list[_Batched | _Single]
+    row_keys: RowKeys | None = None
+    """On CPU: the batched groups' rows and their keys, for our own attention kernel (``attend``)."""
 
 
 def _visible(slot: int, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -109,9 +133,10 @@ def _visible(slot: int, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor 
 
 
 def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *, extend: bool,
-                   device: torch.device) -> AttentionPlan:
+                   device: torch.device, row_keys: bool = False) -> AttentionPlan:
     """Open every request's speculative level (``reserve``, or ``extend`` for a PipeDec layer)
-    and build the step's attention inputs (see the module docstring)."""
+    and build the step's attention inputs (see the module docstring); ``row_keys`` (CPU, fp32):
+    the short rows' keys for ``cpu_gemm.attend_rows`` too."""
     slot_mapping: list[int] = []
     batched: list[tuple[int, int, int, torch.Tensor | None, list[int]]] = []  # offset, n, L, visible, slots
     groups: list[_Batched | _Single] = []
@@ -130,9 +155,28 @@ def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *
             index = torch.tensor(kv_cache.slots(rid, 0, length), dtype=torch.long, device=device)
             groups.append(_Single(offset, n, index, _visible(slot, n, tree_mask).to(device)))
         offset += n
-    for members in _by_query_length(batched, device):
-        groups.append(_batched_group(members, total, device))
-    return AttentionPlan(torch.tensor(slot_mapping, dtype=torch.long, device=device), groups)
+    plan = AttentionPlan(torch.tensor(slot_mapping, dtype=torch.long, device=device), groups)
+    if row_keys and batched:
+        plan.row_keys = _row_keys(batched)
+    else:
+        groups += [_batched_group(members, total, device) for members in _by_query_length(batched, device)]
+    return plan
+
+
+def _row_keys(batched: list) -> RowKeys:
+    rows, counts, keys = [], [], []
+    for offset, n, length, visible, slots in batched:
+        rows += range(offset, offset + n)
+        slot_row = torch.tensor(slots, dtype=torch.long)
+        if visible is None:  # one new token (or every one) sees every slot
+            counts += [length] * n
+            keys += [slot_row] * n
+        else:
+            counts += visible.sum(1).tolist()
+            keys.append(slot_row.expand(n, length)[visible])
+    ptr = torch.zeros(len(counts) + 1, dtype=torch.long)
+    ptr[1:] = torch.tensor(counts, dtype=torch.long).cumsum(0)
+    return RowKeys(torch.tensor(rows, dtype=torch.long), ptr, torch.cat(keys), max(counts))
 
 
 def _by_query_length(batched: list, device: torch.device) -> list[list]:
@@ -213,9 +257,19 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
            *, scale: float, wide: bool = False) -> torch.Tensor:
     """q  # [T, heads, head_dim]; k, v  # [T, kv_heads, head_dim] -> [T, heads * head_dim].
     Writes k and v into the pool first."""
-    kv_cache.write_slots(layer, plan.slot_mapping, k, v)
     num_tokens, heads, head_dim = q.shape
     gqa = k.shape[1] != heads
+    if plan.row_keys is not None:  # our CPU kernel (the plan holds no batched groups then)
+        assert not wide and q.dtype == kv_cache.dtype == torch.float32, "row keys are for fp32 CPU stages"
+        pools = kv_cache.span(layer, 0, kv_cache.pool.shape[2])
+        cpu_gemm.write_kv(k, v, plan.slot_mapping, *pools)
+        out = q.new_empty(num_tokens, heads * head_dim)
+        cpu_gemm.attend_rows(q, plan.row_keys, *pools, scale, out)
+        for g in plan.groups:  # the long chains (prefills) as below
+            if isinstance(g, _Single):
+                _attend_single(g, kv_cache, layer, q, k, v, scale, gqa, wide, out)
+        return out
+    kv_cache.write_slots(layer, plan.slot_mapping, k, v)
     if len(plan.groups) == 1 and isinstance(plan.groups[0], _Batched) and plan.groups[0].query_rows is None \
             and plan.groups[0].rows is None:
         return _attend_batched(plan.groups[0], kv_cache, layer, q, scale, gqa, wide)  # the common case: no scatter
@@ -231,17 +285,24 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
                 rows = rows.index_select(0, g.real)
             out.index_copy_(0, g.out_rows, rows)
             continue
-        n, sl = g.num_new, slice(g.offset, g.offset + g.num_new)
-        query = q[sl].transpose(0, 1)[None]
-        if g.gather_index is None:  # a fresh chain: its own keys, causal
-            keys, values = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
-            o = _sdpa(query, keys, values, wide, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            keys, values = kv_cache.gather(layer, g.gather_index)
-            o = _sdpa(query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], wide,
-                      attn_mask=g.mask, scale=scale, enable_gqa=gqa)
-        out[sl] = o[0].transpose(0, 1).reshape(n, heads * head_dim)
+        _attend_single(g, kv_cache, layer, q, k, v, scale, gqa, wide, out)
     return out
+
+
+def _attend_single(g: _Single, kv_cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float, gqa: bool, wide: bool, out: torch.Tensor) -> None:
+    """A long chain's rows of ``out``."""
+    _, heads, head_dim = q.shape
+    n, sl = g.num_new, slice(g.offset, g.offset + g.num_new)
+    query = q[sl].transpose(0, 1)[None]
+    if g.gather_index is None:  # a fresh chain: its own keys, causal
+        keys, values = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
+        o = _sdpa(query, keys, values, wide, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        keys, values = kv_cache.gather(layer, g.gather_index)
+        o = _sdpa(query, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], wide,
+                  attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+    out[sl] = o[0].transpose(0, 1).reshape(n, heads * head_dim)
 
 
 def _attend_batched(g: _Batched, kv_cache: KVCache, layer: int, q: torch.Tensor, scale: float,

@@ -200,3 +200,147 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles,
             qtile_1(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
     }
 }
+
+/* ---- a decoder layer's work around its attention, in two calls --------------------------------
+ *
+ * At one row a layer's projections take a few microseconds each, and the small operations
+ * between them (two RMS norms, RoPE, two residual adds, SiLU * up) cost as much again as
+ * separate PyTorch calls. ``cr_layer_pre`` and ``cr_layer_post`` run them here, around the
+ * projections above, row by row: a row's result never depends on the other rows or on the
+ * thread count, as with the kernels alone.
+ *
+ * A projection: kind 0 = fp32 blocks (``cr_linear_f32``), 1 = 4-bit codes, 2 = Q8_0 codes. */
+#include <math.h>
+
+typedef struct {
+    int64_t kind, N, K;
+    const void *weight;  /* fp32 blocks, or the codes */
+    const float *d, *m, *bias;
+} cr_proj;
+
+static void project(const cr_proj *p, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
+                    float *xsum, int threads) {
+    if (p->kind == 0)
+        cr_linear_f32(x, ldx, (const float *)p->weight, p->bias, y, ldy, M, p->N, p->K, threads);
+    else
+        cr_linear_q(x, ldx, (const uint8_t *)p->weight, p->kind == 1, p->d, p->m, p->bias, y, ldy, M, p->N, p->K,
+                    xsum, threads);
+}
+
+/* Rows past this many share the small operations' loops among the threads (each row is still
+ * computed by one thread, in one order). */
+#define PARALLEL_ROWS 4
+
+/* out = w * (x / sqrt(mean(x^2) + eps)), row by row (transformers' LlamaRMSNorm in fp32) */
+static void rms_norm_rows(const float *x, const float *w, float eps, float *out, int64_t M, int64_t H,
+                          int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if(M >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < M; i++) {
+        const float *r = x + i * H;
+        float *o = out + i * H;
+        float ss = 0;
+        for (int64_t j = 0; j < H; j++) ss += r[j] * r[j];
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t j = 0; j < H; j++) o[j] = w[j] * (r[j] * inv);
+    }
+}
+
+/* h = rms_norm(x); qkv = h Wqkv^T (+ b); then each of the first ``rot_heads`` heads of a row is
+ * rotated: v * cos + roll(v, hd / 2) * ssin (``models.llama._apply_rope``), cos and ssin [M][hd].
+ * x, h [M][H]; qkv [M][qkv->N] */
+void cr_layer_pre(const float *x, int64_t M, int64_t H, const float *norm, float eps, const cr_proj *qkv,
+                  const float *cos_t, const float *ssin_t, int64_t rot_heads, int64_t hd, float *h, float *out,
+                  float *xsum, int threads) {
+    rms_norm_rows(x, norm, eps, h, M, H, threads);
+    project(qkv, h, H, out, qkv->N, M, xsum, threads);
+    int64_t half = hd / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads) if(M >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < M; i++) {
+        float tmp[1024];
+        const float *c = cos_t + i * hd, *s = ssin_t + i * hd;
+        for (int64_t hh = 0; hh < rot_heads; hh++) {
+            float *v = out + i * qkv->N + hh * hd;
+            memcpy(tmp, v, (size_t)hd * sizeof(float));
+            for (int64_t j = 0; j < half; j++) v[j] = tmp[j] * c[j] + tmp[j + half] * s[j];
+            for (int64_t j = half; j < hd; j++) v[j] = tmp[j] * c[j] + tmp[j - half] * s[j];
+        }
+    }
+}
+
+/* x += attn Wo^T; h = rms_norm(x); gu = h Wgu^T; act = silu(gate) * up; x += act Wdown^T.
+ * x, h [M][H]; attn [M][o->K]; gu [M][2 I]; act [M][I] */
+void cr_layer_post(float *x, int64_t M, int64_t H, const float *attn, const cr_proj *o, const float *norm,
+                   float eps, const cr_proj *gate_up, const cr_proj *down, float *h, float *gu, float *act,
+                   float *xsum, int threads) {
+    int64_t inter = down->K;
+    project(o, attn, o->K, h, H, M, xsum, threads);
+    for (int64_t i = 0; i < M * H; i++) x[i] += h[i];
+    rms_norm_rows(x, norm, eps, h, M, H, threads);
+    project(gate_up, h, H, gu, 2 * inter, M, xsum, threads);
+    #pragma omp parallel for schedule(static) num_threads(threads) if(M >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < inter; j++) {
+            float g = gu[i * 2 * inter + j];
+            act[i * inter + j] = g / (1.0f + expf(-g)) * gu[i * 2 * inter + inter + j];
+        }
+    project(down, act, inter, h, H, M, xsum, threads);
+    for (int64_t i = 0; i < M * H; i++) x[i] += h[i];
+}
+
+/* ---- attention of a step's short query rows over the KV pool -------------------------------
+ *
+ * Query row r (``rows[r]`` of q and out) attends to the pool slots keys[ptr[r] .. ptr[r + 1]), in
+ * that order: its committed slots, then what its tree mask lets it see. Per head: scores
+ * s = scale (q . k), p = exp(s - max s), out = sum p v / sum p, each sum in key order and each
+ * dot product in one fixed order: a row's result depends only on its own query and keys, not
+ * on the other rows of the step (what makes a speculative verify row equal to the decode row).
+ * q, out: row stride ldq / ldo floats, heads * hd each; kpool, vpool [slots][kv_heads][hd]. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float lanes[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
+    float s = 0;
+    for (int l = 0; l < 16; l++) s += lanes[l];
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R, const int64_t *ptr,
+                    const int64_t *keys, const float *kpool, const float *vpool, int64_t heads, int64_t kv_heads,
+                    int64_t hd, float scale, float *out, int64_t ldo, float *scores, int64_t max_keys, int threads) {
+    int64_t group = heads / kv_heads, stride = kv_heads * hd;
+    #pragma omp parallel for schedule(static) num_threads(threads) if(R * heads >= 4)
+    for (int64_t t = 0; t < R * heads; t++) {
+        int64_t r = t / heads, h = t % heads, kvh = h / group;
+        const float *qv = q + rows[r] * ldq + h * hd;
+        float *o = out + rows[r] * ldo + h * hd;
+        float *s = scores + t * max_keys;
+        int64_t n = ptr[r + 1] - ptr[r];
+        const int64_t *ks = keys + ptr[r];
+        float m = -INFINITY;
+        for (int64_t c = 0; c < n; c++) {
+            s[c] = scale * dot(qv, kpool + ks[c] * stride + kvh * hd, hd);
+            if (s[c] > m) m = s[c];
+        }
+        float sum = 0;
+        for (int64_t c = 0; c < n; c++) { s[c] = expf(s[c] - m); sum += s[c]; }
+        for (int64_t j = 0; j < hd; j++) o[j] = 0;
+        for (int64_t c = 0; c < n; c++) {
+            const float *vv = vpool + ks[c] * stride + kvh * hd;
+            float p = s[c];
+            for (int64_t j = 0; j < hd; j++) o[j] += p * vv[j];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < hd; j++) o[j] *= inv;
+    }
+}
+
+/* k and v of T new tokens (rows of ldk / ldv floats, width floats each) into pool slots ``slots`` */
+void cr_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T, const int64_t *slots,
+                 float *kpool, float *vpool, int64_t width) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(kpool + slots[t] * width, k + t * ldk, (size_t)width * sizeof(float));
+        memcpy(vpool + slots[t] * width, v + t * ldv, (size_t)width * sizeof(float));
+    }
+}

@@ -7,7 +7,11 @@ so that at one row every block is one contiguous stream, and sums every output i
 order whatever the number of rows (row-invariant). GGUF weights (``--weights native``) go the same
 way, kept quantized: ``pack_quant`` lays a GGUF matrix's codes (``models.quant``) out in the
 same 32-column blocks (4-bit codes two to a byte, Q8_0's as int8) with fp32 group
-scales, and ``linear_quant`` multiplies fp32 activations with them.
+scales, and ``linear_quant`` multiplies fp32 activations with them. Around the projections the
+same library runs a decoder layer's small operations (``FusedLayer``: RMS norms, RoPE, residual
+adds, SiLU · up; two calls a layer) and the attention of a step's short query rows
+(``attend_rows``), row by row, so that a step is a few dozen C calls instead of ~1,000 PyTorch
+operations of a few microseconds each (``COSINE_RAY_FUSED_LAYERS=0`` turns this off).
 
 The shared library is compiled on first use with the system C compiler (``$CC`` or ``cc``,
 ``-O3 -march=native -fopenmp``) into ``cache_root()/kernels`` under a key of the source, the
@@ -35,7 +39,7 @@ import torch
 from cosine_ray.models.conversion import cache_root
 
 __all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
-           "pack_quant", "unpack", "used_on"]
+           "pack_quant", "unpack", "used_on", "FusedLayer", "LayerScratch"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,9 @@ BLOCK = 32
 """Output columns per weight block (two 16-lane registers)."""
 GROUP = 32
 """Weights per GGUF block along the input dimension."""
+FUSED_ENV = "COSINE_RAY_FUSED_LAYERS"
+"""``0`` keeps a CPU layer's norms, RoPE, MLP activation and attention as PyTorch operations (to
+compare); by default they run in ``cpu_gemm.c`` around our kernels' projections."""
 ENV = "COSINE_RAY_CPU_GEMM"
 """``blocked`` (default: these kernels, where they build), ``onednn`` or ``mkl``: the kernel of
 the CPU projections (``mkl`` and ``onednn`` send GGUF weights to PyTorch's int4 kernel)."""
@@ -51,6 +58,21 @@ _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
 _QUANT_ARGTYPES = [_P, _I, _P, ctypes.c_int, _P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
+_F = ctypes.c_float
+
+
+class _Proj(ctypes.Structure):
+    """``cr_proj`` of ``cpu_gemm.c``: one projection for ``cr_layer_pre`` / ``cr_layer_post``."""
+
+    _fields_ = [("kind", _I), ("N", _I), ("K", _I), ("weight", _P), ("d", _P), ("m", _P), ("bias", _P)]
+
+
+_PROJ = ctypes.POINTER(_Proj)
+_PRE_ARGTYPES = [_P, _I, _I, _P, _F, _PROJ, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
+_POST_ARGTYPES = [_P, _I, _I, _P, _PROJ, _P, _F, _PROJ, _PROJ, _P, _P, _P, _P, ctypes.c_int]
+_ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int]
+MAX_HEAD_DIM = 1024
+"""``cr_layer_pre`` rotates a head through a stack buffer of this many floats."""
 
 
 def _cpu_signature() -> str:
@@ -72,7 +94,7 @@ def _build(out: Path, compiler: str, torch_lib: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         staged = Path(tmp) / out.name
         cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SOURCE),
-               "-o", str(staged), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
+               "-o", str(staged), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(staged, out)  # atomic: concurrent builders (Ray workers) never load a torn file
 
@@ -101,6 +123,14 @@ def _library() -> ctypes.CDLL | None:
     lib.cr_linear_f32.restype = None
     lib.cr_linear_q.argtypes = _QUANT_ARGTYPES
     lib.cr_linear_q.restype = None
+    lib.cr_layer_pre.argtypes = _PRE_ARGTYPES
+    lib.cr_layer_pre.restype = None
+    lib.cr_layer_post.argtypes = _POST_ARGTYPES
+    lib.cr_layer_post.restype = None
+    lib.cr_attend_rows.argtypes = _ATTEND_ARGTYPES
+    lib.cr_attend_rows.restype = None
+    lib.cr_write_kv.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _I]
+    lib.cr_write_kv.restype = None
     return lib
 
 
@@ -115,6 +145,13 @@ def choice() -> str:
     if value not in KERNELS:
         raise ValueError(f"{ENV}={value!r}: use one of {', '.join(KERNELS)}")
     return value
+
+
+def fused_on(device: torch.device | str) -> bool:
+    """A stage built now on ``device`` runs its layers' small operations and the attention of its
+    short query rows in ``cpu_gemm.c`` (``FusedLayer``, ``attend_rows``): where the kernels are
+    used, unless ``COSINE_RAY_FUSED_LAYERS=0``."""
+    return used_on(device) and os.environ.get(FUSED_ENV, "1").strip() != "0"
 
 
 def used_on(device: torch.device | str) -> bool:
@@ -210,3 +247,88 @@ def linear_quant(x: torch.Tensor, weight: BlockedQuant, bias: torch.Tensor | Non
                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows.shape[0], n, k,
                     scratch.data_ptr(), torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
+
+
+# ---- a decoder layer's small operations beside its projections (cr_layer_pre / cr_layer_post) ----
+
+def _proj(weight: "torch.Tensor | BlockedQuant", bias: torch.Tensor | None, n: int, k: int) -> _Proj:
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(weight, BlockedQuant):
+        kind = 1 if weight.nibbles else 2
+        return _Proj(kind, n, k, weight.codes.data_ptr(), weight.scales.data_ptr(),
+                     None if weight.mins is None else weight.mins.data_ptr(), bias_ptr)
+    return _Proj(0, n, k, weight.data_ptr(), None, None, bias_ptr)
+
+
+class LayerScratch:
+    """The buffers one forward's layers share: [rows, hidden] twice, the qkv rows, gate/up and
+    the activation, and the GGUF kernel's group sums."""
+
+    __slots__ = ("h", "qkv", "gu", "act", "xsum")
+
+    def __init__(self, rows: int, hidden: int, qkv: int, inter: int) -> None:
+        self.h = torch.empty(rows, hidden)
+        self.qkv = torch.empty(rows, qkv)
+        self.gu = torch.empty(rows, 2 * inter)
+        self.act = torch.empty(rows, inter)
+        self.xsum = torch.empty(max(rows, 1), max(hidden, inter) // GROUP + 1)
+
+
+class FusedLayer:
+    """One decoder layer's norms, RoPE, residual adds and SiLU · up run in ``cpu_gemm.c`` around
+    its four projections (each either fp32 blocks from ``pack`` or GGUF blocks from
+    ``pack_quant``): two calls a layer instead of some thirty PyTorch operations. The tensors the
+    projections point at stay alive in the caller's layer (``models.llama._Layer``)."""
+
+    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "qkv_n", "inter", "hidden")
+
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                 projections: dict[str, tuple["torch.Tensor | BlockedQuant", torch.Tensor | None, int, int]]) -> None:
+        """projections: qkv, o, gate_up and down as (weight, padded bias or None, N, K)."""
+        self.input_norm, self.post_norm, self.eps = input_norm.contiguous(), post_norm.contiguous(), float(eps)
+        self.qkv, self.o, self.gate_up, self.down = (ctypes.pointer(_proj(*projections[name]))
+                                                     for name in ("qkv", "o", "gate_up", "down"))
+        self.qkv_n, self.hidden = projections["qkv"][2], projections["qkv"][3]
+        self.inter = projections["down"][3]
+
+    def pre(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rot_heads: int, head_dim: int,
+            scratch: LayerScratch) -> torch.Tensor:
+        """x  # [rows, hidden] fp32 contiguous -> the rows' q, k, v [rows, qkv] (q and k rotated),
+        in ``scratch``; cos, signed_sin  # [rows, head_dim] contiguous."""
+        _library().cr_layer_pre(x.data_ptr(), x.shape[0], self.hidden, self.input_norm.data_ptr(), self.eps, self.qkv,
+                                cos.data_ptr(), signed_sin.data_ptr(), rot_heads, head_dim, scratch.h.data_ptr(),
+                                scratch.qkv.data_ptr(), scratch.xsum.data_ptr(), torch.get_num_threads())
+        return scratch.qkv
+
+    def post(self, x: torch.Tensor, attn: torch.Tensor, scratch: LayerScratch) -> None:
+        """x += the layer's attention output projected, then its MLP, in place; attn  # [rows, heads *
+        head_dim] contiguous."""
+        _library().cr_layer_post(x.data_ptr(), x.shape[0], self.hidden, attn.data_ptr(), self.o,
+                                 self.post_norm.data_ptr(), self.eps, self.gate_up, self.down, scratch.h.data_ptr(),
+                                 scratch.gu.data_ptr(), scratch.act.data_ptr(), scratch.xsum.data_ptr(),
+                                 torch.get_num_threads())
+
+
+def attend_rows(q: torch.Tensor, row_keys, kpool: torch.Tensor, vpool: torch.Tensor, scale: float,
+                out: torch.Tensor) -> None:
+    """``cr_attend_rows``: the rows ``row_keys.rows`` of out  # [T, heads * head_dim] from q  # [T,
+    heads, head_dim] (rows of any stride, heads packed) over the pool slots ``row_keys``
+    (``models.attention.RowKeys``) of kpool, vpool  # [slots, kv_heads, head_dim] contiguous, fp32."""
+    _, heads, head_dim = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and kpool.is_contiguous()
+    rows = row_keys.rows
+    scores = torch.empty(len(rows) * heads, max(row_keys.max_keys, 1))
+    _library().cr_attend_rows(q.data_ptr(), q.stride(0), rows.data_ptr(), len(rows), row_keys.ptr.data_ptr(),
+                              row_keys.keys.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), heads, kpool.shape[1],
+                              head_dim, scale, out.data_ptr(), out.stride(0), scores.data_ptr(), scores.shape[1],
+                              torch.get_num_threads())
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor) -> None:
+    """``cr_write_kv``: k, v  # [T, kv_heads, head_dim] fp32 (rows of any stride, heads packed)
+    into pool slots ``slots`` [T] int64 of kpool, vpool  # [slots, kv_heads, head_dim] contiguous."""
+    width = k.shape[1] * k.shape[2]
+    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] and kpool.is_contiguous()
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == k.shape[0]
+    _library().cr_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], slots.data_ptr(),
+                           kpool.data_ptr(), vpool.data_ptr(), width)

@@ -137,6 +137,7 @@ CPU_GEMM_ENV = cpu_gemm.ENV
 """``blocked`` (default on CPU: our own kernels, ``models.cpu_gemm``, where they build; oneDNN for
 half-precision weights), ``onednn`` or ``mkl``: the kernel of the CPU projections."""
 CPU_GEMM_KERNELS = cpu_gemm.KERNELS
+FUSED_ENV = cpu_gemm.FUSED_ENV
 
 
 def onednn_available() -> bool:
@@ -320,6 +321,9 @@ class LlamaStage:
                 gate_up=linear([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"], gate_up_bias),
                 down=linear([f"{p}mlp.down_proj.weight"], down_bias),
             ))
+        self.fused = self._fused_layers()
+        """``cpu_gemm.FusedLayer`` per layer where every projection runs on our CPU kernels (fp32
+        activations), else None: ``_layers`` then runs each layer's small operations in C."""
         self.wide_attention = self.device.type == "cpu" and any(
             isinstance(m, QuantLinear) and m.blocked is None
             for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -384,7 +388,8 @@ class LlamaStage:
             rows = _rows_in_order(counts, order)
             rids, counts, masks = ([seq[i] for i in order] for seq in (rids, counts, masks))
             x, positions = x.index_select(0, rows), positions.index_select(0, rows)  # CPU only: no copies
-        plan = plan_attention(rids, counts, masks, kv_cache, extend=batch.extend, device=self.device)
+        plan = plan_attention(rids, counts, masks, kv_cache, extend=batch.extend, device=self.device,
+                              row_keys=self.fused is not None)
         with eager_attention(self.device):
             x = self._layers(x, positions.to(self.device),
                              lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale,
@@ -401,12 +406,34 @@ class LlamaStage:
         """Last stage: final norm and lm_head, fp32 logits  # [rows, vocab]"""
         return self.lm_head(_rms_norm(x, self.norm_weight, self.config.rms_norm_eps)).float()
 
+    def _fused_layers(self) -> "list[cpu_gemm.FusedLayer] | None":
+        cfg = self.config
+        if not cpu_gemm.fused_on(self.device) or self.dtype != torch.float32 or cfg.head_dim > cpu_gemm.MAX_HEAD_DIM \
+                or not self.layers:
+            return None
+
+        def projection(m: "_Linear | QuantLinear", n: int, k: int):
+            return None if m.blocked is None else (m.blocked, m.blocked_bias, n, k)
+
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        fused = []
+        for layer in self.layers:
+            parts = {"qkv": projection(layer.qkv, qkv_n, h), "o": projection(layer.o, h, cfg.num_heads * cfg.head_dim),
+                     "gate_up": projection(layer.gate_up, 2 * inter, h), "down": projection(layer.down, h, inter)}
+            if any(p is None for p in parts.values()):
+                return None
+            fused.append(cpu_gemm.FusedLayer(layer.input_norm, layer.post_norm, cfg.rms_norm_eps, parts))
+        return fused
+
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """The decoder layers over x  # [T, hidden] at RoPE ``positions`` [T];
         ``attention(local_layer, q, k, v) -> [T, heads * head_dim]`` writes and reads the KV."""
         cfg = self.config
         cos, signed_sin = _rope_tables(positions, self.inv_freq, self.dtype)
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.fused is not None:
+            return self._fused_forward(x, cos, signed_sin, attention)
         for local, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
@@ -418,6 +445,24 @@ class LlamaStage:
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+        return x
+
+    def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                       attention) -> torch.Tensor:
+        """``_layers`` with each layer's norms, RoPE, residuals and MLP activation in C
+        (``cpu_gemm.FusedLayer``), the attention between them as in ``_layers``."""
+        cfg = self.config
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = x.to(torch.float32, copy=True).contiguous()  # updated in place: never the caller's tensor
+        rows = x.shape[0]
+        cos, signed_sin = cos.reshape(rows, hd).contiguous(), signed_sin.reshape(rows, hd).contiguous()
+        scratch = cpu_gemm.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size)
+        for local, layer in enumerate(self.fused):
+            qkv = layer.pre(x, cos, signed_sin, nh + nkv, hd, scratch)
+            q = qkv[:, :nh * hd].view(rows, nh, hd)
+            k = qkv[:, nh * hd:(nh + nkv) * hd].view(rows, nkv, hd)
+            v = qkv[:, (nh + nkv) * hd:].view(rows, nkv, hd)
+            layer.post(x, attention(local, q, k, v).contiguous(), scratch)
         return x
 
     def forward_padded(self, inputs: "PaddedInputs", kv_cache: KVCache,

@@ -1,0 +1,203 @@
+"""A decoder layer's small operations in C (``cpu_gemm.FusedLayer``: RMS norms, RoPE, residual
+adds, SiLU · up around the layer's projections): equal to the same layer in PyTorch operations
+within fp32 rounding, every row bit for bit the same alone, in any batch and on any thread count
+(what keeps speculative and batched decoding equal to plain decoding), and used by a CPU stage
+by default, on fp32 and GGUF weights, unless ``COSINE_RAY_FUSED_LAYERS=0``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from cosine_ray.models import cpu_gemm
+from cosine_ray.models.llama import FUSED_ENV, LlamaStage, StageBatch, _apply_rope, _rms_norm, _rope_tables
+from cosine_ray.models.quant import QuantTensor
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the kernel is not built here")
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 64, 4, 2, 16, 96, 1e-5
+QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER)}
+    out = {name: torch.randn(*shape, generator=g) * 0.1 for name, shape in shapes.items()}
+    out["input_norm"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+    out["post_norm"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+    out["qkv_bias"] = torch.randn(QKV, generator=g) * 0.1
+    return out
+
+
+def as_quant(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """w rounded to the GGUF format's weights (what the quantized kernel multiplies with)."""
+    q = QuantTensor(fmt, torch.from_numpy(np.ascontiguousarray(
+        quantize(w.numpy().astype(np.float32), GGMLQuantizationType[fmt]))), w.shape[1])
+    return q
+
+
+def fused_layer(w: dict[str, torch.Tensor], fmt: str | None) -> tuple[cpu_gemm.FusedLayer, dict[str, torch.Tensor], list]:
+    """The layer on our kernels (fp32 blocks, or GGUF blocks of ``fmt``), and the dense weights it
+    multiplies with (the GGUF ones dequantized)."""
+    dense, keep, parts = {}, [], {}
+    for name, (n, k) in {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM), "gate_up": (2 * INTER, HIDDEN),
+                         "down": (HIDDEN, INTER)}.items():
+        bias = cpu_gemm.pad_bias(w["qkv_bias"]) if name == "qkv" else None
+        if fmt is None:
+            packed, dense[name] = cpu_gemm.pack(w[name]), w[name]
+        else:
+            q = as_quant(w[name], fmt)
+            packed, dense[name] = cpu_gemm.pack_quant(q.fmt, *q._fields()), q.dequantize()
+        keep += [packed, bias]
+        parts[name] = (packed, bias, n, k)
+    return cpu_gemm.FusedLayer(w["input_norm"], w["post_norm"], EPS, parts), dense, keep
+
+
+def torch_layer(x, w, dense, positions, attention):
+    """The layer as ``LlamaStage._layers`` computes it without the fused calls, and its q, k, v."""
+    cos, ssin = _rope_tables(positions, 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)), torch.float32)
+    h = _rms_norm(x, w["input_norm"], EPS)
+    qkv = h @ dense["qkv"].t() + w["qkv_bias"]
+    qk = _apply_rope(qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(-1, HEADS + KV_HEADS, HEAD_DIM), cos, ssin)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(-1, KV_HEADS, HEAD_DIM)
+    q, k = qk[:, :HEADS], qk[:, HEADS:]
+    x = x + attention(q, k, v) @ dense["o"].t()
+    h = _rms_norm(x, w["post_norm"], EPS)
+    gate, up = (h @ dense["gate_up"].t()).chunk(2, dim=-1)
+    return x + (F.silu(gate) * up) @ dense["down"].t(), (q, k, v)
+
+
+def row_attention(q, k, v):
+    """A stand-in attention that mixes each row's own heads only (row-local, deterministic)."""
+    return (q * k.repeat_interleave(HEADS // KV_HEADS, dim=1) + v.repeat_interleave(HEADS // KV_HEADS, dim=1)).reshape(
+        q.shape[0], HEADS * HEAD_DIM)
+
+
+def fused_run(layer: cpu_gemm.FusedLayer, x: torch.Tensor, positions: torch.Tensor):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    cos, ssin = (t.reshape(len(positions), HEAD_DIM).contiguous() for t in _rope_tables(positions, inv_freq, torch.float32))
+    x = x.clone()
+    scratch = cpu_gemm.LayerScratch(x.shape[0], HIDDEN, QKV, INTER)
+    qkv = layer.pre(x, cos, ssin, HEADS + KV_HEADS, HEAD_DIM, scratch).clone()
+    q = qkv[:, :HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(-1, KV_HEADS, HEAD_DIM)
+    layer.post(x, row_attention(q, k, v).contiguous(), scratch)
+    return x, qkv
+
+
+@pytest.mark.parametrize("fmt", [None, "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_a_fused_layer_is_the_pytorch_layer_within_fp32_rounding(fmt, rows):
+    w = weights(seed=rows)
+    layer, dense, _keep = fused_layer(w, fmt)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(rows) * 7 + 3
+    ours, qkv = fused_run(layer, x, positions)
+    expected, (q, k, v) = torch_layer(x, w, dense, positions, row_attention)
+    torch.testing.assert_close(qkv[:, :HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM), q, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(-1, KV_HEADS, HEAD_DIM), v, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ours, expected, atol=5e-5, rtol=5e-5)
+    assert not torch.equal(ours, x)  # the layer did something
+
+
+@pytest.mark.parametrize("fmt", [None, "Q4_1", "Q8_0"])
+def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(fmt):
+    layer, _, _keep = fused_layer(weights(seed=3), fmt)
+    rows = 11
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(rows) + 40
+    whole, _ = fused_run(layer, x, positions)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(fused_run(layer, x, positions)[0], whole)
+    finally:
+        torch.set_num_threads(threads)
+    for i in (0, 5, rows - 1):
+        assert torch.equal(fused_run(layer, x[i:i + 1], positions[i:i + 1])[0][0], whole[i])
+    assert torch.equal(fused_run(layer, x[3:9], positions[3:9])[0], whole[3:9])
+
+
+def test_a_cpu_stage_fuses_its_layers_by_default_and_not_when_told(tiny_checkpoint, monkeypatch):
+    state = tiny_checkpoint.load_state_dict()
+    fused = LlamaStage(tiny_checkpoint.config, state)
+    monkeypatch.setenv(FUSED_ENV, "0")
+    plain = LlamaStage(tiny_checkpoint.config, state)
+    assert fused.fused is not None and len(fused.fused) == len(fused.layers) and plain.fused is None
+    assert LlamaStage(tiny_checkpoint.config, state, dtype=torch.bfloat16).fused is None  # bf16 stays on oneDNN
+    ids = torch.randint(0, 256, (29,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def logits(stage: LlamaStage) -> torch.Tensor:
+        cache = stage.new_kv_cache()
+        cache.allocate("r")
+        return stage.forward(StageBatch.from_chains(["r"], [ids], [0], last_logits_only=False), cache)
+
+    a, b = logits(fused), logits(plain)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+# ---- the short rows' attention (cpu_gemm.attend_rows) -------------------------------------------
+
+def pool_and_rows(seed: int, slots: int = 80):
+    """A KV pool, and 7 query rows over it with ragged, masked key lists (3 requests: a decode row,
+    a 4-node tree and a 2-token chain), as ``plan_attention`` lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    kpool, vpool = (torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    q = torch.randn(7, QKV, generator=g)[:, :HEADS * HEAD_DIM].view(7, HEADS, HEAD_DIM)  # strided rows, as in a step
+    perm = torch.randperm(slots, generator=g)
+    keys = [perm[:30].tolist(),                                   # one decode row: 30 slots
+            *[perm[30:50].tolist() + perm[50:54][m].tolist()       # a tree: 20 committed + its ancestors
+              for m in ([0], [0, 1], [0, 2], [0, 1, 3])],
+            perm[54:70].tolist(), perm[54:71].tolist()]           # a chain: causal
+    rows = [0, 1, 2, 3, 4, 5, 6]
+    return q, kpool, vpool, rows, keys
+
+
+def row_keys(rows, keys):
+    from cosine_ray.models.attention import RowKeys
+    ptr = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
+    return RowKeys(torch.tensor(rows), ptr, torch.tensor([s for k in keys for s in k]), max(map(len, keys)))
+
+
+def sdpa_rows(q, kpool, vpool, keys, scale):
+    out = []
+    for i, ks in enumerate(keys):
+        k, v = kpool[ks].transpose(0, 1), vpool[ks].transpose(0, 1)  # [kv, L, hd]
+        o = F.scaled_dot_product_attention(q[i][:, None], k.repeat_interleave(HEADS // KV_HEADS, 0),
+                                           v.repeat_interleave(HEADS // KV_HEADS, 0), scale=scale)
+        out.append(o[:, 0].reshape(-1))
+    return torch.stack(out)
+
+
+def test_the_rows_attention_is_pytorchs_within_fp32_rounding():
+    q, kpool, vpool, rows, keys = pool_and_rows(seed=5)
+    out = torch.full((7, HEADS * HEAD_DIM), float("nan"))
+    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, HEAD_DIM ** -0.5, out)
+    torch.testing.assert_close(out, sdpa_rows(q, kpool, vpool, keys, HEAD_DIM ** -0.5), atol=2e-6, rtol=2e-5)
+
+
+def test_an_attention_row_is_the_same_alone_in_any_batch_and_on_any_thread_count():
+    q, kpool, vpool, rows, keys = pool_and_rows(seed=6)
+    whole = torch.zeros(7, HEADS * HEAD_DIM)
+    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, whole)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            again = torch.zeros_like(whole)
+            cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, again)
+            assert torch.equal(again, whole)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(7):  # each row alone (a decode step) writes exactly its row of the batch
+        alone = torch.zeros_like(whole)
+        cpu_gemm.attend_rows(q, row_keys([i], [keys[i]]), kpool, vpool, 0.25, alone)
+        assert torch.equal(alone[i], whole[i]) and not alone[[j for j in range(7) if j != i]].any()
