@@ -107,7 +107,11 @@ def test_chat_logprobs_equal_hf_with_and_without_drafters(servers, ck):
         model=MODEL, messages=MSG, max_tokens=16, temperature=0, logprobs=True, top_logprobs=3, stream=True)
     streamed = [t for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for t in chunk.choices[0].logprobs.content]
-    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    # the streamed request finds the prompt in the prefix cache and computes only its last tokens:
+    # the same tokens, log-probabilities within fp32 rounding (not to 4 decimals, which a 1e-6
+    # difference can flip at a rounding boundary)
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert max(abs(s.logprob - c.logprob) for s, c in zip(streamed, content)) < 1e-4
 
 
 def test_completion_echo_with_prompt_logprobs(servers, ck):
