@@ -15,10 +15,8 @@ first N held-back prompts greedily on each path and counts texts identical to tr
 greedy; at each first divergence it prints the logit gap of transformers' fp32 logits there.
 
 Paths: ``dense`` and ``native`` (the fp32 checkpoint, the GGUF blocks: our kernels where they
-build), ``dense-onednn`` and ``native-int4pack`` (the same through oneDNN's packed linear and
-PyTorch's int4 kernel with bf16 activations), ``dense-unfused`` and ``native-unfused`` (our kernels
-with each layer's norms, RoPE and MLP activation as PyTorch operations instead of in C:
-``COSINE_RAY_FUSED_LAYERS=0``), ``dense-bf16`` (bf16 matrices, oneDNN).
+build), ``dense-onednn`` and ``native-int4pack`` (oneDNN's packed linear, PyTorch's int4 kernel
+with bf16 activations), ``*-unfused`` (``COSINE_RAY_FUSED_LAYERS=0``), ``dense-bf16`` (oneDNN).
 """
 
 from __future__ import annotations

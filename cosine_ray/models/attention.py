@@ -14,15 +14,9 @@ loop, and builds on the host (copied to the device once) what the layers need:
 - a *single* for each longer chain: a fresh prefill attends causally to itself, a continued
   one (a later chunk) gathers its slots and uses a causal-offset mask.
 
-On CPU, in a stage whose layers run fused (``cpu_gemm.fused_on``, fp32), the batched requests'
-rows go instead to our own kernel (``cpu_gemm.attend_rows``): each row gets the list of pool
-slots it sees (``RowKeys``, built once per step from the same masks) and is computed alone, in
-one order, so its result does not depend on the step's other rows; a PyTorch attention call
-costs ~0.1 ms at one query row, 30 of them a decode step. The long chains stay on
-``scaled_dot_product_attention``.
-
-The fixed-shape step of ``models.runner`` (``padded_plan``) builds the same masks inside a
-CUDA graph. The figures behind the CPU grouping are in docs/history.
+In a fused fp32 CPU stage the batched rows go to our kernel instead (``cpu_gemm.attend_rows``,
+``RowKeys``: each row over the pool slots it sees, computed alone, docs/performance-cpu.md).
+``padded_plan`` builds the same masks inside a CUDA graph (``models.runner``).
 """
 
 from __future__ import annotations
