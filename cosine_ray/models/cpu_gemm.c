@@ -212,6 +212,8 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles,
  * A projection: kind 0 = fp32 blocks (``cr_linear_f32``), 1 = 4-bit codes, 2 = Q8_0 codes. */
 #include <math.h>
 
+#define MAX_HEAD_DIM 1024  /* cpu_gemm.MAX_HEAD_DIM: a stage with wider heads is not fused */
+
 typedef struct {
     int64_t kind, N, K;
     const void *weight;  /* fp32 blocks, or the codes */
@@ -256,7 +258,7 @@ void cr_layer_pre(const float *x, int64_t M, int64_t H, const float *norm, float
     int64_t half = hd / 2;
     #pragma omp parallel for schedule(static) num_threads(threads) if(M >= PARALLEL_ROWS)
     for (int64_t i = 0; i < M; i++) {
-        float tmp[1024];
+        float tmp[MAX_HEAD_DIM];
         const float *c = cos_t + i * hd, *s = ssin_t + i * hd;
         for (int64_t hh = 0; hh < rot_heads; hh++) {
             float *v = out + i * qkv->N + hh * hd;

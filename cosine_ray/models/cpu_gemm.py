@@ -39,7 +39,8 @@ import torch
 from cosine_ray.models.conversion import cache_root
 
 __all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
-           "pack_quant", "unpack", "used_on", "FusedLayer", "LayerScratch"]
+           "pack_quant", "unpack", "used_on", "FUSED_ENV", "FusedLayer", "LayerScratch", "attend_rows", "fused_on",
+           "write_kv"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ _PRE_ARGTYPES = [_P, _I, _I, _P, _F, _PROJ, _P, _P, _I, _I, _P, _P, _P, ctypes.c
 _POST_ARGTYPES = [_P, _I, _I, _P, _PROJ, _P, _F, _PROJ, _PROJ, _P, _P, _P, _P, ctypes.c_int]
 _ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int]
 MAX_HEAD_DIM = 1024
-"""``cr_layer_pre`` rotates a head through a stack buffer of this many floats."""
+"""``cr_layer_pre`` rotates a head through a stack buffer of this many floats (``MAX_HEAD_DIM`` there)."""
 
 
 def _cpu_signature() -> str:
@@ -266,12 +267,13 @@ class LayerScratch:
 
     __slots__ = ("h", "qkv", "gu", "act", "xsum")
 
-    def __init__(self, rows: int, hidden: int, qkv: int, inter: int) -> None:
+    def __init__(self, rows: int, hidden: int, qkv: int, inter: int, attn: int) -> None:
+        """attn: the o projection's input width (heads × head_dim, which need not be hidden)."""
         self.h = torch.empty(rows, hidden)
         self.qkv = torch.empty(rows, qkv)
         self.gu = torch.empty(rows, 2 * inter)
         self.act = torch.empty(rows, inter)
-        self.xsum = torch.empty(max(rows, 1), max(hidden, inter) // GROUP + 1)
+        self.xsum = torch.empty(max(rows, 1), max(hidden, inter, attn) // GROUP + 1)  # any projection's K
 
 
 class FusedLayer:
@@ -280,7 +282,7 @@ class FusedLayer:
     ``pack_quant``): two calls a layer instead of some thirty PyTorch operations. The tensors the
     projections point at stay alive in the caller's layer (``models.llama._Layer``)."""
 
-    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "qkv_n", "inter", "hidden")
+    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "hidden")
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                  projections: dict[str, tuple["torch.Tensor | BlockedQuant", torch.Tensor | None, int, int]]) -> None:
@@ -288,8 +290,7 @@ class FusedLayer:
         self.input_norm, self.post_norm, self.eps = input_norm.contiguous(), post_norm.contiguous(), float(eps)
         self.qkv, self.o, self.gate_up, self.down = (ctypes.pointer(_proj(*projections[name]))
                                                      for name in ("qkv", "o", "gate_up", "down"))
-        self.qkv_n, self.hidden = projections["qkv"][2], projections["qkv"][3]
-        self.inter = projections["down"][3]
+        self.hidden = projections["qkv"][3]
 
     def pre(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rot_heads: int, head_dim: int,
             scratch: LayerScratch) -> torch.Tensor:

@@ -456,7 +456,7 @@ class LlamaStage:
         x = x.to(torch.float32, copy=True).contiguous()  # updated in place: never the caller's tensor
         rows = x.shape[0]
         cos, signed_sin = cos.reshape(rows, hd).contiguous(), signed_sin.reshape(rows, hd).contiguous()
-        scratch = cpu_gemm.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size)
+        scratch = cpu_gemm.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size, nh * hd)
         for local, layer in enumerate(self.fused):
             qkv = layer.pre(x, cos, signed_sin, nh + nkv, hd, scratch)
             q = qkv[:, :nh * hd].view(rows, nh, hd)

@@ -34,8 +34,8 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def as_quant(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """w rounded to the GGUF format's weights (what the quantized kernel multiplies with)."""
+def as_quant(w: torch.Tensor, fmt: str) -> QuantTensor:
+    """w quantized to the GGUF format (the blocks the quantized kernel multiplies with)."""
     q = QuantTensor(fmt, torch.from_numpy(np.ascontiguousarray(
         quantize(w.numpy().astype(np.float32), GGMLQuantizationType[fmt]))), w.shape[1])
     return q
@@ -82,7 +82,7 @@ def fused_run(layer: cpu_gemm.FusedLayer, x: torch.Tensor, positions: torch.Tens
     inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     cos, ssin = (t.reshape(len(positions), HEAD_DIM).contiguous() for t in _rope_tables(positions, inv_freq, torch.float32))
     x = x.clone()
-    scratch = cpu_gemm.LayerScratch(x.shape[0], HIDDEN, QKV, INTER)
+    scratch = cpu_gemm.LayerScratch(x.shape[0], HIDDEN, QKV, INTER, HEADS * HEAD_DIM)
     qkv = layer.pre(x, cos, ssin, HEADS + KV_HEADS, HEAD_DIM, scratch).clone()
     q = qkv[:, :HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
     k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
