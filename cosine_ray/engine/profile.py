@@ -87,11 +87,13 @@ def profile_path(config: EngineConfig) -> Path:
     multi-threaded in-process engine have very different costs) and the drafter set
     (``drafter_set_digest``), and on CPU the projection kernel (``-konednn`` / ``-kmkl``,
     ``models.llama.projection_kernel``: their verify costs grow very differently with the
-    tokens of a step). A model given as a path is named by its last component plus a
+    tokens of a step; ours, ``-kblocked[-fused]-DIGEST``, also by a digest of their source, since
+    a change to them changes every cost). A model given as a path is named by its last component plus a
     short hash of the full path."""
     spec = str(config.model)
     kernel = projection_kernel(config.device)
-    kernel += "-fused" if kernel == "blocked" and cpu_gemm.fused_on(config.device) else ""
+    if kernel == "blocked":
+        kernel += ("-fused" if cpu_gemm.fused_on(config.device) else "") + f"-{cpu_gemm.source_digest()}"
     kernel = f"-k{kernel}" if kernel != "default" else ""
     kernel += f"-w{config.weights}" if config.weights != "dense" else ""  # quantized steps cost less
     name = Path(spec).name or spec

@@ -40,7 +40,7 @@ from cosine_ray.models.conversion import cache_root
 
 __all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
            "pack_quant", "unpack", "used_on", "FUSED_ENV", "FusedLayer", "LayerScratch", "attend_rows", "fused_on",
-           "write_kv"]
+           "source_digest", "write_kv"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,13 @@ def _build(out: Path, compiler: str, torch_lib: Path) -> None:
                "-o", str(staged), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(staged, out)  # atomic: concurrent builders (Ray workers) never load a torn file
+
+
+@functools.cache
+def source_digest() -> str:
+    """8 hex digits of ``cpu_gemm.c``: a latency profile measured on one version of the kernels is
+    not reused by another (``engine.profile.profile_path``)."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]
 
 
 @functools.cache

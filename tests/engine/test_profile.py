@@ -87,7 +87,9 @@ def test_profile_json_round_trips_through_the_default_path(tiny_profile, cache):
     config, model = tiny_profile
     path = profile.save_profile(model, profile.profile_path(config))
     assert path.parent == cache / "profiles" and path.name.startswith("tiny-llama-")
-    kernel = projection_kernel("cpu") + ("-fused" if cpu_gemm.fused_on("cpu") else "")
+    kernel = projection_kernel("cpu")
+    if kernel == "blocked":
+        kernel += ("-fused" if cpu_gemm.fused_on("cpu") else "") + f"-{cpu_gemm.source_digest()}"
     assert f"-cpu-float32-s1-t1-d{profile.drafter_set_digest(config)}-k{kernel}.json" in path.name
     again = LatencyModel.from_json(path.read_text())
     assert again == model
@@ -154,9 +156,10 @@ def test_profile_path_keys_the_cpu_projection_kernel(tiny_checkpoint, cache, mon
     assert names["onednn"] != names["mkl"]
     if cpu_gemm.available():  # our kernels, with and without the fused layers
         monkeypatch.setenv("COSINE_RAY_CPU_GEMM", "blocked")
-        assert profile.profile_path(config).name.endswith("-kblocked-fused.json")
+        digest = cpu_gemm.source_digest()
+        assert profile.profile_path(config).name.endswith(f"-kblocked-fused-{digest}.json")
         monkeypatch.setenv(cpu_gemm.FUSED_ENV, "0")
-        assert profile.profile_path(config).name.endswith("-kblocked.json")
+        assert profile.profile_path(config).name.endswith(f"-kblocked-{digest}.json")
 
 
 def test_two_setups_keep_their_own_profiles(tiny_profile, cache, monkeypatch):
