@@ -76,7 +76,7 @@ void cr_linear_f32(const float *x, int64_t ldx, const float *wp, const float *bi
  *   codes [ceil(N / 32)][K / 2][32] uint8, code k in the low nibble and k + 1 in the high one
  * Q8_0 (w = d q, q int8):
  *   codes [ceil(N / 32)][K][32] int8
- * d, m    [ceil(N / 32)][K / 32][32] fp32 (m NULL for Q8_0)
+ * d, m    [ceil(N / 32)][K / 32][32] fp16, the file's own values (m NULL for Q8_0)
  * xsum    [M][K / 32] scratch: x summed over each group (with m)
  *
  * Per group, y[m, n] += d (sum_k x q) + m (sum_k x): the inner sum is one register lane over the
@@ -127,6 +127,28 @@ static inline v16 widen_u4(const uint8_t *p, int shift) {
 #endif
 }
 
+/* 16 fp16 scales -> fp32, exactly (F16C, or by their bits) */
+static inline v16 halves(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return from_m512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+#else
+    v16 out;
+    for (int i = 0; i < 16; i++) {
+        uint32_t h = p[i], sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, f = h & 1023, bits;
+        if (e == 31) bits = sign | 0x7f800000u | (f << 13);
+        else if (e) bits = sign | ((e + 112) << 23) | (f << 13);
+        else if (!f) bits = sign;
+        else {  /* subnormal: normalise */
+            e = 113;
+            while (!(f & 1024)) { f <<= 1; e--; }
+            bits = sign | (e << 23) | ((f & 1023) << 13);
+        }
+        memcpy(&out[i], &bits, 4);
+    }
+    return out;
+#endif
+}
+
 #define QACCUMULATE(ROWS, W0, W1, K)                                                            \
     for (int i = 0; i < ROWS; i++) {                                                            \
         v16 xv = (v16){0} + xg[i * ldx + (K)];                                                  \
@@ -136,8 +158,8 @@ static inline v16 widen_u4(const uint8_t *p, int shift) {
 
 #define QTILE(ROWS)                                                                             \
 static inline void qtile_##ROWS(const float *x, int64_t ldx, const float *xsum, int64_t groups, \
-                                const uint8_t *codes, int nibbles, const float *d,              \
-                                const float *mins, const float *bias, float *y, int64_t ldy,    \
+                                const uint8_t *codes, int nibbles, const uint16_t *d,           \
+                                const uint16_t *mins, const float *bias, float *y, int64_t ldy, \
                                 int64_t cols) {                                                 \
     v16 acc[ROWS][2];                                                                           \
     for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = (v16){0};                           \
@@ -158,13 +180,13 @@ static inline void qtile_##ROWS(const float *x, int64_t ldx, const float *xsum, 
                 QACCUMULATE(ROWS, w0, w1, k)                                                    \
             }                                                                                   \
         }                                                                                       \
-        v16 d0 = load16(d + g * BLOCK), d1 = load16(d + g * BLOCK + 16);                        \
+        v16 d0 = halves(d + g * BLOCK), d1 = halves(d + g * BLOCK + 16);                        \
         for (int i = 0; i < ROWS; i++) {                                                        \
             acc[i][0] += d0 * part[i][0];                                                       \
             acc[i][1] += d1 * part[i][1];                                                       \
         }                                                                                       \
         if (mins) {                                                                             \
-            v16 m0 = load16(mins + g * BLOCK), m1 = load16(mins + g * BLOCK + 16);              \
+            v16 m0 = halves(mins + g * BLOCK), m1 = halves(mins + g * BLOCK + 16);              \
             for (int i = 0; i < ROWS; i++) {                                                    \
                 v16 s = (v16){0} + xsum[i * groups + g];                                        \
                 acc[i][0] += m0 * s;                                                            \
@@ -179,8 +201,8 @@ QTILE(2)
 QTILE(4)
 
 /* nibbles: 1 for the Q4 layout, 0 for Q8_0's int8 codes; mins NULL for Q8_0 */
-void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles, const float *d,
-                 const float *mins, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles, const uint16_t *d,
+                 const uint16_t *mins, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
                  int64_t K, float *xsum, int threads) {
     int64_t blocks = (N + BLOCK - 1) / BLOCK, groups = K / 32;
     int64_t block_bytes = nibbles ? K / 2 * BLOCK : K * BLOCK;
@@ -195,7 +217,8 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles,
     for (int64_t t = 0; t < blocks; t++) {
         int64_t n0 = t * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK, m = 0;
         const uint8_t *c = codes + t * block_bytes;
-        const float *dd = d + n0 * groups, *mm = mins ? mins + n0 * groups : 0, *b = bias ? bias + n0 : 0;
+        const uint16_t *dd = d + n0 * groups, *mm = mins ? mins + n0 * groups : 0;
+        const float *b = bias ? bias + n0 : 0;
         for (; m + 4 <= M; m += 4)
             qtile_4(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
         if (m + 2 <= M) {
@@ -223,7 +246,8 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles,
 typedef struct {
     int64_t kind, N, K;
     const void *weight;  /* fp32 blocks, or the codes */
-    const float *d, *m, *bias;
+    const uint16_t *d, *m;  /* GGUF only: fp16 scales and mins */
+    const float *bias;
 } cr_proj;
 
 static void project(const cr_proj *p, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,

@@ -6,7 +6,7 @@ docs/performance-cpu.md). ``cpu_gemm.c`` keeps each weight as 32-column blocks, 
 so that at one row every block is one contiguous stream, and sums every output in one fixed
 order whatever the number of rows (row-invariant). GGUF weights (``--weights native``) go the same
 way, kept quantized: ``pack_quant`` lays a GGUF matrix's codes (``models.quant``) out in the
-same 32-column blocks (4-bit codes two to a byte, Q8_0's as int8) with fp32 group
+same 32-column blocks (4-bit codes two to a byte, Q8_0's as int8) with the file's fp16 group
 scales, and ``linear_quant`` multiplies fp32 activations with them. Around the projections the
 same library runs a decoder layer's small operations (``FusedLayer``: RMS norms, RoPE, residual
 adds, SiLU · up; two calls a layer) and the attention of a step's short query rows
@@ -91,10 +91,11 @@ def _cpu_signature() -> str:
     return f"{platform.machine()}\n{flags}"
 
 
-def _build(out: Path, compiler: str, torch_lib: Path) -> None:
+def _build(out: Path, compiler: str, torch_lib: Path, flags: tuple[str, ...] = ()) -> None:
+    """flags: more compiler flags (the tests build a copy without AVX-512)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         staged = Path(tmp) / out.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SOURCE),
+        cmd = [compiler, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(_SOURCE),
                "-o", str(staged), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(staged, out)  # atomic: concurrent builders (Ray workers) never load a torn file
@@ -220,9 +221,9 @@ class BlockedQuant:
     """uint8 [N/32, K/2, 32] (Q4_0, Q4_1: two codes a byte) or [N/32, K, 32] (Q8_0: int8 bits)."""
     nibbles: bool
     scales: torch.Tensor
-    """fp32 [N/32, K/32, 32]: d."""
+    """fp16 [N/32, K/32, 32]: d, the file's own values."""
     mins: torch.Tensor | None
-    """fp32 [N/32, K/32, 32]: m (Q4_0: -8 d), or None (Q8_0)."""
+    """fp16 [N/32, K/32, 32]: m (Q4_0: -8 d), or None (Q8_0)."""
     out_features: int
     in_features: int
 
@@ -231,17 +232,25 @@ class BlockedQuant:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
 
+def _halves(t: torch.Tensor) -> torch.Tensor:
+    """t  # [N, K/32] fp32 that came from fp16 -> [N/32, K/32, 32] fp16, the same values."""
+    h = t.to(torch.float16)
+    if not torch.equal(h.to(t.dtype), t):
+        raise ValueError("GGUF scales must be fp16 values")
+    return _blocks(h)
+
+
 def pack_quant(fmt: str, d: torch.Tensor, m: torch.Tensor | None, codes: torch.Tensor) -> BlockedQuant:
     """A GGUF matrix in the kernel's blocks, from its fields (``QuantTensor._fields()``): scales
-    and mins [N, K/32] fp32 (mins only for Q4_1), codes [N, K] (0..15; int8 for Q8_0). The same
-    weights, exactly: ``d q + m``, Q4_0 as ``d q + (-8 d)``, Q8_0 ``d q``."""
+    and mins [N, K/32] (the file's fp16 values; mins only for Q4_1), codes [N, K] (0..15; int8
+    for Q8_0). The same weights, exactly: ``d q + m``, Q4_0 as ``d q + (-8 d)``, Q8_0 ``d q``."""
     n, k = codes.shape
     if fmt == "Q8_0":
-        return BlockedQuant(_blocks(codes.view(torch.uint8)), False, _blocks(d), None, n, k)
+        return BlockedQuant(_blocks(codes.view(torch.uint8)), False, _halves(d), None, n, k)
     if m is None:  # Q4_0: w = d (q - 8)
         m = -8 * d
     pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K/2]: code k low, k + 1 high
-    return BlockedQuant(_blocks(pairs), True, _blocks(d), _blocks(m), n, k)
+    return BlockedQuant(_blocks(pairs), True, _halves(d), _halves(m), n, k)
 
 
 def linear_quant(x: torch.Tensor, weight: BlockedQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
