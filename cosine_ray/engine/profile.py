@@ -93,7 +93,8 @@ def profile_path(config: EngineConfig) -> Path:
     spec = str(config.model)
     kernel = projection_kernel(config.device)
     if kernel == "blocked":
-        kernel += ("-fused" if cpu_gemm.fused_on(config.device) else "") + f"-{cpu_gemm.source_digest()}"
+        fused = cpu_gemm.fused_on(config.device) and config.dtype == "float32"  # as LlamaStage decides
+        kernel += ("-fused" if fused else "") + f"-{cpu_gemm.source_digest()}"
     kernel = f"-k{kernel}" if kernel != "default" else ""
     kernel += f"-w{config.weights}" if config.weights != "dense" else ""  # quantized steps cost less
     name = Path(spec).name or spec
