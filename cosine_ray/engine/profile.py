@@ -88,13 +88,12 @@ def profile_path(config: EngineConfig) -> Path:
     (``drafter_set_digest``), and on CPU the projection kernel (``-konednn`` / ``-kmkl``,
     ``models.llama.projection_kernel``: their verify costs grow very differently with the
     tokens of a step; ours, ``-kblocked[-fused]-DIGEST``, also by a digest of their source, since
-    a change to them changes every cost). A model given as a path is named by its last component plus a
-    short hash of the full path."""
+    a change to them changes every cost). A model given as a path is named by its last component
+    plus a short hash of the full path."""
     spec = str(config.model)
     kernel = projection_kernel(config.device)
     if kernel == "blocked":
-        fused = cpu_gemm.fused_on(config.device) and config.dtype == "float32"  # as LlamaStage decides
-        kernel += ("-fused" if fused else "") + f"-{cpu_gemm.source_digest()}"
+        kernel += ("-fused" if cpu_gemm.fused_on(config.device, config.dtype) else "") + f"-{cpu_gemm.source_digest()}"
     kernel = f"-k{kernel}" if kernel != "default" else ""
     kernel += f"-w{config.weights}" if config.weights != "dense" else ""  # quantized steps cost less
     name = Path(spec).name or spec

@@ -17,9 +17,9 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef float v16_alias __attribute__((vector_size(64), aligned(4), may_alias));
 #define BLOCK 32
 
-/* Direct unaligned 64-byte accesses. A memcpy here is expanded by GCC (-march=native tunes for
- * 256-bit moves) into two 32-byte loads, a store to the stack and a 64-byte reload: a
- * store-forwarding stall on every weight vector, which held the M = 1 stream at ~14 GB/s. */
+/* Direct unaligned 64-byte accesses, not memcpy: GCC (-march=native tuned for 256-bit moves)
+ * expands that into two 32-byte loads, a store to the stack and a 64-byte reload, a
+ * store-forwarding stall on every weight vector. */
 static inline v16 load16(const float *p) { return *(const v16_alias *)p; }
 static inline void store16(float *p, v16 v) { *(v16_alias *)p = v; }
 

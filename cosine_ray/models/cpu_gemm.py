@@ -117,17 +117,22 @@ def _library() -> ctypes.CDLL | None:
     torch_lib = Path(torch.__file__).parent / "lib"
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([_SOURCE.read_text(), compiler, version, _cpu_signature(),
+        key = hashlib.sha256("\0".join([source_digest(), compiler, version, _cpu_signature(),
                                         str(torch_lib), torch.__version__]).encode()).hexdigest()[:16]
         out = cache_root() / "kernels" / f"cpu_gemm-{key}.so"
         if not out.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             _build(out, compiler, torch_lib)
-        lib = ctypes.CDLL(str(out))
+        return _load(out)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         logger.warning("cpu_gemm: build failed, fp32 projections stay on oneDNN: %s", detail.strip()[-500:])
         return None
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """A built library with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
     lib.cr_linear_f32.argtypes = _ARGTYPES
     lib.cr_linear_f32.restype = None
     lib.cr_linear_q.argtypes = _QUANT_ARGTYPES
@@ -156,11 +161,12 @@ def choice() -> str:
     return value
 
 
-def fused_on(device: torch.device | str) -> bool:
-    """A stage built now on ``device`` runs its layers' small operations and the attention of its
-    short query rows in ``cpu_gemm.c`` (``FusedLayer``, ``attend_rows``): where the kernels are
-    used, unless ``COSINE_RAY_FUSED_LAYERS=0``."""
-    return used_on(device) and os.environ.get(FUSED_ENV, "1").strip() != "0"
+def fused_on(device: torch.device | str, dtype: torch.dtype | str = torch.float32) -> bool:
+    """A stage built now on ``device`` in ``dtype`` runs its layers' small operations and the
+    attention of its short query rows in ``cpu_gemm.c`` (``FusedLayer``, ``attend_rows``): in
+    fp32 where the kernels are used, unless ``COSINE_RAY_FUSED_LAYERS=0``."""
+    fp32 = dtype in (torch.float32, "float32")
+    return fp32 and used_on(device) and os.environ.get(FUSED_ENV, "1").strip() != "0"
 
 
 def used_on(device: torch.device | str) -> bool:
@@ -192,21 +198,20 @@ def pad_bias(bias: torch.Tensor) -> torch.Tensor:
     return _blocks(bias.to(torch.float32)).reshape(-1)
 
 
-def _call_parts(x: torch.Tensor, k: int, n: int) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
-    """The library, x  # [..., k] as rows with unit column stride, and their output [rows, n]."""
-    lib = _library()
+def _call_parts(lib: ctypes.CDLL | None, x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x  # [..., k] as rows with unit column stride, and their output [rows, n]."""
     assert lib is not None, "cpu_gemm called where the kernel is not available"
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return lib, rows, torch.empty(rows.shape[0], n, dtype=torch.float32)
+    return rows, torch.empty(rows.shape[0], n, dtype=torch.float32)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x  # [..., K] fp32 -> [..., N] with ``packed`` from ``pack`` and ``bias`` from ``pad_bias``."""
-    k = packed.shape[1]
-    lib, rows, y = _call_parts(x, k, out_features)
+    k, lib = packed.shape[1], _library()
+    rows, y = _call_parts(lib, x, k, out_features)
     lib.cr_linear_f32(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                       None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
                       rows.shape[0], out_features, k, torch.get_num_threads())
@@ -256,8 +261,14 @@ def pack_quant(fmt: str, d: torch.Tensor, m: torch.Tensor | None, codes: torch.T
 def linear_quant(x: torch.Tensor, weight: BlockedQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x  # [..., K] fp32 -> [..., N] fp32 with ``weight`` from ``pack_quant`` and ``bias`` from
     ``pad_bias``."""
+    return _linear_quant_on(_library(), x, weight, bias)
+
+
+def _linear_quant_on(lib: ctypes.CDLL | None, x: torch.Tensor, weight: BlockedQuant,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_quant`` through ``lib`` (the tests pass a copy built with other flags)."""
     k, n = weight.in_features, weight.out_features
-    lib, rows, y = _call_parts(x, k, n)
+    rows, y = _call_parts(lib, x, k, n)
     scratch = torch.empty(max(rows.shape[0], 1), k // GROUP, dtype=torch.float32)
     lib.cr_linear_q(rows.data_ptr(), rows.stride(0), weight.codes.data_ptr(), int(weight.nibbles),
                     weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),

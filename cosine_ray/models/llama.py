@@ -408,8 +408,7 @@ class LlamaStage:
 
     def _fused_layers(self) -> "list[cpu_gemm.FusedLayer] | None":
         cfg = self.config
-        if not cpu_gemm.fused_on(self.device) or self.dtype != torch.float32 or cfg.head_dim > cpu_gemm.MAX_HEAD_DIM \
-                or not self.layers:
+        if not cpu_gemm.fused_on(self.device, self.dtype) or cfg.head_dim > cpu_gemm.MAX_HEAD_DIM or not self.layers:
             return None
 
         def projection(m: "_Linear | QuantLinear", n: int, k: int):

@@ -1,8 +1,8 @@
 """Lossless on the native-weights path (``--weights native``: the embedded Q4_1/Q8_0 GGUF blocks
 kept quantized): speculative greedy output, batched, is exactly our own plain decode on that
-path, and requests decoded together give what each gives alone. On CPU the blocks go, by default, through our kernel (``models.cpu_gemm``: fp32
-activations, row-invariant), with fp32 attention as on the dense path; through PyTorch's int4
-kernels (``COSINE_RAY_CPU_GEMM=onednn``: bf16 activations, also row-invariant) attention runs in
+path, and requests decoded together give what each gives alone. On CPU the blocks go, by
+default, through our kernel (``models.cpu_gemm``: fp32 activations, row-invariant), with fp32
+attention as on the dense path; through PyTorch's int4 kernels (``COSINE_RAY_CPU_GEMM=onednn``: bf16 activations, also row-invariant) attention runs in
 float64 (``LlamaStage.wide_attention``), because in fp32 the CPU attention's sums depend on the
 call's shapes and the bf16 rounding after it turns last-bit differences into other tokens at
 near-ties (docs/performance-cpu.md)."""
@@ -62,8 +62,8 @@ def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, d
 
 def test_native_requests_decoded_together_equal_each_alone(real_checkpoint, prompts):
     """Eight prompts at once (their prefills chunked beside each other) against each alone on a
-    fresh engine: the same tokens. It fails where a rounding of the activations follows fp32
-    attention: the 8-bit GGUF kernel tried on 2026-12-04 gave 6 of 8 here."""
+    fresh engine: the same tokens. It fails where the activations are rounded after fp32
+    attention (docs/performance-cpu.md, 8-bit activations)."""
     params = SamplingParams(max_tokens=64)
     together = [o.new_token_ids for o in engine(real_checkpoint, "none").generate(prompts, params)]
     alone = [engine(real_checkpoint, "none").generate([p], params)[0].new_token_ids for p in prompts]

@@ -167,20 +167,12 @@ def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt,
 def test_quant_products_do_not_depend_on_the_instruction_set(fmt, tmp_path):
     """The library built without AVX-512 (the fp16 scales widened by their bits, the codes by
     AVX2 or plain C) gives every product bit for bit."""
-    import ctypes
     from pathlib import Path
     lib = tmp_path / "plain.so"
     cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", ("-mno-avx512f",))
-    plain = ctypes.CDLL(str(lib))
-    plain.cr_linear_q.argtypes = cpu_gemm._QUANT_ARGTYPES
     packed = pack(quant_weight(fmt, 100, 576, seed=2))
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(4))
-    ours = cpu_gemm.linear_quant(x, packed)
-    y, scratch = torch.empty(7, 100), torch.empty(7, 576 // 32)
-    plain.cr_linear_q(x.data_ptr(), 576, packed.codes.data_ptr(), int(packed.nibbles), packed.scales.data_ptr(),
-                      None if packed.mins is None else packed.mins.data_ptr(), None, y.data_ptr(), 100, 7, 100, 576,
-                      scratch.data_ptr(), 2)
-    assert torch.equal(y, ours)
+    assert torch.equal(cpu_gemm._linear_quant_on(cpu_gemm._load(lib), x, packed), cpu_gemm.linear_quant(x, packed))
 
 
 def test_quant_layout_halves_the_4_bit_codes():

@@ -19,7 +19,8 @@ from cosine_ray.models.quant import QuantTensor
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the kernel is not built here")
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 64, 10, 2, 16, 96, 1e-5  # heads x head_dim (160) wider than hidden and inter
+# heads x head_dim (160) wider than hidden and the MLP: the o projection has the widest input
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 64, 10, 2, 16, 96, 1e-5
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 
 
