@@ -14,8 +14,11 @@ loop, and builds on the host (copied to the device once) what the layers need:
 - a *single* for each longer chain: a fresh prefill attends causally to itself, a continued
   one (a later chunk) gathers its slots and uses a causal-offset mask.
 
-In a fused fp32 CPU stage the batched rows go to our kernel instead (``cpu_gemm.attend_rows``,
-``RowKeys``: each row over the pool slots it sees, computed alone, docs/performance-cpu.md).
+In a fused fp32 CPU stage every row goes to our kernel instead, prefill chains included
+(``cpu_gemm.attend_rows``, ``RowKeys``: each row over the pool slots it sees, in logical order,
+computed alone). A row's output then depends only on its own query and keys, never on how its
+prompt was chunked, cached or batched, so a request decoded beside others gives bit for bit what
+it gives alone (docs/performance-cpu.md).
 ``padded_plan`` builds the same masks inside a CUDA graph (``models.runner``).
 """
 
@@ -90,15 +93,19 @@ class _Single:
 
 @dataclass(slots=True)
 class RowKeys:
-    """The batched requests' query rows as lists of the pool slots each attends to (CPU, for
-    ``cpu_gemm.attend_rows``): row ``rows[r]`` of the flat batch sees ``keys[ptr[r]:ptr[r + 1]]``."""
+    """A step's query rows as lists of the pool slots each attends to (CPU, for
+    ``cpu_gemm.attend_rows``): row ``rows[r]`` of the flat batch sees ``keys[start[r]:start[r] +
+    count[r]]``. The rows of a chain without a tree mask share one list (each sees a prefix of
+    it), so a long prefill costs one list, not one per row."""
 
     rows: torch.Tensor
     """[R] int64"""
-    ptr: torch.Tensor
-    """[R + 1] int64"""
+    start: torch.Tensor
+    """[R] int64"""
+    count: torch.Tensor
+    """[R] int64"""
     keys: torch.Tensor
-    """[nnz] int64 pool slots, each row's in logical order."""
+    """int64 pool slots, each list in logical order."""
     max_keys: int
 
 
@@ -130,9 +137,10 @@ def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *
                    device: torch.device, row_keys: bool = False) -> AttentionPlan:
     """Open every request's speculative level (``reserve``, or ``extend`` for a PipeDec layer)
     and build the step's attention inputs (see the module docstring); ``row_keys`` (CPU, fp32):
-    the short rows' keys for ``cpu_gemm.attend_rows`` too."""
+    every row's keys for ``cpu_gemm.attend_rows`` instead of groups."""
     slot_mapping: list[int] = []
     batched: list[tuple[int, int, int, torch.Tensor | None, list[int]]] = []  # offset, n, L, visible, slots
+    rows: list[tuple[int, int, int, torch.Tensor | None, list[int]]] = []  # offset, n, slot, tree mask, slots
     groups: list[_Batched | _Single] = []
     offset = 0
     total = sum(num_new_tokens)
@@ -141,7 +149,9 @@ def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *
         length = slot + n
         new_slots = kv_cache.slots(rid, slot, length)
         slot_mapping += new_slots
-        if n <= BATCHED_MAX_NEW:
+        if row_keys:
+            rows.append((offset, n, slot, tree_mask, kv_cache.slots(rid, 0, slot) + new_slots))
+        elif n <= BATCHED_MAX_NEW:
             batched.append((offset, n, length, _visible(slot, n, tree_mask), kv_cache.slots(rid, 0, slot) + new_slots))
         elif slot == 0 and tree_mask is None:
             groups.append(_Single(offset, n, None, None))
@@ -150,27 +160,32 @@ def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *
             groups.append(_Single(offset, n, index, _visible(slot, n, tree_mask).to(device)))
         offset += n
     plan = AttentionPlan(torch.tensor(slot_mapping, dtype=torch.long, device=device), groups)
-    if row_keys and batched:
-        plan.row_keys = _row_keys(batched)
-    else:
-        groups += [_batched_group(members, total, device) for members in _by_query_length(batched, device)]
+    if rows:
+        plan.row_keys = _row_keys(rows)
+    groups += [_batched_group(members, total, device) for members in _by_query_length(batched, device)]
     return plan
 
 
-def _row_keys(batched: list) -> RowKeys:
-    rows, counts, keys = [], [], []
-    for offset, n, length, visible, slots in batched:
+def _row_keys(members: list) -> RowKeys:
+    rows, starts, counts, keys = [], [], [], []
+    used = 0
+    for offset, n, slot, tree_mask, slots in members:
         rows += range(offset, offset + n)
         slot_row = torch.tensor(slots, dtype=torch.long)
-        if visible is None:  # one new token (or every one) sees every slot
-            counts += [length] * n
-            keys += [slot_row] * n
-        else:
-            counts += visible.sum(1).tolist()
-            keys.append(slot_row.expand(n, length)[visible])
-    ptr = torch.zeros(len(counts) + 1, dtype=torch.long)
-    ptr[1:] = torch.tensor(counts, dtype=torch.long).cumsum(0)
-    return RowKeys(torch.tensor(rows, dtype=torch.long), ptr, torch.cat(keys), max(counts))
+        if tree_mask is None:  # causal: row i sees the first slot + i + 1 slots of one list
+            starts += [used] * n
+            counts += range(slot + 1, slot + n + 1)
+            keys.append(slot_row)
+            used += len(slots)
+            continue
+        visible = _visible(slot, n, tree_mask)
+        seen = visible.sum(1)
+        starts += (used + seen.cumsum(0) - seen).tolist()
+        counts += seen.tolist()
+        keys.append(slot_row.expand(n, slot + n)[visible])
+        used += int(seen.sum())
+    return RowKeys(torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
+                   torch.tensor(counts, dtype=torch.long), torch.cat(keys), max(counts))
 
 
 def _by_query_length(batched: list, device: torch.device) -> list[list]:
@@ -253,15 +268,12 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
     Writes k and v into the pool first."""
     num_tokens, heads, head_dim = q.shape
     gqa = k.shape[1] != heads
-    if plan.row_keys is not None:  # our CPU kernel (the plan holds no batched groups then)
+    if plan.row_keys is not None:  # our CPU kernel, every row (the plan holds no groups then)
         assert not wide and q.dtype == kv_cache.dtype == torch.float32, "row keys are for fp32 CPU stages"
         pools = kv_cache.span(layer, 0, kv_cache.pool.shape[2])
         cpu_gemm.write_kv(k, v, plan.slot_mapping, *pools)
         out = q.new_empty(num_tokens, heads * head_dim)
         cpu_gemm.attend_rows(q, plan.row_keys, *pools, scale, out)
-        for g in plan.groups:  # the long chains (prefills) as below
-            if isinstance(g, _Single):
-                _attend_single(g, kv_cache, layer, q, k, v, scale, gqa, wide, out)
         return out
     kv_cache.write_slots(layer, plan.slot_mapping, k, v)
     if len(plan.groups) == 1 and isinstance(plan.groups[0], _Batched) and plan.groups[0].query_rows is None \

@@ -10,7 +10,9 @@
  * is row-invariant and deterministic). At M = 1 a block is one contiguous stream: the step reads
  * the weights at the machine's memory bandwidth. Wider tiles (2, 4, 8 rows) reuse each loaded
  * weight vector across rows for the verify steps and prefills. */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -327,45 +329,199 @@ void cr_layer_post(float *x, int64_t M, int64_t H, const float *attn, const cr_p
  * dot product in one fixed order: a row's result depends only on its own query and keys, not
  * on the other rows of the step (what makes a speculative verify row equal to the decode row).
  * q, out: row stride ldq / ldo floats, heads * hd each; kpool, vpool [slots][kv_heads][hd]. */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float lanes[16] = {0};
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
-    float s = 0;
-    for (int l = 0; l < 16; l++) s += lanes[l];
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* the 16 lanes' sum, halves added pairwise: one fixed order */
+static inline float hsum16(v16 v) {
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R, const int64_t *ptr,
-                    const int64_t *keys, const float *kpool, const float *vpool, int64_t heads, int64_t kv_heads,
-                    int64_t hd, float scale, float *out, int64_t ldo, float *scores, int64_t max_keys, int threads) {
-    int64_t group = heads / kv_heads, stride = kv_heads * hd;
-    #pragma omp parallel for schedule(static) num_threads(threads) if(R * heads >= 4)
-    for (int64_t t = 0; t < R * heads; t++) {
-        int64_t r = t / heads, h = t % heads, kvh = h / group;
-        const float *qv = q + rows[r] * ldq + h * hd;
-        float *o = out + rows[r] * ldo + h * hd;
-        float *s = scores + t * max_keys;
-        int64_t n = ptr[r + 1] - ptr[r];
-        const int64_t *ks = keys + ptr[r];
-        float m = -INFINITY;
-        for (int64_t c = 0; c < n; c++) {
-            s[c] = scale * dot(qv, kpool + ks[c] * stride + kvh * hd, hd);
-            if (s[c] > m) m = s[c];
-        }
-        float sum = 0;
-        for (int64_t c = 0; c < n; c++) { s[c] = expf(s[c] - m); sum += s[c]; }
-        for (int64_t j = 0; j < hd; j++) o[j] = 0;
-        for (int64_t c = 0; c < n; c++) {
-            const float *vv = vpool + ks[c] * stride + kvh * hd;
-            float p = s[c];
-            for (int64_t j = 0; j < hd; j++) o[j] += p * vv[j];
-        }
-        float inv = 1.0f / sum;
-        for (int64_t j = 0; j < hd; j++) o[j] *= inv;
+/* a . b over n floats: 16 lanes summed over the vectors in order, then hsum16 (n % 16 == 0);
+ * otherwise serially */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    if (n % 16) {
+        float s = 0;
+        for (int64_t j = 0; j < n; j++) s += a[j] * b[j];
+        return s;
     }
+    v16 acc = load16(a) * load16(b);
+    for (int64_t j = 16; j < n; j += 16) acc += load16(a + j) * load16(b + j);
+    return hsum16(acc);
+}
+
+/* e^x for 16 lanes of x <= 0 (x below -87 gives e^-87): Cephes' expf, a degree-6 polynomial
+ * on x - n ln 2 and 2^n from the exponent bits; within 2 ulp of expf, the same bits for a lane
+ * whatever its neighbours */
+static inline v16 exp16(v16 x) {
+    const v16 lo = (v16){} - 87.0f, log2e = (v16){} + 1.44269504088896341f, magic = (v16){} + 12582912.0f;
+    vi16 low = x < lo;
+    x = (v16)(((vi16)lo & low) | ((vi16)x & ~low));
+    v16 n = (x * log2e + magic) - magic;  /* round to nearest */
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = (v16){} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return p * (v16)((__builtin_convertvector(n, vi16) + 127) << 23);
+}
+
+/* 16 keys' dot products at once: acc[k] holds key k's 16 lane partials; the result's lane k is
+ * their sum, halves added pairwise (the same order as hsum16), whichever keys share the call */
+static inline v16 hsum16x16(const v16 *acc) {
+    v16 r[8], u[4], w[2];
+    for (int p = 0; p < 8; p++)
+        r[p] = __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int p = 0; p < 4; p++)
+        u[p] = __builtin_shufflevector(r[2 * p], r[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(r[2 * p], r[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)
+        w[p] = __builtin_shufflevector(u[2 * p], u[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(u[2 * p], u[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+static const float zero_key[MAX_HEAD_DIM];
+
+#define ROW_TILE 8  /* rows of one key list attended together: each key and value read once for them */
+
+/* o += sum over k < nk of p[k] * v[k] (hd floats), k in order: each float a chain of fused
+ * multiply-adds, held in a register across the nk keys (v16 lanes when hd % 16 == 0) */
+static inline void add_scaled(float *o, const float *p, const float *const *v, int nk, int64_t hd) {
+    if (hd % 16) {
+        for (int k = 0; k < nk; k++)
+            for (int64_t j = 0; j < hd; j++) o[j] += p[k] * v[k][j];
+        return;
+    }
+    if (nk == 16) {  /* the common case, unrolled */
+        for (int64_t j = 0; j < hd; j += 16) {
+            v16 acc = load16(o + j);
+            for (int k = 0; k < 16; k++) acc += p[k] * load16(v[k] + j);
+            store16(o + j, acc);
+        }
+        return;
+    }
+    for (int64_t j = 0; j < hd; j += 16) {
+        v16 acc = load16(o + j);
+        for (int k = 0; k < nk; k++) acc += p[k] * load16(v[k] + j);
+        store16(o + j, acc);
+    }
+}
+
+/* the largest of s[0 .. n), n >= 1 */
+static inline float max_of(const float *s, int64_t n) {
+    v16 m = (v16){} - INFINITY;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+        v16 x = load16(s + c);
+        vi16 more = x > m;
+        m = (v16)(((vi16)x & more) | ((vi16)m & ~more));
+    }
+    float best = -INFINITY;
+    for (int l = 0; l < 16; l++) best = m[l] > best ? m[l] : best;
+    for (; c < n; c++) best = s[c] > best ? s[c] : best;
+    return best;
+}
+
+/* Attention of R query rows, each over its own list of pool slots: row ``rows[r]`` of q sees
+ * keys[start[r] : start[r] + count[r]] in that order. Every row is computed the same way, alone:
+ * its scores (``dot``), their maximum, e^(score - max) 16 lanes at a time summed into 16 lanes
+ * then ``hsum16``, and its output summed over its keys in order; so a row's output depends only
+ * on its query and its keys, never on the other rows of the call, on how a prompt was split into
+ * chunks or on the thread count. Up to ROW_TILE consecutive rows of one list (a prefill chain's
+ * rows, each seeing a prefix of it) share a task per head, so each key and value is read once for
+ * them. scores: [threads][ROW_TILE][max_keys rounded up to 16] floats, a buffer per thread. */
+void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R, const int64_t *start,
+                    const int64_t *count, const int64_t *keys, const float *kpool, const float *vpool, int64_t heads,
+                    int64_t kv_heads, int64_t hd, float scale, float *out, int64_t ldo, float *scores,
+                    int64_t max_keys, int threads) {
+    int64_t group = heads / kv_heads, stride = kv_heads * hd, width = (max_keys + 15) / 16 * 16;
+    int64_t *tiles = malloc((size_t)(R + 1) * sizeof *tiles), T = 0;  /* tile i: rows tiles[i] .. tiles[i + 1] - 1 */
+    for (int64_t r = 0; r < R; r++)
+        if (r == 0 || start[r] != start[tiles[T - 1]] || r - tiles[T - 1] == ROW_TILE)
+            tiles[T++] = r;
+    tiles[T] = R;
+    #pragma omp parallel for schedule(static, 1) num_threads(threads) if(T * heads >= 4)
+    for (int64_t t = 0; t < T * heads; t++) {
+        int64_t first = tiles[t / heads], rn = tiles[t / heads + 1] - first, h = t % heads, kvh = h / group;
+        const int64_t *ks = keys + start[first];
+        float *buf = scores + (int64_t)omp_get_thread_num() * ROW_TILE * width, m[ROW_TILE];
+        int64_t n[ROW_TILE], most = 0;
+        for (int64_t i = 0; i < rn; i++) {
+            n[i] = count[first + i];
+            most = n[i] > most ? n[i] : most;
+            m[i] = -INFINITY;
+        }
+        if (hd % 16) {
+            for (int64_t c = 0; c < most; c++) {
+                const float *kv = kpool + ks[c] * stride + kvh * hd;
+                for (int64_t i = 0; i < rn; i++)
+                    if (c < n[i]) buf[i * width + c] = scale * dot(q + rows[first + i] * ldq + h * hd, kv, hd);
+            }
+        } else {  /* 16 keys at a time (past a row's last key: zeros, ignored) */
+            for (int64_t c0 = 0; c0 < most; c0 += 16) {
+                const float *kv[16];
+                for (int k = 0; k < 16; k++)
+                    kv[k] = c0 + k < most ? kpool + ks[c0 + k] * stride + kvh * hd : zero_key;
+                for (int64_t i = 0; i < rn; i++) {
+                    if (c0 >= n[i]) continue;
+                    const float *qv = q + rows[first + i] * ldq + h * hd;
+                    v16 acc[16];
+                    for (int k = 0; k < 16; k++) acc[k] = load16(qv) * load16(kv[k]);
+                    for (int64_t j = 16; j < hd; j += 16) {
+                        v16 qj = load16(qv + j);
+                        for (int k = 0; k < 16; k++) acc[k] += qj * load16(kv[k] + j);
+                    }
+                    store16(buf + i * width + c0, hsum16x16(acc) * scale);
+                }
+            }
+        }
+        for (int64_t i = 0; i < rn; i++) m[i] = max_of(buf + i * width, n[i]);
+        float inv[ROW_TILE];
+        for (int64_t i = 0; i < rn; i++) {
+            float *s = buf + i * width;
+            v16 sums = {};
+            int64_t c = 0;
+            for (; c + 16 <= n[i]; c += 16) {
+                v16 e = exp16(load16(s + c) - m[i]);
+                store16(s + c, e);
+                sums += e;
+            }
+            if (c < n[i]) {  /* the lanes past the row's keys count as zero */
+                v16 x = load16(s + c) - m[i], e;
+                for (int64_t l = n[i] - c; l < 16; l++) x[l] = 0;
+                e = exp16(x);
+                for (int64_t l = n[i] - c; l < 16; l++) e[l] = 0;
+                store16(s + c, e);
+                sums += e;
+            }
+            inv[i] = 1.0f / hsum16(sums);
+            float *o = out + rows[first + i] * ldo + h * hd;
+            for (int64_t j = 0; j < hd; j++) o[j] = 0;
+        }
+        for (int64_t c0 = 0; c0 < most; c0 += 16) {  /* 16 keys' values at a time, read once for the rows */
+            const float *vv[16];
+            for (int k = 0; k < 16 && c0 + k < most; k++) vv[k] = vpool + ks[c0 + k] * stride + kvh * hd;
+            for (int64_t i = 0; i < rn; i++) {
+                int64_t nk = n[i] - c0 < 16 ? n[i] - c0 : 16;
+                if (nk > 0) add_scaled(out + rows[first + i] * ldo + h * hd, buf + i * width + c0, vv, (int)nk, hd);
+            }
+        }
+        for (int64_t i = 0; i < rn; i++) {
+            float *o = out + rows[first + i] * ldo + h * hd;
+            for (int64_t j = 0; j < hd; j++) o[j] *= inv[i];
+        }
+    }
+    free(tiles);
 }
 
 /* k and v of T new tokens (rows of ldk / ldv floats, width floats each) into pool slots ``slots`` */

@@ -71,8 +71,10 @@ class _Proj(ctypes.Structure):
 _PROJ = ctypes.POINTER(_Proj)
 _PRE_ARGTYPES = [_P, _I, _I, _P, _F, _PROJ, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
 _POST_ARGTYPES = [_P, _I, _I, _P, _PROJ, _P, _F, _PROJ, _PROJ, _P, _P, _P, _P, ctypes.c_int]
-_ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int]
+_ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int]
 MAX_HEAD_DIM = 1024
+ROW_TILE = 8
+"""``cr_attend_rows`` attends up to this many rows of one key list together (``ROW_TILE`` there)."""
 """``cr_layer_pre`` rotates a head through a stack buffer of this many floats (``MAX_HEAD_DIM`` there)."""
 
 
@@ -344,12 +346,12 @@ def attend_rows(q: torch.Tensor, row_keys, kpool: torch.Tensor, vpool: torch.Ten
     (``models.attention.RowKeys``) of kpool, vpool  # [slots, kv_heads, head_dim] contiguous, fp32."""
     _, heads, head_dim = q.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and kpool.is_contiguous()
-    rows = row_keys.rows
-    scores = torch.empty(len(rows) * heads, max(row_keys.max_keys, 1))
-    _library().cr_attend_rows(q.data_ptr(), q.stride(0), rows.data_ptr(), len(rows), row_keys.ptr.data_ptr(),
-                              row_keys.keys.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), heads, kpool.shape[1],
-                              head_dim, scale, out.data_ptr(), out.stride(0), scores.data_ptr(), scores.shape[1],
-                              torch.get_num_threads())
+    rows, threads = row_keys.rows, torch.get_num_threads()
+    scores = torch.empty(threads * ROW_TILE, (max(row_keys.max_keys, 1) + 15) // 16 * 16)
+    _library().cr_attend_rows(q.data_ptr(), q.stride(0), rows.data_ptr(), len(rows), row_keys.start.data_ptr(),
+                              row_keys.count.data_ptr(), row_keys.keys.data_ptr(), kpool.data_ptr(), vpool.data_ptr(),
+                              heads, kpool.shape[1], head_dim, scale, out.data_ptr(), out.stride(0), scores.data_ptr(),
+                              scores.shape[1], threads)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor) -> None:

@@ -145,6 +145,37 @@ def test_a_cpu_stage_fuses_its_layers_by_default_and_not_when_told(tiny_checkpoi
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_a_fused_stage_gives_a_prompt_the_same_bits_however_it_is_prefilled(tiny_checkpoint):
+    """Every row of a fused stage attends through ``attend_rows``, prefill chains included: a
+    61-token prompt prefilled in one piece, in chunks of 40, 1 and 20 (continued chains), and in
+    one piece beside another request's prefill give bit-identical logits for every token. With
+    PyTorch's attention for the long chains (before) the chunks differed in the last bits."""
+    stage = LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict())
+    assert stage.fused is not None
+    ids = torch.randint(0, 256, (61,), generator=torch.Generator().manual_seed(8)).tolist()
+    other = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def prefill(pieces, beside=None) -> torch.Tensor:
+        cache = stage.new_kv_cache()
+        cache.allocate("r")
+        out, start = [], 0
+        for n in pieces:
+            rids, chains, starts = ["r"], [ids[start:start + n]], [start]
+            if beside is not None:
+                cache.allocate("o")
+                rids, chains, starts = ["o", "r"], [beside, *chains], [0, start]
+            logits = stage.forward(StageBatch.from_chains(rids, chains, starts, last_logits_only=False), cache)
+            out.append(logits[-n:])
+            cache.commit("r")
+            start += n
+        return torch.cat(out)
+
+    whole = prefill([61])
+    assert torch.equal(prefill([40, 1, 20]), whole)
+    assert torch.equal(prefill([61], beside=other), whole)
+    assert torch.equal(prefill([1] * 5 + [56]), whole)
+
+
 # ---- the short rows' attention (cpu_gemm.attend_rows) -------------------------------------------
 
 def pool_and_rows(seed: int, slots: int = 80):
@@ -164,8 +195,9 @@ def pool_and_rows(seed: int, slots: int = 80):
 
 def row_keys(rows, keys):
     from cosine_ray.models.attention import RowKeys
-    ptr = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
-    return RowKeys(torch.tensor(rows), ptr, torch.tensor([s for k in keys for s in k]), max(map(len, keys)))
+    counts = torch.tensor([len(k) for k in keys])
+    return RowKeys(torch.tensor(rows), counts.cumsum(0) - counts, counts, torch.tensor([s for k in keys for s in k]),
+                   max(map(len, keys)))
 
 
 def sdpa_rows(q, kpool, vpool, keys, scale):
