@@ -256,8 +256,9 @@ class EngineConfig:
     weights: str = "dense"
     """How a GGUF model's weights are held (``models.native``): dense (dequantized to ``dtype``:
     fp32 output is identical to Hugging Face transformers) | native (its Q4_0/Q4_1/Q8_0 blocks
-    kept quantized: on CPU our own kernel with fp32 activations, on CUDA PyTorch's int4 kernel
-    with bf16 ones; faster, lossless against our own decode on that path, not against HF fp32) |
+    kept quantized: on CPU our own kernel with activations rounded to 8 bits a group of 32, as
+    llama.cpp does, on CUDA PyTorch's int4 kernel with bf16 ones; faster, lossless against our own
+    decode on that path, not against HF fp32) |
     auto (native for GGUF models except fp32 on CUDA)."""
     device: str = "cpu"
     """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""

@@ -10,6 +10,7 @@
  * is row-invariant and deterministic). At M = 1 a block is one contiguous stream: the step reads
  * the weights at the machine's memory bandwidth. Wider tiles (2, 4, 8 rows) reuse each loaded
  * weight vector across rows for the verify steps and prefills. */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -74,65 +75,37 @@ void cr_linear_f32(const float *x, int64_t ldx, const float *wp, const float *bi
 
 /* ---- GGUF blocks kept quantized: y = x W^T (+ b), W in groups of 32 along k ------------------
  *
- * Q4_0 and Q4_1 (w = d q + m, q in 0..15; Q4_0's m is -8 d):
- *   codes [ceil(N / 32)][K / 2][32] uint8, code k in the low nibble and k + 1 in the high one
- * Q8_0 (w = d q, q int8):
- *   codes [ceil(N / 32)][K][32] int8
- * d, m    [ceil(N / 32)][K / 32][32] fp16, the file's own values (m NULL for Q8_0)
- * xsum    [M][K / 32] scratch: x summed over each group (with m)
+ * Each row of x is first rounded to 8 bits per group of 32 (as llama.cpp does for its Q8_0 / Q8_1
+ * operands): s = max |x_g| / 127, xq = round-half-even(x / s) in -127..127. Then, per group,
  *
- * Per group, y[m, n] += d (sum_k x q) + m (sum_k x): the inner sum is one register lane over the
- * group's k in order and the groups go in order, so again a row's result never depends on M,
- * the tile or the threads. x stays fp32. */
+ *   y[m, n] += s (d (sum_k q xq) + m (sum_k xq))     (Q4_1: w = d q + m)
+ *   y[m, n] += s (d (sum_k (q - 8) xq))               (Q4_0: w = d (q - 8))
+ *   y[m, n] += s (d (sum_k q xq))                     (Q8_0: w = d q)
+ *
+ * which is exactly the file's weights times the rounded x. The inner sums are integers (exact,
+ * in any order: VNNI's vpdpbusd where the CPU has it, plain C otherwise, the same result), and the
+ * groups go in order in fp32, so a row's result never depends on M, the tile, the threads or the
+ * instruction set.
+ *
+ * Layout, per block of 32 columns (n = 32 t + 16 h + c) and group g, 64 bytes per (h, kk):
+ *   Q4_0, Q4_1  [ceil(N / 32)][K / 32][2 h][4 kk][16 c][4 j]   codes (k = 8 kk + j) | (k = 8 kk + 4 + j) << 4
+ *   Q8_0        [ceil(N / 32)][K / 32][2 h][8 kk][16 c][4 j]   code (k = 4 kk + j) + 128, as uint8
+ *   d, m        [ceil(N / 32)][K / 32][32] fp16, the file's own (m: Q4_1 only, NULL otherwise)
+ * Four consecutive k of one column share a 32-bit lane: one vpdpbusd takes 16 columns x 4 k.
+ * scratch: [M][K / 32] floats x 10 (the rounded rows, their scales and their group sums). */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-#if defined(__AVX512F__)
-static inline v16 from_m512(__m512 v) { return (v16)v; }
-#else
-static inline v16 from_m512(const void *v) { v16 out; memcpy(&out, v, sizeof out); return out; }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define CR_VNNI 1
 #endif
 
-/* 16 int8 codes -> floats (GCC 12 turns its own vector conversion of int8 into scalar code) */
-static inline v16 widen_i8(const int8_t *p) {
-#if defined(__AVX512F__)
-    return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
-#elif defined(__AVX2__)
-    __m128i c = _mm_loadu_si128((const __m128i *)p);
-    __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)),
-                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)))};
-    return from_m512(h);
-#else
-    v16 out;
-    for (int i = 0; i < 16; i++) out[i] = (float)p[i];
-    return out;
-#endif
-}
+enum { Q8_0 = 0, Q4_1 = 1, Q4_0 = 2 };
 
-/* 16 bytes of nibbles -> the low codes (shift 0) or the high ones (shift 4) as floats */
-static inline v16 widen_u4(const uint8_t *p, int shift) {
-#if defined(__AVX512F__)
-    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    return from_m512(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c, (unsigned)shift), _mm512_set1_epi32(15))));
-#elif defined(__AVX2__)
-    __m128i c = _mm_loadu_si128((const __m128i *)p);
-    __m256i lo = _mm256_cvtepu8_epi32(c), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(c, 8));
-    __m256i mask = _mm256_set1_epi32(15);
-    __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, shift), mask)),
-                   _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, shift), mask))};
-    return from_m512(h);
-#else
-    v16 out;
-    for (int i = 0; i < 16; i++) out[i] = (float)((p[i] >> shift) & 15);
-    return out;
-#endif
-}
-
-/* 16 fp16 scales -> fp32, exactly (F16C, or by their bits) */
+/* 16 fp16 values -> fp32, exactly (F16C, or by their bits) */
 static inline v16 halves(const uint16_t *p) {
 #if defined(__AVX512F__)
-    return from_m512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #else
     v16 out;
     for (int i = 0; i < 16; i++) {
@@ -151,48 +124,83 @@ static inline v16 halves(const uint16_t *p) {
 #endif
 }
 
-#define QACCUMULATE(ROWS, W0, W1, K)                                                            \
-    for (int i = 0; i < ROWS; i++) {                                                            \
-        v16 xv = (v16){0} + xg[i * ldx + (K)];                                                  \
-        part[i][0] += xv * (W0);                                                                \
-        part[i][1] += xv * (W1);                                                                \
+/* the integer sums of one group for ``rows`` rows, as floats: out[i][h][c] = sum_k q(n = 16 h + c, k) xq[i][k]
+ * (Q4_0: q - 8; Q8_0: the stored code minus 128). total[i]: sum_k xq[i][k]. */
+static inline void qsums(int rows, const int8_t *xq, int64_t K, const uint8_t *codes, int kind,
+                         const int32_t *total, v16 (*out)[2]) {
+    int32_t shift = kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0;
+#ifdef CR_VNNI
+    __m512i s[4][2];
+    for (int i = 0; i < rows; i++) s[i][0] = s[i][1] = _mm512_set1_epi32(-shift * total[i]);
+    if (kind != Q8_0) {
+        const __m512i low = _mm512_set1_epi8(15);
+        for (int kk = 0; kk < 4; kk++)
+            for (int h = 0; h < 2; h++) {
+                __m512i v = _mm512_loadu_si512(codes + (h * 4 + kk) * 64);
+                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int i = 0; i < rows; i++) {
+                    int32_t a, b;
+                    memcpy(&a, xq + i * K + 8 * kk, 4);
+                    memcpy(&b, xq + i * K + 8 * kk + 4, 4);
+                    s[i][h] = _mm512_dpbusd_epi32(s[i][h], lo, _mm512_set1_epi32(a));
+                    s[i][h] = _mm512_dpbusd_epi32(s[i][h], hi, _mm512_set1_epi32(b));
+                }
+            }
+    } else {
+        for (int kk = 0; kk < 8; kk++)
+            for (int h = 0; h < 2; h++) {
+                __m512i v = _mm512_loadu_si512(codes + (h * 8 + kk) * 64);
+                for (int i = 0; i < rows; i++) {
+                    int32_t a;
+                    memcpy(&a, xq + i * K + 4 * kk, 4);
+                    s[i][h] = _mm512_dpbusd_epi32(s[i][h], v, _mm512_set1_epi32(a));
+                }
+            }
     }
+    for (int i = 0; i < rows; i++) {
+        out[i][0] = (v16)_mm512_cvtepi32_ps(s[i][0]);
+        out[i][1] = (v16)_mm512_cvtepi32_ps(s[i][1]);
+    }
+#else
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 16; c++) {
+                int32_t acc = -shift * total[i];
+                if (kind != Q8_0)
+                    for (int kk = 0; kk < 4; kk++)
+                        for (int j = 0; j < 4; j++) {
+                            int code = codes[(h * 4 + kk) * 64 + c * 4 + j];
+                            acc += (code & 15) * xq[i * K + 8 * kk + j] + (code >> 4) * xq[i * K + 8 * kk + 4 + j];
+                        }
+                else
+                    for (int kk = 0; kk < 8; kk++)
+                        for (int j = 0; j < 4; j++)
+                            acc += codes[(h * 8 + kk) * 64 + c * 4 + j] * xq[i * K + 4 * kk + j];
+                out[i][h][c] = (float)acc;
+            }
+#endif
+}
 
 #define QTILE(ROWS)                                                                             \
-static inline void qtile_##ROWS(const float *x, int64_t ldx, const float *xsum, int64_t groups, \
-                                const uint8_t *codes, int nibbles, const uint16_t *d,           \
-                                const uint16_t *mins, const float *bias, float *y, int64_t ldy, \
+static inline void qtile_##ROWS(const int8_t *xq, int64_t K, const float *sx, const float *sq,  \
+                                int64_t groups, const uint8_t *codes, int kind, const uint16_t *d, \
+                                const uint16_t *mins, const float *bias, float *y, int64_t ldy,  \
                                 int64_t cols) {                                                 \
     v16 acc[ROWS][2];                                                                           \
     for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = (v16){0};                           \
-    for (int64_t g = 0; g < groups; g++) {                                                      \
-        v16 part[ROWS][2];                                                                      \
-        for (int i = 0; i < ROWS; i++) part[i][0] = part[i][1] = (v16){0};                     \
-        const float *xg = x + g * 32;                                                           \
-        if (nibbles) {                                                                          \
-            for (int k = 0; k < 32; k += 2, codes += BLOCK) {                                   \
-                v16 a0 = widen_u4(codes, 0), a1 = widen_u4(codes + 16, 0);                      \
-                QACCUMULATE(ROWS, a0, a1, k)                                                    \
-                v16 b0 = widen_u4(codes, 4), b1 = widen_u4(codes + 16, 4);                      \
-                QACCUMULATE(ROWS, b0, b1, k + 1)                                                \
-            }                                                                                   \
-        } else {                                                                                \
-            for (int k = 0; k < 32; k++, codes += BLOCK) {                                      \
-                v16 w0 = widen_i8((const int8_t *)codes), w1 = widen_i8((const int8_t *)codes + 16); \
-                QACCUMULATE(ROWS, w0, w1, k)                                                    \
-            }                                                                                   \
-        }                                                                                       \
-        v16 d0 = halves(d + g * BLOCK), d1 = halves(d + g * BLOCK + 16);                        \
-        for (int i = 0; i < ROWS; i++) {                                                        \
-            acc[i][0] += d0 * part[i][0];                                                       \
-            acc[i][1] += d1 * part[i][1];                                                       \
-        }                                                                                       \
-        if (mins) {                                                                             \
-            v16 m0 = halves(mins + g * BLOCK), m1 = halves(mins + g * BLOCK + 16);              \
+    int64_t group_bytes = kind == Q8_0 ? 1024 : 512;                                            \
+    for (int64_t g = 0; g < groups; g++, codes += group_bytes) {                                \
+        v16 isum[ROWS][2];                                                                      \
+        int32_t total[ROWS];                                                                    \
+        for (int i = 0; i < ROWS; i++) total[i] = (int32_t)sq[i * groups + g];                  \
+        qsums(ROWS, xq + g * 32, K, codes, kind, total, isum);                                  \
+        for (int h = 0; h < 2; h++) {                                                           \
+            v16 dh = halves(d + g * BLOCK + 16 * h);                                            \
+            v16 mh = kind == Q4_1 ? halves(mins + g * BLOCK + 16 * h) : (v16){0};               \
             for (int i = 0; i < ROWS; i++) {                                                    \
-                v16 s = (v16){0} + xsum[i * groups + g];                                        \
-                acc[i][0] += m0 * s;                                                            \
-                acc[i][1] += m1 * s;                                                            \
+                v16 t = dh * isum[i][h];                                                        \
+                if (kind == Q4_1) t += mh * ((v16){0} + sq[i * groups + g]);                    \
+                acc[i][h] += ((v16){0} + sx[i * groups + g]) * t;                               \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
@@ -202,19 +210,38 @@ QTILE(1)
 QTILE(2)
 QTILE(4)
 
-/* nibbles: 1 for the Q4 layout, 0 for Q8_0's int8 codes; mins NULL for Q8_0 */
-void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles, const uint16_t *d,
-                 const uint16_t *mins, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
-                 int64_t K, float *xsum, int threads) {
-    int64_t blocks = (N + BLOCK - 1) / BLOCK, groups = K / 32;
-    int64_t block_bytes = nibbles ? K / 2 * BLOCK : K * BLOCK;
-    if (mins)
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t g = 0; g < groups; g++) {
-                float s = 0;
-                for (int k = 0; k < 32; k++) s += x[i * ldx + g * 32 + k];
-                xsum[i * groups + g] = s;
+/* x rounded to 8 bits per group of 32: xq [M][K] int8, sx and sq (the sum of xq) [M][K / 32] */
+static void round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *sx, float *sq) {
+    int64_t groups = K / 32;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + i * ldx + g * 32;
+            float amax = 0;
+            for (int k = 0; k < 32; k++) {
+                float a = fabsf(xg[k]);
+                amax = a > amax ? a : amax;
             }
+            float s = amax / 127.0f, inv = s > 0 ? 1.0f / s : 0.0f;
+            int32_t total = 0;
+            for (int k = 0; k < 32; k++) {
+                int q = (int)nearbyintf(xg[k] * inv);
+                xq[i * K + g * 32 + k] = (int8_t)q;
+                total += q;
+            }
+            sx[i * groups + g] = s;
+            sq[i * groups + g] = (float)total;
+        }
+}
+
+/* kind: Q8_0, Q4_1 or Q4_0 (the enum above); mins: Q4_1's, NULL otherwise */
+void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int kind, const uint16_t *d,
+                 const uint16_t *mins, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+                 int64_t K, float *scratch, int threads) {
+    int64_t blocks = (N + BLOCK - 1) / BLOCK, groups = K / 32;
+    int64_t block_bytes = kind == Q8_0 ? K * BLOCK : K / 2 * BLOCK;
+    float *sx = scratch, *sq = scratch + M * groups;
+    int8_t *xq = (int8_t *)(scratch + 2 * M * groups);
+    round_rows(x, ldx, M, K, xq, sx, sq);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < blocks; t++) {
         int64_t n0 = t * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK, m = 0;
@@ -222,13 +249,16 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles,
         const uint16_t *dd = d + n0 * groups, *mm = mins ? mins + n0 * groups : 0;
         const float *b = bias ? bias + n0 : 0;
         for (; m + 4 <= M; m += 4)
-            qtile_4(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
+            qtile_4(xq + m * K, K, sx + m * groups, sq + m * groups, groups, c, kind, dd, mm, b,
+                    y + m * ldy + n0, ldy, cols);
         if (m + 2 <= M) {
-            qtile_2(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
+            qtile_2(xq + m * K, K, sx + m * groups, sq + m * groups, groups, c, kind, dd, mm, b,
+                    y + m * ldy + n0, ldy, cols);
             m += 2;
         }
         if (m < M)
-            qtile_1(x + m * ldx, ldx, xsum + m * groups, groups, c, nibbles, dd, mm, b, y + m * ldy + n0, ldy, cols);
+            qtile_1(xq + m * K, K, sx + m * groups, sq + m * groups, groups, c, kind, dd, mm, b,
+                    y + m * ldy + n0, ldy, cols);
     }
 }
 
@@ -240,7 +270,7 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles,
  * projections above, row by row: a row's result never depends on the other rows or on the
  * thread count, as with the kernels alone.
  *
- * A projection: kind 0 = fp32 blocks (``cr_linear_f32``), 1 = 4-bit codes, 2 = Q8_0 codes. */
+ * A projection: kind 0 = fp32 blocks (``cr_linear_f32``), 1 + Q8_0 / Q4_1 / Q4_0 = GGUF codes. */
 #include <math.h>
 
 #define MAX_HEAD_DIM 1024  /* cpu_gemm.MAX_HEAD_DIM: a stage with wider heads is not fused */
@@ -248,7 +278,7 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int nibbles,
 typedef struct {
     int64_t kind, N, K;
     const void *weight;  /* fp32 blocks, or the codes */
-    const uint16_t *d, *m;  /* GGUF only: fp16 scales and mins */
+    const uint16_t *d, *m;  /* GGUF only: fp16 scales and Q4_1's mins */
     const float *bias;
 } cr_proj;
 
@@ -257,8 +287,8 @@ static void project(const cr_proj *p, const float *x, int64_t ldx, float *y, int
     if (p->kind == 0)
         cr_linear_f32(x, ldx, (const float *)p->weight, p->bias, y, ldy, M, p->N, p->K, threads);
     else
-        cr_linear_q(x, ldx, (const uint8_t *)p->weight, p->kind == 1, p->d, p->m, p->bias, y, ldy, M, p->N, p->K,
-                    xsum, threads);
+        cr_linear_q(x, ldx, (const uint8_t *)p->weight, (int)p->kind - 1, p->d, p->m, p->bias, y, ldy, M, p->N,
+                    p->K, xsum, threads);
 }
 
 /* Rows past this many share the small operations' loops among the threads (each row is still

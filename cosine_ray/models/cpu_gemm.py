@@ -6,8 +6,9 @@ docs/performance-cpu.md). ``cpu_gemm.c`` keeps each weight as 32-column blocks, 
 so that at one row every block is one contiguous stream, and sums every output in one fixed
 order whatever the number of rows (row-invariant). GGUF weights (``--weights native``) go the same
 way, kept quantized: ``pack_quant`` lays a GGUF matrix's codes (``models.quant``) out in the
-same 32-column blocks (4-bit codes two to a byte, Q8_0's as int8) with the file's fp16 group
-scales, and ``linear_quant`` multiplies fp32 activations with them. Around the projections the
+same 32-column blocks (four k of a column to a 32-bit lane, for VNNI's integer dot products) with
+the file's fp16 group scales, and ``linear_quant`` multiplies them with the activations rounded to 8 bits a
+group of 32 (``round_rows``, as llama.cpp does). Around the projections the
 same library runs a decoder layer's small operations (``FusedLayer``: RMS norms, RoPE, residual
 adds, SiLU · up; two calls a layer) and the attention of a step's short query rows
 (``attend_rows``), row by row, so that a step is a few dozen C calls instead of ~1,000 PyTorch
@@ -39,7 +40,7 @@ import torch
 from cosine_ray.models.conversion import cache_root
 
 __all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
-           "pack_quant", "unpack", "used_on", "FUSED_ENV", "FusedLayer", "LayerScratch", "attend_rows", "fused_on",
+           "pack_quant", "QUANT_KINDS", "quant_scratch", "round_rows", "unpack", "used_on", "FUSED_ENV", "FusedLayer", "LayerScratch", "attend_rows", "fused_on",
            "source_digest", "write_kv"]
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _cpu_signature() -> str:
 
 
 def _build(out: Path, compiler: str, torch_lib: Path, flags: tuple[str, ...] = ()) -> None:
-    """flags: more compiler flags (the tests build a copy without AVX-512)."""
+    """flags: more compiler flags (the tests build copies without VNNI and without AVX-512)."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         staged = Path(tmp) / out.name
         cmd = [compiler, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", str(_SOURCE),
@@ -225,18 +226,24 @@ class BlockedQuant:
     """A GGUF matrix [N, K] laid out for ``cr_linear_q`` (see ``cpu_gemm.c``)."""
 
     codes: torch.Tensor
-    """uint8 [N/32, K/2, 32] (Q4_0, Q4_1: two codes a byte) or [N/32, K, 32] (Q8_0: int8 bits)."""
-    nibbles: bool
+    """uint8 [N/32, K/2, 32] (Q4_0, Q4_1: two codes a byte) or [N/32, K, 32] (Q8_0), in the order
+    ``cpu_gemm.c`` gives."""
+    kind: int
+    """``cpu_gemm.c``'s format: ``QUANT_KINDS[fmt]``."""
     scales: torch.Tensor
-    """fp16 [N/32, K/32, 32]: d, the file's own values."""
+    """fp16 [N/32, K/32, 32]: d, the file's own."""
     mins: torch.Tensor | None
-    """fp16 [N/32, K/32, 32]: m (Q4_0: -8 d), or None (Q8_0)."""
+    """fp16 [N/32, K/32, 32]: m (Q4_1), or None."""
     out_features: int
     in_features: int
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+QUANT_KINDS = {"Q8_0": 0, "Q4_1": 1, "Q4_0": 2}
+"""GGUF formats the kernel multiplies, as ``cpu_gemm.c`` numbers them."""
 
 
 def _halves(t: torch.Tensor) -> torch.Tensor:
@@ -250,14 +257,35 @@ def _halves(t: torch.Tensor) -> torch.Tensor:
 def pack_quant(fmt: str, d: torch.Tensor, m: torch.Tensor | None, codes: torch.Tensor) -> BlockedQuant:
     """A GGUF matrix in the kernel's blocks, from its fields (``QuantTensor._fields()``): scales
     and mins [N, K/32] (the file's fp16 values; mins only for Q4_1), codes [N, K] (0..15; int8
-    for Q8_0). The same weights, exactly: ``d q + m``, Q4_0 as ``d q + (-8 d)``, Q8_0 ``d q``."""
+    for Q8_0). The same weights, exactly: ``d q + m``, Q4_0 ``d (q - 8)``, Q8_0 ``d q``. The codes
+    go in the order ``cpu_gemm.c`` describes: four consecutive k of a column in one 32-bit lane."""
     n, k = codes.shape
+    cols = _blocks(codes.view(torch.uint8)).movedim(-1, 1)  # [N/32, 32 n, K]
+    nb, groups = cols.shape[0], k // GROUP
     if fmt == "Q8_0":
-        return BlockedQuant(_blocks(codes.view(torch.uint8)), False, _halves(d), None, n, k)
-    if m is None:  # Q4_0: w = d (q - 8)
-        m = -8 * d
-    pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K/2]: code k low, k + 1 high
-    return BlockedQuant(_blocks(pairs), True, _halves(d), _halves(m), n, k)
+        lanes = (cols ^ 0x80).reshape(nb, 2, 16, groups, 8, 4)  # [t, h, c, g, kk, j]: code + 128
+        laid = lanes.permute(0, 3, 1, 4, 2, 5).contiguous().view(nb, k, BLOCK)
+        return BlockedQuant(laid, QUANT_KINDS[fmt], _halves(d), None, n, k)
+    halves = cols.reshape(nb, 2, 16, groups, 4, 2, 4)  # [t, h, c, g, kk, low / high, j]
+    pairs = halves[..., 0, :] | (halves[..., 1, :] << 4)
+    laid = pairs.permute(0, 3, 1, 4, 2, 5).contiguous().view(nb, k // 2, BLOCK)
+    return BlockedQuant(laid, QUANT_KINDS[fmt], _halves(d), None if m is None else _halves(m), n, k)
+
+
+def quant_scratch(rows: int, k: int) -> torch.Tensor:
+    """What ``cr_linear_q`` needs beside its operands for ``rows`` rows of width ``k``: the rows
+    rounded to 8 bits, their scales and their group sums (10 floats a group)."""
+    return torch.empty(max(rows, 1) * (k // GROUP) * 10, dtype=torch.float32)
+
+
+def round_rows(x: torch.Tensor) -> torch.Tensor:
+    """x  # [M, K] fp32 as the GGUF kernel sees it: each group of 32 rounded to 8 bits with the
+    scale max |x| / 127 (round half to even), back in fp32. ``linear_quant(x, w)`` is
+    ``round_rows(x) @ w^T`` within fp32 rounding."""
+    g = x.reshape(*x.shape[:-1], -1, GROUP)
+    s = g.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    return (torch.round(g * inv) * s).reshape(x.shape)
 
 
 def linear_quant(x: torch.Tensor, weight: BlockedQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -271,8 +299,8 @@ def _linear_quant_on(lib: ctypes.CDLL | None, x: torch.Tensor, weight: BlockedQu
     """``linear_quant`` through ``lib`` (the tests pass a copy built with other flags)."""
     k, n = weight.in_features, weight.out_features
     rows, y = _call_parts(lib, x, k, n)
-    scratch = torch.empty(max(rows.shape[0], 1), k // GROUP, dtype=torch.float32)
-    lib.cr_linear_q(rows.data_ptr(), rows.stride(0), weight.codes.data_ptr(), int(weight.nibbles),
+    scratch = quant_scratch(rows.shape[0], k)
+    lib.cr_linear_q(rows.data_ptr(), rows.stride(0), weight.codes.data_ptr(), weight.kind,
                     weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows.shape[0], n, k,
                     scratch.data_ptr(), torch.get_num_threads())
@@ -284,15 +312,14 @@ def _linear_quant_on(lib: ctypes.CDLL | None, x: torch.Tensor, weight: BlockedQu
 def _proj(weight: "torch.Tensor | BlockedQuant", bias: torch.Tensor | None, n: int, k: int) -> _Proj:
     bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(weight, BlockedQuant):
-        kind = 1 if weight.nibbles else 2
-        return _Proj(kind, n, k, weight.codes.data_ptr(), weight.scales.data_ptr(),
+        return _Proj(1 + weight.kind, n, k, weight.codes.data_ptr(), weight.scales.data_ptr(),
                      None if weight.mins is None else weight.mins.data_ptr(), bias_ptr)
     return _Proj(0, n, k, weight.data_ptr(), None, None, bias_ptr)
 
 
 class LayerScratch:
     """The buffers one forward's layers share: [rows, hidden] twice, the qkv rows, gate/up and
-    the activation, and the GGUF kernel's group sums."""
+    the activation, and the GGUF kernel's scratch (``quant_scratch``)."""
 
     __slots__ = ("h", "qkv", "gu", "act", "xsum")
 
@@ -302,7 +329,7 @@ class LayerScratch:
         self.qkv = torch.empty(rows, qkv)
         self.gu = torch.empty(rows, 2 * inter)
         self.act = torch.empty(rows, inter)
-        self.xsum = torch.empty(max(rows, 1), max(hidden, inter, attn) // GROUP + 1)  # any projection's K
+        self.xsum = quant_scratch(rows, max(hidden, inter, attn))  # any projection's K
 
 
 class FusedLayer:

@@ -6,7 +6,8 @@ Terms. A GGUF *block* holds 32 consecutive weights of one row (along the input d
 rows in the order of our checkpoint names (``gguf_weights`` reads a file).
 
 :class:`QuantLinear` runs on CPU, by default, through our own kernel (``models.cpu_gemm``: the codes
-in 32-column blocks, fp32 activations, ``d (sum x q) + m (sum x)`` per group). Elsewhere (CUDA,
+in 32-column blocks, activations rounded to 8 bits a group, ``s (d (sum xq q) + m (sum xq))`` per
+group, integer sums on VNNI). Elsewhere (CUDA,
 or ``COSINE_RAY_CPU_GEMM=onednn|mkl``) it runs every format through PyTorch's own int4
 weight-only kernel, groups of 32,
 affine per group, ``w = (u - 8) s + z`` with u in 0..15: ``_weight_int4pack_mm_for_cpu`` on CPU
@@ -124,7 +125,8 @@ class QuantLinear:
     """``y = x W^T`` with W a :class:`QuantTensor`, kept quantized on the device.
 
     On CPU, by default, through our own kernel (``models.cpu_gemm``: the file's codes in 32-column
-    blocks, fp32 activations, each row's result independent of its batch); elsewhere, or with
+    blocks, activations rounded to 8 bits a group of 32, each row's result independent of its
+    batch); elsewhere, or with
     ``COSINE_RAY_CPU_GEMM=onednn|mkl``, through PyTorch's int4 kernels (module docstring)."""
 
     __slots__ = ("fmt", "out_features", "in_features", "packed", "scales_zeros", "device", "compute", "bias",

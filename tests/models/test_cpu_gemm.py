@@ -135,14 +135,64 @@ QUANT_SHAPES = [(1, 576, 960), (3, 64, 49), (9, 1536, 64), (17, 96, 100)]
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows,k,n", QUANT_SHAPES)
-def test_quant_products_are_the_files_weights_within_fp32_rounding(fmt, rows, k, n):
+def test_quant_products_are_the_files_weights_times_the_rounded_rows_within_fp32_rounding(fmt, rows, k, n):
     q = quant_weight(fmt, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     y = cpu_gemm.linear_quant(x, pack(q))
-    w = q.dequantize().double()
-    exact = x.double() @ w.t()
-    bound = 8 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().t() + 1)
+    w, xr = q.dequantize().double(), cpu_gemm.round_rows(x).double()
+    exact = xr @ w.t()
+    bound = 8 * k * torch.finfo(torch.float32).eps * (xr.abs() @ w.abs().t() + 1)
     assert y.shape == (rows, n) and ((y.double() - exact).abs() <= bound).all()
+    # and the rounding is 8 bits a group, not more: the rows themselves are within 1/254 of a group's max
+    groups = x.view(rows, -1, 32).abs().amax(-1, keepdim=True)
+    assert ((cpu_gemm.round_rows(x) - x).view(rows, -1, 32).abs() <= groups / 254 * 1.001).all()
+
+
+def call_quant(lib, x: torch.Tensor, packed: cpu_gemm.BlockedQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cr_linear_q`` of ``lib`` on x: the product and the scratch it left."""
+    rows, k = x.shape
+    y, scratch = torch.empty(rows, packed.out_features), cpu_gemm.quant_scratch(rows, k)
+    lib.cr_linear_q(x.data_ptr(), k, packed.codes.data_ptr(), packed.kind, packed.scales.data_ptr(),
+                    None if packed.mins is None else packed.mins.data_ptr(), None, y.data_ptr(),
+                    packed.out_features, rows, packed.out_features, k, scratch.data_ptr(), 2)
+    return y, scratch
+
+
+def test_the_kernel_rounds_rows_as_round_rows_says():
+    """The 8-bit rows the C code left in its scratch are ``round_rows``'s, code for code (ties
+    included: x at exact half steps), with the same scales."""
+    rows, k = 5, 96
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    x[0, :32] = torch.arange(32) - 15.5  # max 16.5 ... ; and ties below
+    x[1, :32] = torch.linspace(-127, 127, 32) / 127 * 2.5
+    x[2, 32:64] = 0  # a group of zeros: scale 0, codes 0
+    _, scratch = call_quant(cpu_gemm._library(), x, pack(quant_weight("Q8_0", 32, k, 1)))
+    groups = rows * k // 32
+    sx, sq = scratch[:groups].view(rows, -1), scratch[groups:2 * groups].view(rows, -1)
+    xq = scratch[2 * groups:2 * groups + rows * k // 4].view(torch.int8).view(rows, k)
+    s = x.view(rows, -1, 32).abs().amax(-1) / 127
+    assert torch.equal(sx, s)
+    expected = torch.round(x.view(rows, -1, 32) * torch.where(s > 0, 1 / s, 0).unsqueeze(-1))
+    assert torch.equal(xq.float(), expected.view(rows, k)) and torch.equal(sq, expected.sum(-1))
+    assert torch.equal(cpu_gemm.round_rows(x), (expected * s.unsqueeze(-1)).view(rows, k))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("flags", [("-mno-avx512vnni", "-mno-avxvnni"), ("-mno-avx512f",)])
+def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_path):
+    """The library built without VNNI (plain C integer loops), or without AVX-512 at all (the
+    scales widened from fp16 by their bits too), gives every product bit for bit."""
+    import ctypes
+    from pathlib import Path
+    lib = tmp_path / "plain.so"
+    cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", flags)
+    plain = ctypes.CDLL(str(lib))
+    plain.cr_linear_q.argtypes = cpu_gemm._QUANT_ARGTYPES
+    packed = pack(quant_weight(fmt, 100, 576, seed=2))
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(4))
+    ours, _ = call_quant(cpu_gemm._library(), x, packed)
+    theirs, _ = call_quant(plain, x, packed)
+    assert torch.equal(ours, theirs) and torch.equal(ours, cpu_gemm.linear_quant(x, packed))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -177,8 +227,8 @@ def test_quant_products_do_not_depend_on_the_instruction_set(fmt, tmp_path):
 
 def test_quant_layout_halves_the_4_bit_codes():
     q4, q8 = pack(quant_weight("Q4_1", 64, 96, 1)), pack(quant_weight("Q8_0", 64, 96, 1))
-    assert q4.nibbles and q4.codes.shape == (2, 48, 32) and q4.mins is not None
-    assert not q8.nibbles and q8.codes.shape == (2, 96, 32) and q8.mins is None
+    assert q4.kind == cpu_gemm.QUANT_KINDS["Q4_1"] and q4.codes.shape == (2, 48, 32) and q4.mins is not None
+    assert q8.kind == cpu_gemm.QUANT_KINDS["Q8_0"] and q8.codes.shape == (2, 96, 32) and q8.mins is None
     assert q4.nbytes == 64 * 48 + 2 * 64 * 3 * 2  # fp16 scales and mins, as in the file
 
 

@@ -59,18 +59,22 @@ def fused_layer(w: dict[str, torch.Tensor], fmt: str | None) -> tuple[cpu_gemm.F
     return cpu_gemm.FusedLayer(w["input_norm"], w["post_norm"], EPS, parts), dense, keep
 
 
-def torch_layer(x, w, dense, positions, attention):
-    """The layer as ``LlamaStage._layers`` computes it without the fused calls, and its q, k, v."""
+def torch_layer(x, w, dense, positions, attention, rounded=False):
+    """The layer as ``LlamaStage._layers`` computes it without the fused calls, and its q, k, v.
+    rounded: the projections' inputs rounded to 8 bits a group, as the GGUF kernel does."""
+    def mm(a, name):
+        return (cpu_gemm.round_rows(a) if rounded else a) @ dense[name].t()
+
     cos, ssin = _rope_tables(positions, 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)), torch.float32)
     h = _rms_norm(x, w["input_norm"], EPS)
-    qkv = h @ dense["qkv"].t() + w["qkv_bias"]
+    qkv = mm(h, "qkv") + w["qkv_bias"]
     qk = _apply_rope(qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(-1, HEADS + KV_HEADS, HEAD_DIM), cos, ssin)
     v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(-1, KV_HEADS, HEAD_DIM)
     q, k = qk[:, :HEADS], qk[:, HEADS:]
-    x = x + attention(q, k, v) @ dense["o"].t()
+    x = x + mm(attention(q, k, v), "o")
     h = _rms_norm(x, w["post_norm"], EPS)
-    gate, up = (h @ dense["gate_up"].t()).chunk(2, dim=-1)
-    return x + (F.silu(gate) * up) @ dense["down"].t(), (q, k, v)
+    gate, up = mm(h, "gate_up").chunk(2, dim=-1)
+    return x + mm(F.silu(gate) * up, "down"), (q, k, v)
 
 
 def row_attention(q, k, v):
@@ -100,7 +104,7 @@ def test_a_fused_layer_is_the_pytorch_layer_within_fp32_rounding(fmt, rows):
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1))
     positions = torch.arange(rows) * 7 + 3
     ours, qkv = fused_run(layer, x, positions)
-    expected, (q, k, v) = torch_layer(x, w, dense, positions, row_attention)
+    expected, (q, k, v) = torch_layer(x, w, dense, positions, row_attention, rounded=fmt is not None)
     torch.testing.assert_close(qkv[:, :HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM), q, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(-1, KV_HEADS, HEAD_DIM), v, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(ours, expected, atol=5e-5, rtol=5e-5)

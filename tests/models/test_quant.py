@@ -50,7 +50,7 @@ def test_int4_affine_form_holds_the_same_weights(fmt):
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows", [1, 3, 9])
-def test_quant_linear_on_our_kernel_is_fp32_activations_times_the_weights(fmt, rows):
+def test_quant_linear_on_our_kernel_is_8_bit_activations_times_the_weights(fmt, rows):
     if not cpu_gemm.available():
         pytest.skip("no C compiler: our kernel is not built here")
     q = blocks_of(random_weight(64, 128, 3), fmt)
@@ -59,8 +59,10 @@ def test_quant_linear_on_our_kernel_is_fp32_activations_times_the_weights(fmt, r
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
     assert y.shape == (rows, 64) and y.dtype == torch.float32
-    ref = x.double() @ q.dequantize().double().t()  # the file's weights, exactly
+    # the file's weights, exactly, times x rounded to 8 bits a group of 32 (llama.cpp's Q8 operand)
+    ref = cpu_gemm.round_rows(x).double() @ q.dequantize().double().t()
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5)
+    assert (y.double() - x.double() @ q.dequantize().double().t()).abs().max() > 1e-5  # it did round
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -195,7 +197,8 @@ def test_gguf_file_read_back_under_our_names(tmp_path, fmt, embed_fmt):
 
 def test_native_stage_follows_its_dense_twin(tmp_path):
     """A stage on native blocks against one on the same weights dequantized: the logits differ
-    by the bf16 activations of the projections only; the greedy tokens agree."""
+    by the rounding of the projections' inputs only (to 8 bits a group of 32 on our kernel: up to
+    0.24 here on logits up to 5.4; bf16 on oneDNN's: 0.07); the greedy tokens mostly agree."""
     cfg = tiny_config()
     write_gguf(tmp_path / "m.gguf", cfg, tiny_state(cfg, seed=5), "Q4_1", "Q8_0")
     weights = gguf_weights(tmp_path / "m.gguf", num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
@@ -210,7 +213,7 @@ def test_native_stage_follows_its_dense_twin(tmp_path):
         kv.allocate("r")
         outs.append(stage.forward(StageBatch.from_chains(["r"], [tokens], [0], last_logits_only=False), kv))
     assert outs[0].shape == (len(tokens), cfg.vocab_size)
-    torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.15)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.3)
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 0.75
 
 
