@@ -14,11 +14,9 @@ loop, and builds on the host (copied to the device once) what the layers need:
 - a *single* for each longer chain: a fresh prefill attends causally to itself, a continued
   one (a later chunk) gathers its slots and uses a causal-offset mask.
 
-In a fused fp32 CPU stage every row goes to our kernel instead, prefill chains included
-(``cpu_gemm.attend_rows``, ``RowKeys``: each row over the pool slots it sees, in logical order,
-computed alone). A row's output then depends only on its own query and keys, never on how its
-prompt was chunked, cached or batched, so a request decoded beside others gives bit for bit what
-it gives alone (docs/performance-cpu.md).
+A fused fp32 CPU stage sends every row, prefills included, to ``cpu_gemm.attend_rows`` instead
+(``RowKeys``): each row computed alone over its keys in logical order, so a request gives the same
+bits however its prompt was chunked, cached or batched (docs/performance-cpu.md).
 ``padded_plan`` builds the same masks inside a CUDA graph (``models.runner``).
 """
 

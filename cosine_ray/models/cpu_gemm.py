@@ -1,18 +1,17 @@
 """Our CPU projection kernels (``cpu_gemm.c``): built once per machine, loaded with ctypes.
 
 At one row a decode step only reads weights, so its projections should run at the memory
-bandwidth; oneDNN's packed fp32 linear ran the embedded model's at ~1.7x that (see
-docs/performance-cpu.md). ``cpu_gemm.c`` keeps each weight as 32-column blocks, ``[N/32][K][32]``,
+bandwidth (docs/performance-cpu.md). ``cpu_gemm.c`` keeps each weight as 32-column blocks, ``[N/32][K][32]``,
 so that at one row every block is one contiguous stream, and sums every output in one fixed
 order whatever the number of rows (row-invariant). GGUF weights (``--weights native``) go the same
 way, kept quantized: ``pack_quant`` lays a GGUF matrix's codes (``models.quant``) out in the
 same 32-column blocks (four k of a column to a 32-bit lane, for VNNI's integer dot products) with
-the file's fp16 group scales, and ``linear_quant`` multiplies them with the activations rounded to 8 bits a
-group of 32 (``round_rows``, as llama.cpp does). Around the projections the
-same library runs a decoder layer's small operations (``FusedLayer``: RMS norms, RoPE, residual
-adds, SiLU · up; two calls a layer) and the attention of a step's short query rows
-(``attend_rows``), row by row, so that a step is a few dozen C calls instead of ~1,000 PyTorch
-operations of a few microseconds each (``COSINE_RAY_FUSED_LAYERS=0`` turns this off).
+the file's fp16 group scales, and ``linear_quant`` multiplies them with the activations rounded
+to 8 bits a group of 32 (``round_rows``, as llama.cpp does). Around the projections the same
+library runs a decoder layer's small operations (``FusedLayer``: RMS norms, RoPE, residual adds,
+SiLU · up; two calls a layer) and the attention of every query row (``attend_rows``), row by
+row: a step is a few dozen C calls instead of ~1,000 small PyTorch operations
+(``COSINE_RAY_FUSED_LAYERS=0`` turns this off).
 
 The shared library is compiled on first use with the system C compiler (``$CC`` or ``cc``,
 ``-O3 -march=native -fopenmp``) into ``cache_root()/kernels`` under a key of the source, the

@@ -329,8 +329,9 @@ class LlamaStage:
             for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
         """Attention in float64 (``models.attention._sdpa``): on CPU where bf16 roundings follow it
         (PyTorch's int4 kernels' activations), so that a row's logits do not depend on its batch.
-        Our own kernel (``models.cpu_gemm``) rounds each row alone (8 bits a group of 32), so its
-        rows are batch-invariant as they are."""
+        Our own kernel (``models.cpu_gemm``) rounds each row alone (8 bits a group of 32) and a
+        fused stage attends every row alone (``cpu_gemm.attend_rows``), so its rows are
+        batch-invariant in fp32."""
         self.norm_weight = get("model.norm.weight") if self.is_last else None
         self.lm_head: _Linear | QuantLinear | None = None
         """[hidden] -> [vocab]; with tied embeddings over the embedding matrix."""
