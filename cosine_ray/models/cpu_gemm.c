@@ -463,13 +463,15 @@ static inline float max_of(const float *s, int64_t n) {
 }
 
 /* Attention of R query rows, each over its own list of pool slots: row ``rows[r]`` of q sees
- * keys[start[r] : start[r] + count[r]] in that order. Every row is computed the same way, alone:
- * its scores (``dot``), their maximum, e^(score - max) 16 lanes at a time summed into 16 lanes
- * then ``hsum16``, and its output summed over its keys in order; so a row's output depends only
- * on its query and its keys, never on the other rows of the call, on how a prompt was split into
- * chunks or on the thread count. Up to ROW_TILE consecutive rows of one list (a prefill chain's
- * rows, each seeing a prefix of it) share a task per head, so each key and value is read once for
- * them. scores: [threads][ROW_TILE][max_keys rounded up to 16] floats, a buffer per thread. */
+ * keys[start[r] : start[r] + count[r]] in that order. Every row's arithmetic is the same, alone
+ * or beside others: each score one 16-lane sum over the head's vectors in order, reduced as
+ * ``hsum16x16`` does; their maximum; e^(score - max) 16 lanes at a time summed into 16 lanes then
+ * ``hsum16``; the output a fused multiply-add chain over the keys in order. So a row's output
+ * depends only on its query and its keys, never on the other rows of the call, on how a prompt
+ * was split into chunks or on the thread count. Up to ROW_TILE consecutive rows of one list (a
+ * prefill chain's rows, each seeing a prefix of it) share a task per head, taken two at a time
+ * where both have the keys, so each key and value vector loaded serves two rows.
+ * scores: [threads][ROW_TILE][max_keys rounded up to 16] floats, a buffer per thread. */
 void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R, const int64_t *start,
                     const int64_t *count, const int64_t *keys, const float *kpool, const float *vpool, int64_t heads,
                     int64_t kv_heads, int64_t hd, float scale, float *out, int64_t ldo, float *scores,
@@ -502,7 +504,30 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
                 const float *kv[16];
                 for (int k = 0; k < 16; k++)
                     kv[k] = c0 + k < most ? kpool + ks[c0 + k] * stride + kvh * hd : zero_key;
-                for (int64_t i = 0; i < rn; i++) {
+                int64_t i = 0;
+                for (; i + 1 < rn && c0 < n[i + 1] && c0 < n[i]; i += 2) {  /* two rows: each key vector serves both */
+                    const float *qa = q + rows[first + i] * ldq + h * hd, *qb = q + rows[first + i + 1] * ldq + h * hd;
+                    for (int half = 0; half < 16; half += 8) {
+                        v16 acc[16];  /* 0-7: row i's keys c0 + half + 0..7; 8-15: row i + 1's */
+                        for (int k = 0; k < 8; k++) {
+                            v16 kk = load16(kv[half + k]);
+                            acc[k] = load16(qa) * kk;
+                            acc[8 + k] = load16(qb) * kk;
+                        }
+                        for (int64_t j = 16; j < hd; j += 16) {
+                            v16 a = load16(qa + j), b = load16(qb + j);
+                            for (int k = 0; k < 8; k++) {
+                                v16 kk = load16(kv[half + k] + j);
+                                acc[k] += a * kk;
+                                acc[8 + k] += b * kk;
+                            }
+                        }
+                        v16 sc = hsum16x16(acc) * scale;
+                        memcpy(buf + i * width + c0 + half, &sc, 8 * sizeof(float));
+                        memcpy(buf + (i + 1) * width + c0 + half, (float *)&sc + 8, 8 * sizeof(float));
+                    }
+                }
+                for (; i < rn; i++) {
                     if (c0 >= n[i]) continue;
                     const float *qv = q + rows[first + i] * ldq + h * hd;
                     v16 acc[16];
@@ -541,7 +566,23 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
         for (int64_t c0 = 0; c0 < most; c0 += 16) {  /* 16 keys' values at a time, read once for the rows */
             const float *vv[16];
             for (int k = 0; k < 16 && c0 + k < most; k++) vv[k] = vpool + ks[c0 + k] * stride + kvh * hd;
-            for (int64_t i = 0; i < rn; i++) {
+            int64_t i = 0;
+            if (hd % 16 == 0)  /* two rows with 16 keys each here: each value vector serves both */
+                for (; i + 1 < rn && n[i] - c0 >= 16 && n[i + 1] - c0 >= 16; i += 2) {
+                    float *oa = out + rows[first + i] * ldo + h * hd, *ob = out + rows[first + i + 1] * ldo + h * hd;
+                    const float *pa = buf + i * width + c0, *pb = buf + (i + 1) * width + c0;
+                    for (int64_t j = 0; j < hd; j += 16) {
+                        v16 a = load16(oa + j), b = load16(ob + j);
+                        for (int k = 0; k < 16; k++) {
+                            v16 v = load16(vv[k] + j);
+                            a += pa[k] * v;
+                            b += pb[k] * v;
+                        }
+                        store16(oa + j, a);
+                        store16(ob + j, b);
+                    }
+                }
+            for (; i < rn; i++) {
                 int64_t nk = n[i] - c0 < 16 ? n[i] - c0 : 16;
                 if (nk > 0) add_scaled(out + rows[first + i] * ldo + h * hd, buf + i * width + c0, vv, (int)nk, hd);
             }
