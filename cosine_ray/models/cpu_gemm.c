@@ -351,14 +351,11 @@ void cr_layer_post(float *x, int64_t M, int64_t H, const float *attn, const cr_p
     for (int64_t i = 0; i < M * H; i++) x[i] += h[i];
 }
 
-/* ---- attention of a step's short query rows over the KV pool -------------------------------
+/* ---- attention of a step's query rows over the KV pool -------------------------------------
  *
- * Query row r (``rows[r]`` of q and out) attends to the pool slots keys[ptr[r] .. ptr[r + 1]), in
- * that order: its committed slots, then what its tree mask lets it see. Per head: scores
- * s = scale (q . k), p = exp(s - max s), out = sum p v / sum p, each sum in key order and each
- * dot product in one fixed order: a row's result depends only on its own query and keys, not
- * on the other rows of the step (what makes a speculative verify row equal to the decode row).
- * q, out: row stride ldq / ldo floats, heads * hd each; kpool, vpool [slots][kv_heads][hd]. */
+ * Every query row of a fused stage's step, prefill chains included (``cr_attend_rows`` below says
+ * how a row is computed). q, out: row stride ldq / ldo floats, heads * hd each; kpool, vpool
+ * [slots][kv_heads][hd]. */
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
@@ -371,17 +368,11 @@ static inline float hsum16(v16 v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* a . b over n floats: 16 lanes summed over the vectors in order, then hsum16 (n % 16 == 0);
- * otherwise serially */
+/* a . b over n floats, serially (heads whose width is not a multiple of 16) */
 static inline float dot(const float *a, const float *b, int64_t n) {
-    if (n % 16) {
-        float s = 0;
-        for (int64_t j = 0; j < n; j++) s += a[j] * b[j];
-        return s;
-    }
-    v16 acc = load16(a) * load16(b);
-    for (int64_t j = 16; j < n; j += 16) acc += load16(a + j) * load16(b + j);
-    return hsum16(acc);
+    float s = 0;
+    for (int64_t j = 0; j < n; j++) s += a[j] * b[j];
+    return s;
 }
 
 /* e^x for 16 lanes of x <= 0 (x below -87 gives e^-87): Cephes' expf, a degree-6 polynomial
@@ -430,14 +421,6 @@ static inline void add_scaled(float *o, const float *p, const float *const *v, i
     if (hd % 16) {
         for (int k = 0; k < nk; k++)
             for (int64_t j = 0; j < hd; j++) o[j] += p[k] * v[k][j];
-        return;
-    }
-    if (nk == 16) {  /* the common case, unrolled */
-        for (int64_t j = 0; j < hd; j += 16) {
-            v16 acc = load16(o + j);
-            for (int k = 0; k < 16; k++) acc += p[k] * load16(v[k] + j);
-            store16(o + j, acc);
-        }
         return;
     }
     for (int64_t j = 0; j < hd; j += 16) {
@@ -491,7 +474,6 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
         for (int64_t i = 0; i < rn; i++) {
             n[i] = count[first + i];
             most = n[i] > most ? n[i] : most;
-            m[i] = -INFINITY;
         }
         if (hd % 16) {
             for (int64_t c = 0; c < most; c++) {

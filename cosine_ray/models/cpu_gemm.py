@@ -73,9 +73,9 @@ _PRE_ARGTYPES = [_P, _I, _I, _P, _F, _PROJ, _P, _P, _I, _I, _P, _P, _P, ctypes.c
 _POST_ARGTYPES = [_P, _I, _I, _P, _PROJ, _P, _F, _PROJ, _PROJ, _P, _P, _P, _P, ctypes.c_int]
 _ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int]
 MAX_HEAD_DIM = 1024
+"""``cr_layer_pre`` rotates a head through a stack buffer of this many floats (``MAX_HEAD_DIM`` there)."""
 ROW_TILE = 8
 """``cr_attend_rows`` attends up to this many rows of one key list together (``ROW_TILE`` there)."""
-"""``cr_layer_pre`` rotates a head through a stack buffer of this many floats (``MAX_HEAD_DIM`` there)."""
 
 
 def _cpu_signature() -> str:
@@ -165,8 +165,8 @@ def choice() -> str:
 
 def fused_on(device: torch.device | str, dtype: torch.dtype | str = torch.float32) -> bool:
     """A stage built now on ``device`` in ``dtype`` runs its layers' small operations and the
-    attention of its short query rows in ``cpu_gemm.c`` (``FusedLayer``, ``attend_rows``): in
-    fp32 where the kernels are used, unless ``COSINE_RAY_FUSED_LAYERS=0``."""
+    attention of all its query rows in ``cpu_gemm.c`` (``FusedLayer``, ``attend_rows``): in fp32
+    where the kernels are used, unless ``COSINE_RAY_FUSED_LAYERS=0``."""
     fp32 = dtype in (torch.float32, "float32")
     return fp32 and used_on(device) and os.environ.get(FUSED_ENV, "1").strip() != "0"
 

@@ -1,9 +1,10 @@
 """Lossless on the native-weights path (``--weights native``: the embedded Q4_1/Q8_0 GGUF blocks
 kept quantized): speculative greedy output, batched, is exactly our own plain decode on that
 path, and requests decoded together give what each gives alone. On CPU the blocks go, by
-default, through our kernel (``models.cpu_gemm``: fp32 activations, row-invariant), with fp32
-attention as on the dense path; through PyTorch's int4 kernels (``COSINE_RAY_CPU_GEMM=onednn``: bf16 activations, also row-invariant) attention runs in
-float64 (``LlamaStage.wide_attention``), because in fp32 the CPU attention's sums depend on the
+default, through our kernel (``models.cpu_gemm``: activations rounded to 8 bits a group,
+row-invariant), with every attention row computed alone in fp32 (``cpu_gemm.attend_rows``);
+through PyTorch's int4 kernels (``COSINE_RAY_CPU_GEMM=onednn``: bf16 activations, also
+row-invariant) attention runs in float64 (``LlamaStage.wide_attention``), because in fp32 the CPU attention's sums depend on the
 call's shapes and the bf16 rounding after it turns last-bit differences into other tokens at
 near-ties (docs/performance-cpu.md)."""
 

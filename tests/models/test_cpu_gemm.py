@@ -148,13 +148,13 @@ def test_quant_products_are_the_files_weights_times_the_rounded_rows_within_fp32
     assert ((cpu_gemm.round_rows(x) - x).view(rows, -1, 32).abs() <= groups / 254 * 1.001).all()
 
 
-def call_quant(lib, x: torch.Tensor, packed: cpu_gemm.BlockedQuant) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cr_linear_q`` of ``lib`` on x: the product and the scratch it left."""
+def call_quant(x: torch.Tensor, packed: cpu_gemm.BlockedQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cr_linear_q`` on x: the product and the scratch it left."""
     rows, k = x.shape
     y, scratch = torch.empty(rows, packed.out_features), cpu_gemm.quant_scratch(rows, k)
-    lib.cr_linear_q(x.data_ptr(), k, packed.codes.data_ptr(), packed.kind, packed.scales.data_ptr(),
-                    None if packed.mins is None else packed.mins.data_ptr(), None, y.data_ptr(),
-                    packed.out_features, rows, packed.out_features, k, scratch.data_ptr(), 2)
+    cpu_gemm._library().cr_linear_q(x.data_ptr(), k, packed.codes.data_ptr(), packed.kind, packed.scales.data_ptr(),
+                                    None if packed.mins is None else packed.mins.data_ptr(), None, y.data_ptr(),
+                                    packed.out_features, rows, packed.out_features, k, scratch.data_ptr(), 2)
     return y, scratch
 
 
@@ -166,7 +166,7 @@ def test_the_kernel_rounds_rows_as_round_rows_says():
     x[0, :32] = torch.arange(32) - 15.5  # max 16.5 ... ; and ties below
     x[1, :32] = torch.linspace(-127, 127, 32) / 127 * 2.5
     x[2, 32:64] = 0  # a group of zeros: scale 0, codes 0
-    _, scratch = call_quant(cpu_gemm._library(), x, pack(quant_weight("Q8_0", 32, k, 1)))
+    _, scratch = call_quant(x, pack(quant_weight("Q8_0", 32, k, 1)))
     groups = rows * k // 32
     sx, sq = scratch[:groups].view(rows, -1), scratch[groups:2 * groups].view(rows, -1)
     xq = scratch[2 * groups:2 * groups + rows * k // 4].view(torch.int8).view(rows, k)
@@ -182,17 +182,12 @@ def test_the_kernel_rounds_rows_as_round_rows_says():
 def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_path):
     """The library built without VNNI (plain C integer loops), or without AVX-512 at all (the
     scales widened from fp16 by their bits too), gives every product bit for bit."""
-    import ctypes
     from pathlib import Path
     lib = tmp_path / "plain.so"
     cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", flags)
-    plain = ctypes.CDLL(str(lib))
-    plain.cr_linear_q.argtypes = cpu_gemm._QUANT_ARGTYPES
     packed = pack(quant_weight(fmt, 100, 576, seed=2))
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(4))
-    ours, _ = call_quant(cpu_gemm._library(), x, packed)
-    theirs, _ = call_quant(plain, x, packed)
-    assert torch.equal(ours, theirs) and torch.equal(ours, cpu_gemm.linear_quant(x, packed))
+    assert torch.equal(cpu_gemm._linear_quant_on(cpu_gemm._load(lib), x, packed), cpu_gemm.linear_quant(x, packed))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -211,18 +206,6 @@ def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt,
     for i in {0, rows // 2, rows - 1}:
         assert torch.equal(cpu_gemm.linear_quant(x[i:i + 1], packed)[0], whole[i])
     assert torch.equal(cpu_gemm.linear_quant(x[rows // 3:], packed), whole[rows // 3:])
-
-
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_quant_products_do_not_depend_on_the_instruction_set(fmt, tmp_path):
-    """The library built without AVX-512 (the fp16 scales widened by their bits, the codes by
-    AVX2 or plain C) gives every product bit for bit."""
-    from pathlib import Path
-    lib = tmp_path / "plain.so"
-    cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", ("-mno-avx512f",))
-    packed = pack(quant_weight(fmt, 100, 576, seed=2))
-    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(cpu_gemm._linear_quant_on(cpu_gemm._load(lib), x, packed), cpu_gemm.linear_quant(x, packed))
 
 
 def test_quant_layout_halves_the_4_bit_codes():

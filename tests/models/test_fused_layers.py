@@ -180,7 +180,7 @@ def test_a_fused_stage_gives_a_prompt_the_same_bits_however_it_is_prefilled(tiny
     assert torch.equal(prefill([1] * 5 + [56]), whole)
 
 
-# ---- the short rows' attention (cpu_gemm.attend_rows) -------------------------------------------
+# ---- the rows' attention (cpu_gemm.attend_rows) -------------------------------------------------
 
 def pool_and_rows(seed: int, slots: int = 80):
     """A KV pool, and 7 query rows over it with ragged, masked key lists (3 requests: a decode row,
