@@ -105,6 +105,8 @@ class RowKeys:
     keys: torch.Tensor
     """int64 pool slots, each list in logical order."""
     max_keys: int
+    scores: torch.Tensor | None = None
+    """The kernel's score buffer, made at the first layer and reused by the others."""
 
 
 @dataclass(slots=True)
@@ -269,9 +271,8 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
     if plan.row_keys is not None:  # our CPU kernel, every row (the plan holds no groups then)
         assert not wide and q.dtype == kv_cache.dtype == torch.float32, "row keys are for fp32 CPU stages"
         pools = kv_cache.span(layer, 0, kv_cache.pool.shape[2])
-        cpu_gemm.write_kv(k, v, plan.slot_mapping, *pools)
         out = q.new_empty(num_tokens, heads * head_dim)
-        cpu_gemm.attend_rows(q, plan.row_keys, *pools, scale, out)
+        cpu_gemm.attend_rows(q, plan.row_keys, *pools, scale, out, new=(k, v, plan.slot_mapping))
         return out
     kv_cache.write_slots(layer, plan.slot_mapping, k, v)
     if len(plan.groups) == 1 and isinstance(plan.groups[0], _Batched) and plan.groups[0].query_rows is None \

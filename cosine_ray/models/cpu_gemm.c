@@ -423,10 +423,66 @@ static inline void add_scaled(float *o, const float *p, const float *const *v, i
             for (int64_t j = 0; j < hd; j++) o[j] += p[k] * v[k][j];
         return;
     }
-    for (int64_t j = 0; j < hd; j += 16) {
+    int64_t j = 0;
+    for (; j + 64 <= hd; j += 64) {  /* four chains in flight, k outermost: each float's chain still runs k in order */
+        v16 a0 = load16(o + j), a1 = load16(o + j + 16), a2 = load16(o + j + 32), a3 = load16(o + j + 48);
+        for (int k = 0; k < nk; k++) {
+            const float *vk = v[k] + j;
+            a0 += p[k] * load16(vk);
+            a1 += p[k] * load16(vk + 16);
+            a2 += p[k] * load16(vk + 32);
+            a3 += p[k] * load16(vk + 48);
+        }
+        store16(o + j, a0);
+        store16(o + j + 16, a1);
+        store16(o + j + 32, a2);
+        store16(o + j + 48, a3);
+    }
+    for (; j < hd; j += 16) {
         v16 acc = load16(o + j);
         for (int k = 0; k < nk; k++) acc += p[k] * load16(v[k] + j);
         store16(o + j, acc);
+    }
+}
+
+/* add_scaled for two rows over the same 16 value vectors (hd % 16 == 0): each vector loaded
+ * serves both, every float's chain over k in order as alone */
+static inline void add_scaled2(float *oa, float *ob, const float *pa, const float *pb, const float *const *v,
+                               int64_t hd) {
+    int64_t j = 0;
+    for (; j + 64 <= hd; j += 64) {
+        v16 a0 = load16(oa + j), a1 = load16(oa + j + 16), a2 = load16(oa + j + 32), a3 = load16(oa + j + 48);
+        v16 b0 = load16(ob + j), b1 = load16(ob + j + 16), b2 = load16(ob + j + 32), b3 = load16(ob + j + 48);
+        for (int k = 0; k < 16; k++) {
+            const float *vk = v[k] + j;
+            v16 v0 = load16(vk), v1 = load16(vk + 16), v2 = load16(vk + 32), v3 = load16(vk + 48);
+            a0 += pa[k] * v0;
+            a1 += pa[k] * v1;
+            a2 += pa[k] * v2;
+            a3 += pa[k] * v3;
+            b0 += pb[k] * v0;
+            b1 += pb[k] * v1;
+            b2 += pb[k] * v2;
+            b3 += pb[k] * v3;
+        }
+        store16(oa + j, a0);
+        store16(oa + j + 16, a1);
+        store16(oa + j + 32, a2);
+        store16(oa + j + 48, a3);
+        store16(ob + j, b0);
+        store16(ob + j + 16, b1);
+        store16(ob + j + 32, b2);
+        store16(ob + j + 48, b3);
+    }
+    for (; j < hd; j += 16) {
+        v16 a = load16(oa + j), b = load16(ob + j);
+        for (int k = 0; k < 16; k++) {
+            v16 x = load16(v[k] + j);
+            a += pa[k] * x;
+            b += pb[k] * x;
+        }
+        store16(oa + j, a);
+        store16(ob + j, b);
     }
 }
 
@@ -445,50 +501,91 @@ static inline float max_of(const float *s, int64_t n) {
     return best;
 }
 
+/* the 16 pool vectors of a row's keys c0 .. c0 + 15 (its list ks, n keys; zeros past them) */
+static inline void chunk_ptrs(const float **p, const float *pool, const int64_t *ks, int64_t n, int64_t c0,
+                              int64_t stride, int64_t offset) {
+    for (int k = 0; k < 16; k++) p[k] = c0 + k < n ? pool + ks[c0 + k] * stride + offset : zero_key;
+}
+
+/* whether two rows' chunks read the same vectors wherever both have keys (k < both) */
+static inline int same_ptrs(const float *const *a, const float *const *b, int64_t both) {
+    for (int64_t k = 0; k < both && k < 16; k++)
+        if (a[k] != b[k]) return 0;
+    return 1;
+}
+
 /* Attention of R query rows, each over its own list of pool slots: row ``rows[r]`` of q sees
  * keys[start[r] : start[r] + count[r]] in that order. Every row's arithmetic is the same, alone
  * or beside others: each score one 16-lane sum over the head's vectors in order, reduced as
  * ``hsum16x16`` does; their maximum; e^(score - max) 16 lanes at a time summed into 16 lanes then
  * ``hsum16``; the output a fused multiply-add chain over the keys in order. So a row's output
  * depends only on its query and its keys, never on the other rows of the call, on how a prompt
- * was split into chunks or on the thread count. Up to ROW_TILE consecutive rows of one list (a
- * prefill chain's rows, each seeing a prefix of it) share a task per head, taken two at a time
- * where both have the keys, so each key and value vector loaded serves two rows.
- * scores: [threads][ROW_TILE][max_keys rounded up to 16] floats, a buffer per thread. */
+ * was split into chunks or on the thread count. Up to ROW_TILE consecutive rows whose lists begin
+ * with the same slot (a prefill chain's rows, each seeing a prefix of one list; a token tree's
+ * rows, each seeing the committed keys then its own branch) share a task per head, and are taken
+ * two at a time wherever both read the same 16 keys, so each key and value vector loaded there
+ * serves two rows. scores: [threads][ROW_TILE][max_keys rounded up to 16] floats, a buffer per
+ * thread. The step's n_new new keys and values (k_new, v_new rows of ldk / ldv floats) are first
+ * written to their pool slots new_slots. */
+static void write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T, const int64_t *slots,
+                     float *kpool, float *vpool, int64_t width);
+
 void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R, const int64_t *start,
-                    const int64_t *count, const int64_t *keys, const float *kpool, const float *vpool, int64_t heads,
+                    const int64_t *count, const int64_t *keys, float *kpool, float *vpool, int64_t heads,
                     int64_t kv_heads, int64_t hd, float scale, float *out, int64_t ldo, float *scores,
-                    int64_t max_keys, int threads) {
+                    int64_t max_keys, int threads, const float *k_new, int64_t ldk, const float *v_new, int64_t ldv,
+                    int64_t n_new, const int64_t *new_slots) {
+    write_kv(k_new, ldk, v_new, ldv, n_new, new_slots, kpool, vpool, kv_heads * hd);
     int64_t group = heads / kv_heads, stride = kv_heads * hd, width = (max_keys + 15) / 16 * 16;
-    int64_t *tiles = malloc((size_t)(R + 1) * sizeof *tiles), T = 0;  /* tile i: rows tiles[i] .. tiles[i + 1] - 1 */
+    /* tile i: rows tiles[i] .. tiles[i + 1] - 1; cost[i]: the keys its rows read, and all tiles' before it */
+    int64_t *tiles = malloc((size_t)(2 * R + 2) * sizeof *tiles), *cost = tiles + R + 1, T = 0;
     for (int64_t r = 0; r < R; r++)
-        if (r == 0 || start[r] != start[tiles[T - 1]] || r - tiles[T - 1] == ROW_TILE)
+        if (r == 0 || keys[start[r]] != keys[start[tiles[T - 1]]] || r - tiles[T - 1] == ROW_TILE)
             tiles[T++] = r;
     tiles[T] = R;
-    #pragma omp parallel for schedule(static, 1) num_threads(threads) if(T * heads >= 4)
-    for (int64_t t = 0; t < T * heads; t++) {
+    cost[0] = 0;
+    for (int64_t i = 0; i < T; i++) {
+        cost[i + 1] = cost[i] + 16;  /* a task's fixed work */
+        for (int64_t r = tiles[i]; r < tiles[i + 1]; r++) cost[i + 1] += count[r];
+    }
+    /* a task per tile and head, tile-major; each thread takes a run of consecutive tasks of about
+     * equal cost (a task goes to the thread whose share holds its midpoint), so the heads of one
+     * KV head and the tiles of one request stay on one thread and read their keys once */
+    int64_t tasks = T * heads, parts = tasks >= 4 ? threads : 1, total = 2 * cost[T] * heads;
+    #pragma omp parallel for schedule(static, 1) num_threads(threads) if(parts > 1)
+    for (int64_t part = 0; part < parts; part++)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t tile = t / heads, own = cost[tile + 1] - cost[tile];
+        if ((2 * (cost[tile] * heads + t % heads * own) + own) * parts / total != part) continue;
         int64_t first = tiles[t / heads], rn = tiles[t / heads + 1] - first, h = t % heads, kvh = h / group;
-        const int64_t *ks = keys + start[first];
         float *buf = scores + (int64_t)omp_get_thread_num() * ROW_TILE * width, m[ROW_TILE];
+        const int64_t *ks[ROW_TILE];
+        const float *qr[ROW_TILE], *p[ROW_TILE][16];
         int64_t n[ROW_TILE], most = 0;
         for (int64_t i = 0; i < rn; i++) {
             n[i] = count[first + i];
+            ks[i] = keys + start[first + i];
+            qr[i] = q + rows[first + i] * ldq + h * hd;
             most = n[i] > most ? n[i] : most;
         }
-        if (hd % 16) {
-            for (int64_t c = 0; c < most; c++) {
-                const float *kv = kpool + ks[c] * stride + kvh * hd;
+        for (int64_t c0 = 0; c0 < most; c0 += 16) {
+            for (int64_t i = 0; i < rn; i++)
+                if (c0 < n[i]) chunk_ptrs(p[i], kpool, ks[i], n[i], c0, stride, kvh * hd);
+            if (hd % 16) {
                 for (int64_t i = 0; i < rn; i++)
-                    if (c < n[i]) buf[i * width + c] = scale * dot(q + rows[first + i] * ldq + h * hd, kv, hd);
+                    for (int k = 0; k < 16 && c0 + k < n[i]; k++) buf[i * width + c0 + k] = scale * dot(qr[i], p[i][k], hd);
+                continue;
             }
-        } else {  /* 16 keys at a time (past a row's last key: zeros, ignored) */
-            for (int64_t c0 = 0; c0 < most; c0 += 16) {
-                const float *kv[16];
-                for (int k = 0; k < 16; k++)
-                    kv[k] = c0 + k < most ? kpool + ks[c0 + k] * stride + kvh * hd : zero_key;
-                int64_t i = 0;
-                for (; i + 1 < rn && c0 < n[i + 1] && c0 < n[i]; i += 2) {  /* two rows: each key vector serves both */
-                    const float *qa = q + rows[first + i] * ldq + h * hd, *qb = q + rows[first + i + 1] * ldq + h * hd;
+            for (int64_t i = 0; i < rn;) {
+                if (c0 >= n[i]) {
+                    i++;
+                    continue;
+                }
+                int64_t both = i + 1 < rn ? (n[i] < n[i + 1] ? n[i] : n[i + 1]) - c0 : 0;
+                if (both > 0 && same_ptrs(p[i], p[i + 1], both)) {  /* two rows: each key vector serves both */
+                    const float *kv[16];  /* past one row's keys, the other's (the first's scores there are ignored) */
+                    for (int k = 0; k < 16; k++) kv[k] = c0 + k < n[i] ? p[i][k] : p[i + 1][k];
+                    const float *qa = qr[i], *qb = qr[i + 1];
                     for (int half = 0; half < 16; half += 8) {
                         v16 acc[16];  /* 0-7: row i's keys c0 + half + 0..7; 8-15: row i + 1's */
                         for (int k = 0; k < 8; k++) {
@@ -508,18 +605,17 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
                         memcpy(buf + i * width + c0 + half, &sc, 8 * sizeof(float));
                         memcpy(buf + (i + 1) * width + c0 + half, (float *)&sc + 8, 8 * sizeof(float));
                     }
+                    i += 2;
+                    continue;
                 }
-                for (; i < rn; i++) {
-                    if (c0 >= n[i]) continue;
-                    const float *qv = q + rows[first + i] * ldq + h * hd;
-                    v16 acc[16];
-                    for (int k = 0; k < 16; k++) acc[k] = load16(qv) * load16(kv[k]);
-                    for (int64_t j = 16; j < hd; j += 16) {
-                        v16 qj = load16(qv + j);
-                        for (int k = 0; k < 16; k++) acc[k] += qj * load16(kv[k] + j);
-                    }
-                    store16(buf + i * width + c0, hsum16x16(acc) * scale);
+                v16 acc[16];
+                for (int k = 0; k < 16; k++) acc[k] = load16(qr[i]) * load16(p[i][k]);
+                for (int64_t j = 16; j < hd; j += 16) {
+                    v16 qj = load16(qr[i] + j);
+                    for (int k = 0; k < 16; k++) acc[k] += qj * load16(p[i][k] + j);
                 }
+                store16(buf + i * width + c0, hsum16x16(acc) * scale);
+                i++;
             }
         }
         for (int64_t i = 0; i < rn; i++) m[i] = max_of(buf + i * width, n[i]);
@@ -545,28 +641,25 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
             float *o = out + rows[first + i] * ldo + h * hd;
             for (int64_t j = 0; j < hd; j++) o[j] = 0;
         }
-        for (int64_t c0 = 0; c0 < most; c0 += 16) {  /* 16 keys' values at a time, read once for the rows */
-            const float *vv[16];
-            for (int k = 0; k < 16 && c0 + k < most; k++) vv[k] = vpool + ks[c0 + k] * stride + kvh * hd;
-            int64_t i = 0;
-            if (hd % 16 == 0)  /* two rows with 16 keys each here: each value vector serves both */
-                for (; i + 1 < rn && n[i] - c0 >= 16 && n[i + 1] - c0 >= 16; i += 2) {
-                    float *oa = out + rows[first + i] * ldo + h * hd, *ob = out + rows[first + i + 1] * ldo + h * hd;
-                    const float *pa = buf + i * width + c0, *pb = buf + (i + 1) * width + c0;
-                    for (int64_t j = 0; j < hd; j += 16) {
-                        v16 a = load16(oa + j), b = load16(ob + j);
-                        for (int k = 0; k < 16; k++) {
-                            v16 v = load16(vv[k] + j);
-                            a += pa[k] * v;
-                            b += pb[k] * v;
-                        }
-                        store16(oa + j, a);
-                        store16(ob + j, b);
-                    }
+        for (int64_t c0 = 0; c0 < most; c0 += 16) {  /* 16 keys' values at a time */
+            for (int64_t i = 0; i < rn; i++)
+                if (c0 < n[i]) chunk_ptrs(p[i], vpool, ks[i], n[i], c0, stride, kvh * hd);
+            for (int64_t i = 0; i < rn;) {
+                if (c0 >= n[i]) {
+                    i++;
+                    continue;
                 }
-            for (; i < rn; i++) {
+                float *oa = out + rows[first + i] * ldo + h * hd;
+                if (hd % 16 == 0 && i + 1 < rn && n[i] - c0 >= 16 && n[i + 1] - c0 >= 16 &&
+                    same_ptrs(p[i], p[i + 1], 16)) {  /* two rows with 16 keys each here: each value vector serves both */
+                    float *ob = out + rows[first + i + 1] * ldo + h * hd;
+                    add_scaled2(oa, ob, buf + i * width + c0, buf + (i + 1) * width + c0, p[i], hd);
+                    i += 2;
+                    continue;
+                }
                 int64_t nk = n[i] - c0 < 16 ? n[i] - c0 : 16;
-                if (nk > 0) add_scaled(out + rows[first + i] * ldo + h * hd, buf + i * width + c0, vv, (int)nk, hd);
+                add_scaled(oa, buf + i * width + c0, p[i], (int)nk, hd);
+                i++;
             }
         }
         for (int64_t i = 0; i < rn; i++) {
@@ -578,7 +671,7 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
 }
 
 /* k and v of T new tokens (rows of ldk / ldv floats, width floats each) into pool slots ``slots`` */
-void cr_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T, const int64_t *slots,
+static void write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T, const int64_t *slots,
                  float *kpool, float *vpool, int64_t width) {
     for (int64_t t = 0; t < T; t++) {
         memcpy(kpool + slots[t] * width, k + t * ldk, (size_t)width * sizeof(float));

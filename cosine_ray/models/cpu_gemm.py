@@ -40,7 +40,7 @@ from cosine_ray.models.conversion import cache_root
 
 __all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
            "pack_quant", "QUANT_KINDS", "quant_scratch", "round_rows", "unpack", "used_on", "FUSED_ENV", "FusedLayer", "LayerScratch", "attend_rows", "fused_on",
-           "source_digest", "write_kv"]
+           "source_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ class _Proj(ctypes.Structure):
 _PROJ = ctypes.POINTER(_Proj)
 _PRE_ARGTYPES = [_P, _I, _I, _P, _F, _PROJ, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
 _POST_ARGTYPES = [_P, _I, _I, _P, _PROJ, _P, _F, _PROJ, _PROJ, _P, _P, _P, _P, ctypes.c_int]
-_ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int]
+_ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int,
+                    _P, _I, _P, _I, _I, _P]
 MAX_HEAD_DIM = 1024
 """``cr_layer_pre`` rotates a head through a stack buffer of this many floats (``MAX_HEAD_DIM`` there)."""
 ROW_TILE = 8
@@ -145,8 +146,6 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.cr_layer_post.restype = None
     lib.cr_attend_rows.argtypes = _ATTEND_ARGTYPES
     lib.cr_attend_rows.restype = None
-    lib.cr_write_kv.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _I]
-    lib.cr_write_kv.restype = None
     return lib
 
 
@@ -366,25 +365,28 @@ class FusedLayer:
 
 
 def attend_rows(q: torch.Tensor, row_keys, kpool: torch.Tensor, vpool: torch.Tensor, scale: float,
-                out: torch.Tensor) -> None:
+                out: torch.Tensor, new: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = None) -> None:
     """``cr_attend_rows``: the rows ``row_keys.rows`` of out  # [T, heads * head_dim] from q  # [T,
     heads, head_dim] (rows of any stride, heads packed) over the pool slots ``row_keys``
-    (``models.attention.RowKeys``) of kpool, vpool  # [slots, kv_heads, head_dim] contiguous, fp32."""
+    (``models.attention.RowKeys``) of kpool, vpool  # [slots, kv_heads, head_dim] contiguous, fp32.
+    ``new``: the step's (k, v  # [n, kv_heads, head_dim], rows of any stride, heads packed; slots
+    [n] int64), written to the pool first in the same call."""
     _, heads, head_dim = q.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and kpool.is_contiguous()
     rows, threads = row_keys.rows, torch.get_num_threads()
-    scores = torch.empty(threads * ROW_TILE, (max(row_keys.max_keys, 1) + 15) // 16 * 16)
+    scores = row_keys.scores
+    if scores is None or scores.shape[0] != threads * ROW_TILE:  # one buffer for every layer of the step
+        scores = row_keys.scores = torch.empty(threads * ROW_TILE, (max(row_keys.max_keys, 1) + 15) // 16 * 16)
+    k = v = slots = None
+    n_new = 0
+    if new is not None:
+        k, v, slots = new
+        n_new = len(slots)
+        assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim and k.shape[0] == n_new
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and k.shape[1] == kpool.shape[1]
     _library().cr_attend_rows(q.data_ptr(), q.stride(0), rows.data_ptr(), len(rows), row_keys.start.data_ptr(),
                               row_keys.count.data_ptr(), row_keys.keys.data_ptr(), kpool.data_ptr(), vpool.data_ptr(),
                               heads, kpool.shape[1], head_dim, scale, out.data_ptr(), out.stride(0), scores.data_ptr(),
-                              scores.shape[1], threads)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor) -> None:
-    """``cr_write_kv``: k, v  # [T, kv_heads, head_dim] fp32 (rows of any stride, heads packed)
-    into pool slots ``slots`` [T] int64 of kpool, vpool  # [slots, kv_heads, head_dim] contiguous."""
-    width = k.shape[1] * k.shape[2]
-    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] and kpool.is_contiguous()
-    assert slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == k.shape[0]
-    _library().cr_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], slots.data_ptr(),
-                           kpool.data_ptr(), vpool.data_ptr(), width)
+                              scores.shape[1], threads, k.data_ptr() if n_new else None, k.stride(0) if n_new else 0,
+                              v.data_ptr() if n_new else None, v.stride(0) if n_new else 0, n_new,
+                              slots.data_ptr() if n_new else None)

@@ -238,3 +238,60 @@ def test_an_attention_row_is_the_same_alone_in_any_batch_and_on_any_thread_count
         alone = torch.zeros_like(whole)
         cpu_gemm.attend_rows(q, row_keys([i], [keys[i]]), kpool, vpool, 0.25, alone)
         assert torch.equal(alone[i], whole[i]) and not alone[[j for j in range(7) if j != i]].any()
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+def test_rows_that_share_keys_get_the_bits_they_get_alone(head_dim):
+    """Rows whose lists begin with the same slot share a task and, where two read the same 16
+    keys, each key and value vector loaded (``cr_attend_rows``): a 9-node token tree over 40
+    committed keys, two requests on the same first 24 slots (prefix-cache blocks) that then part,
+    a 19-token causal chain (more rows than a tile) and a decode row. Each row must come out as
+    it does alone, at head widths taking every value loop (blocks of 64 floats, then of 16)."""
+    heads, kv_heads = 6, 2
+    g = torch.Generator().manual_seed(head_dim)
+    kpool, vpool = (torch.randn(300, kv_heads, head_dim, generator=g) for _ in range(2))
+    perm = torch.randperm(300, generator=g).tolist()
+    committed, tree = perm[:40], perm[40:49]
+    parents = [-1, 0, 1, 2, 0, 4, 2, 6, 3]
+    keys = []
+    for i in range(9):  # each tree row: the committed keys, then its ancestors and itself in order
+        branch, j = [], i
+        while j >= 0:
+            branch.append(j)
+            j = parents[j]
+        keys.append(committed + [tree[b] for b in sorted(branch)])
+    keys += [perm[49:73] + perm[73:90], perm[49:73] + perm[90:95]]  # one prefix, then apart
+    keys += [perm[100:112 + i] for i in range(19)]                    # a causal chain
+    keys.append(perm[150:183])                                        # a decode row
+    n = len(keys)
+    q = torch.randn(n, heads, head_dim, generator=g)
+    whole = torch.zeros(n, heads * head_dim)
+    cpu_gemm.attend_rows(q, row_keys(list(range(n)), keys), kpool, vpool, head_dim ** -0.5, whole)
+    for i in range(n):
+        alone = torch.zeros(1, heads * head_dim)
+        cpu_gemm.attend_rows(q[i:i + 1], row_keys([0], [keys[i]]), kpool, vpool, head_dim ** -0.5, alone)
+        assert torch.equal(alone[0], whole[i]), i
+    expected = torch.stack([F.scaled_dot_product_attention(
+        q[i][:, None], kpool[ks].transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        vpool[ks].transpose(0, 1).repeat_interleave(heads // kv_heads, 0), scale=head_dim ** -0.5)[:, 0].reshape(-1)
+        for i, ks in enumerate(keys)])
+    torch.testing.assert_close(whole, expected, atol=2e-6, rtol=2e-5)
+
+
+def test_attend_rows_writes_the_steps_new_keys_before_it_reads_them():
+    """``new=(k, v, slots)``: the step's keys and values land in the pool in the same call, and
+    rows that see those slots read them."""
+    q, kpool, vpool, rows, keys = pool_and_rows(seed=7)
+    g = torch.Generator().manual_seed(8)
+    k_new, v_new = (torch.randn(3, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    slots = torch.tensor([keys[0][-1], keys[5][-1], keys[6][-1]])
+    before = torch.zeros(7, HEADS * HEAD_DIM)
+    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, before)
+    got = torch.zeros_like(before)
+    written_k, written_v = kpool.clone(), vpool.clone()
+    cpu_gemm.attend_rows(q, row_keys(rows, keys), written_k, written_v, 0.25, got, new=(k_new, v_new, slots))
+    kpool[slots], vpool[slots] = k_new, v_new
+    assert torch.equal(written_k, kpool) and torch.equal(written_v, vpool)
+    expected = torch.zeros_like(got)
+    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, expected)
+    assert torch.equal(got, expected) and not torch.equal(got, before)
