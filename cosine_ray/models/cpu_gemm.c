@@ -501,6 +501,15 @@ static inline float max_of(const float *s, int64_t n) {
     return best;
 }
 
+/* k and v of T new tokens (rows of ldk / ldv floats, width floats each) into pool slots ``slots`` */
+static void write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T, const int64_t *slots,
+                     float *kpool, float *vpool, int64_t width) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(kpool + slots[t] * width, k + t * ldk, (size_t)width * sizeof(float));
+        memcpy(vpool + slots[t] * width, v + t * ldv, (size_t)width * sizeof(float));
+    }
+}
+
 /* the 16 pool vectors of a row's keys c0 .. c0 + 15 (its list ks, n keys; zeros past them) */
 static inline void chunk_ptrs(const float **p, const float *pool, const int64_t *ks, int64_t n, int64_t c0,
                               int64_t stride, int64_t offset) {
@@ -527,9 +536,6 @@ static inline int same_ptrs(const float *const *a, const float *const *b, int64_
  * serves two rows. scores: [threads][ROW_TILE][max_keys rounded up to 16] floats, a buffer per
  * thread. The step's n_new new keys and values (k_new, v_new rows of ldk / ldv floats) are first
  * written to their pool slots new_slots. */
-static void write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T, const int64_t *slots,
-                     float *kpool, float *vpool, int64_t width);
-
 void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R, const int64_t *start,
                     const int64_t *count, const int64_t *keys, float *kpool, float *vpool, int64_t heads,
                     int64_t kv_heads, int64_t hd, float scale, float *out, int64_t ldo, float *scores,
@@ -557,7 +563,7 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
     for (int64_t t = 0; t < tasks; t++) {
         int64_t tile = t / heads, own = cost[tile + 1] - cost[tile];
         if ((2 * (cost[tile] * heads + t % heads * own) + own) * parts / total != part) continue;
-        int64_t first = tiles[t / heads], rn = tiles[t / heads + 1] - first, h = t % heads, kvh = h / group;
+        int64_t first = tiles[tile], rn = tiles[tile + 1] - first, h = t % heads, kvh = h / group;
         float *buf = scores + (int64_t)omp_get_thread_num() * ROW_TILE * width, m[ROW_TILE];
         const int64_t *ks[ROW_TILE];
         const float *qr[ROW_TILE], *p[ROW_TILE][16];
@@ -668,13 +674,4 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
         }
     }
     free(tiles);
-}
-
-/* k and v of T new tokens (rows of ldk / ldv floats, width floats each) into pool slots ``slots`` */
-static void write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t T, const int64_t *slots,
-                 float *kpool, float *vpool, int64_t width) {
-    for (int64_t t = 0; t < T; t++) {
-        memcpy(kpool + slots[t] * width, k + t * ldk, (size_t)width * sizeof(float));
-        memcpy(vpool + slots[t] * width, v + t * ldv, (size_t)width * sizeof(float));
-    }
 }
