@@ -73,6 +73,17 @@ _PRE_ARGTYPES = [_P, _I, _I, _P, _F, _PROJ, _P, _P, _I, _I, _P, _P, _P, ctypes.c
 _POST_ARGTYPES = [_P, _I, _I, _P, _PROJ, _P, _F, _PROJ, _PROJ, _P, _P, _P, _P, ctypes.c_int]
 _ATTEND_ARGTYPES = [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, ctypes.c_int,
                     _P, _I, _P, _I, _I, _P]
+
+
+class _LayerC(ctypes.Structure):
+    """``cr_layer`` of ``cpu_gemm.c``: one layer of a ``cr_stage_layers`` call."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _PROJ), ("o", _PROJ), ("gate_up", _PROJ),
+                ("down", _PROJ)]
+
+
+_STAGE_ARGTYPES = [_P, _I, _I, _P, _I, _F, _P, _P, _I, _I, _I, _F, _P, _I, _P, _P, _P, _I, _P, _I, _P,
+                   _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
 MAX_HEAD_DIM = 1024
 """``cr_layer_pre`` rotates a head through a stack buffer of this many floats (``MAX_HEAD_DIM`` there)."""
 ROW_TILE = 8
@@ -146,6 +157,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.cr_layer_post.restype = None
     lib.cr_attend_rows.argtypes = _ATTEND_ARGTYPES
     lib.cr_attend_rows.restype = None
+    lib.cr_stage_layers.argtypes = _STAGE_ARGTYPES
+    lib.cr_stage_layers.restype = None
     return lib
 
 
@@ -364,6 +377,15 @@ class FusedLayer:
                                  torch.get_num_threads())
 
 
+def _scores(row_keys, threads: int) -> torch.Tensor:
+    """``cr_attend_rows``' score buffer for ``row_keys`` (``models.attention.RowKeys``), made once a
+    step and kept there for every layer."""
+    scores = row_keys.scores
+    if scores is None or scores.shape[0] != threads * ROW_TILE:
+        scores = row_keys.scores = torch.empty(threads * ROW_TILE, (max(row_keys.max_keys, 1) + 15) // 16 * 16)
+    return scores
+
+
 def attend_rows(q: torch.Tensor, row_keys, kpool: torch.Tensor, vpool: torch.Tensor, scale: float,
                 out: torch.Tensor, new: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = None) -> None:
     """``cr_attend_rows``: the rows ``row_keys.rows`` of out  # [T, heads * head_dim] from q  # [T,
@@ -374,9 +396,7 @@ def attend_rows(q: torch.Tensor, row_keys, kpool: torch.Tensor, vpool: torch.Ten
     _, heads, head_dim = q.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and kpool.is_contiguous()
     rows, threads = row_keys.rows, torch.get_num_threads()
-    scores = row_keys.scores
-    if scores is None or scores.shape[0] != threads * ROW_TILE:  # one buffer for every layer of the step
-        scores = row_keys.scores = torch.empty(threads * ROW_TILE, (max(row_keys.max_keys, 1) + 15) // 16 * 16)
+    scores = _scores(row_keys, threads)
     k = v = slots = None
     n_new = 0
     if new is not None:
@@ -390,3 +410,39 @@ def attend_rows(q: torch.Tensor, row_keys, kpool: torch.Tensor, vpool: torch.Ten
                               scores.shape[1], threads, k.data_ptr() if n_new else None, k.stride(0) if n_new else 0,
                               v.data_ptr() if n_new else None, v.stride(0) if n_new else 0, n_new,
                               slots.data_ptr() if n_new else None)
+
+
+class FusedStack:
+    """A stage's ``FusedLayer`` list run by one ``cr_stage_layers`` call a step: each layer's
+    ``pre``, ``attend_rows`` over the step's row keys and ``post``, in order, as the per-layer
+    calls would run them (the same bits), without Python between the layers."""
+
+    __slots__ = ("layers", "table", "eps", "heads", "kv_heads", "head_dim")
+
+    def __init__(self, layers: "list[FusedLayer]", heads: int, kv_heads: int, head_dim: int) -> None:
+        self.layers = layers  # keeps the projections' structs alive
+        self.table = (_LayerC * len(layers))(*(
+            _LayerC(l.input_norm.data_ptr(), l.post_norm.data_ptr(), l.qkv, l.o, l.gate_up, l.down) for l in layers))
+        self.eps = layers[0].eps
+        assert all(l.eps == self.eps for l in layers)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, row_keys,
+                 slots: torch.Tensor, pool: torch.Tensor, scale: float, scratch: LayerScratch) -> None:
+        """x  # [rows, hidden] fp32 contiguous, updated in place; cos, signed_sin  # [rows, head_dim]
+        contiguous; row_keys (``models.attention.RowKeys``) naming every row; slots  # [rows] int64,
+        each row's new pool slot; pool  # [layers, 2, slots, kv_heads, head_dim] fp32 contiguous
+        (``KVCache.pool``)."""
+        rows, threads = x.shape[0], torch.get_num_threads()
+        assert x.is_contiguous() and pool.is_contiguous() and pool.dtype == torch.float32
+        assert pool.shape[0] == len(self.layers) and pool.shape[3:] == (self.kv_heads, self.head_dim)
+        assert len(slots) == rows == len(row_keys.rows) and slots.dtype == torch.int64 and slots.is_contiguous()
+        scores = _scores(row_keys, threads)
+        attn = torch.empty(rows, self.heads * self.head_dim)
+        _library().cr_stage_layers(
+            x.data_ptr(), rows, x.shape[1], self.table, len(self.layers), self.eps, cos.data_ptr(),
+            signed_sin.data_ptr(), self.heads, self.kv_heads, self.head_dim, scale, row_keys.rows.data_ptr(),
+            len(row_keys.rows), row_keys.start.data_ptr(), row_keys.count.data_ptr(), row_keys.keys.data_ptr(),
+            scores.shape[1], pool.data_ptr(), pool.shape[2], slots.data_ptr(), scratch.h.data_ptr(),
+            scratch.qkv.data_ptr(), scratch.gu.data_ptr(), scratch.act.data_ptr(), attn.data_ptr(),
+            scratch.xsum.data_ptr(), scores.data_ptr(), threads)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from cosine_ray.models import cpu_gemm
 from cosine_ray.models.config import ModelConfig
-from cosine_ray.models.attention import (PaddedInputs, attend, attend_padded, eager_attention, padded_plan,
-                                         plan_attention, query_bucket)
+from cosine_ray.models.attention import (AttentionPlan, PaddedInputs, attend, attend_padded, eager_attention,
+                                         padded_plan, plan_attention, query_bucket)
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.quant import QuantEmbedding, QuantLinear, QuantTensor, is_quantized
 
@@ -255,6 +255,21 @@ class _Linear:
 
 
 @dataclass(slots=True)
+class _StepAttention:
+    """``attend`` over one step's plan, as ``LlamaStage._layers`` calls it for each layer. A fused
+    stage reads the plan itself and runs its layers and their attention in one C call
+    (``cpu_gemm.FusedStack``) where the plan lists every row's keys."""
+
+    plan: AttentionPlan
+    kv_cache: KVCache
+    scale: float
+    wide: bool
+
+    def __call__(self, local: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend(self.plan, self.kv_cache, local, q, k, v, scale=self.scale, wide=self.wide)
+
+
+@dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
     qkv: "_Linear | QuantLinear"  # [hidden] -> [(num_heads + 2 * num_kv_heads) * head_dim]
@@ -324,6 +339,9 @@ class LlamaStage:
         self.fused = self._fused_layers()
         """``cpu_gemm.FusedLayer`` per layer where every projection runs on our CPU kernels (fp32
         activations), else None: ``_layers`` then runs each layer's small operations in C."""
+        self.fused_stack = None if self.fused is None else cpu_gemm.FusedStack(
+            self.fused, config.num_heads, config.num_kv_heads, config.head_dim)
+        """The same layers run by one C call a step, attention included (``forward``'s steps)."""
         self.wide_attention = self.device.type == "cpu" and any(
             isinstance(m, QuantLinear) and m.blocked is None
             for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -394,8 +412,7 @@ class LlamaStage:
                               row_keys=self.fused is not None)
         with eager_attention(self.device):
             x = self._layers(x, positions.to(self.device),
-                             lambda local, q, k, v: attend(plan, kv_cache, local, q, k, v, scale=self.attention_scale,
-                                                           wide=self.wide_attention))
+                             _StepAttention(plan, kv_cache, self.attention_scale, self.wide_attention))
         if order is not None:
             x = torch.empty_like(x).index_copy_(0, rows, x)
         if not self.is_last:
@@ -458,6 +475,11 @@ class LlamaStage:
         rows = x.shape[0]
         cos, signed_sin = cos.reshape(rows, hd).contiguous(), signed_sin.reshape(rows, hd).contiguous()
         scratch = cpu_gemm.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size, nh * hd)
+        if self.fused_stack is not None and isinstance(attention, _StepAttention) \
+                and attention.plan.row_keys is not None:  # every layer in one C call
+            self.fused_stack(x, cos, signed_sin, attention.plan.row_keys, attention.plan.slot_mapping,
+                             attention.kv_cache.pool, attention.scale, scratch)
+            return x
         for local, layer in enumerate(self.fused):
             qkv = layer.pre(x, cos, signed_sin, nh + nkv, hd, scratch)
             q = qkv[:, :nh * hd].view(rows, nh, hd)

@@ -180,6 +180,37 @@ def test_a_fused_stage_gives_a_prompt_the_same_bits_however_it_is_prefilled(tiny
     assert torch.equal(prefill([1] * 5 + [56]), whole)
 
 
+def test_a_stages_layers_in_one_call_give_the_bits_of_one_call_a_layer(tiny_checkpoint):
+    """``cpu_gemm.FusedStack`` (every layer and its attention in one ``cr_stage_layers`` call)
+    against the same stage calling ``pre``, ``attend_rows`` and ``post`` a layer at a time, over
+    steps that mix two prefills, a decode row and a token tree beside a chain: the same logits,
+    bit for bit, and the same keys and values in the pool."""
+    stage = LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict())
+    assert stage.fused_stack is not None
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randint(0, 256, (23,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+    def run(one_call: bool):
+        stage.fused_stack = whole if one_call else None
+        cache = stage.new_kv_cache()
+        cache.allocate("a")
+        cache.allocate("b")
+        out = [stage.forward(StageBatch.from_chains(["a", "b"], [a, b], [0, 0], last_logits_only=False), cache)]
+        cache.commit("a")
+        cache.commit("b")
+        step = StageBatch(["a", "b"], [4, 3], torch.tensor([23, 24, 24, 25, 9, 10, 11]), [tree, None],
+                          token_ids=torch.tensor([5, 6, 7, 8, 9, 10, 11]))
+        out.append(stage.forward(step, cache))
+        return out, cache.pool.clone()
+
+    whole = stage.fused_stack
+    (one, pool_one), (per_layer, pool_per_layer) = run(True), run(False)
+    stage.fused_stack = whole
+    assert all(torch.equal(x, y) for x, y in zip(one, per_layer))
+    assert torch.equal(pool_one, pool_per_layer)
+
+
 # ---- the rows' attention (cpu_gemm.attend_rows) -------------------------------------------------
 
 def pool_and_rows(seed: int, slots: int = 80):
