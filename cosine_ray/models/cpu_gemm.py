@@ -39,8 +39,8 @@ import torch
 from cosine_ray.models.conversion import cache_root
 
 __all__ = ["BLOCK", "ENV", "KERNELS", "BlockedQuant", "available", "choice", "linear", "linear_quant", "pack",
-           "pack_quant", "QUANT_KINDS", "quant_scratch", "round_rows", "unpack", "used_on", "FUSED_ENV", "FusedLayer", "LayerScratch", "attend_rows", "fused_on",
-           "source_digest"]
+           "pack_quant", "QUANT_KINDS", "quant_scratch", "round_rows", "unpack", "used_on", "FUSED_ENV", "FusedLayer",
+           "FusedStack", "LayerScratch", "attend_rows", "fused_on", "source_digest"]
 
 logger = logging.getLogger(__name__)
 

@@ -468,7 +468,8 @@ class LlamaStage:
     def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                        attention) -> torch.Tensor:
         """``_layers`` with each layer's norms, RoPE, residuals and MLP activation in C
-        (``cpu_gemm.FusedLayer``), the attention between them as in ``_layers``."""
+        (``cpu_gemm.FusedLayer``): for a step's row-keys plan every layer and its attention in one
+        call (``cpu_gemm.FusedStack``), otherwise one call a layer around ``attention``."""
         cfg = self.config
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = x.to(torch.float32, copy=True).contiguous()  # updated in place: never the caller's tensor

@@ -180,13 +180,24 @@ def test_a_fused_stage_gives_a_prompt_the_same_bits_however_it_is_prefilled(tiny
     assert torch.equal(prefill([1] * 5 + [56]), whole)
 
 
-def test_a_stages_layers_in_one_call_give_the_bits_of_one_call_a_layer(tiny_checkpoint):
+def test_a_stages_layers_in_one_call_give_the_bits_of_one_call_a_layer(tiny_checkpoint, monkeypatch):
     """``cpu_gemm.FusedStack`` (every layer and its attention in one ``cr_stage_layers`` call)
     against the same stage calling ``pre``, ``attend_rows`` and ``post`` a layer at a time, over
-    steps that mix two prefills, a decode row and a token tree beside a chain: the same logits,
-    bit for bit, and the same keys and values in the pool."""
+    two prefills, then a token tree beside a chain, then a decode row beside a chain (the rows
+    reordered by query length): the same logits, bit for bit, and the same keys and values in
+    the pool. Each path is checked to be the one taken."""
     stage = LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict())
     assert stage.fused_stack is not None
+    calls = {"stack": 0, "attend_rows": 0}
+    stack_call, attend_rows = cpu_gemm.FusedStack.__call__, cpu_gemm.attend_rows
+
+    def counted(name, call):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return call(*args, **kwargs)
+        return run
+    monkeypatch.setattr(cpu_gemm.FusedStack, "__call__", counted("stack", stack_call))
+    monkeypatch.setattr(cpu_gemm, "attend_rows", counted("attend_rows", attend_rows))
     g = torch.Generator().manual_seed(12)
     a, b = torch.randint(0, 256, (23,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
@@ -202,10 +213,18 @@ def test_a_stages_layers_in_one_call_give_the_bits_of_one_call_a_layer(tiny_chec
         step = StageBatch(["a", "b"], [4, 3], torch.tensor([23, 24, 24, 25, 9, 10, 11]), [tree, None],
                           token_ids=torch.tensor([5, 6, 7, 8, 9, 10, 11]))
         out.append(stage.forward(step, cache))
+        cache.commit("a", [0, 1, 3])
+        cache.commit("b")
+        step = StageBatch(["b", "a"], [2, 1], torch.tensor([12, 13, 26]), [None, None],
+                          token_ids=torch.tensor([12, 13, 14]))
+        out.append(stage.forward(step, cache))
         return out, cache.pool.clone()
 
     whole = stage.fused_stack
-    (one, pool_one), (per_layer, pool_per_layer) = run(True), run(False)
+    one, pool_one = run(True)
+    assert calls == {"stack": 3, "attend_rows": 0}
+    per_layer, pool_per_layer = run(False)
+    assert calls == {"stack": 3, "attend_rows": 3 * len(stage.layers)}
     stage.fused_stack = whole
     assert all(torch.equal(x, y) for x, y in zip(one, per_layer))
     assert torch.equal(pool_one, pool_per_layer)
