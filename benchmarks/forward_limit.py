@@ -131,31 +131,14 @@ def _in_features(p: _Linear) -> int:
 def _projections_labelled():
     """``models.cpu_gemm`` runs through ctypes, which the profiler cannot see: while profiling,
     every projection on it is recorded as ``cpu_gemm.linear`` (counted as a projection), and a
-    fused layer's two calls as ``cpu_gemm.fused`` (its projections and small operations together),
-    our attention kernel as ``cpu_gemm.attention``, and a stage's layers in one call (a step's
-    forward: ``cpu_gemm.FusedStack``) as ``cpu_gemm.stage_layers``."""
+    fused stage's layers, one call a step (``cpu_gemm.FusedStack``: their projections, small
+    operations and attention together), as ``cpu_gemm.stage_layers``."""
     calls = {cls: cls.__call__ for cls in (_Linear, QuantLinear)}
-    fused = {name: getattr(cpu_gemm.FusedLayer, name) for name in ("pre", "post")}
     stack = cpu_gemm.FusedStack.__call__
 
     def labelled_stack(self, *args):
         with torch.profiler.record_function("cpu_gemm.stage_layers"):
             return stack(self, *args)
-    cpu_gemm.FusedStack.__call__ = labelled_stack
-
-    def labelled_fused(call):
-        def run(self, *args):
-            with torch.profiler.record_function("cpu_gemm.fused"):
-                return call(self, *args)
-        return run
-    for name, call in fused.items():
-        setattr(cpu_gemm.FusedLayer, name, labelled_fused(call))
-    attend_rows = cpu_gemm.attend_rows
-
-    def labelled_attention(*args):
-        with torch.profiler.record_function("cpu_gemm.attention"):
-            return attend_rows(*args)
-    cpu_gemm.attend_rows = labelled_attention
 
     def labelled(call):
         def run(self, x):
@@ -166,14 +149,12 @@ def _projections_labelled():
         return run
     for cls, call in calls.items():
         cls.__call__ = labelled(call)
+    cpu_gemm.FusedStack.__call__ = labelled_stack
     try:
         yield
     finally:
         for cls, call in calls.items():
             cls.__call__ = call
-        for name, call in fused.items():
-            setattr(cpu_gemm.FusedLayer, name, call)
-        cpu_gemm.attend_rows = attend_rows
         cpu_gemm.FusedStack.__call__ = stack
 
 
@@ -185,14 +166,12 @@ def split(stage: LlamaStage, dec: Decoder, steps: int) -> dict[str, float]:
         for _ in range(steps):
             dec.step()
         wall = time.perf_counter() - start
-    parts = {"projections": 0.0, "fused layer calls (projections + small ops)": 0.0,
-             "a stage's layers in one call (projections, small ops, attention)": 0.0, "attention": 0.0}
+    parts = {"projections": 0.0, "a stage's layers in one call (projections, small ops, attention)": 0.0,
+             "attention": 0.0}
     for e in prof.key_averages():
         name = e.key
         if name == "cpu_gemm.stage_layers":
             parts["a stage's layers in one call (projections, small ops, attention)"] += e.self_cpu_time_total
-        elif name == "cpu_gemm.fused":
-            parts["fused layer calls (projections + small ops)"] += e.self_cpu_time_total
         elif "linear" in name or "int4pack" in name or name in ("aten::mm", "aten::addmm"):
             parts["projections"] += e.self_cpu_time_total
         elif "attention" in name:

@@ -679,8 +679,8 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
 /* ---- a stage's decoder layers in one call -------------------------------------------------------
  *
  * ``cr_layer_pre``, ``cr_attend_rows`` and ``cr_layer_post`` for every layer of a stage, in order,
- * the same calls with the same arguments as one per layer from Python (so the same bits), without
- * the ~50 microseconds of Python a layer spent between them. */
+ * the same calls with the same arguments as one per layer from Python (so the same bits), with no
+ * Python between the layers. */
 typedef struct {
     const float *input_norm, *post_norm;
     const cr_proj *qkv, *o, *gate_up, *down;
