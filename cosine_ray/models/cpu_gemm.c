@@ -102,6 +102,9 @@ void cr_linear_f32(const float *x, int64_t ldx, const float *wp, const float *bi
 
 enum { Q8_0 = 0, Q4_1 = 1, Q4_0 = 2 };
 
+/* the widest quant tile: its sums and accumulators stay in the 32 vector registers */
+#define QROWS 6
+
 /* 16 fp16 values -> fp32, exactly (F16C, or by their bits) */
 static inline v16 halves(const uint16_t *p) {
 #if defined(__AVX512F__)
@@ -130,7 +133,7 @@ static inline void qsums(int rows, const int8_t *xq, int64_t K, const uint8_t *c
                          const int32_t *total, v16 (*out)[2]) {
     int32_t shift = kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0;
 #ifdef CR_VNNI
-    __m512i s[4][2];
+    __m512i s[QROWS][2];
     for (int i = 0; i < rows; i++) s[i][0] = s[i][1] = _mm512_set1_epi32(-shift * total[i]);
     if (kind != Q8_0) {
         const __m512i low = _mm512_set1_epi8(15);
@@ -208,7 +211,15 @@ static inline void qtile_##ROWS(const int8_t *xq, int64_t K, const float *sx, co
 }
 QTILE(1)
 QTILE(2)
+QTILE(3)
 QTILE(4)
+QTILE(5)
+QTILE(6)
+
+/* M rows in tiles of at most QROWS rows, as even as possible (9 rows: 5 + 4, not 4 + 4 + 1: a
+ * one-row tile unpacks every code of the block again for a single row) */
+static inline int64_t tiles_for(int64_t M, int64_t widest) { return (M + widest - 1) / widest; }
+static inline int tile_rows(int64_t M, int64_t n, int64_t i) { return (int)(M / n + (i < M % n)); }
 
 /* x rounded to 8 bits per group of 32: xq [M][K] int8, sx and sq (the sum of xq) [M][K / 32] */
 static void round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *sx, float *sq) {
@@ -216,18 +227,33 @@ static void round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t
     for (int64_t i = 0; i < M; i++)
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + i * ldx + g * 32;
+            int8_t *q = xq + i * K + g * 32;
             float amax = 0;
+            int32_t total = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            /* the scalar loop's operations sixteen lanes at a time: the maximum is exact in any
+             * order, the products are the same fp32 products, and the conversion rounds half to
+             * even (MXCSR's default, as nearbyintf's) */
+            __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+            amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            float s = amax / 127.0f, inv = s > 0 ? 1.0f / s : 0.0f;
+            __m512 iv = _mm512_set1_ps(inv);
+            __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
+            total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
             for (int k = 0; k < 32; k++) {
                 float a = fabsf(xg[k]);
                 amax = a > amax ? a : amax;
             }
             float s = amax / 127.0f, inv = s > 0 ? 1.0f / s : 0.0f;
-            int32_t total = 0;
             for (int k = 0; k < 32; k++) {
-                int q = (int)nearbyintf(xg[k] * inv);
-                xq[i * K + g * 32 + k] = (int8_t)q;
-                total += q;
+                int v = (int)nearbyintf(xg[k] * inv);
+                q[k] = (int8_t)v;
+                total += v;
             }
+#endif
             sx[i * groups + g] = s;
             sq[i * groups + g] = (float)total;
         }
@@ -244,21 +270,25 @@ void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int kind, co
     round_rows(x, ldx, M, K, xq, sx, sq);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < blocks; t++) {
-        int64_t n0 = t * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK, m = 0;
+        int64_t n0 = t * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK, m = 0, n = tiles_for(M, QROWS);
         const uint8_t *c = codes + t * block_bytes;
         const uint16_t *dd = d + n0 * groups, *mm = mins ? mins + n0 * groups : 0;
         const float *b = bias ? bias + n0 : 0;
-        for (; m + 4 <= M; m += 4)
-            qtile_4(xq + m * K, K, sx + m * groups, sq + m * groups, groups, c, kind, dd, mm, b,
-                    y + m * ldy + n0, ldy, cols);
-        if (m + 2 <= M) {
-            qtile_2(xq + m * K, K, sx + m * groups, sq + m * groups, groups, c, kind, dd, mm, b,
-                    y + m * ldy + n0, ldy, cols);
-            m += 2;
+        for (int64_t i = 0; i < n; i++) {
+            int rows = tile_rows(M, n, i);
+            const int8_t *xm = xq + m * K;
+            const float *sxm = sx + m * groups, *sqm = sq + m * groups;
+            float *ym = y + m * ldy + n0;
+            switch (rows) {
+            case 6: qtile_6(xm, K, sxm, sqm, groups, c, kind, dd, mm, b, ym, ldy, cols); break;
+            case 5: qtile_5(xm, K, sxm, sqm, groups, c, kind, dd, mm, b, ym, ldy, cols); break;
+            case 4: qtile_4(xm, K, sxm, sqm, groups, c, kind, dd, mm, b, ym, ldy, cols); break;
+            case 3: qtile_3(xm, K, sxm, sqm, groups, c, kind, dd, mm, b, ym, ldy, cols); break;
+            case 2: qtile_2(xm, K, sxm, sqm, groups, c, kind, dd, mm, b, ym, ldy, cols); break;
+            default: qtile_1(xm, K, sxm, sqm, groups, c, kind, dd, mm, b, ym, ldy, cols); break;
+            }
+            m += rows;
         }
-        if (m < M)
-            qtile_1(xq + m * K, K, sx + m * groups, sq + m * groups, groups, c, kind, dd, mm, b,
-                    y + m * ldy + n0, ldy, cols);
     }
 }
 

@@ -208,6 +208,17 @@ def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt,
     assert torch.equal(cpu_gemm.linear_quant(x[rows // 3:], packed), whole[rows // 3:])
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_split_of_rows_into_tiles_gives_a_row_its_bits(fmt):
+    """1 to 13 rows go in tiles of 1 to 6 rows (9 rows: 5 + 4; 13: 5 + 4 + 4): whichever tile
+    computed a row, its product is the one the row gets alone."""
+    packed = pack(quant_weight(fmt, 64, 96, seed=5))
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([cpu_gemm.linear_quant(x[i:i + 1], packed) for i in range(13)])
+    for rows in range(1, 14):
+        assert torch.equal(cpu_gemm.linear_quant(x[:rows], packed), alone[:rows]), rows
+
+
 def test_quant_layout_halves_the_4_bit_codes():
     q4, q8 = pack(quant_weight("Q4_1", 64, 96, 1)), pack(quant_weight("Q8_0", 64, 96, 1))
     assert q4.kind == cpu_gemm.QUANT_KINDS["Q4_1"] and q4.codes.shape == (2, 48, 32) and q4.mins is not None
