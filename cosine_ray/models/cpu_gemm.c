@@ -102,7 +102,7 @@ void cr_linear_f32(const float *x, int64_t ldx, const float *wp, const float *bi
 
 enum { Q8_0 = 0, Q4_1 = 1, Q4_0 = 2 };
 
-/* the widest quant tile: its sums and accumulators stay in the 32 vector registers */
+/* the widest quant tile: wider ones run out of vector registers */
 #define QROWS 6
 
 /* 16 fp16 values -> fp32, exactly (F16C, or by their bits) */
