@@ -177,6 +177,20 @@ def test_the_kernel_rounds_rows_as_round_rows_says():
     assert torch.equal(cpu_gemm.round_rows(x), (expected * s.unsqueeze(-1)).view(rows, k))
 
 
+def test_the_fp32_products_do_not_depend_on_the_vector_width(tmp_path):
+    """The library built without AVX-512 (8-lane tiles of at most 2 rows) gives every fp32
+    product bit for bit: each column is one lane's chain of fused multiply-adds over k at either
+    width. (Where the CPU has no AVX-512 both libraries are that build.)"""
+    from pathlib import Path
+    lib = tmp_path / "avx2.so"
+    cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", ("-mno-avx512f",))
+    for rows, k, n in SHAPES:
+        x, w, b = product(rows, k, n, seed=5)
+        packed, bias = cpu_gemm.pack(w), cpu_gemm.pad_bias(b)
+        assert torch.equal(cpu_gemm._linear_on(cpu_gemm._load(lib), x, packed, n, bias),
+                           cpu_gemm.linear(x, packed, n, bias))
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("flags", [("-mno-avx512vnni", "-mno-avxvnni"), ("-mno-avx512f",)])
 def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_path):
