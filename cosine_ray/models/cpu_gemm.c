@@ -129,8 +129,22 @@ void cr_linear_f32(const float *x, int64_t ldx, const float *wp, const float *bi
 
 enum { Q8_0 = 0, Q4_1 = 1, Q4_0 = 2 };
 
+/* Without AVX-512 but with AVX2, F16C and FMA (most x86 CPUs of the last decade) the tiles below
+ * work in 8-lane registers: a row's 32 columns are four quarters of 8, each quarter's integer
+ * sums made with vpmaddubsw + vpmaddwd (exact: no pair of products reaches the 16-bit limit) */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define CR_QAVX2 1
+#endif
+
 /* the widest quant tile: wider ones run out of vector registers */
+#ifdef CR_QAVX2
+#ifndef QROWS_AVX2
+#define QROWS_AVX2 2
+#endif
+#define QROWS QROWS_AVX2
+#else
 #define QROWS 6
+#endif
 
 /* 16 fp16 values -> fp32, exactly (F16C, or by their bits) */
 static inline v16 halves(const uint16_t *p) {
@@ -236,12 +250,81 @@ static inline void qtile_##ROWS(const int8_t *xq, int64_t K, const float *sx, co
     }                                                                                           \
     store_rows(ROWS, acc, bias, y, ldy, cols);                                                  \
 }
+#ifndef CR_QAVX2
 QTILE(1)
 QTILE(2)
 QTILE(3)
 QTILE(4)
 QTILE(5)
 QTILE(6)
+#else
+/* 8 fp16 values -> fp32, exactly */
+static inline vf halves8(const uint16_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* qsums for one row and one quarter q of the block (columns 8 q .. 8 q + 7), the same integers:
+ * Q4 codes (0..15) times xq in pairs by vpmaddubsw; Q8_0 codes as signed bytes (the stored byte
+ * minus 128), |code| times xq carrying the code's sign, so a pair stays within 2 x 128 x 127 */
+static inline __m256i qsum8(const int8_t *xr, const uint8_t *codes, int kind, int q, int32_t total) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    int h = q >> 1, half = q & 1;
+    __m256i s = _mm256_set1_epi32(kind == Q4_0 ? -8 * total : 0);
+    if (kind != Q8_0) {
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int kk = 0; kk < 4; kk++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (h * 4 + kk) * 64 + 32 * half));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            int32_t a, b;
+            memcpy(&a, xr + 8 * kk, 4);
+            memcpy(&b, xr + 8 * kk + 4, 4);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)), ones));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)), ones));
+        }
+    } else {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int kk = 0; kk < 8; kk++) {
+            __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + (h * 8 + kk) * 64 + 32 * half)), flip);
+            int32_t a;
+            memcpy(&a, xr + 4 * kk, 4);
+            __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(_mm256_set1_epi32(a), v));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        }
+    }
+    return s;
+}
+
+/* QTILE in quarters: each lane's fp32 operations are QTILE's, in the same order */
+#define QTILE8(ROWS)                                                                            \
+static inline void qtile_##ROWS(const int8_t *xq, int64_t K, const float *sx, const float *sq,  \
+                                int64_t groups, const uint8_t *codes, int kind, const uint16_t *d, \
+                                const uint16_t *mins, const float *bias, float *y, int64_t ldy,  \
+                                int64_t cols) {                                                 \
+    vf acc[ROWS][4];                                                                            \
+    for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = (vf){0};    \
+    int64_t group_bytes = kind == Q8_0 ? 1024 : 512;                                            \
+    for (int64_t g = 0; g < groups; g++, codes += group_bytes)                                  \
+        for (int q = 0; q < 4; q++) {                                                           \
+            vf dq = halves8(d + g * BLOCK + 8 * q);                                             \
+            vf mq = kind == Q4_1 ? halves8(mins + g * BLOCK + 8 * q) : (vf){0};                 \
+            for (int i = 0; i < ROWS; i++) {                                                    \
+                __m256i s = qsum8(xq + i * K + g * 32, codes, kind, q, (int32_t)sq[i * groups + g]); \
+                vf t = dq * (vf)_mm256_cvtepi32_ps(s);                                          \
+                if (kind == Q4_1) t += mq * ((vf){0} + sq[i * groups + g]);                     \
+                acc[i][q] += ((vf){0} + sx[i * groups + g]) * t;                                \
+            }                                                                                   \
+        }                                                                                       \
+    for (int i = 0; i < ROWS; i++) {                                                            \
+        float out[BLOCK];                                                                       \
+        for (int j = 0; j < 4; j++) storev(out + 8 * j, bias ? acc[i][j] + loadv(bias + 8 * j) : acc[i][j]); \
+        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));                                 \
+    }                                                                                           \
+}
+QTILE8(1)
+QTILE8(2)
+QTILE8(3)
+QTILE8(4)
+QTILE8(5)
+QTILE8(6)
+#endif
 
 /* M rows in tiles of at most QROWS rows, as even as possible (9 rows: 5 + 4, not 4 + 4 + 1: a
  * one-row tile unpacks every code of the block again for a single row) */

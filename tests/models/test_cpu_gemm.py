@@ -177,13 +177,14 @@ def test_the_kernel_rounds_rows_as_round_rows_says():
     assert torch.equal(cpu_gemm.round_rows(x), (expected * s.unsqueeze(-1)).view(rows, k))
 
 
-def test_the_fp32_products_do_not_depend_on_the_vector_width(tmp_path):
-    """The library built without AVX-512 (8-lane tiles of at most 2 rows) gives every fp32
-    product bit for bit: each column is one lane's chain of fused multiply-adds over k at either
-    width. (Where the CPU has no AVX-512 both libraries are that build.)"""
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)])
+def test_the_fp32_products_do_not_depend_on_the_vector_width(flags, tmp_path):
+    """The library built without AVX-512 (8-lane tiles of at most 2 rows), or without AVX2 too,
+    gives every fp32 product bit for bit: each column is one lane's chain of fused multiply-adds
+    over k at any width. (Where the CPU lacks one, that build is the library in use.)"""
     from pathlib import Path
-    lib = tmp_path / "avx2.so"
-    cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", ("-mno-avx512f",))
+    lib = tmp_path / "narrow.so"
+    cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", flags)
     for rows, k, n in SHAPES:
         x, w, b = product(rows, k, n, seed=5)
         packed, bias = cpu_gemm.pack(w), cpu_gemm.pad_bias(b)
@@ -192,10 +193,11 @@ def test_the_fp32_products_do_not_depend_on_the_vector_width(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("flags", [("-mno-avx512vnni", "-mno-avxvnni"), ("-mno-avx512f",)])
+@pytest.mark.parametrize("flags", [("-mno-avx512vnni", "-mno-avxvnni"), ("-mno-avx512f",), ("-mno-avx2",)])
 def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_path):
-    """The library built without VNNI (plain C integer loops), or without AVX-512 at all (the
-    scales widened from fp16 by their bits too), gives every product bit for bit."""
+    """The library built without VNNI (plain C integer loops), without AVX-512 (AVX2's 8-lane
+    quarters, vpmaddubsw sums), or without AVX2 either (plain C again, the scales widened from
+    fp16 by their bits), gives every product bit for bit."""
     from pathlib import Path
     lib = tmp_path / "plain.so"
     cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", flags)
