@@ -56,6 +56,15 @@ typedef float vf_alias __attribute__((vector_size(VL * 4), aligned(4), may_alias
 static inline vf loadv(const float *p) { return *(const vf_alias *)p; }
 static inline void storev(float *p, vf v) { *(vf_alias *)p = v; }
 
+/* store_rows for tiles in vf registers */
+static inline void store_vrows(int rows, vf (*acc)[NV], const float *bias, float *y, int64_t ldy, int64_t cols) {
+    for (int i = 0; i < rows; i++) {
+        float out[BLOCK];
+        for (int j = 0; j < NV; j++) storev(out + j * VL, bias ? acc[i][j] + loadv(bias + j * VL) : acc[i][j]);
+        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));
+    }
+}
+
 #define TILE(ROWS)                                                                              \
 static inline void tile_##ROWS(const float *x, int64_t ldx, const float *blk, int64_t K,        \
                                const float *bias, float *y, int64_t ldy, int64_t cols) {       \
@@ -70,11 +79,7 @@ static inline void tile_##ROWS(const float *x, int64_t ldx, const float *blk, in
             for (int j = 0; j < NV; j++) acc[i][j] += xv * w[j];                                \
         }                                                                                       \
     }                                                                                           \
-    for (int i = 0; i < ROWS; i++) {                                                            \
-        float out[BLOCK];                                                                       \
-        for (int j = 0; j < NV; j++) storev(out + j * VL, bias ? acc[i][j] + loadv(bias + j * VL) : acc[i][j]); \
-        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));                                 \
-    }                                                                                           \
+    store_vrows(ROWS, acc, bias, y, ldy, cols);                                                 \
 }
 TILE(1)
 TILE(2)
@@ -138,10 +143,7 @@ enum { Q8_0 = 0, Q4_1 = 1, Q4_0 = 2 };
 
 /* the widest quant tile: wider ones run out of vector registers */
 #ifdef CR_QAVX2
-#ifndef QROWS_AVX2
-#define QROWS_AVX2 2
-#endif
-#define QROWS QROWS_AVX2
+#define QROWS 2
 #else
 #define QROWS 6
 #endif
@@ -225,11 +227,15 @@ static inline void qsums(int rows, const int8_t *xq, int64_t K, const uint8_t *c
 #endif
 }
 
-#define QTILE(ROWS)                                                                             \
+/* a quant tile's signature (QTILE, QTILE8): what cr_linear_q's switch calls */
+#define QTILE_HEAD(ROWS)                                                                        \
 static inline void qtile_##ROWS(const int8_t *xq, int64_t K, const float *sx, const float *sq,  \
                                 int64_t groups, const uint8_t *codes, int kind, const uint16_t *d, \
                                 const uint16_t *mins, const float *bias, float *y, int64_t ldy,  \
-                                int64_t cols) {                                                 \
+                                int64_t cols)
+
+#define QTILE(ROWS)                                                                             \
+QTILE_HEAD(ROWS) {                                                                              \
     v16 acc[ROWS][2];                                                                           \
     for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = (v16){0};                           \
     int64_t group_bytes = kind == Q8_0 ? 1024 : 512;                                            \
@@ -294,10 +300,7 @@ static inline __m256i qsum8(const int8_t *xr, const uint8_t *codes, int kind, in
 
 /* QTILE in quarters: each lane's fp32 operations are QTILE's, in the same order */
 #define QTILE8(ROWS)                                                                            \
-static inline void qtile_##ROWS(const int8_t *xq, int64_t K, const float *sx, const float *sq,  \
-                                int64_t groups, const uint8_t *codes, int kind, const uint16_t *d, \
-                                const uint16_t *mins, const float *bias, float *y, int64_t ldy,  \
-                                int64_t cols) {                                                 \
+QTILE_HEAD(ROWS) {                                                                              \
     vf acc[ROWS][4];                                                                            \
     for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = (vf){0};    \
     int64_t group_bytes = kind == Q8_0 ? 1024 : 512;                                            \
@@ -312,11 +315,7 @@ static inline void qtile_##ROWS(const int8_t *xq, int64_t K, const float *sx, co
                 acc[i][q] += ((vf){0} + sx[i * groups + g]) * t;                                \
             }                                                                                   \
         }                                                                                       \
-    for (int i = 0; i < ROWS; i++) {                                                            \
-        float out[BLOCK];                                                                       \
-        for (int j = 0; j < 4; j++) storev(out + 8 * j, bias ? acc[i][j] + loadv(bias + 8 * j) : acc[i][j]); \
-        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));                                 \
-    }                                                                                           \
+    store_vrows(ROWS, acc, bias, y, ldy, cols);  /* NV is 4 here: 8-lane vf */                  \
 }
 QTILE8(1)
 QTILE8(2)
