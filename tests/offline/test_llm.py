@@ -9,6 +9,7 @@ transformers' greedy decoding.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from dataclasses import fields
@@ -107,6 +108,15 @@ def test_requests_are_batched_together(llm, monkeypatch):
     monkeypatch.setattr(core, "step", counting_step)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert max(most) == len(PROMPTS)
+
+
+def test_generate_from_inside_a_running_event_loop(llm, plain):
+    """A notebook cell runs in an event loop: the batch then runs on a thread of its own."""
+    async def cell():
+        return llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+    (out,) = asyncio.run(cell())
+    assert out.outputs[0].token_ids == plain_greedy(plain, [[1, 2, 3]], 24)[0].new_token_ids
 
 
 def test_token_id_prompts(llm, plain):
