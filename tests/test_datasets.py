@@ -73,9 +73,10 @@ def test_held_back_prompts_are_the_second_halves_in_domain_order():
 @pytest.mark.parametrize("content, message", [
     (None, "does not exist"),
     ("", "has no prompts"),
-    ('{"prompt": "a"}\nnot json\n', ":2: not JSON"),
-    ('{"id": 1}\n', ":1: each line needs a non-empty string field 'prompt'"),
-    ('{"prompt": "  "}\n', ":1: each line needs a non-empty string field 'prompt'"),
+    ('{"prompt": "a"}\nnot json\n', ":2: not valid JSON"),
+    ('["a list"]\n', ":1: expected a JSON object with a 'prompt'"),
+    ('{"id": 1}\n', ":1: 'prompt' must be a non-empty string"),
+    ('{"prompt": "  "}\n', ":1: 'prompt' must be a non-empty string"),
 ])
 def test_read_prompts_errors_are_one_line(tmp_path, content, message):
     path = tmp_path / "p.jsonl"
