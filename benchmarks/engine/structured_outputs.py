@@ -5,7 +5,7 @@ the embedded SmolLM2 with the default drafters and with none, in one run. Prints
 and temperature: answers that parse and validate (jsonschema), how many were cut by
 max_tokens, greedy texts equal across the engines, mean accepted length and tokens/s.
 
-    python benchmarks/structured_outputs.py [--max-tokens 256] [--prompts 10]
+    python benchmarks/engine/structured_outputs.py [--max-tokens 256] [--prompts 10]
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import time
 
 import jsonschema
 
+from cosine_ray.bench.engines import start_engine
+from cosine_ray.bench.figures import mean_accepted_length
 from cosine_ray.engine.config import EngineConfig, parse_drafters
-from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams, StructuredOutput
 
 SCHEMAS = {
@@ -61,10 +62,10 @@ def main() -> None:
     p.add_argument("--drafters", default=None, help="drafters of the speculative engine (default: the default set)")
     args = p.parse_args()
     base = EngineConfig()
-    engines = {"default drafters": LocalEngine(base if args.drafters is None else
-                                               base.replace(drafters=parse_drafters(args.drafters)))}
-    engines["no drafters"] = LocalEngine(base.replace(drafters=parse_drafters("none")),
-                                         checkpoint=engines["default drafters"].checkpoint)
+    engines = {"default drafters": start_engine(base if args.drafters is None else
+                                                base.replace(drafters=parse_drafters(args.drafters)))}
+    engines["no drafters"] = start_engine(base.replace(drafters=parse_drafters("none")),
+                                          checkpoint=engines["default drafters"].checkpoint)
     tok = engines["no drafters"].tokenizer
     jobs = [(name, schema, engines["no drafters"].encode(prompt_text(name, topic)))
             for name, schema in SCHEMAS.items() for topic in TOPICS[:args.prompts]]
@@ -90,7 +91,7 @@ def main() -> None:
             accepted = sum(o.stats.num_accepted_tokens for o in outs)
             if temperature == 0.0:
                 greedy[label] = [o.new_token_ids for o in outs]
-            rows.append((label, temperature, valid, len(outs), cut, (accepted + steps) / max(steps, 1),
+            rows.append((label, temperature, valid, len(outs), cut, mean_accepted_length(accepted, steps),
                          tokens / seconds, tokens))
     print(f"{'engine':18} {'temp':>4} {'valid':>7} {'cut':>4} {'mean acc. len':>13} {'tok/s':>7} {'tokens':>7}")
     for label, temperature, valid, n, cut, mal, rate, tokens in rows:

@@ -1,6 +1,6 @@
 """How long ``cosine-ray serve`` takes to answer, and the memory of every process it runs.
 
-    python benchmarks/serve_footprint.py [--starts 3] [--requests 8] [--max-tokens 64] [--gap-s 5]
+    python benchmarks/serve/serve_footprint.py [--starts 3] [--requests 8] [--max-tokens 64] [--gap-s 5]
         [-- SERVE ARGS...]
 
 Each start runs ``cosine-ray serve --port P SERVE ARGS`` (default: the README's plain command,
@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
+from cosine_ray.bench.rounds import Spread
 from loadgen.chaos import procs
 from loadgen.chaos.memory import footprint
 from loadgen.chaos.report import footprint_table
@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  CPU-seconds at ready: {cpu['total']:.1f} (" + ", ".join(
             f"{role} {s:.1f}" for role, s in sorted(cpu.items(), key=lambda kv: -kv[1]) if role != "total")
             + ")", flush=True)
-    ready = [r["ready_s"] for r in results]
-    print(f"\nready (/health 200) over {len(ready)} starts: median {statistics.median(ready):.1f} s "
-          f"({min(ready):.1f}-{max(ready):.1f})\n")
+    ready = Spread.of([r["ready_s"] for r in results])
+    print(f"\nready (/health 200) over {len(results)} starts: median {ready.median:.1f} s "
+          f"({ready.low:.1f}-{ready.high:.1f})\n")
     print(f"memory after {args.requests} completions, last start:\n")
     report(results[-1]["footprint"])
     return 0

@@ -11,31 +11,28 @@ over the step's time in predicted plain-decode steps of the same shape, decode s
 summed undecayed over the run, next to the end-to-end ratio: one run shows how far the measure
 the guard acts on is from what a user gets.
 
-    python benchmarks/step_time_split.py [--threads 1] [--concurrency 8,16] [--levels 0,1]
+    python benchmarks/engine/step_time_split.py [--threads 1] [--concurrency 8,16] [--levels 0,1]
         [--rounds 2] [--prompts-per-domain 4] [--warmup-per-domain 4] [--max-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cosine_ablation as ablation  # noqa: E402  (the workload and run helpers)
-
-from cosine_ray.algo.guard import LEVELS, SpeculationGuard  # noqa: E402
-from cosine_ray.datasets import default_prompt_dir  # noqa: E402
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, parse_drafters  # noqa: E402
-from cosine_ray.engine.local import LocalEngine, encode_prompt  # noqa: E402
-from cosine_ray.engine.request import SamplingParams  # noqa: E402
-from cosine_ray.models.loader import resolve_checkpoint  # noqa: E402
+from cosine_ray.algo.guard import LEVELS, SpeculationGuard
+from cosine_ray.bench.engines import engine_config, run_batch, start_engine
+from cosine_ray.bench.rounds import Interleaving
+from cosine_ray.bench.workloads import held_back_split
+from cosine_ray.datasets import default_prompt_dir
+from cosine_ray.engine.local import LocalEngine, encode_prompt
+from cosine_ray.engine.request import SamplingParams
+from cosine_ray.models.loader import resolve_checkpoint
 
 
 Row = tuple[bool, int, int, float]
@@ -65,8 +62,7 @@ class _RecordingGuard(SpeculationGuard):
 def held_engine(checkpoint, level: int, current: Callable[[], Run | None]) -> LocalEngine:
     """A full-CoSine engine whose guard stays at ``LEVELS[level]``; every step, and what the
     guard observes, recorded into ``current()`` (None: not recorded, as in warm-up)."""
-    engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(DEFAULT_DRAFTERS)).replace(
-            max_num_seqs=16), checkpoint=checkpoint)
+    engine = start_engine(engine_config(max_num_seqs=16), checkpoint=checkpoint)
     core = engine.core
     guard = _RecordingGuard(start=level, explore_share=0.0, young_explore_share=0.0)  # no exploring: nothing to move to
 
@@ -120,7 +116,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     checkpoint = resolve_checkpoint("smollm2-135m")
     tokenizer = checkpoint.load_tokenizer()
-    warm, measured = ablation.workload(Path(default_prompt_dir()), args.warmup_per_domain, args.prompts_per_domain)
+    warm, measured = held_back_split(Path(default_prompt_dir()), args.warmup_per_domain, args.prompts_per_domain)
     warm_ids = [encode_prompt(tokenizer, p) for _, p in warm]
     measured_ids = [encode_prompt(tokenizer, p) for _, p in measured]
     params = SamplingParams(max_tokens=args.max_tokens)
@@ -128,15 +124,13 @@ def main() -> None:
     current: dict[int, Run] = {}  # level → its run in progress (none in warm-up)
     engines = {lvl: held_engine(checkpoint, lvl, lambda lvl=lvl: current.get(lvl)) for lvl in levels}
     for engine in engines.values():
-        ablation.run_batch(engine, warm_ids, params, 8)
-    rng = random.Random(args.seed)
-    for _ in range(args.rounds):
+        run_batch(engine, warm_ids, params, 8)
+    interleaving = Interleaving("shuffle", args.seed)
+    for r in range(1, args.rounds + 1):
         for c in concurrencies:
-            order = list(levels)
-            rng.shuffle(order)
-            for lvl in order:
+            for lvl in interleaving.order(levels, r):
                 current[lvl] = runs[(lvl, c)]
-                _, seconds = ablation.run_batch(engines[lvl], measured_ids, params, c)
+                _, seconds = run_batch(engines[lvl], measured_ids, params, c)
                 runs[(lvl, c)].seconds.append(seconds)
                 del current[lvl]
 
@@ -159,6 +153,7 @@ def main() -> None:
             print(f"| {c} | {LEVELS[lvl]:g} | {run_s:.2f} | {prefill_s:.2f} | {len(decode)}, {dec_s:.2f}, "
                   f"{dec_tok / dec_s:.1f}, {statistics.mean(r[1] for r in decode):.1f} "
                   f"| {base_secs / run_s:.3f}× | {goodput / base_goodput:.3f}× |")
+
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@ over both, its tokens per timestep and hit rate. The simulator runs the real eng
 PipeDec driver and verifier on a virtual clock, and every output is checked against the
 oracle's text. ``--rates`` adds the mode switch under Poisson load (docs/benchmarks.md).
 
-    python benchmarks/pipedec_sim.py --stages 7,14,21 --pairs 0.7:0.7,0.8:0.8,0.9:0.9,0.7:0.9,0.7:0.95
+    python benchmarks/sim/pipedec_sim.py --stages 7,14,21 --pairs 0.7:0.7,0.8:0.8,0.9:0.9,0.7:0.9,0.7:0.95
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from cosine_ray.sim.runner import simulate
 from cosine_ray.sim.scenario import Scenario, load, validate
 
-SCENARIO = Path(__file__).resolve().parent.parent / "deploy" / "sim" / "pipedec-paper.yaml"
+SCENARIO = Path(__file__).resolve().parents[2] / "deploy" / "sim" / "pipedec-paper.yaml"
 
 
 def variant(base: Scenario, num_stages: int, alpha: float, mode: str, *, guard: bool = False) -> Scenario:

@@ -4,7 +4,7 @@
   engine deployment → S stage actors), speculation on;
 * aggregate tokens/s of 8 concurrent HTTP requests, speculation on and off.
 
-    python benchmarks/serving.py [--stages 2] [--max-tokens 64] [--out bench-results/serving.json]
+    python benchmarks/serve/serving.py [--stages 2] [--max-tokens 64] [--out bench-results/serving.json]
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import httpx
 
+from cosine_ray.bench.engines import engine_config, start_engine
 from cosine_ray.datasets import default_prompt_dir, held_back_prompts
-from cosine_ray.engine.config import EngineConfig, parse_drafters
-from cosine_ray.engine.local import LocalEngine, encode_prompt
+from cosine_ray.engine.local import encode_prompt
 from cosine_ray.engine.request import SamplingParams
+from cosine_ray.models.loader import resolve_checkpoint
 
 DEFAULT_PROMPT_DIR = default_prompt_dir()
 
@@ -63,10 +64,10 @@ def main() -> None:
     prompts = [t for _, t in held_back_prompts(DEFAULT_PROMPT_DIR, args.prompts_per_domain, ValueError)]
     results: dict[str, dict[str, float]] = {}
 
-    engine = LocalEngine(EngineConfig(drafters=parse_drafters(args.drafters), num_threads=2).replace(
-            max_num_seqs=args.concurrency))
-    ids = [encode_prompt(engine.tokenizer, t) for t in prompts]
-    engine.generate([ids[0]], SamplingParams(max_tokens=4))
+    config = engine_config(args.drafters, num_threads=2, max_num_seqs=args.concurrency)
+    checkpoint = resolve_checkpoint(config.model)
+    ids = [encode_prompt(checkpoint.load_tokenizer(), t) for t in prompts]
+    engine = start_engine(config, checkpoint=checkpoint, warmup=[ids[0]], concurrency=1)
     start = time.perf_counter()
     tokens = sum(len(engine.generate([i], SamplingParams(max_tokens=args.max_tokens))[0].new_token_ids) for i in ids)
     results["local engine"] = {"single_tok_s": tokens / (time.perf_counter() - start)}

@@ -2,12 +2,12 @@
 
 For each domain drafter: (1) draft latency, the time of one draft forward (one token for each of
 b requests, ``b`` in ``--batch-sizes``) exact and layer-parallel, interleaved over ``--rounds``;
-(2) acceptance, the replay of ``benchmarks/drafting_ceiling.py`` (turns from its ``--turns``
-output) with the drafter alone on its own domain's turns, sequential and layer-parallel: tokens
-a step, and draft milliseconds a step. Both variants are lossless (the target verifies), so only
-speed and acceptance can differ (docs/drafters.md).
+(2) acceptance, the replay of ``drafting_ceiling.py`` (``cosine_ray.bench.replay``, turns from
+its ``--turns`` output) with the drafter alone on its own domain's turns, sequential and
+layer-parallel: tokens a step, and draft milliseconds a step. Both variants are lossless (the
+target verifies), so only speed and acceptance can differ (docs/drafters.md).
 
-    python benchmarks/layer_parallel.py --turns bench-results/drafting_ceiling.json
+    python benchmarks/drafters/layer_parallel.py --turns bench-results/drafting_ceiling.json
         [--drafters DIR] [--domains code,math,instruction,chat] [--rounds 5] [--threads 1]
 """
 
@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from drafting_ceiling import Turn, replay  # noqa: E402
+from cosine_ray.bench.replay import DecodedTurn, replay
+from cosine_ray.bench.rounds import Interleaving, Spread
 
 
 def draft_forward_ms(drafter, batch: int, steps: int) -> float:
@@ -65,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     earlier = json.loads(Path(args.turns).read_text())
-    measured = [Turn(t["domain"], tuple(t["prompt"]), tuple(t["output"])) for t in earlier["turns"]["measured"]]
+    measured = [DecodedTurn(t["domain"], tuple(t["prompt"]), tuple(t["output"])) for t in earlier["turns"]["measured"]]
     target = resolve_checkpoint("smollm2-135m")
     root = Path(args.drafters) if args.drafters else PACKAGED_DRAFTERS / target.name
     vocab = int(target.config.vocab_size)
@@ -74,8 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants = {mode: load_distilled(root / domain, vocab, config=DistilledConfig(layer_parallel=mode == "parallel"),
                                          name=f"distilled:{domain}") for mode in ("sequential", "parallel")}
         latency: dict[tuple[str, int], list[float]] = {}
+        interleaving = Interleaving("alternate")
         for r in range(args.rounds):
-            order = list(variants.items()) if r % 2 == 0 else list(reversed(variants.items()))
+            order = interleaving.order(list(variants.items()), r + 1)
             for b in (int(x) for x in args.batch_sizes.split(",")):
                 for mode, drafter in order:
                     latency.setdefault((mode, b), []).append(draft_forward_ms(drafter, b, args.steps))
@@ -86,8 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "draft_ms_per_step": figures["draft_ms_per_step"]}
             for (m, b), values in latency.items():
                 if m == mode:
-                    row[f"forward_ms_b{b}"] = statistics.median(values)
-                    row[f"forward_ms_b{b}_range"] = (min(values), max(values))
+                    spread = Spread.of(values)
+                    row[f"forward_ms_b{b}"] = spread.median
+                    row[f"forward_ms_b{b}_range"] = (spread.low, spread.high)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| domain | drafting | tokens a step | draft ms a step | " +

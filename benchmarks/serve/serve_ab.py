@@ -1,12 +1,12 @@
 """Two or more ``cosine-ray serve`` command lines side by side over HTTP: ready time, tokens/s
 at concurrency 1 and 8, and whether their texts are the same.
 
-    python benchmarks/serve_ab.py [--rounds 3] [--max-tokens 64] [--prompts-per-domain 4]
+    python benchmarks/serve/serve_ab.py [--rounds 3] [--max-tokens 64] [--prompts-per-domain 4]
         --variant NAME="SERVE ARGS" --variant NAME="SERVE ARGS" ...
 
 Example (the stage actors against the stages in the engine, docs/performance-cpu.md):
 
-    python benchmarks/serve_ab.py --variant actors=--no-stages-in-engine --variant in-engine=
+    python benchmarks/serve/serve_ab.py --variant actors=--no-stages-in-engine --variant in-engine=
 
 A variant's args may start with environment settings for its server, as in a shell:
 ``--variant "onednn=COSINE_RAY_CPU_GEMM=onednn --drafters none"``.
@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from unittest import mock
 
 import httpx
 
+from cosine_ray.bench.rounds import Spread
 from cosine_ray.datasets import held_back_prompts
 from loadgen.launcher import ServerProcess, free_port
 
@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| variant | ready s | c = 1 tok/s | c = 8 tok/s | texts as the first variant's |")
     print("| --- | --- | --- | --- | --- |")
     for name, serve_args in args.variant:
-        cells = []
-        for k in range(3):
-            values = [r[k] for r in rows[name]]
-            cells.append(f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})")
+        cells = [Spread.of([r[k] for r in rows[name]]).text(".1f") for k in range(3)]
         same1 = sum(a == b for r in rows[name] for a, b in zip(r[3], first[3]))
         same8 = sum(a == b for r in rows[name] for a, b in zip(r[4], first[4]))
         total1, total8 = len(single) * len(rows[name]), len(prompts) * len(rows[name])

@@ -9,7 +9,7 @@ SD beside the paper's; ``--adaptive`` also runs SD and PEARL with our LP-priced 
 runs the real engine core, PEARL bookkeeping and verifier on a virtual clock, and every output
 is checked against the oracle's text.
 
-    python benchmarks/pearl_sim.py --alphas 0.7,0.8,0.9,0.95
+    python benchmarks/sim/pearl_sim.py --alphas 0.7,0.8,0.9,0.95
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from cosine_ray.sim.runner import simulate
 from cosine_ray.sim.scenario import Scenario, load, validate
 
-SCENARIO = Path(__file__).resolve().parent.parent / "deploy" / "sim" / "pearl-paper.yaml"
+SCENARIO = Path(__file__).resolve().parents[2] / "deploy" / "sim" / "pearl-paper.yaml"
 PAIRS = {  # target: (latency entry, stages, the paper's SD and PEARL speedups over AR on HumanEval)
     "34b": ("a100-codellama-34b", 2, 1.76, 2.48),
     "70b": ("a100-codellama-70b", 3, 3.03, 4.43),

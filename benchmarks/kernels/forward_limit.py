@@ -1,6 +1,6 @@
 """A c = 1 plain decode step against the memory-bandwidth limit of this machine.
 
-    python benchmarks/forward_limit.py [--model smollm2-135m] [--threads 2] [--context 256]
+    python benchmarks/kernels/forward_limit.py [--model smollm2-135m] [--threads 2] [--context 256]
         [--steps 40] [--rounds 3] [--paths dense,dense-unfused,native,native-unfused,dense-onednn,native-int4pack,dense-bf16] [--divergence 12]
 
 At one request a decode step reads every projection's weights once, so its floor is
@@ -32,6 +32,8 @@ from unittest import mock
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cosine_ray.bench.reference import hf_greedy_with_logits
+from cosine_ray.bench.rounds import Spread
 from cosine_ray.models import cpu_gemm
 from cosine_ray.models.llama import CPU_GEMM_ENV, FUSED_ENV, LlamaStage, StageBatch, _Linear
 from cosine_ray.models.loader import resolve_checkpoint
@@ -190,14 +192,7 @@ def divergence(paths: dict[str, LlamaStage], ckpt, n: int, max_tokens: int) -> N
     hf = ckpt.load_hf_model()
     prompts = [encode_prompt(tokenizer, t) for _, t in held_back_prompts(None, None)][:n]
     print(f"\ngreedy, {max_tokens} tokens, first {len(prompts)} held-back prompts, against transformers fp32:")
-    refs = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=max_tokens, do_sample=False, num_beams=1, temperature=None, top_p=None,
-                              top_k=None, pad_token_id=hf.generation_config.pad_token_id or 0,
-                              output_logits=True, return_dict_in_generate=True)
-        refs.append((out.sequences[0, len(ids):].tolist(), [lg[0].float() for lg in out.logits]))
+    refs = [hf_greedy_with_logits(hf, ids, max_tokens) for ids in prompts]
     for name, stage in paths.items():
         same, gaps = 0, []
         for k, (ids, (ref, logits)) in enumerate(zip(prompts, refs)):
@@ -267,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, stage in stages.items():
         mb = sum(weight_bytes(p) for p in projections(stage)) / 1e6
         limit = mb / 1e3 / bw * 1e3
-        rounds = [statistics.median(steps[name][r * args.steps:(r + 1) * args.steps]) * 1e3 for r in range(args.rounds)]
+        rounds = Spread.of([statistics.median(steps[name][r * args.steps:(r + 1) * args.steps]) * 1e3
+                            for r in range(args.rounds)])
         med = statistics.median(steps[name]) * 1e3
         print(f"{name:<12} {mb:>16.1f} {limit:>9.1f} {statistics.median(bare[name]) * 1e3:>15.1f} "
-              f"{med:>8.1f} ({min(rounds):.1f}-{max(rounds):.1f}) {1e3 / med:>7.1f}")
+              f"{med:>8.1f} ({rounds.low:.1f}-{rounds.high:.1f}) {1e3 / med:>7.1f}")
     for name, stage in stages.items():
         parts = split(stage, decoders[name], args.steps)
         print(f"\n{name}: where a step goes (torch.profiler, ms per step)")

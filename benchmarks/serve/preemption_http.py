@@ -1,7 +1,7 @@
 """The preemption claim over HTTP: concurrent greedy completions through ``cosine-ray serve``
 with a KV budget of a few contexts, every one complete and equal to HF greedy's text.
 
-    python benchmarks/preemption_http.py [--contexts 4] [--requests 32] [--port 8123]
+    python benchmarks/serve/preemption_http.py [--contexts 4] [--requests 32] [--port 8123]
 
 Starts ``cosine-ray serve --kv-cache-memory B --max-num-seqs N`` (its default two stages: B
 holds ``--contexts`` contexts of prompt + output + a tree across the stages), sends the requests
@@ -17,18 +17,13 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from cosine_ray.models.loader import resolve_checkpoint  # noqa: E402
-from serving_engine import fixed_length_prompts, hf_greedy  # noqa: E402
+from cosine_ray.bench.reference import hf_greedy_all
+from cosine_ray.bench.workloads import fixed_length_prompts
+from cosine_ray.models.loader import resolve_checkpoint
 
 
 def wait_ready(base: str, server: subprocess.Popen, timeout_s: float = 900) -> float:
@@ -95,7 +90,7 @@ def main() -> None:
             server.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-    refs = hf_greedy(ck, prompts, args.output_tokens, ignore_eos=True)
+    refs = hf_greedy_all(ck, prompts, args.output_tokens, ignore_eos=True)
     same = sum(not isinstance(out, BaseException) and out[0] == tokenizer.decode(ref, skip_special_tokens=True)
                for out, ref in zip(outs, refs))
     print(f"text identical to HF greedy (fp32, decoded): {same}/{len(prompts)}")

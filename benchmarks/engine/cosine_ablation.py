@@ -10,16 +10,14 @@ accepted length, γ_i, decision time, and the cost and gain models against what 
 full CoSine against every other system, paired per round. Every output is compared with
 speculation off's, token for token (docs/benchmarks.md).
 
-    python benchmarks/cosine_ablation.py [--rounds 3] [--concurrency 1,4,8,16] [--threads 1,2]
+    python benchmarks/engine/cosine_ablation.py [--rounds 3] [--concurrency 1,4,8,16] [--threads 1,2]
         [--prompts-per-domain 4] [--warmup-per-domain 4] [--max-tokens 64] [--systems ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -27,10 +25,14 @@ from typing import Any
 
 import torch
 
-from cosine_ray.datasets import DOMAIN_FILES, default_prompt_dir, read_prompts
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, parse_drafters
+from cosine_ray.bench.engines import engine_config, run_batch, start_engine
+from cosine_ray.bench.figures import mean_accepted_length, routing_shares
+from cosine_ray.bench.rounds import Interleaving, Spread, paired_ratios
+from cosine_ray.bench.workloads import held_back_split
+from cosine_ray.datasets import DOMAIN_FILES, default_prompt_dir
+from cosine_ray.engine.config import DEFAULT_DRAFTERS
 from cosine_ray.engine.local import LocalEngine, encode_prompt
-from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.request import SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
 
 SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -47,35 +49,6 @@ FULL = "CoSine (full)"
 COUNTERS = ("cosine_ray:verify_seconds", "cosine_ray:verify_predicted_seconds",
             "cosine_ray:spec_decode_expected_accepted_tokens", "cosine_ray:spec_decode_num_accepted_tokens")
 HISTOGRAMS = ("cosine_ray:scheduler_decision_seconds", "cosine_ray:scheduler_gamma")
-
-
-def workload(prompt_dir: Path, warmup: int, measured: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(domain, prompt) lists: warm-up and measured sets, disjoint, from each file's second half."""
-    warm, meas = [], []
-    for domain, name in DOMAIN_FILES.items():
-        rows = read_prompts(prompt_dir / name)
-        second = [r["prompt"] for r in rows[(len(rows) + 1) // 2:]]
-        meas += [(domain, p) for p in second[:measured]]  # measured first: a bigger warm-up never changes them
-        warm += [(domain, p) for p in second[measured:measured + warmup]]
-    return warm, meas
-
-
-def run_batch(engine: LocalEngine, prompts: list[list[int]], params: SamplingParams,
-              concurrency: int) -> tuple[list[RequestOutput], float]:
-    async def go() -> list[RequestOutput]:
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(ids):
-            async with sem:
-                return await engine.loop.generate_all(ids, params)
-        try:
-            return await asyncio.gather(*(one(p) for p in prompts))
-        finally:
-            await engine.loop.shutdown()
-
-    start = time.perf_counter()
-    outs = asyncio.run(go())
-    return outs, time.perf_counter() - start
 
 
 def warmup_size(concurrency: int, available: int) -> int:
@@ -112,7 +85,7 @@ def summarise(runs: list[dict[str, Any]], off_runs: list[dict[str, Any]] | None)
 
     steps = total("steps")
     out = {"tok_s": statistics.mean(r["tok_s"] for r in runs), "tok_s_rounds": [r["tok_s"] for r in runs],
-           "mean_accepted_length": (total("accepted") + steps) / steps if steps else 0.0,
+           "mean_accepted_length": mean_accepted_length(total("accepted"), steps),
            "gamma_mean": total("cosine_ray:scheduler_gamma:sum") / max(total("cosine_ray:scheduler_gamma:count"), 1),
            "decision_ms": 1e3 * total("cosine_ray:scheduler_decision_seconds:sum")
            / max(total("cosine_ray:scheduler_decision_seconds:count"), 1),
@@ -121,26 +94,17 @@ def summarise(runs: list[dict[str, Any]], off_runs: list[dict[str, Any]] | None)
            "accept_expected_over_actual": total("cosine_ray:spec_decode_expected_accepted_tokens")
            / max(total("cosine_ray:spec_decode_num_accepted_tokens"), 1e-12)}
     if off_runs is not None:
-        ratios = [r["tok_s"] / o["tok_s"] for r, o in zip(runs, off_runs)]
-        out.update(ratio=statistics.mean(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        ratio = Spread.of(paired_ratios([r["tok_s"] for r in runs], [o["tok_s"] for o in off_runs]))
+        out.update(ratio=ratio.mean, ratio_min=ratio.low, ratio_max=ratio.high)
         out["identical"] = sum(a == b for r, o in zip(runs, off_runs) for a, b in zip(r["texts"], o["texts"]))
         out["outputs"] = sum(len(r["texts"]) for r in runs)
     return out
 
 
-def routing_shares(runs: list[dict[str, Any]], domains: list[str]) -> dict[str, dict[str, float]]:
-    shares: dict[str, dict[str, float]] = {}
-    for domain in DOMAIN_FILES:
-        routed: dict[str, int] = {}
-        total = 0
-        for r in runs:
-            for d, (to, n) in zip(domains, r["routed"]):
-                if d == domain:
-                    total += n
-                    for k, v in to.items():
-                        routed[k] = routed.get(k, 0) + v
-        shares[domain] = {k: round(v / total, 3) for k, v in sorted(routed.items())} if total else {}
-    return shares
+def domain_shares(runs: list[dict[str, Any]], domains: list[str]) -> dict[str, dict[str, float]]:
+    """Routing shares per domain over ``runs`` (every domain listed, {} where nothing was routed)."""
+    shares = routing_shares(((d, to, n) for r in runs for d, (to, n) in zip(domains, r["routed"])), list(DOMAIN_FILES))
+    return {d: shares.get(d, {}) for d in DOMAIN_FILES}
 
 
 def main() -> None:
@@ -165,15 +129,14 @@ def main() -> None:
 
     checkpoint = resolve_checkpoint(args.model)
     tokenizer = checkpoint.load_tokenizer()
-    warm, meas = workload(Path(args.prompt_dir), args.warmup_per_domain, args.prompts_per_domain)
+    warm, meas = held_back_split(Path(args.prompt_dir), args.warmup_per_domain, args.prompts_per_domain)
     warm_ids = [encode_prompt(tokenizer, p) for _, p in warm]
     meas_ids = [encode_prompt(tokenizer, p) for _, p in meas]
     domains = [d for d, _ in meas]
     params = SamplingParams(max_tokens=args.max_tokens)
-    engines = {name: LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(SYSTEMS[name][0])).replace(
-            max_num_seqs=16, **SYSTEMS[name][1]),
-                                 checkpoint=checkpoint) for name in names}
-    rng = random.Random(args.seed)
+    engines = {name: start_engine(engine_config(SYSTEMS[name][0], model=args.model, max_num_seqs=16,
+                                                **SYSTEMS[name][1]), checkpoint=checkpoint) for name in names}
+    interleaving = Interleaving("shuffle", args.seed)
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for threads in thread_settings:
@@ -184,9 +147,7 @@ def main() -> None:
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, n): [] for c in concurrencies for n in names}
         for r in range(args.rounds):
             for c in concurrencies:
-                order = names[:]
-                rng.shuffle(order)
-                for name in order:
+                for name in interleaving.order(names, r + 1):
                     runs[(c, name)].append(one_run(engines[name], meas_ids, params, c))
                 print(f"threads {threads} round {r + 1} c={c}: " + "  ".join(
                     f"{n} {runs[(c, n)][-1]['tok_s']:.1f}" for n in names), flush=True)
@@ -197,7 +158,7 @@ def main() -> None:
             results[key] = {"noise_band": (max(offs) - min(offs)) / statistics.mean(offs),
                             "systems": {n: summarise(runs[(c, n)], off) for n in names}}
         results[f"threads={threads} routing shares"] = {
-            n: routing_shares([x for c in concurrencies for x in runs[(c, n)]], domains)
+            n: domain_shares([x for c in concurrencies for x in runs[(c, n)]], domains)
             for n in names if n in ("CoSine (full)", "routing off (random)")}
         for n in names:
             guard = engines[n].core.scheduler.guard
@@ -257,11 +218,9 @@ def print_paired(results: dict[str, Any], names: list[str], threads: int, concur
         cells = []
         for c in concurrencies:
             res = results[f"threads={threads} c={c}"]
-            full, other = res["systems"][FULL]["tok_s_rounds"], res["systems"][n]["tok_s_rounds"]
-            paired = [f / o for f, o in zip(full, other)]
-            mean = statistics.mean(paired)
-            mark = "≥" if mean >= 1 - res["noise_band"] / 2 else "<"
-            cells.append(f"{mark} {mean:.2f} ({min(paired):.2f}–{max(paired):.2f})")
+            paired = Spread.of(paired_ratios(res["systems"][FULL]["tok_s_rounds"], res["systems"][n]["tok_s_rounds"]))
+            mark = "≥" if paired.mean >= 1 - res["noise_band"] / 2 else "<"
+            cells.append(f"{mark} {paired.mean:.2f} ({paired.low:.2f}–{paired.high:.2f})")
         print(f"| {n} | " + " | ".join(cells) + " |")
     print()
 

@@ -8,7 +8,7 @@ them repeating an ingested one) are decoded step by step, 3 verified tokens a st
 not inflate. ``--compare`` also measures the memory of a pure-Python suffix trie and the
 datastore's n-gram dict on a small corpus.
 
-    python benchmarks/suffix_drafter_cost.py [--sizes 100000 1000000] [--steps 300] [--compare]
+    python benchmarks/drafters/suffix_drafter_cost.py [--sizes 100000 1000000] [--steps 300] [--compare]
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import random
 import statistics
 import time
 import tracemalloc
-from pathlib import Path
 
+from cosine_ray.engine.build import PACKAGED_DATASTORES
 from cosine_ray.engine.drafters.base import ContinueQuery, DraftInput
 from cosine_ray.engine.drafters.datastore import ContinuationIndex, Datastore
 from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 
-DATASTORES = Path(__file__).resolve().parent.parent / "cosine_ray" / "data" / "datastores" / "smollm2-135m"
+DATASTORES = PACKAGED_DATASTORES / "smollm2-135m"
 
 
 def markov_sampler(seed: int):

@@ -1,6 +1,6 @@
 """Side by side with llama.cpp on the same weights: tok/s, ratios and identical texts.
 
-    python benchmarks/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3] [--build]
+    python benchmarks/serve/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3] [--build]
         [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--no-hf] [--stages-in-engine]
 
 ``llama-server`` and ``llama-quantize`` come from PATH, else ``cache_root()/llama.cpp/build/bin``;
@@ -28,8 +28,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -39,10 +37,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_engine import hf_greedy  # noqa: E402
-
-from cosine_ray.models.loader import cache_root  # noqa: E402
+from cosine_ray.bench.engines import run_batch, start_engine
+from cosine_ray.bench.reference import hf_greedy_all
+from cosine_ray.bench.rounds import Interleaving, Spread, paired_ratios
+from cosine_ray.models.loader import cache_root
+from loadgen.launcher import free_port
 
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
@@ -122,12 +121,6 @@ def gguf_files(cache: Path, quantize: Path) -> dict[str, Path]:
 
 
 # ---- servers ------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Server:
     """A server subprocess, ready once ``ready_path`` answers 200."""
@@ -227,22 +220,7 @@ def inprocess_pass(engine, tokenizer, prompts: list[list[int]], concurrency: int
                    max_tokens: int) -> tuple[list[str], int, float]:
     from cosine_ray.engine.request import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens)
-
-    async def go():
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(ids):
-            async with sem:
-                return await engine.loop.generate_all(ids, params)
-        try:
-            await engine.loop.generate_all(prompts[0], SamplingParams(max_tokens=4))  # first-call costs
-            start = time.perf_counter()
-            out = await asyncio.gather(*(one(p) for p in prompts))
-            return out, time.perf_counter() - start
-        finally:
-            await engine.loop.shutdown()
-    results, seconds = asyncio.run(go())
+    results, seconds = run_batch(engine, prompts, SamplingParams(max_tokens=max_tokens), concurrency)
     texts = [tokenizer.decode(r.new_token_ids, skip_special_tokens=True) for r in results]
     return texts, sum(len(r.new_token_ids) for r in results), seconds
 
@@ -292,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hf:
         start = time.perf_counter()
         hf_texts = [tokenizer.decode(ids, skip_special_tokens=True)
-                    for ids in hf_greedy(checkpoint, prompts, args.max_tokens)]
+                    for ids in hf_greedy_all(checkpoint, prompts, args.max_tokens)]
         print(f"HF transformers fp32 greedy texts computed in {time.perf_counter() - start:.0f} s", flush=True)
     max_len = max(len(p) for p in prompts) + args.max_tokens + 16
     systems = ["none"] + ([args.drafters] if args.drafters != "none" else [])
@@ -329,21 +307,22 @@ def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, wo
         print(f"cosine-ray serve --weights {weights} --drafters {drafters} ready in {ours_server.ready_s:.1f} s",
               flush=True)
     try:
+        interleaving = Interleaving("alternate")
         for r in range(args.rounds):
-            order = ("llama", "ours") if r % 2 == 0 else ("ours", "llama")
-            for side in order:
+            for side in interleaving.order(("llama", "ours"), r + 1):
                 if side == "llama":
                     out = asyncio.run(http_pass(llama, "llama", prompts, c, args.max_tokens))
                 elif mode == "http":
                     out = asyncio.run(http_pass(ours_server, "ours", prompts, c, args.max_tokens))
                 else:
-                    from cosine_ray.engine.config import config_from_dict
-                    from cosine_ray.engine.local import LocalEngine
                     import torch
+
+                    from cosine_ray.engine.config import config_from_dict
                     torch.set_num_threads(args.threads)
-                    engine = LocalEngine(config_from_dict({"model": "smollm2-135m", "drafters": drafters,
-                                                           "weights": weights, "num_threads": args.threads,
-                                                           "step": {"max_batch_size": max(8, c)}}))
+                    engine = start_engine(config_from_dict({"model": "smollm2-135m", "drafters": drafters,
+                                                            "weights": weights, "num_threads": args.threads,
+                                                            "step": {"max_batch_size": max(8, c)}}),
+                                          warmup=prompts[:1], concurrency=1)  # first-call costs
                     out = inprocess_pass(engine, tokenizer, prompts, c, args.max_tokens)
                 key = (mode, c, p, drafters, side)
                 results.setdefault(key, []).append(out)
@@ -365,14 +344,12 @@ def report(results: dict, peaks: dict, hf_texts: list[str] | None) -> None:
           "| texts = llama.cpp | = ours plain | = HF greedy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (mode, c, p, drafters, side), runs in sorted(results.items()):
-        rates = [n / s for _, n, s in runs]
-        cell = f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})"
+        cell = Spread.of([n / s for _, n, s in runs]).text(".1f")
         name = "llama.cpp" if side == "llama" else f"ours {drafters}"
         ratio = same = plain = hf = ""
         if side == "ours":
             ref = results[(mode, c, p, drafters, "llama")]
-            ratios = [(n / s) / (rn / rs) for (_, n, s), (_, rn, rs) in zip(runs, ref)]
-            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+            ratio = Spread.of(paired_ratios([n / s for _, n, s in runs], [n / s for _, n, s in ref])).text(".2f")
             same = identical(runs, ref[-1][0])
             plain = identical(runs, results[(mode, c, p, "none", "ours")][0][0])
             if hf_texts is not None and p == "f32":

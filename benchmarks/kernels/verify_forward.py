@@ -2,8 +2,8 @@
 bandwidth roofline, on any device (``--shapes``); or the real SmolLM2-135M split in 2 stages
 per CPU projection kernel (``--kernels``, the default mode).
 
-    python benchmarks/verify_forward.py --shapes smollm2-135m,llama-3.2-1b [--device cuda] [--dtype bfloat16]
-    python benchmarks/verify_forward.py [--threads 1] [--context 128] [--reps 8] [--kernels blocked,onednn,mkl]
+    python benchmarks/kernels/verify_forward.py --shapes smollm2-135m,llama-3.2-1b [--device cuda] [--dtype bfloat16]
+    python benchmarks/kernels/verify_forward.py [--threads 1] [--context 128] [--reps 8] [--kernels blocked,onednn,mkl]
 
 ``--shapes`` builds a random-weight model of each named shape (``SHAPES``), prefills
 ``--context`` tokens for each of b requests and times one verify forward of n new tokens per

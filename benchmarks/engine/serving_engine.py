@@ -1,8 +1,8 @@
 """The serving engine's claims, each side by side in one run (the embedded model, in-process):
 
-    python benchmarks/serving_engine.py prefix      # shared system prompt and MT-bench second turns
-    python benchmarks/serving_engine.py chunked     # a ~6,000-token prompt beside 4 streams
-    python benchmarks/serving_engine.py preemption  # 32 requests in a KV budget of ~4 contexts
+    python benchmarks/engine/serving_engine.py prefix      # shared system prompt and MT-bench second turns
+    python benchmarks/engine/serving_engine.py chunked     # a ~6,000-token prompt beside 4 streams
+    python benchmarks/engine/serving_engine.py preemption  # 32 requests in a KV budget of ~4 contexts
 
 ``prefix``: every request with and without the prefix cache, in interleaved rounds: prompt tokens
 computed, TTFT p50 of the requests after the first, identical greedy text (and HF greedy in fp32
@@ -19,23 +19,23 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from cosine_ray.datasets import domain_prompts  # noqa: E402
-from cosine_ray.engine.config import EngineConfig, parse_drafters  # noqa: E402
-from cosine_ray.engine.local import LocalEngine  # noqa: E402
-from cosine_ray.engine.request import SamplingParams  # noqa: E402
-from cosine_ray.models.loader import resolve_checkpoint  # noqa: E402
+from cosine_ray.bench.conversations import encode_messages
+from cosine_ray.bench.engines import engine_config, start_engine
+from cosine_ray.bench.reference import count_identical, hf_greedy_all
+from cosine_ray.bench.rounds import Interleaving, Spread, paired_ratios
+from cosine_ray.bench.workloads import fixed_length_prompts
+from cosine_ray.datasets import DOMAIN_FILES, domain_prompts
+from cosine_ray.engine.local import LocalEngine
+from cosine_ray.engine.request import SamplingParams
+from cosine_ray.models.loader import resolve_checkpoint
 
 
 def engine(checkpoint, drafters: str, **settings) -> LocalEngine:
-    config = EngineConfig(model=str(checkpoint.name), drafters=parse_drafters(drafters), num_threads=2, **settings)
-    return LocalEngine(config, checkpoint=checkpoint)
+    return start_engine(engine_config(drafters, model=str(checkpoint.name), num_threads=2, **settings),
+                        checkpoint=checkpoint)
 
 
 async def timed(eng: LocalEngine, prompt: list[int], params: SamplingParams, rid: str) -> dict:
@@ -52,8 +52,7 @@ async def timed(eng: LocalEngine, prompt: list[int], params: SamplingParams, rid
 
 def text_prompt(tokenizer, text: str, system: str | None = None) -> list[int]:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+    return encode_messages(tokenizer, messages)
 
 
 def long_text(tokenizer, num_tokens: int, domain: str = "math") -> str:
@@ -72,8 +71,7 @@ def long_text(tokenizer, num_tokens: int, domain: str = "math") -> str:
 def prefix_workloads(tokenizer, args) -> dict[str, list[list[list[int]]]]:
     """workload → waves of prompts: a wave runs after the one before it finished."""
     system = "Answer using the reference material below when it helps.\n\n" + long_text(tokenizer, args.system_tokens)
-    questions = [r["prompt"] for d in ("code", "math", "instruction", "chat")
-                 for r in domain_prompts(d)[:args.questions_per_domain]]
+    questions = [r["prompt"] for d in DOMAIN_FILES for r in domain_prompts(d)[:args.questions_per_domain]]
     shared = [[text_prompt(tokenizer, questions[0], system)], [text_prompt(tokenizer, q, system) for q in questions[1:]]]
     convs = [r["turns"] for r in domain_prompts("chat")[:args.conversations]]
     return {"shared-system-prompt": shared, "mt-bench": [[text_prompt(tokenizer, c[0]) for c in convs]], "turns": convs}
@@ -90,11 +88,10 @@ async def second_turns(eng, tokenizer, convs, firsts, params, tag) -> list[dict]
     """MT-bench's second turns: the prompt holds the first turn and its answer."""
     prompts = []
     for conv, first in zip(convs, firsts):
-        messages = [{"role": "user", "content": conv[0]},
-                    {"role": "assistant", "content": tokenizer.decode(first["tokens"], skip_special_tokens=True)},
-                    {"role": "user", "content": conv[1]}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append([int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+        prompts.append(encode_messages(tokenizer, [
+            {"role": "user", "content": conv[0]},
+            {"role": "assistant", "content": tokenizer.decode(first["tokens"], skip_special_tokens=True)},
+            {"role": "user", "content": conv[1]}]))
     return await asyncio.gather(*(timed(eng, p, params, f"{tag}-t2-{i}") for i, p in enumerate(prompts)))
 
 
@@ -103,8 +100,9 @@ def prefix(args, checkpoint) -> dict:
     loads = prefix_workloads(tokenizer, args)
     params = SamplingParams(max_tokens=args.max_tokens)
     rows, texts = [], {}
+    interleaving = Interleaving("alternate")
     for rnd in range(args.rounds):
-        for caching in ((True, False) if rnd % 2 == 0 else (False, True)):  # interleaved, alternating first
+        for caching in interleaving.order((True, False), rnd + 1):
             eng = engine(checkpoint, args.drafters, enable_prefix_caching=caching)
 
             async def go():
@@ -130,16 +128,14 @@ def prefix(args, checkpoint) -> dict:
     for workload in dict.fromkeys(r["workload"] for r in rows):
         for caching in (True, False):
             rs = [r for r in rows if r["workload"] == workload and r["cache"] == caching]
-            ttfts = [r["ttft_p50_s"] for r in rs]
+            ttfts = Spread.of([r["ttft_p50_s"] for r in rs])
             print(f"{workload:24} {'on' if caching else 'off':>5} {rs[0]['prompt_tokens']:>10} "
-                  f"{rs[0]['computed_tokens']:>9} {statistics.median(ttfts):>10.3f} s "
-                  f"({min(ttfts):.3f}-{max(ttfts):.3f})")
+                  f"{rs[0]['computed_tokens']:>9} {ttfts.median:>10.3f} s ({ttfts.low:.3f}-{ttfts.high:.3f})")
         on = [r for r in rows if r["workload"] == workload and r["cache"]]
         off = {r["round"]: r for r in rows if r["workload"] == workload and not r["cache"]}
-        ratios = [r["ttft_p50_s"] / off[r["round"]]["ttft_p50_s"] for r in on]
+        ratios = Spread.of(paired_ratios([r["ttft_p50_s"] for r in on], [off[r["round"]]["ttft_p50_s"] for r in on]))
         print(f"{'':24} computed on/off {on[0]['computed_tokens'] / off[0]['computed_tokens']:.2f}, TTFT p50 on/off "
-              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}), identical text: "
-              f"{identical[workload]}")
+              f"{ratios.text()}, identical text: {identical[workload]}")
     result = {"rows": rows, "identical": identical}
     if args.hf:
         result["hf_identical"] = hf_check(checkpoint, loads["shared-system-prompt"][0] + loads["shared-system-prompt"][1],
@@ -148,41 +144,9 @@ def prefix(args, checkpoint) -> dict:
     return result
 
 
-def hf_greedy(checkpoint, prompts, max_tokens: int, *, ignore_eos: bool = False) -> list[list[int]]:
-    """HF transformers' greedy decoding in fp32 of each prompt (the lossless reference)."""
-    import torch
-    model = checkpoint.load_hf_model()
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                                 num_beams=1, temperature=None, top_p=None, top_k=None,
-                                 eos_token_id=None if ignore_eos else model.generation_config.eos_token_id,
-                                 pad_token_id=model.generation_config.pad_token_id or 0)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
 def hf_check(checkpoint, prompts, outputs, max_tokens: int, *, ignore_eos: bool = False) -> str:
     """How many outputs equal HF transformers' greedy decoding in fp32."""
-    refs = hf_greedy(checkpoint, prompts, max_tokens, ignore_eos=ignore_eos)
-    return f"{sum(ref == output for ref, output in zip(refs, outputs))}/{len(prompts)}"
-
-
-def fixed_length_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """``n`` prompts of exactly ``length`` tokens, from the packaged prompt texts."""
-    rows = [r["prompt"] for d in ("code", "math", "instruction", "chat") for r in domain_prompts(d, "all")]
-    prompts, text = [], ""
-    for row in rows:
-        text += row + "\n"
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= length:
-            prompts.append(ids[:length])
-            text = ""
-        if len(prompts) == n:
-            break
-    return prompts
+    return count_identical(outputs, hf_greedy_all(checkpoint, prompts, max_tokens, ignore_eos=ignore_eos))
 
 
 # ---- chunked prefill ----------------------------------------------------------------------------
@@ -191,8 +155,9 @@ def chunked(args, checkpoint) -> dict:
     streams = [text_prompt(tokenizer, r["prompt"]) for r in domain_prompts("instruction")[:args.streams]]
     long_prompt = text_prompt(tokenizer, "Summarise the problems below.\n\n" + long_text(tokenizer, args.long_tokens))
     rows, texts = [], {}
+    interleaving = Interleaving("alternate")
     for rnd in range(args.rounds):
-        for budget in ((None, 8192) if rnd % 2 == 0 else (8192, None)):
+        for budget in interleaving.order((None, 8192), rnd + 1):
             eng = engine(checkpoint, args.drafters, max_num_batched_tokens=budget)
 
             async def go():
@@ -220,10 +185,10 @@ def chunked(args, checkpoint) -> dict:
     print(f"{'prefill':10} {'long TTFT s':>12} {'longest gap s':>14} {'gap / TTFT (rounds)':>24}")
     for mode in (True, False):
         rs = [r for r in rows if r["chunked"] == mode]
-        ratios = [r["longest_gap_s"] / r["ttft_s"] for r in rs]
+        ratios = Spread.of(paired_ratios([r["longest_gap_s"] for r in rs], [r["ttft_s"] for r in rs]))
         print(f"{'chunked' if mode else 'whole':10} {statistics.median(r['ttft_s'] for r in rs):>12.2f} "
-              f"{statistics.median(r['longest_gap_s'] for r in rs):>14.2f} {statistics.median(ratios):>10.2f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f})")
+              f"{statistics.median(r['longest_gap_s'] for r in rs):>14.2f} {ratios.median:>10.2f} "
+              f"({ratios.low:.2f}-{ratios.high:.2f})")
     identical = all(t == texts[False][0] for t in texts[True] + texts[False])
     print(f"long prompt's output identical chunked and whole: {identical}")
     return {"rows": rows, "identical": identical}

@@ -1,6 +1,6 @@
 """Decision latency of the LP batch scheduler (``cosine_ray.algo.lp_schedule``).
 
-    python benchmarks/scheduler_latency.py [--decisions 200] [--sizes 8,64,256,1024] [--seed 0] [--tight]
+    python benchmarks/engine/scheduler_latency.py [--decisions 200] [--sizes 8,64,256,1024] [--seed 0] [--tight]
 
 For each pool size, random seeded pools of running and waiting requests (varied contexts,
 acceptance rates and prompts, a KV budget that admits about half of the waiting ones) under
@@ -18,16 +18,12 @@ import dataclasses
 import math
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cosine_ray.algo.latency_model import LatencyModel  # noqa: E402
-from cosine_ray.algo.lp_schedule import Candidate, ScheduleConfig, first_come_batch, schedule_batch  # noqa: E402
+from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.lp_schedule import Candidate, ScheduleConfig, first_come_batch, schedule_batch
 
 
 def random_pool(rng: random.Random, size: int, max_batch_size: int) -> list[Candidate]:

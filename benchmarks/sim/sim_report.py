@@ -1,6 +1,6 @@
 """The capacity questions, answered by simulation: Markdown + PNG plots in one command.
 
-    python benchmarks/sim_report.py --scenario deploy/sim/paper-testbed.yaml --out bench-results/sim-report
+    python benchmarks/sim/sim_report.py --scenario deploy/sim/paper-testbed.yaml --out bench-results/sim-report
 
 Every point is one ``cosine-ray simulate`` run of the scenario (the engine's real scheduler on a
 virtual clock) with one thing changed:
@@ -164,7 +164,7 @@ def write_plots(data: dict, rates: list[float], out: Path) -> None:
 
 def markdown(data: dict, rates: list[float], base: Scenario, args) -> str:
     lines = [f"# Capacity report: {base.get('name', args.scenario)}", "",
-             f"`python benchmarks/sim_report.py --scenario {args.scenario} --requests {args.requests} "
+             f"`python benchmarks/sim/sim_report.py --scenario {args.scenario} --requests {args.requests} "
              f"--rates {args.rates} --rate {args.rate} --slo-tpot-ms {args.slo_tpot_ms:g}` "
              f"({data['wall_s']:.0f} s of simulation). Simulated, not measured: every device cost is the "
              "scenario's latency model (see its `source` fields).", "",

@@ -1,7 +1,7 @@
 """bf16 losslessness, reported honestly: speculative greedy output against our own non-speculative
 greedy decode on the same precision path, every divergence with the target's logit gap.
 
-    python benchmarks/bf16_divergence.py [--device cuda] [--dtype bfloat16] [--drafters default;ngram]
+    python benchmarks/engine/bf16_divergence.py [--device cuda] [--dtype bfloat16] [--drafters default;ngram]
         [--prompts-per-domain 3] [--max-tokens 128] [--concurrency 1]
 
 In bf16 a verify forward over k tree tokens rounds differently from k one-token forwards (other
@@ -21,10 +21,10 @@ import sys
 
 import torch
 
+from cosine_ray.bench.engines import engine_config, start_engine
 from cosine_ray.datasets import held_back_prompts
 from cosine_ray.engine.build import build_target_stages
-from cosine_ray.engine.config import EngineConfig, parse_drafters
-from cosine_ray.engine.local import LocalEngine, encode_prompt
+from cosine_ray.engine.local import encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.worker.scoring import ScoreItem
 from cosine_ray.engine.worker.target import TargetWorker
@@ -55,9 +55,8 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens)
 
     def decode(drafters: str) -> list[list[int]]:
-        engine = LocalEngine(EngineConfig(model="smollm2-135m", drafters=parse_drafters(drafters), device=args.device, dtype=args.dtype).replace(
-                max_num_seqs=max(8, args.concurrency)),
-                             checkpoint=checkpoint)
+        engine = start_engine(engine_config(drafters, device=args.device, dtype=args.dtype,
+                                            max_num_seqs=max(8, args.concurrency)), checkpoint=checkpoint)
         out = []
         for i in range(0, len(prompts), args.concurrency):
             out += [o.new_token_ids for o in engine.generate(prompts[i:i + args.concurrency], params)]

@@ -3,7 +3,7 @@ Compiled Graphs. Prints median round trips of the chain, first with echo actors 
 hidden-state-sized payloads, then (``--real``) with the real stage actors of the embedded
 model scoring one decode step (8 requests x 9-node trees over 128 committed tokens).
 
-    python benchmarks/ray_hops.py [--stages 2] [--iters 200] [--real]
+    python benchmarks/serve/ray_hops.py [--stages 2] [--iters 200] [--real]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and acceptance by depth per domain, their correlation), for the same request len
 TTFT, TPOT, throughput and mean accepted length, measured | simulated | error, per (S,
 speculation, concurrency); the target is every cell within 15 % (docs/benchmarks.md).
 
-    python benchmarks/sim_validation.py --threads 1 --stages 1,2 --concurrency 1,8 --prompts-per-domain 3
+    python benchmarks/sim/sim_validation.py --threads 1 --stages 1,2 --concurrency 1,8 --prompts-per-domain 3
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from pathlib import Path
 
 import torch
 
-from cosine_ray.cli.bench import encode_messages
-from cosine_ray.datasets import held_back_prompts
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig, parse_drafters
 from cosine_ray.algo.latency_model import LinearFit
+from cosine_ray.bench.conversations import encode_messages
+from cosine_ray.bench.engines import engine_config, start_engine
+from cosine_ray.datasets import held_back_prompts
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, EngineConfig
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.profile import load_or_profile, profile_path
 from cosine_ray.engine.request import SamplingParams
+from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.sim.latency import load_profile
 from cosine_ray.sim.runner import SimRequest, simulate
 from cosine_ray.sim.world import DRAFTER_CALLS, call_size
@@ -376,19 +378,18 @@ def main(argv=None) -> int:
     calib_set = [(d, p) for d, ps in per_domain.items() for p in ps[n:]]
     results, calibrations = [], {}
     for s in stages:
-        configs = {"off": EngineConfig(drafters=parse_drafters("none"), num_stages=s, num_threads=args.threads).replace(
-                num_speculative_tokens=0),
-                   "on": EngineConfig(drafters=parse_drafters(DEFAULT_DRAFTERS), num_stages=s,
-                                      num_threads=args.threads)}
+        configs = {"off": engine_config("none", num_stages=s, num_threads=args.threads, num_speculative_tokens=0),
+                   "on": engine_config(DEFAULT_DRAFTERS, num_stages=s, num_threads=args.threads)}
         for mode, config in configs.items():
             if not args.keep_profile:  # a profile from another day can be 10-20 % off this machine now
                 profile_path(config).unlink(missing_ok=True)
             load_or_profile(config, quick=True)  # the engine and the simulator read the same profile
-            engine = LocalEngine(config)
-            encode = lambda rows: [encode_messages(engine.tokenizer, [{"role": "user", "content": p}]) for _, p in rows]
+            checkpoint = resolve_checkpoint(config.model)
+            tokenizer = checkpoint.load_tokenizer()
+            encode = lambda rows: [encode_messages(tokenizer, [{"role": "user", "content": p}]) for _, p in rows]
             prompts, domains = encode(valid), [d for d, _ in valid]
-            cfg = engine.checkpoint.config
-            run_real(engine, prompts[:2], 2, 8)  # warm-up, not measured
+            cfg = checkpoint.config
+            engine = start_engine(config, checkpoint=checkpoint, warmup=prompts[:2], warmup_tokens=8, concurrency=2)
             recorder = Recorder(engine)
             calib = calibrate(engine, recorder, config, encode(calib_set), [d for d, _ in calib_set],
                               args.calibration_concurrency, args.max_tokens)

@@ -9,7 +9,7 @@ process's resident memory and C heap in use, and the interval's tokens/s; at the
 PASS/FAIL for: the indexes stay under the cap, do not grow once full, and every request
 finished, and reports the memory slopes over the second half (docs/benchmarks.md).
 
-    python benchmarks/learning_soak.py [--seconds 180] [--concurrency 8] [--index-tokens 25000]
+    python benchmarks/drafters/learning_soak.py [--seconds 180] [--concurrency 8] [--index-tokens 25000]
         [--drafters learning] [--max-tokens 64] [--threads 2] [--sample-every 15]
 """
 
@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+from cosine_ray.bench.engines import engine_config, start_engine
+from cosine_ray.bench.figures import mean_accepted_length
 from cosine_ray.datasets import DOMAIN_FILES, default_prompt_dir, read_prompts
-from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
@@ -71,8 +72,7 @@ async def soak(engine: LocalEngine, prompts: list[list[int]], params: SamplingPa
         samples.append({"t": t, "tokens": counter["tokens"], "steps": counter["steps"],
                         "accepted": counter["accepted"], "requests": counter["requests"], "errors": counter["errors"],
                         "tok_s": (counter["tokens"] - last["tokens"]) / dt,
-                        "mean_accepted_length":
-                            (counter["accepted"] - last["accepted"] + steps) / steps if steps else 0.0,
+                        "mean_accepted_length": mean_accepted_length(counter["accepted"] - last["accepted"], steps),
                         "rss_mib": rss_mib(), "heap_in_use_mib": (malloc_in_use_bytes() or 0) / 2**20,
                         "python_objects": len(gc.get_objects()), "indexes": index_sizes(engine)})
 
@@ -143,8 +143,8 @@ def main() -> None:
     texts = [row["prompt"] for name in DOMAIN_FILES.values() for row in read_prompts(Path(args.prompt_dir) / name)]
     random.Random(args.seed).shuffle(texts)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    engine = LocalEngine(EngineConfig(model=args.model, drafters=parse_drafters(args.drafters)).replace(
-        suffix_index_tokens=args.index_tokens, max_num_seqs=args.concurrency), checkpoint=checkpoint)
+    engine = start_engine(engine_config(args.drafters, model=args.model, suffix_index_tokens=args.index_tokens,
+                                        max_num_seqs=args.concurrency), checkpoint=checkpoint)
     samples = asyncio.run(soak(engine, prompts, SamplingParams(max_tokens=args.max_tokens), args))
 
     names = sorted(samples[0]["indexes"])

@@ -9,7 +9,7 @@ and without its mode guard); and lanes with PEARL off / on / auto per ``--pearl-
 lanes``, tokens per target call, PipeDec's hit rate, and whether every output is identical to
 the first system's (docs/benchmarks.md).
 
-    python benchmarks/pipeline_modes.py --stages 2 --widths 1,2,4 --prompts-per-domain 2 --max-tokens 64
+    python benchmarks/serve/pipeline_modes.py --stages 2 --widths 1,2,4 --prompts-per-domain 2 --max-tokens 64
 """
 
 from __future__ import annotations

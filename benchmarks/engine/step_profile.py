@@ -1,7 +1,7 @@
 """Where a serving step's time goes: ``torch.profiler`` over the measured window of one
 ``cosine-ray bench`` system, on any device.
 
-    python benchmarks/step_profile.py [--device cuda] [--dtype bfloat16] [--drafters default]
+    python benchmarks/engine/step_profile.py [--device cuda] [--dtype bfloat16] [--drafters default]
         [--concurrency 8] [--prompts-per-domain 2] [--warmup-per-domain 2] [--max-tokens 64]
         [--rows 22] [--trace trace.json]
 
@@ -23,11 +23,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cosine_ray.bench.conversations import count_tokens, run_conversations
+from cosine_ray.bench.engines import start_engine
+from cosine_ray.bench.workloads import bench_workload
 from cosine_ray.cli.args import CliError, check_local_device
-from cosine_ray.cli.bench import build_conversations, run_conversations
 from cosine_ray.datasets import default_prompt_dir
 from cosine_ray.engine.config import config_from_dict
-from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.models.loader import resolve_checkpoint
 
@@ -56,15 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    work = argparse.Namespace(workload="mixed", prompt_dir=str(default_prompt_dir()), seed=0, max_tokens=args.max_tokens,
-                              prompts_per_domain=args.prompts_per_domain, warmup_per_domain=args.warmup_per_domain)
-    warm, measured = build_conversations(work)
+    warm, measured = bench_workload("mixed", default_prompt_dir(), args.prompts_per_domain, args.warmup_per_domain,
+                                    args.max_tokens, seed=0)
     checkpoint = resolve_checkpoint(args.model)
     tokenizer = checkpoint.load_tokenizer()
-    engine = LocalEngine(config_from_dict({"model": args.model, "drafters": args.drafters, "device": args.device,
-                                           "dtype": args.dtype,
-                                           "step": {"max_num_seqs": max(8, args.concurrency)}}),
-                         checkpoint=checkpoint)
+    engine = start_engine(config_from_dict({"model": args.model, "drafters": args.drafters, "device": args.device,
+                                            "dtype": args.dtype,
+                                            "step": {"max_num_seqs": max(8, args.concurrency)}}),
+                          checkpoint=checkpoint)
     params = SamplingParams(max_tokens=args.max_tokens)
     if warm:
         asyncio.run(run_conversations(engine, [w.turns for w in warm], params, args.concurrency, tokenizer))
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         outs = asyncio.run(run_conversations(engine, [m.turns for m in measured], params, args.concurrency,
                                              tokenizer))
         seconds = time.perf_counter() - start
-    tokens = sum(len(turn.token_ids) for conv in outs for turn in conv)
+    tokens = count_tokens(outs)
     print(f"{args.drafters} on {args.device} ({args.dtype}), c={args.concurrency}: {len(measured)} conversations, "
           f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:.2f} tok/s under the profiler")
     table = prof.key_averages()
