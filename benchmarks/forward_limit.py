@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels as cpu_gemm
 from cosine_ray.models.llama import CPU_GEMM_ENV, FUSED_ENV, LlamaStage, StageBatch, _Linear
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.models.native import load_weights

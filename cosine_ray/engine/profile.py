@@ -33,7 +33,7 @@ import torch
 
 from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels as cpu_gemm
 from cosine_ray.models.native import load_weights
 from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.attention import (AttentionPlan, PaddedInputs, attend, attend_padded, eager_attention,
                                          padded_plan, plan_attention, query_bucket)
@@ -133,11 +133,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-CPU_GEMM_ENV = cpu_gemm.ENV
-"""``blocked`` (default on CPU: our own kernels, ``models.cpu_gemm``, where they build; oneDNN for
+CPU_GEMM_ENV = kernels.ENV
+"""``blocked`` (default on CPU: our own kernels, ``models.kernels``, where they build; oneDNN for
 half-precision weights), ``onednn`` or ``mkl``: the kernel of the CPU projections."""
-CPU_GEMM_KERNELS = cpu_gemm.KERNELS
-FUSED_ENV = cpu_gemm.FUSED_ENV
+CPU_GEMM_KERNELS = kernels.KERNELS
+FUSED_ENV = kernels.FUSED_ENV
 
 
 def onednn_available() -> bool:
@@ -169,17 +169,17 @@ def _native_half_gemm(dtype: torch.dtype) -> bool:
 
 
 def _use_blocked(device: torch.device, dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and cpu_gemm.used_on(device)
+    return dtype == torch.float32 and kernels.used_on(device)
 
 
 def _use_onednn(device: torch.device) -> bool:
-    return cpu_gemm.choice() in ("blocked", "onednn") and device.type == "cpu" and onednn_available()
+    return kernels.choice() in ("blocked", "onednn") and device.type == "cpu" and onednn_available()
 
 
 class _Linear:
     """One projection, ``y = x W^T + b``, with the kernel chosen once at load time.
 
-    An fp32 weight on CPU goes, by default, to our own kernel (``models.cpu_gemm``: 32-column
+    An fp32 weight on CPU goes, by default, to our own kernel (``models.kernels``: 32-column
     blocks, one contiguous stream each at one row, every output summed in one order whatever
     the rows): on our 2-core AMD EPYC it applies the embedded model's layers at one row at
     about the memory bandwidth, where oneDNN's packed linear took ~1.7x that; whole verify
@@ -213,14 +213,14 @@ class _Linear:
         self.bias = bias
         self.out_features = int(weight.shape[0])
         self.blocked: torch.Tensor | None = None
-        """fp32 on CPU: [out / 32, in, 32] for ``models.cpu_gemm`` (the default kernel there)."""
+        """fp32 on CPU: [out / 32, in, 32] for ``models.kernels`` (the default kernel there)."""
         self.blocked_bias: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.w_t: torch.Tensor | None = None
         self.upcast = False
         if _use_blocked(weight.device, weight.dtype):
-            self.blocked = cpu_gemm.pack(weight)
-            self.blocked_bias = None if bias is None else cpu_gemm.pad_bias(bias)
+            self.blocked = kernels.pack(weight)
+            self.blocked_bias = None if bias is None else kernels.pad_bias(bias)
             return
         if _use_onednn(weight.device):
             try:
@@ -235,7 +235,7 @@ class _Linear:
     def weight(self) -> torch.Tensor:
         """The weight as the checkpoint holds it, [out, in] (a copy where it is packed)."""
         if self.blocked is not None:
-            return cpu_gemm.unpack(self.blocked, self.out_features)
+            return kernels.unpack(self.blocked, self.out_features)
         if self.w_t is not None:
             return self.w_t.t()
         eye = torch.eye(int(self.packed.shape[1]), dtype=self.packed.dtype)
@@ -243,7 +243,7 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None:
-            return cpu_gemm.linear(x, self.blocked, self.out_features, self.blocked_bias)
+            return kernels.linear(x, self.blocked, self.out_features, self.blocked_bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.upcast:
@@ -258,7 +258,7 @@ class _Linear:
 class _StepAttention:
     """``attend`` over one step's plan, as ``LlamaStage._layers`` calls it for each layer. A fused
     stage reads the plan itself and runs its layers and their attention in one C call
-    (``cpu_gemm.FusedStack``) where the plan lists every row's keys."""
+    (``kernels.FusedStack``) where the plan lists every row's keys."""
 
     plan: AttentionPlan
     kv_cache: KVCache
@@ -337,9 +337,9 @@ class LlamaStage:
                 down=linear([f"{p}mlp.down_proj.weight"], down_bias),
             ))
         self.fused = self._fused_layers()
-        """``cpu_gemm.FusedLayer`` per layer where every projection runs on our CPU kernels (fp32
+        """``kernels.FusedLayer`` per layer where every projection runs on our CPU kernels (fp32
         activations), else None: ``_layers`` then runs each layer's small operations in C."""
-        self.fused_stack = None if self.fused is None else cpu_gemm.FusedStack(
+        self.fused_stack = None if self.fused is None else kernels.FusedStack(
             self.fused, config.num_heads, config.num_kv_heads, config.head_dim)
         """The same layers run by one C call a step, attention included (``forward``'s steps)."""
         self.wide_attention = self.device.type == "cpu" and any(
@@ -347,8 +347,8 @@ class LlamaStage:
             for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
         """Attention in float64 (``models.attention._sdpa``): on CPU where bf16 roundings follow it
         (PyTorch's int4 kernels' activations), so that a row's logits do not depend on its batch.
-        Our own kernel (``models.cpu_gemm``) rounds each row alone (8 bits a group of 32) and a
-        fused stage attends every row alone (``cpu_gemm.attend_rows``), so its rows are
+        Our own kernel (``models.kernels``) rounds each row alone (8 bits a group of 32) and a
+        fused stage attends every row alone (``kernels.attend_rows``), so its rows are
         batch-invariant in fp32."""
         self.norm_weight = get("model.norm.weight") if self.is_last else None
         self.lm_head: _Linear | QuantLinear | None = None
@@ -425,9 +425,9 @@ class LlamaStage:
         """Last stage: final norm and lm_head, fp32 logits  # [rows, vocab]"""
         return self.lm_head(_rms_norm(x, self.norm_weight, self.config.rms_norm_eps)).float()
 
-    def _fused_layers(self) -> "list[cpu_gemm.FusedLayer] | None":
+    def _fused_layers(self) -> "list[kernels.FusedLayer] | None":
         cfg = self.config
-        if not cpu_gemm.fused_on(self.device, self.dtype) or cfg.head_dim > cpu_gemm.MAX_HEAD_DIM or not self.layers:
+        if not kernels.fused_on(self.device, self.dtype) or cfg.head_dim > kernels.MAX_HEAD_DIM or not self.layers:
             return None
 
         def projection(m: "_Linear | QuantLinear", n: int, k: int):
@@ -441,7 +441,7 @@ class LlamaStage:
                      "gate_up": projection(layer.gate_up, 2 * inter, h), "down": projection(layer.down, h, inter)}
             if any(p is None for p in parts.values()):
                 return None
-            fused.append(cpu_gemm.FusedLayer(layer.input_norm, layer.post_norm, cfg.rms_norm_eps, parts))
+            fused.append(kernels.FusedLayer(layer.input_norm, layer.post_norm, cfg.rms_norm_eps, parts))
         return fused
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -468,14 +468,14 @@ class LlamaStage:
     def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                        attention) -> torch.Tensor:
         """``_layers`` with each layer's norms, RoPE, residuals and MLP activation in C
-        (``cpu_gemm.FusedLayer``): for a step's row-keys plan every layer and its attention in one
-        call (``cpu_gemm.FusedStack``), otherwise one call a layer around ``attention``."""
+        (``kernels.FusedLayer``): for a step's row-keys plan every layer and its attention in one
+        call (``kernels.FusedStack``), otherwise one call a layer around ``attention``."""
         cfg = self.config
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = x.to(torch.float32, copy=True).contiguous()  # updated in place: never the caller's tensor
         rows = x.shape[0]
         cos, signed_sin = cos.reshape(rows, hd).contiguous(), signed_sin.reshape(rows, hd).contiguous()
-        scratch = cpu_gemm.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size, nh * hd)
+        scratch = kernels.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size, nh * hd)
         if self.fused_stack is not None and isinstance(attention, _StepAttention) \
                 and attention.plan.row_keys is not None:  # every layer in one C call
             self.fused_stack(x, cos, signed_sin, attention.plan.row_keys, attention.plan.slot_mapping,

@@ -5,7 +5,7 @@ Terms. A GGUF *block* holds 32 consecutive weights of one row (along the input d
 ``Q8_0`` (fp16 d, int8 codes: w = d q). A :class:`QuantTensor` is a matrix [N, K] of such blocks,
 rows in the order of our checkpoint names (``gguf_weights`` reads a file).
 
-:class:`QuantLinear` runs on CPU, by default, through our own kernel (``models.cpu_gemm``: the codes
+:class:`QuantLinear` runs on CPU, by default, through our own kernel (``models.kernels``: the codes
 in 32-column blocks, activations rounded to 8 bits a group, ``s (d (sum xq q) + m (sum xq))`` per
 group, integer sums on VNNI). Elsewhere (CUDA,
 or ``COSINE_RAY_CPU_GEMM=onednn|mkl``) it runs every format through PyTorch's own int4
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels
 
 GROUP = 32
 """Weights per GGUF block, and the group size of the int4 kernels."""
@@ -124,7 +124,7 @@ def pack_int4_for_cuda(u: torch.Tensor) -> torch.Tensor:
 class QuantLinear:
     """``y = x W^T`` with W a :class:`QuantTensor`, kept quantized on the device.
 
-    On CPU, by default, through our own kernel (``models.cpu_gemm``: the file's codes in 32-column
+    On CPU, by default, through our own kernel (``models.kernels``: the file's codes in 32-column
     blocks, activations rounded to 8 bits a group of 32, each row's result independent of its
     batch); elsewhere, or with
     ``COSINE_RAY_CPU_GEMM=onednn|mkl``, through PyTorch's int4 kernels (module docstring)."""
@@ -138,13 +138,13 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.device = torch.device(device)
         self.bias = bias
-        self.blocked: cpu_gemm.BlockedQuant | None = None
+        self.blocked: kernels.BlockedQuant | None = None
         self.blocked_bias: torch.Tensor | None = None
         self.packed = self.scales_zeros = None
         self.compute = torch.float32
-        if cpu_gemm.used_on(self.device):
-            self.blocked = cpu_gemm.pack_quant(weight.fmt, *weight._fields())
-            self.blocked_bias = None if bias is None else cpu_gemm.pad_bias(bias.float())
+        if kernels.used_on(self.device):
+            self.blocked = kernels.pack_quant(weight.fmt, *weight._fields())
+            self.blocked_bias = None if bias is None else kernels.pad_bias(bias.float())
             return
         u, s, z = weight.int4_affine()
         # bf16 activations: CUDA's tinygemm takes nothing else, and on CPU the fp32 and fp16 forms
@@ -167,7 +167,7 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x  # [M, in] -> [M, out] in x's dtype."""
         if self.blocked is not None:
-            return cpu_gemm.linear_quant(x.float(), self.blocked, self.blocked_bias).to(x.dtype)
+            return kernels.linear_quant(x.float(), self.blocked, self.blocked_bias).to(x.dtype)
         xin = x.to(self.compute)
         if self.fmt == "Q8_0":
             xin = torch.cat([xin, xin], dim=-1)  # [M, 2 in]: the high codes, then the low ones

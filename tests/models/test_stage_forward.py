@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch, onednn_available, query_length_order
 
@@ -144,7 +144,7 @@ def test_real_logits_match_hf(kernel, monkeypatch, real_checkpoint, real_hf_mode
     monkeypatch.setenv(CPU_GEMM_ENV, kernel)
     stage = whole_model(real_checkpoint)
     assert (stage.lm_head.packed is not None) == (kernel == "onednn" and onednn_available())
-    assert (stage.lm_head.blocked is not None) == (kernel == "blocked" and cpu_gemm.available())
+    assert (stage.lm_head.blocked is not None) == (kernel == "blocked" and kernels.available())
     ours = fresh_logits(stage, real_prompt_ids)
     torch.testing.assert_close(ours, hf_logits(real_hf_model, real_prompt_ids), atol=HF_ATOL[kernel], rtol=0)
 
