@@ -42,7 +42,7 @@ from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
 from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models.loader import cache_root, resolve_checkpoint
 from cosine_ray.models.device import synchronize
-from cosine_ray.models.llama import projection_kernel
+from cosine_ray.models.linear import projection_kernel
 
 log = logging.getLogger(__name__)
 

@@ -35,11 +35,9 @@ from cosine_ray.models.kv_cache import KVCache
 EAGER_CUDA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 """Attention kernels an eager CUDA forward may use: all but cuDNN's. In half precision on Hopper
 PyTorch tries cuDNN attention first, and cuDNN builds an execution plan for every new shape on
-the host: an eager step's shapes change with every prompt length and context, and on an H200
-each bf16 prefill attention call took 1.35 ms of host time (``aten::_cudnn_attention_forward``,
-torch.profiler, 240 calls), 40 ms per 30-layer forward, where its kernel ran 6 µs. A captured
-graph (``models.runner``) builds its plans once, at capture, so the graph path keeps PyTorch's
-choice."""
+the host, which costs far more than the kernel: an eager step's shapes change with every prompt
+length and context. A captured graph (``models.runner``) builds its plans once, at capture, so
+the graph path keeps PyTorch's choice."""
 
 
 def eager_attention(device: torch.device) -> contextlib.AbstractContextManager:

@@ -21,7 +21,7 @@ from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models import kernels
 from cosine_ray.models.native import load_weights
-from cosine_ray.models.quant import QuantLinear
+from cosine_ray.models.linear import QuantLinear
 from support.divergence import divergences
 
 pytestmark = pytest.mark.real_model

@@ -14,7 +14,7 @@ from cosine_ray.cli import main
 from cosine_ray.engine import profile
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.models import kernels
-from cosine_ray.models.llama import projection_kernel
+from cosine_ray.models.linear import projection_kernel
 from support.factories import Clock
 
 

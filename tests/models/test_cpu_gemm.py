@@ -12,9 +12,10 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from cosine_ray.models import kernels, llama
+from cosine_ray.models import kernels, linear
 from cosine_ray.models.kernels import build
-from cosine_ray.models.quant import FORMATS, QuantLinear, QuantTensor
+from cosine_ray.models.linear import QuantLinear
+from cosine_ray.models.quant import FORMATS, QuantTensor
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built here")
 
@@ -77,20 +78,20 @@ def test_pack_round_trips():
     assert packed.shape == (3, 33, 32) and torch.equal(kernels.unpack(packed, 70), w)
 
 
-@pytest.mark.parametrize("kernel", llama.CPU_GEMM_KERNELS)
+@pytest.mark.parametrize("kernel", kernels.KERNELS)
 def test_projection_kernels_agree_and_report_their_weight(kernel, monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     x, w, b = product(5, 64, 80, seed=4)
-    proj = llama._Linear(w, b)
+    proj = linear.DenseLinear(w, b)
     assert (proj.blocked is not None) == (kernel == "blocked")
-    assert llama.projection_kernel("cpu") == kernel or (kernel == "onednn" and not llama.onednn_available())
+    assert linear.projection_kernel("cpu") == kernel or (kernel == "onednn" and not linear.onednn_available())
     torch.testing.assert_close(proj(x), x @ w.t() + b, atol=1e-5, rtol=0)
     torch.testing.assert_close(proj.weight(), w, atol=1e-6, rtol=0)
 
 
 def test_half_precision_weights_stay_off_the_fp32_kernel(monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, "blocked")
-    proj = llama._Linear(torch.randn(64, 32).to(torch.bfloat16))
+    monkeypatch.setenv(kernels.ENV, "blocked")
+    proj = linear.DenseLinear(torch.randn(64, 32).to(torch.bfloat16))
     assert proj.blocked is None
 
 
@@ -102,10 +103,10 @@ def test_without_a_compiler_projections_fall_back_to_onednn(monkeypatch, tmp_pat
     build.library.cache_clear()
     try:
         assert not kernels.available()
-        monkeypatch.setenv(llama.CPU_GEMM_ENV, "blocked")
-        assert llama.projection_kernel("cpu") in ("onednn", "mkl")
+        monkeypatch.setenv(kernels.ENV, "blocked")
+        assert linear.projection_kernel("cpu") in ("onednn", "mkl")
         x, w, _ = product(3, 32, 40, seed=5)
-        proj = llama._Linear(w)
+        proj = linear.DenseLinear(w)
         assert proj.blocked is None
         torch.testing.assert_close(proj(x), x @ w.t(), atol=1e-5, rtol=0)
     finally:
@@ -115,9 +116,9 @@ def test_without_a_compiler_projections_fall_back_to_onednn(monkeypatch, tmp_pat
 
 
 def test_an_unknown_kernel_is_refused(monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, "fast")
+    monkeypatch.setenv(kernels.ENV, "fast")
     with pytest.raises(ValueError, match="COSINE_RAY_CPU_GEMM"):
-        llama.projection_kernel("cpu")
+        linear.projection_kernel("cpu")
 
 
 # ---- GGUF blocks ------------------------------------------------------------------------------
@@ -243,9 +244,9 @@ def test_quant_layout_halves_the_4_bit_codes():
     assert q4.nbytes == 64 * 48 + 2 * 64 * 3 * 2  # fp16 scales and mins, as in the file
 
 
-@pytest.mark.parametrize("kernel", llama.CPU_GEMM_KERNELS)
+@pytest.mark.parametrize("kernel", kernels.KERNELS)
 def test_quant_linear_takes_the_kernel_chosen(kernel, monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     layer = QuantLinear(quant_weight("Q4_0", 64, 64, 2), dtype=torch.float32, device=torch.device("cpu"))
     assert (layer.blocked is not None) == (kernel == "blocked")
     assert (layer.packed is not None) == (kernel != "blocked")

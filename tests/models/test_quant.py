@@ -12,10 +12,10 @@ from gguf.quants import dequantize, quantize
 
 from cosine_ray.models import kernels
 from cosine_ray.models.config import ModelConfig
+from cosine_ray.models.linear import QuantLinear, _cuda_inner_k_tiles, pack_int4_for_cuda
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.native import NATIVE_FILE, _read_native_file, resolve_weights, write_native_file
-from cosine_ray.models.quant import (FORMATS, _cuda_inner_k_tiles, QuantLinear, QuantTensor, _unpermute_rows, as_dense, gguf_weights,
-                                     hf_name, pack_int4_for_cuda)
+from cosine_ray.models.quant import FORMATS, QuantTensor, _unpermute_rows, as_dense, gguf_weights, hf_name
 
 FMTS = sorted(FORMATS)
 

@@ -4,7 +4,7 @@ Every ``*.c`` file of this package goes into one shared library, in one compiler
 or ``cc``, ``-O3 -march=native -fopenmp``), cached in ``cache_root()/kernels`` under a key of
 the sources, the compiler and this CPU, and linked against PyTorch's own ``libgomp`` so that the
 kernels and PyTorch share one OpenMP runtime. Without a compiler, or where the build fails,
-``available()`` is False and the projections stay on oneDNN (``models.llama``); the reason is
+``available()`` is False and the projections stay on oneDNN (``models.linear``); the reason is
 logged once. ``load`` declares the entry points' signatures as ``kernels.h`` states them.
 """
 

@@ -16,9 +16,7 @@ import torch
 
 from cosine_ray.models.kernels.build import library
 from cosine_ray.models.kernels.gemm import BLOCK, blocks, call_parts
-
-GROUP = 32
-"""Weights per GGUF block along the input dimension."""
+from cosine_ray.models.quant import GROUP
 
 QUANT_KINDS = {"Q8_0": 0, "Q4_1": 1, "Q4_0": 2}
 """GGUF formats the kernel multiplies, as ``qgemm.c`` numbers them."""
