@@ -343,7 +343,7 @@ def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, wo
                     torch.set_num_threads(args.threads)
                     engine = LocalEngine(config_from_dict({"model": "smollm2-135m", "drafters": drafters,
                                                            "weights": weights, "num_threads": args.threads,
-                                                           "step": {"max_batch_size": max(8, c)}}))
+                                                           "scheduler": {"max_num_seqs": max(8, c)}}))
                     out = inprocess_pass(engine, tokenizer, prompts, c, args.max_tokens)
                 key = (mode, c, p, drafters, side)
                 results.setdefault(key, []).append(out)

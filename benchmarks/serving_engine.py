@@ -34,7 +34,7 @@ from cosine_ray.models.loader import resolve_checkpoint  # noqa: E402
 
 
 def engine(checkpoint, drafters: str, **settings) -> LocalEngine:
-    config = EngineConfig(model=str(checkpoint.name), drafters=parse_drafters(drafters), num_threads=2, **settings)
+    config = EngineConfig(model=str(checkpoint.name), drafters=parse_drafters(drafters), num_threads=2).replace(**settings)
     return LocalEngine(config, checkpoint=checkpoint)
 
 

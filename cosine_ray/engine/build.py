@@ -58,9 +58,9 @@ def load_datastore(spec: DrafterSpec, model_name: str, root: str | Path | None =
 
 def build_target(config: EngineConfig, checkpoint: Checkpoint,
                  state: dict[str, torch.Tensor]) -> tuple[TargetWorker, FeatureStore | None]:
-    """Every pipeline stage of ``config`` in this process, run one after another (the in-process
-    engine; the Serve engine with ``cluster.stages_in_engine``), and the store a feature head
-    drafts from when the drafter set has one (the last stage fills it)."""
+    """Every pipeline stage of ``config`` (resolved) in this process, run one after another (the
+    in-process engine; the Serve engine with ``cluster.stages_in_engine``), and the store a
+    feature head drafts from when the drafter set has one (the last stage fills it)."""
     stages = build_target_stages(checkpoint, state, config.num_stages, dtype=getattr(torch, config.dtype),
                                  device=config.device)
     features = FeatureStore() if head_spec(config) is not None else None
@@ -68,8 +68,8 @@ def build_target(config: EngineConfig, checkpoint: Checkpoint,
         stages[-1] = FeatureStage.wrap(stages[-1], features)
     threads = torch.get_num_threads()
     governor = ThreadGovernor(threads) if config.device == "cpu" and threads > 1 else None
-    worker = TargetWorker(stages, kv_cache_memory=config.kv_cache_memory, runner=config.runner,
-                          external_blocks=True, kv_token_budget=default_kv_tokens(config.step), governor=governor)
+    worker = TargetWorker(stages, kv_cache_memory=config.kv_cache_memory, runner=config.runtime.runner,
+                          external_blocks=True, kv_token_budget=default_kv_tokens(config), governor=governor)
     return worker, features
 
 
@@ -120,10 +120,10 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
                                 RetrievalConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "suffix":
         return build_suffix_drafter(spec, target.name, config.datastore_dir,
-                                    max_indexed_tokens=config.experiments.suffix_index_tokens)
+                                    max_indexed_tokens=config.runtime.suffix_index_tokens)
     if spec.kind == "self":
         return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
-                            name="self", runner=config.runner)
+                            name="self", runner=config.runtime.runner)
     if spec.kind == "distilled" or (spec.kind == "model" and (Path(spec.source) / DRAFTER_METADATA).is_file()):
         folder = drafter_folder(DrafterSpec("distilled", spec.source), target.name)
         check_distilled(folder, spec.name, target, target_tokenizer)
@@ -146,7 +146,7 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
                              f"{target.config.vocab_size}; drafters must share the target's tokenizer")
         weights = load_weights(ckpt, config.weights, device=config.device, dtype=config.dtype)
         return ModelDrafter(LlamaStage(ckpt.config, weights, dtype=dtype, device=config.device),
-                            name=spec.name, runner=config.runner)
+                            name=spec.name, runner=config.runtime.runner)
     raise ValueError(f"unknown drafter kind {spec.kind!r}")
 
 
@@ -190,7 +190,7 @@ def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str 
     shared n-gram drafter covers the request's own text); ``suffix:FILE.parquet``: a snapshot
     a server saved (``SuffixDrafter.save``). Confidences stay raw frequencies: calibration
     rescales them per domain, role and depth. ``max_indexed_tokens`` bounds each global index
-    (``EngineConfig.suffix_index_tokens``; None: ``SuffixConfig``'s default)."""
+    (``RuntimeConfig.suffix_index_tokens``; None: ``SuffixConfig``'s default)."""
     caps = {} if max_indexed_tokens is None else {"max_indexed_tokens": max_indexed_tokens}
     if spec.source.endswith(".parquet"):
         return SuffixDrafter.load(spec.source, SuffixConfig(**caps), name=spec.name)

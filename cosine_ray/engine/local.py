@@ -11,7 +11,7 @@ from cosine_ray.models.native import load_weights
 from cosine_ray.models.quant import as_dense
 from cosine_ray.engine.build import build_drafter, build_target, eos_token_ids
 from cosine_ray.engine.components import EMBEDDING_KEY, cosine_components
-from cosine_ray.engine.config import EngineConfig, step_config_for
+from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
@@ -27,8 +27,8 @@ class LocalEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), *, checkpoint: Checkpoint | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.config = config
         self.checkpoint = checkpoint or resolve_checkpoint(config.model)
+        self.config = config = config.resolved(context_len=self.checkpoint.config.max_position_embeddings)
         self.tokenizer = self.checkpoint.load_tokenizer() if self.checkpoint.has_tokenizer else None
         state = load_weights(self.checkpoint, config.weights, device=config.device, dtype=config.dtype)
         self.target, self.features = build_target(config, self.checkpoint, state)
@@ -36,9 +36,8 @@ class LocalEngine:
         self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
                                        target_tokenizer=self.tokenizer, config=config, features=self.features)
                          for s in config.drafters]
-        step = step_config_for(config, self.checkpoint)
-        self.target.capture_graphs(step)  # CUDA: every bucket a step can reach, before the first request
-        self.core = EngineCore(step, LocalTargetClient(self.target),
+        self.target.capture_graphs(config)  # CUDA: every bucket a step can reach, before the first request
+        self.core = EngineCore(config, LocalTargetClient(self.target),
                                [LocalDrafterClient(DrafterWorker(d)) for d in self.drafters],
                                vocab_size=self.checkpoint.config.vocab_size,
                                eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),

@@ -202,7 +202,7 @@ def run_profile(config: EngineConfig, *, quick: bool) -> LatencyModel:
     dtype = getattr(torch, config.dtype)
     worker = TargetWorker(build_target_stages(checkpoint, state, config.num_stages, dtype=dtype,
                                               device=config.device), kv_cache_memory=config.kv_cache_memory,
-                          runner=config.runner)
+                          runner=config.runtime.runner)
     vocab = checkpoint.config.vocab_size
     llm = measure_target(worker, vocab, grid, checkpoint.config.max_position_embeddings)
     ssm: list[SsmSample] = []

@@ -32,7 +32,7 @@ import torch
 
 from cosine_ray.engine.build import build_head, build_target, eos_token_ids, head_spec, make_drafter_worker
 from cosine_ray.engine.components import cosine_components
-from cosine_ray.engine.config import DrafterSpec, EngineConfig, config_from_dict, step_config_for
+from cosine_ray.engine.config import DrafterSpec, EngineConfig, config_from_dict
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.worker.target import LocalTargetClient, kv_cache_fills
@@ -80,7 +80,7 @@ def drafter_clients(config: EngineConfig, stages: Sequence[ActorSlot], namespace
     when the stages run in this process; lookup drafters run in this process
     (``cluster.drafters_in_engine``); the others get an actor each, named
     ``cosine_ray:drafter:<i>`` by their place in the drafter list."""
-    deadline_s = config.step.drafter_deadline_s
+    deadline_s = config.runtime.drafter_deadline_s
 
     def client(i: int, spec: DrafterSpec) -> LocalDrafterClient | RayDrafterClient:
         if spec.kind == "head" and head is not None:
@@ -131,13 +131,12 @@ def eos_source(checkpoint: Any) -> Any:
     return SimpleNamespace(eos_token_id=eos) if eos is not None else checkpoint.load_tokenizer()
 
 
-def local_target(config: EngineConfig, checkpoint: Any,
-                 step_config: Any) -> tuple[LocalTargetClient, DrafterWorker | None]:
+def local_target(config: EngineConfig, checkpoint: Any) -> tuple[LocalTargetClient, DrafterWorker | None]:
     """``cluster.stages_in_engine``: every stage built in this process (``engine.build.build_target``),
     and the feature head that drafts from the last stage's features (None without one)."""
     state = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
     worker, features = build_target(config, checkpoint, state)
-    worker.capture_graphs(step_config)  # CUDA: before the first request
+    worker.capture_graphs(config)  # CUDA: before the first request
     spec = head_spec(config)
     head = build_head(spec, config, checkpoint, state, features) if spec is not None else None
     del state
@@ -155,14 +154,13 @@ class EngineServer:
         for ask, why in unplaceable:
             log.warning("serving without %s: %s", ask.what, why)
         config = without_drafters(config, [ask.drafter_index for ask, _ in unplaceable])
-        self.config = config
         self.engine_id = uuid.uuid4().hex[:8]
         self.namespace = f"{NAMESPACE}.{self.engine_id}"
         checkpoint = resolve_checkpoint(config.model)
         self.model_name = checkpoint.name
         self.vocab_size = checkpoint.config.vocab_size
-
-        step_config = step_config_for(config, checkpoint)
+        self.config = config = config.resolved(context_len=checkpoint.config.max_position_embeddings,
+                                               stages_in_process=config.cluster.stages_in_engine)
         head = None
         if config.cluster.stages_in_engine:
             # the threads the stage actors would have had together; set on this loop's thread,
@@ -172,7 +170,7 @@ class EngineServer:
             # which on CUDA must not find the stages' KV pools holding the device's memory
             components = cosine_components(config, checkpoint, run_profile_if_missing=True)
             self.stage_slots: list[ActorSlot] = []
-            self.target, head = local_target(config, checkpoint, step_config)  # nothing is served before
+            self.target, head = local_target(config, checkpoint)  # nothing is served before
         else:
             self.stage_slots = stage_slots(config, self.namespace)
             self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
@@ -180,14 +178,14 @@ class EngineServer:
         self.local_drafters = [d for d in drafters if isinstance(d, LocalDrafterClient)]
         self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient) and not d.method_prefix]
         self.drafter_slots = [d.slot for d in self.actor_drafters]
-        self.max_model_len = step_config.max_model_len
+        self.max_model_len = config.scheduler.max_model_len
         if not config.cluster.stages_in_engine:  # while the stage and drafter actors load
             components = cosine_components(config, checkpoint, run_profile_if_missing=True)
         asks = {a.name: a for a in actor_asks(config)}
         await self._await_up(self.stage_slots, asks, ready_timeout_s, required=True)
         # the tokenizer (~100 MB) is loaded only when a request first asks for a grammar
         tokenizer = TokenizerLoader(checkpoint.load_tokenizer) if checkpoint.has_tokenizer else None
-        self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
+        self.core = EngineCore(config, self.target, drafters, vocab_size=self.vocab_size,
                                eos_token_ids=eos_token_ids(checkpoint, eos_source(checkpoint)),
                                kv_num_blocks=await self.target.kv_capacity(), kv_fill=kv_cache_fills(config),
                                tokenizer=tokenizer, **components)
@@ -263,7 +261,7 @@ class EngineServer:
                 "engine_id": self.engine_id, "namespace": self.namespace,
                 "stages": [s.name for s in self.stage_slots], "drafters": [d.name for d in self.core.drafters],
                 "config": {"num_stages": self.config.num_stages,
-                           "num_speculative_tokens": self.config.step.num_speculative_tokens,
+                           "num_speculative_tokens": self.config.speculation.num_speculative_tokens,
                            "stages_in_engine": self.config.cluster.stages_in_engine}}
 
     async def health(self) -> dict[str, Any]:

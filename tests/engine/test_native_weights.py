@@ -36,8 +36,8 @@ def prompts(real_checkpoint) -> list[list[int]]:
 
 
 def engine(ckpt, drafters: str) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), weights="native",
-                                    max_num_seqs=8), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), weights="native").replace(
+        max_num_seqs=8), checkpoint=ckpt)
 
 
 def test_native_engine_runs_on_quantized_projections(real_checkpoint):

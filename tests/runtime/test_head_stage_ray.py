@@ -26,7 +26,7 @@ def test_the_head_drafts_beside_the_last_stage_actor(distilled, tiny_target, ray
     import ray
 
     from cosine_ray.engine.build import eos_token_ids
-    from cosine_ray.engine.config import config_from_dict, step_config_for
+    from cosine_ray.engine.config import config_from_dict
     from cosine_ray.engine.core import EngineCore
     from cosine_ray.engine.loop import EngineLoop
     from cosine_ray.runtime.clients import RayTargetClient, await_ref
@@ -35,7 +35,8 @@ def test_the_head_drafts_beside_the_last_stage_actor(distilled, tiny_target, ray
     head = f"head:{distilled / 'out' / 'head'}"
     config = config_from_dict({"model": str(tiny_target.path), "drafters": head, "num_stages": 2,
                                "cluster": {"num_cpus_per_actor": 0, "stage_deadline_s": 60.0},
-                               "step": {"drafter_deadline_s": 30.0}})
+                               "runtime": {"drafter_deadline_s": 30.0}}).resolved(
+        context_len=tiny_target.config.max_position_embeddings, stages_in_process=False)
     plain = LocalEngine(EngineConfig(model=str(tiny_target.path), drafters=()))
     prompts = [plain.encode(p) for p in (PROMPTS["code"][1], PROMPTS["math"][2], "an unseen prompt")]
     expected = [o.new_token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=16))]
@@ -47,7 +48,7 @@ def test_the_head_drafts_beside_the_last_stage_actor(distilled, tiny_target, ray
         try:
             await asyncio.gather(*(await_ref(s.handle.ping.remote(), 300) for s in slots))
             assert [d.slot for d in drafters] == [slots[-1]]  # no actor of its own
-            core = EngineCore(step_config_for(config, tiny_target), RayTargetClient(slots, deadline_s=60.0), drafters,
+            core = EngineCore(config, RayTargetClient(slots, deadline_s=60.0), drafters,
                               vocab_size=tiny_target.config.vocab_size, eos_token_ids=eos_token_ids(tiny_target, None))
             loop = EngineLoop(core)
             outs = await asyncio.gather(*(loop.generate_all(p, SamplingParams(max_tokens=16)) for p in prompts))
@@ -70,24 +71,24 @@ def test_the_head_drafts_beside_stages_in_the_engine(distilled, tiny_target):
     import asyncio
 
     from cosine_ray.engine.build import eos_token_ids
-    from cosine_ray.engine.config import config_from_dict, step_config_for
+    from cosine_ray.engine.config import config_from_dict
     from cosine_ray.engine.core import EngineCore
     from cosine_ray.engine.loop import EngineLoop
     from cosine_ray.engine.owners.drafting import LocalDrafterClient
     from cosine_ray.runtime.engine_server import drafter_clients, local_target
 
     config = config_from_dict({"model": str(tiny_target.path), "drafters": f"head:{distilled / 'out' / 'head'}",
-                               "num_stages": 2, "cluster": {"stages_in_engine": True}})
+                               "num_stages": 2, "cluster": {"stages_in_engine": True}}).resolved(
+        context_len=tiny_target.config.max_position_embeddings)
     plain = LocalEngine(EngineConfig(model=str(tiny_target.path), drafters=()))
     prompts = [plain.encode(p) for p in (PROMPTS["code"][1], PROMPTS["math"][2], "an unseen prompt")]
     expected = [o.new_token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=16))]
-    step = step_config_for(config, tiny_target)
-    target, head = local_target(config, tiny_target, step)
+    target, head = local_target(config, tiny_target)
     drafters = drafter_clients(config, [], "unused", head=head)
     assert head is not None and [type(d) for d in drafters] == [LocalDrafterClient]
 
     async def main():
-        core = EngineCore(step, target, drafters, vocab_size=tiny_target.config.vocab_size,
+        core = EngineCore(config, target, drafters, vocab_size=tiny_target.config.vocab_size,
                           eos_token_ids=eos_token_ids(tiny_target, None), kv_num_blocks=await target.kv_capacity())
         loop = EngineLoop(core)
         outs = await asyncio.gather(*(loop.generate_all(p, SamplingParams(max_tokens=16)) for p in prompts))

@@ -32,7 +32,7 @@ from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import StepRunner, startup_keys
 
 if TYPE_CHECKING:
-    from cosine_ray.engine.config import EngineConfig, StepConfig
+    from cosine_ray.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,11 @@ def kv_cache_fills(config: "EngineConfig") -> bool:
     return config.kv_cache_memory is not None or str(config.device).startswith("cuda")
 
 
-def default_kv_tokens(step: "StepConfig") -> int:
-    """Tokens a CPU stage's pool may grow to when no byte budget is given."""
-    return max(step.max_model_len + step.num_speculative_tokens + 1, step.max_num_seqs * CPU_KV_TOKENS_PER_SEQ)
+def default_kv_tokens(config: "EngineConfig") -> int:
+    """Tokens a CPU stage's pool may grow to when no byte budget is given (``config`` resolved)."""
+    sched = config.scheduler
+    return max(sched.max_model_len + config.speculation.num_speculative_tokens + 1,
+               sched.max_num_seqs * CPU_KV_TOKENS_PER_SEQ)
 
 
 def kv_budgets(stages: Sequence[LlamaStage], kv_cache_memory: int | None) -> list[int | None]:
@@ -214,13 +216,14 @@ class StageWorker:
         """Drop every request's KV (after a recovery nothing held before is valid)."""
         self.release(self.cache.request_ids)
 
-    def capture_graphs(self, step: "StepConfig") -> int:
-        """CUDA graphs for the buckets ``step``'s steps can reach (``runner.startup_keys``; a
-        verify tree is the draft budget plus its root), captured now so no step pays for one; a
-        failure is logged and leaves capture to first use. Returns the graphs captured (0 unless
-        the runner replays graphs)."""
-        self.runner.tree_size(step.num_speculative_tokens + 1)
-        keys = startup_keys(step.max_num_seqs, step.num_speculative_tokens + 1, step.max_model_len,
+    def capture_graphs(self, config: "EngineConfig") -> int:
+        """CUDA graphs for the buckets the steps of ``config`` (resolved) can reach
+        (``runner.startup_keys``; a verify tree is the draft budget plus its root), captured now
+        so no step pays for one; a failure is logged and leaves capture to first use. Returns the
+        graphs captured (0 unless the runner replays graphs)."""
+        tree = config.speculation.num_speculative_tokens + 1
+        self.runner.tree_size(tree)
+        keys = startup_keys(config.scheduler.max_num_seqs, tree, config.scheduler.max_model_len,
                             self.cache.block_size, prefills=True, new_tokens=self.runner.new_tokens)
         try:
             return self.runner.capture(self.cache, keys)
@@ -271,9 +274,9 @@ class TargetWorker:
         for stage in self.stages:
             stage.commit(commits)
 
-    def capture_graphs(self, step: "StepConfig") -> int:
-        """``StageWorker.capture_graphs`` on every stage for ``step``'s batch, tree and context."""
-        return sum(s.capture_graphs(step) for s in self.stages)
+    def capture_graphs(self, config: "EngineConfig") -> int:
+        """``StageWorker.capture_graphs`` on every stage for ``config``'s batch, tree and context."""
+        return sum(s.capture_graphs(config) for s in self.stages)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for stage in self.stages:
@@ -321,7 +324,7 @@ class LocalTargetClient:
     @property
     def runs_async(self) -> bool:
         """The forward is queued on a GPU and ``score`` waits without holding the host, so host
-        work can overlap it (``StepConfig.overlap_learning``: auto)."""
+        work can overlap it (``SpeculationConfig.overlap_learning``: auto)."""
         return any(w.stage.device.type == "cuda" for w in self.worker.stages)
 
     async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None:
