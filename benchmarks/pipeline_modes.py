@@ -25,18 +25,18 @@ import ray
 import torch
 
 from cosine_ray.datasets import held_back_prompts
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker
+from cosine_ray.engine.build import make_drafter_worker
 from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import DEFAULT_DRAFTERS, config_from_dict
 from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.owners.drafting import LocalDrafterClient
+from cosine_ray.engine.worker.clients import LocalDrafterClient
 from cosine_ray.engine.local import encode_prompt
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.models.loader import resolve_checkpoint
+from cosine_ray.models.loader import eos_token_ids, resolve_checkpoint
 from cosine_ray.runtime.actors import DrafterActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
-from cosine_ray.runtime.engine_server import stage_slots
+from cosine_ray.runtime.backend import stage_slots
 from cosine_ray.runtime.placement import actor_options
 
 

@@ -32,7 +32,7 @@ from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.modes.twins import Twins
 from cosine_ray.engine.owners.constraints import Constraints, GrammarCompiler, NoGrammars
-from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.learner import Learner, PendingLearning
@@ -45,7 +45,7 @@ from cosine_ray.engine.owners.verifier import Verifier
 from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, needs_prefill
 from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
-from cosine_ray.engine.worker.target import TargetClient
+from cosine_ray.engine.worker.clients import TargetClient
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
 from cosine_ray.models.kv_cache import DEFAULT_BLOCK_SIZE

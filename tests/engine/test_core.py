@@ -14,13 +14,14 @@ from cosine_ray.algo.sampling import logits_to_probs
 from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.drafters.model import ModelDrafter
 from cosine_ray.engine.drafters.ngram import NgramDrafter
-from cosine_ray.engine.build import build_target_stages
+from cosine_ray.models.loader import build_stages
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.owners.drafting import LocalDrafterClient
-from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker
+from cosine_ray.engine.worker.clients import LocalDrafterClient
+from cosine_ray.engine.worker.target import TargetWorker
+from cosine_ray.engine.worker.clients import LocalTargetClient
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
 from support.factories import engine_config
@@ -416,7 +417,7 @@ def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, to
 
 @pytest.fixture(scope="module")
 def tiny_stages(tiny_checkpoint) -> list[LlamaStage]:
-    return build_target_stages(tiny_checkpoint, tiny_checkpoint.load_state_dict(), 2,
+    return build_stages(tiny_checkpoint, tiny_checkpoint.load_state_dict(), 2,
                                dtype=torch.float32, device="cpu")
 
 

@@ -363,7 +363,7 @@ def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without
     and verify together, and the GPU idles)."""
     from cosine_ray.engine.drafters.ngram import NgramDrafter
     from cosine_ray.engine.drafters.worker import DrafterWorker
-    from cosine_ray.engine.owners.drafting import LocalDrafterClient
+    from cosine_ray.engine.worker.clients import LocalDrafterClient
     from cosine_ray.engine.loop import EngineLoop
 
     target = ExclusiveSlowTarget(0.0005)

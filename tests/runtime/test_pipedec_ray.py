@@ -18,15 +18,16 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker  # noqa: E402
+from cosine_ray.engine.build import make_drafter_worker  # noqa: E402
 from cosine_ray.engine.config import config_from_dict  # noqa: E402
 from cosine_ray.engine.core import EngineCore  # noqa: E402
-from cosine_ray.engine.owners.drafting import LocalDrafterClient  # noqa: E402
+from cosine_ray.engine.worker.clients import LocalDrafterClient  # noqa: E402
 from cosine_ray.engine.loop import EngineLoop  # noqa: E402
 from cosine_ray.engine.request import SamplingParams  # noqa: E402
+from cosine_ray.models.loader import eos_token_ids  # noqa: E402
 from cosine_ray.runtime.actors import DrafterActor  # noqa: E402
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref  # noqa: E402
-from cosine_ray.runtime.engine_server import stage_slots  # noqa: E402
+from cosine_ray.runtime.backend import stage_slots  # noqa: E402
 from cosine_ray.runtime.placement import actor_options  # noqa: E402
 from support.hf_reference import hf_greedy  # noqa: E402
 

@@ -17,7 +17,7 @@ from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.latency_model import LatencyModel
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.modes.twins import Twins
-from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.learner import Learner
