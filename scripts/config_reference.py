@@ -4,7 +4,7 @@
     python scripts/config_reference.py --check  # exit 1 if the page differs from the code
 
 The root is the config type ``config_from_dict`` returns; every field whose type is a config
-dataclass becomes a section of its own, keyed by its path (``step.max_batch_size``). A field's
+dataclass becomes a section of its own, keyed by its path (``scheduler.max_num_seqs``). A field's
 type is its annotation as written, its default the value a default-constructed config holds
 (through ``config_to_dict`` when the module has it, so ``drafters`` reads as in a YAML file),
 and its description the string literal under it in the source.
@@ -35,7 +35,17 @@ do not edit by hand (a test fails when this page and the code differ). -->
 The engine's settings, as keys of a YAML file (`cosine-ray serve --config FILE`; every key
 written out in `deploy/engine.yaml`) or of the Serve application's `args`
 (`deploy/serve_config.yaml`). A key left out takes its default; an unknown key is an error
-that names the known ones. Command-line flags override the file ([Command line](cli.md)).
+that names the known ones, and a key of an older config (`step:`, `router:`, `max_batch_size`,
+a setting since moved into one of the parts) an error that names the key replacing it.
+Command-line flags override the file ([Command line](cli.md)).
+
+The tree is grouped by who reads it, as vLLM's `VllmConfig`: the top-level keys say what is
+served and where, each part is read by the engine's owners of that job (`scheduler` by the
+batch scheduler, the request pool and the lanes; `speculation` by routing, drafting and the
+modes; `runtime` by the stages' runner, the drafter clients and recovery; `cluster` by the Ray
+runtime; `experiments` holds the paper's ablations, which serving needs none of). A `null` default that depends on the device or
+on where the stages run is filled in once, when the engine is built
+(`EngineConfig.resolved`, with the model's context length capping `max_model_len`).
 """
 
 

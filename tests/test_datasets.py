@@ -145,15 +145,18 @@ def test_datastore_build_reads_a_given_file(tmp_path):
 
 def test_bench_system_overrides_take_lists_and_reject_bad_values():
     """``DRAFTERS@key=value,...``: a [a, b] value is one override (its commas are not
-    separators); a value StepConfig refuses is a CliError naming the system."""
+    separators); a value the engine config refuses, or a name it does not have, is a CliError
+    naming the system."""
     from cosine_ray.cli import bench
     from cosine_ray.cli.args import CliError
 
     (system,) = bench.parse_systems("ngram,suffix@shared_drafters=[ngram, suffix],drafters_per_request=1")
     assert system.drafters == "ngram,suffix"
-    assert system.step == {"shared_drafters": ["ngram", "suffix"], "drafters_per_request": 1}
+    assert system.settings == {"shared_drafters": ["ngram", "suffix"], "drafters_per_request": 1}
     with pytest.raises(CliError, match="routing"):
         bench.parse_systems("default@routing=nowhere")
+    with pytest.raises(CliError, match="no_such_setting"):
+        bench.parse_systems("default@no_such_setting=1")
 
 
 def test_bench_splits_acceptance_into_first_sends_and_repeats():

@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = checkpoint.load_tokenizer()
         started = time.perf_counter()
         engine = start_engine(config_from_dict({"model": checkpoint.name, "drafters": "none",
-                                                "step": {"max_num_seqs": 8}}), checkpoint=checkpoint)
+                                                "scheduler": {"max_num_seqs": 8}}), checkpoint=checkpoint)
         warm = decode_turns(engine, warm_items, tokenizer, args.max_tokens) if warm_items else []
         measured = decode_turns(engine, measured_items, tokenizer, args.max_tokens)
         del engine

@@ -23,7 +23,7 @@ import torch
 
 from cosine_ray.bench.engines import engine_config, start_engine
 from cosine_ray.datasets import held_back_prompts
-from cosine_ray.engine.build import build_target_stages
+from cosine_ray.models.loader import build_stages
 from cosine_ray.engine.local import encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.worker.scoring import ScoreItem
@@ -64,7 +64,7 @@ def main() -> int:
         return out
 
     plain = decode("none")
-    worker = TargetWorker(build_target_stages(checkpoint, checkpoint.load_state_dict(), 1,
+    worker = TargetWorker(build_stages(checkpoint, checkpoint.load_state_dict(), 1,
                                               dtype=getattr(torch, args.dtype), device=args.device),
                           kv_cache_memory=2**30 if args.device != "cpu" else None, runner="eager")
     print(f"device {args.device}, {args.dtype}, {len(prompts)} held-back prompts, {args.max_tokens} tokens, "

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = checkpoint.load_tokenizer()
     engine = start_engine(config_from_dict({"model": args.model, "drafters": args.drafters, "device": args.device,
                                             "dtype": args.dtype,
-                                            "step": {"max_num_seqs": max(8, args.concurrency)}}),
+                                            "scheduler": {"max_num_seqs": max(8, args.concurrency)}}),
                           checkpoint=checkpoint)
     params = SamplingParams(max_tokens=args.max_tokens)
     if warm:

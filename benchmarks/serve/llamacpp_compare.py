@@ -321,7 +321,7 @@ def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, wo
                     torch.set_num_threads(args.threads)
                     engine = start_engine(config_from_dict({"model": "smollm2-135m", "drafters": drafters,
                                                             "weights": weights, "num_threads": args.threads,
-                                                            "step": {"max_batch_size": max(8, c)}}),
+                                                            "scheduler": {"max_num_seqs": max(8, c)}}),
                                           warmup=prompts[:1], concurrency=1)  # first-call costs
                     out = inprocess_pass(engine, tokenizer, prompts, c, args.max_tokens)
                 key = (mode, c, p, drafters, side)

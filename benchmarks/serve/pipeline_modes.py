@@ -25,24 +25,26 @@ import ray
 import torch
 
 from cosine_ray.datasets import held_back_prompts
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker
+from cosine_ray.engine.build import make_drafter_worker
 from cosine_ray.engine.components import cosine_components
-from cosine_ray.engine.config import DEFAULT_DRAFTERS, config_from_dict, step_config_for
+from cosine_ray.engine.config import DEFAULT_DRAFTERS, config_from_dict
 from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.owners.drafting import LocalDrafterClient
+from cosine_ray.engine.worker.clients import LocalDrafterClient
 from cosine_ray.engine.local import encode_prompt
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.models.loader import resolve_checkpoint
+from cosine_ray.models.loader import eos_token_ids, resolve_checkpoint
 from cosine_ray.runtime.actors import DrafterActor
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
-from cosine_ray.runtime.engine_server import stage_slots
+from cosine_ray.runtime.backend import stage_slots
 from cosine_ray.runtime.placement import actor_options
 
 
 async def run_system(name: str, config_data: dict, prompts: list[list[int]], max_tokens: int) -> dict:
-    config = config_from_dict(config_data)
+    config = config_from_dict({k: v for k, v in config_data.items() if k != "step"}).replace(
+        **config_data.get("step", {}))  # "step": engine settings by name
     checkpoint = resolve_checkpoint(config.model)
+    config = config.resolved(context_len=checkpoint.config.max_position_embeddings, stages_in_process=False)
     tokenizer = checkpoint.load_tokenizer()
     namespace = f"bench.{uuid.uuid4().hex[:6]}"
     slots = stage_slots(config, namespace)
@@ -55,9 +57,9 @@ async def run_system(name: str, config_data: dict, prompts: list[list[int]], max
         slot = ActorSlot(f"bench-drafter-{i}", lambda o=options, sp=spec: DrafterActor.options(**o).remote(config, sp),
                          namespace=namespace)
         drafter_slots.append(slot)
-        drafters.append(RayDrafterClient(slot, spec.name, deadline_s=config.step.drafter_deadline_s))
+        drafters.append(RayDrafterClient(slot, spec.name, deadline_s=config.runtime.drafter_deadline_s))
     await asyncio.gather(*(await_ref(s.handle.ping.remote(), 600) for s in [*slots, *drafter_slots]))
-    core = EngineCore(step_config_for(config, checkpoint), RayTargetClient(slots, deadline_s=120.0), drafters,
+    core = EngineCore(config, RayTargetClient(slots, deadline_s=120.0), drafters,
                       vocab_size=checkpoint.config.vocab_size, eos_token_ids=eos_token_ids(checkpoint, tokenizer),
                       **cosine_components(config, checkpoint))
     loop = EngineLoop(core)

@@ -1,7 +1,7 @@
 """PEARL at the paper's scale, simulated: a 7B drafter on its own A100 and a 34B target over 2
 A100s, or a 70B target over 3 (``deploy/sim/pearl-paper.yaml``; per-token times are the paper's
 own measured speeds), one request at a time, in three modes: autoregressive decoding (AR),
-speculative decoding at its best γ of ``--gammas`` (SD), and PEARL (``step.pearl: on``) at
+speculative decoding at its best γ of ``--gammas`` (SD), and PEARL (``speculation.pearl: on``) at
 γ = round(c), c = T_target / T_draft, and at its best γ, plus ``pearl: auto``.
 
 For each drafter accuracy α of ``--alphas`` it prints TPOT per mode and the speedups over AR and
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from cosine_ray.sim.runner import simulate
-from cosine_ray.sim.scenario import Scenario, load, validate
+from cosine_ray.sim.scenario import Scenario, load, set_engine_settings, validate
 
 SCENARIO = Path(__file__).resolve().parents[2] / "deploy" / "sim" / "pearl-paper.yaml"
 PAIRS = {  # target: (latency entry, stages, the paper's SD and PEARL speedups over AR on HumanEval)
@@ -37,10 +37,9 @@ def variant(base: Scenario, target: str, alpha: float, gamma: int, *, pearl: str
     data["devices"] = [d for d in data["devices"] if not d.startswith("a100-") or d == "a100-draft"] + gpus
     data["stages"] = [{"device": g, "latency": latency} for g in gpus]
     data["drafters"][0]["acceptance"] = {"default": {"by_depth": [alpha] * 16}}
-    step = data["engine"]["step"]
-    step.update(num_speculative_tokens=gamma, pearl=pearl)
+    set_engine_settings(data, num_speculative_tokens=gamma, pearl=pearl)
     if adaptive:
-        step.update(adaptive=True, scheduler="lp")
+        set_engine_settings(data, adaptive=True, scheduler="lp")
     validate(data)
     return Scenario(data, base.base_dir)
 

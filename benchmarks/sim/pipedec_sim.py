@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from cosine_ray.sim.runner import simulate
-from cosine_ray.sim.scenario import Scenario, load, validate
+from cosine_ray.sim.scenario import Scenario, load, set_engine_settings, validate
 
 SCENARIO = Path(__file__).resolve().parents[2] / "deploy" / "sim" / "pipedec-paper.yaml"
 
@@ -33,11 +33,9 @@ def variant(base: Scenario, num_stages: int, alpha: float, mode: str, *, guard: 
     data["devices"] = [d for d in data["devices"] if not d.startswith("gpu-")] + gpus
     data["stages"] = [{"device": g, "latency": latency} for g in gpus]
     data["drafters"][0]["acceptance"] = {"default": {"by_depth": [alpha] * (num_stages + 8)}}
-    step = data["engine"]["step"]
     if mode == "PP":
-        step["num_speculative_tokens"] = 0
-    step["pipeline_mode"] = "pipedec" if mode == "PipeDec" else "lanes"
-    step["pipedec_guard"] = guard
+        set_engine_settings(data, num_speculative_tokens=0)
+    set_engine_settings(data, pipeline_mode="pipedec" if mode == "PipeDec" else "lanes", pipedec_guard=guard)
     validate(data)
     return Scenario(data, base.base_dir)
 
@@ -98,7 +96,7 @@ def load_sweep(base: Scenario, args: argparse.Namespace) -> list[dict]:
             sc.data["workload"] = {**sc.data["workload"], "num_requests": args.load_requests, "max_concurrency": None,
                                    "arrival": {"request_rate": rate, "burstiness": 1.0}}
             # under load the engine batches: up to 16 requests, one micro-batch lane per stage
-            sc.data["engine"]["step"].update(max_num_seqs=16, num_lanes=num_stages)
+            set_engine_settings(sc.data, max_num_seqs=16, num_lanes=num_stages)
             out[mode] = simulate(sc).summary()
         tokens = out["PipeDec"]["output_tokens"]
         share = out["PipeDec"]["pipedec_timesteps"] * out["PipeDec"]["pipedec_tokens_per_timestep"] / tokens

@@ -30,7 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from cosine_ray.sim.runner import simulate  # noqa: E402
-from cosine_ray.sim.scenario import Scenario, load, set_key, validate  # noqa: E402
+from cosine_ray.sim.scenario import Scenario, load, set_engine_settings, set_key, validate  # noqa: E402
 
 SYSTEMS = {
     "CoSine (full)": {},
@@ -42,11 +42,11 @@ SYSTEMS = {
 }
 
 
-def variant(base: Scenario, step: dict | None = None, changes: dict | None = None) -> Scenario:
-    """``base`` with StepConfig overrides and dotted-path keys changed (``sim.scenario.set_key``)."""
+def variant(base: Scenario, settings: dict | None = None, changes: dict | None = None) -> Scenario:
+    """``base`` with engine settings (by name) and dotted-path keys changed (``sim.scenario``'s
+    ``set_engine_settings`` and ``set_key``)."""
     data = copy.deepcopy(base.data)
-    if step:
-        data.setdefault("engine", {}).setdefault("step", {}).update(step)
+    set_engine_settings(data, **(settings or {}))
     for path, value in (changes or {}).items():
         set_key(data, path, value)
     validate(data)
@@ -101,8 +101,8 @@ def main(argv=None) -> int:
               f"({s['wall_s']:.1f} s)", file=sys.stderr, flush=True)
         return s
 
-    for name, step in SYSTEMS.items():
-        data["rates"][name] = [point(f"{name} @ {r}/s", variant(base, step, {"workload.arrival.request_rate": r}))
+    for name, settings in SYSTEMS.items():
+        data["rates"][name] = [point(f"{name} @ {r}/s", variant(base, settings, {"workload.arrival.request_rate": r}))
                                for r in rates]
     drafters = base.data.get("drafters", [])
     for n in sorted({max(1, len(drafters) // 4), max(1, len(drafters) // 2), len(drafters)}):

@@ -316,8 +316,8 @@ def scenario_for(config: EngineConfig, profile: Path, calib: dict, requests: lis
     s = config.num_stages
     data = {
         "name": f"validation-s{s}-{'spec' if calib['skills'] else 'off'}-c{concurrency}",
-        "engine": {"step": {"max_num_seqs": config.max_num_seqs,
-                            "num_speculative_tokens": config.step.num_speculative_tokens}},
+        "engine": {"scheduler": {"max_num_seqs": config.scheduler.max_num_seqs},
+                   "speculation": {"num_speculative_tokens": config.speculation.num_speculative_tokens}},
         "target": {"hidden_size": hidden, "vocab_size": vocab},
         "latency": {"cpu": {"profile": profile.name, "source": "cosine-ray profile on this machine"}},
         "devices": ["cpu0"],
@@ -345,7 +345,7 @@ def calibrate(engine: LocalEngine, recorder: Recorder, config: EngineConfig, pro
     skills, correlation = ({}, 0.0)
     if config.drafters:
         skills, correlation = measure_acceptance(recorder, prompts, [r["tokens"] for r in rows], domains,
-                                                     config.step.num_speculative_tokens)
+                                                     config.speculation.num_speculative_tokens)
     host = recorder.host_fit()
     return {"host_ms": [round(v, 4) for v in host], "drafter_ms": recorder.drafter_costs(),
             "skills": skills, "correlation": correlation,

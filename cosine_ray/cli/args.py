@@ -22,7 +22,7 @@ MODEL_HELP = "target model: embedded name, Hugging Face directory or .gguf file"
 
 
 def add_cosine_args(p: argparse.ArgumentParser) -> None:
-    """CoSine's components and their ablation switches (StepConfig fields)."""
+    """CoSine's components and their ablation switches (engine settings: ``cosine_overrides``)."""
     g = p.add_argument_group("CoSine (ablation switches)")
     g.add_argument("--routing", choices=("expertise", "random"), default=None,
                    help="expertise routing (eq. 1-3) or random drafters (routing off)")
@@ -43,8 +43,9 @@ def add_cosine_args(p: argparse.ArgumentParser) -> None:
                         "auto: pre-verify only while drafting measures slower than verification")
 
 
-def cosine_step_overrides(args: argparse.Namespace) -> dict:
-    """StepConfig fields given on the command line (absent flags are left out)."""
+def cosine_overrides(args: argparse.Namespace) -> dict:
+    """The engine settings CoSine's flags gave, by name (``EngineConfig.replace``; absent flags
+    are left out)."""
     names = ("routing", "fusion", "scheduler", "adaptive", "drafters_per_request", "num_speculative_tokens",
              "pipeline_mode", "pipedec_width", "pearl")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
@@ -87,14 +88,14 @@ def add_batching_args(p: argparse.ArgumentParser) -> None:
 
 
 def batching_overrides(args: argparse.Namespace) -> dict:
-    """EngineConfig fields given by the batching flags (absent flags are left out)."""
+    """The ``scheduler`` settings the batching flags gave, by name (absent flags are left out)."""
     names = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def runner_from_args(args: argparse.Namespace) -> str | None:
-    """``EngineConfig.runner`` for ``--enforce-eager``: ``eager`` or ``auto``; None where the
-    flag defaults to absent (``serve``: a config file's value then stands)."""
+    """``runtime.runner`` for ``--enforce-eager``: ``eager`` or ``auto``; None where the flag
+    defaults to absent (``serve``: a config file's value then stands)."""
     flag = getattr(args, "enforce_eager", None)
     return None if flag is None else ("eager" if flag else "auto")
 
@@ -135,12 +136,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace, *, batch_size: int | None = None):
     from cosine_ray.engine.config import EngineConfig, parse_drafters
     check_local_device(args.device)
+    runner = runner_from_args(args)
     try:
         config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters), num_stages=args.stages,
                               num_threads=args.threads, device=args.device, dtype=args.dtype, weights=args.weights,
-                              kv_cache_memory=args.kv_cache_memory,
-                              **{"max_num_seqs": batch_size, **batching_overrides(args)})  # flags win
-        return config.replace(runner=runner_from_args(args), **cosine_step_overrides(args))
+                              kv_cache_memory=args.kv_cache_memory)
+        return config.replace(**{"max_num_seqs": batch_size, **batching_overrides(args)},  # flags win
+                              **({"runner": runner} if runner else {}), **cosine_overrides(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

@@ -7,7 +7,8 @@ asking the same kind of question). Measured conversations come from the held-bac
 of each prompt file; ``--warmup-per-domain`` ones from the first half run before them.
 
 Systems (``--systems``, ``;``-separated): ``hf-greedy``, ``hf-prompt-lookup``, and any
-``--drafters`` value with StepConfig overrides (``learning@routing=random``). Every cosine_ray
+``--drafters`` value with engine settings changed (``learning@routing=random``, any
+setting by its name: ``EngineConfig.replace``). Every cosine_ray
 system × concurrency starts from a fresh engine, and every output is compared token by token
 with HF greedy (or, without it, the first system). ``--repeat-probe`` sends the first measured
 request again at the end. ``--rounds N`` interleaves N rounds in seeded shuffled orders and
@@ -58,7 +59,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help="';'-separated: hf-greedy, hf-prompt-lookup, or DRAFTERS[@key=value,...] "
-                        "(StepConfig overrides, e.g. learning@routing=random); 'ablations' after a "
+                        "(engine settings by name, e.g. learning@routing=random); 'ablations' after a "
                         "system adds its four CoSine ablations (e.g. 'learning;ablations')")
     p.add_argument("--drafter-sets", default=None, help="(old flag) ';'-separated --drafters values; "
                    "the same as --systems with hf-greedy;hf-prompt-lookup in front")
@@ -82,7 +83,8 @@ def add_parser(sub) -> None:
 class System:
     name: str
     drafters: str = ""
-    step: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Engine settings by name (``EngineConfig.replace``)."""
 
     @property
     def is_hf(self) -> bool:
@@ -108,17 +110,17 @@ def parse_systems(text: str) -> list[System]:
             systems.append(System(part))
             continue
         drafters, _, overrides = part.partition("@")
-        step: dict[str, Any] = {}
+        settings: dict[str, Any] = {}
         for item in filter(None, (o.strip() for o in re.split(r",(?![^\[]*\])", overrides))):  # [a, b] is one value
             key, sep, value = item.partition("=")
             if not sep:
                 raise CliError(f"--systems: {item!r} in {part!r} is not KEY=VALUE")
-            step[key.strip()] = yaml.safe_load(value)
+            settings[key.strip()] = yaml.safe_load(value)
         try:
-            config_from_dict({"drafters": drafters.strip() or "none", "step": step})
+            config_from_dict({"drafters": drafters.strip() or "none"}).replace(**settings)
         except ValueError as exc:
             raise CliError(f"--systems {part!r}: {str(exc).splitlines()[0]}") from None
-        systems.append(System(part, drafters.strip() or "none", step))
+        systems.append(System(part, drafters.strip() or "none", settings))
     if not systems:
         raise CliError("--systems is empty")
     names = [s.name for s in systems]
@@ -193,11 +195,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             config = config_from_dict({"model": args.model, "drafters": system.drafters,
                                        "device": args.device, "dtype": args.dtype, "weights": args.weights,
-                                       "kv_cache_memory": args.kv_cache_memory,
-                                       "runner": runner_from_args(args),
-                                       "step": {"max_num_seqs": max(c, 8),
-                                                "num_speculative_tokens": args.num_speculative_tokens,
-                                                **system.step}})
+                                       "kv_cache_memory": args.kv_cache_memory}).replace(
+                **{"runner": runner_from_args(args), "max_num_seqs": max(c, 8),
+                   "num_speculative_tokens": args.num_speculative_tokens, **system.settings})  # the system's win
             engine = start_engine(config, checkpoint=checkpoint)
         except (ValueError, OSError) as exc:
             raise CliError(str(exc).splitlines()[0]) from None

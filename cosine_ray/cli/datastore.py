@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from cosine_ray.engine.request import SamplingParams
 
     # The ngram drafter only changes speed (lossless), never the stored outputs.
-    engine = load_engine(EngineConfig(model=args.model, drafters=parse_drafters("ngram"), max_num_seqs=args.batch_size))
+    engine = load_engine(EngineConfig(model=args.model, drafters=parse_drafters("ngram")).replace(
+        max_num_seqs=args.batch_size))
     prompt_ids = [encode_prompt(engine.tokenizer, r["prompt"]) for r in rows]
     start = time.perf_counter()
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=args.max_tokens))

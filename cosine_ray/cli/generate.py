@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         "finish_reason": last.finish_reason,
         "elapsed_s": round(elapsed, 4),
         "drafters": [s.name for s in config.drafters],
-        "pipeline_mode": config.step.pipeline_mode,
+        "pipeline_mode": config.speculation.pipeline_mode,
         "pipedec_timesteps": stats.pipedec_timesteps,
         "pipedec_tokens": stats.pipedec_tokens,
         "pipedec_hits": stats.pipedec_hits,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosine_ray.cli.args import (CliError, add_batching_args, add_cosine_args, add_device_args, batching_overrides,
-                                 check_local_device, cosine_step_overrides, runner_from_args)
+                                 check_local_device, cosine_overrides, runner_from_args)
 
 DEFAULT_NUM_STAGES = 2
 DEFAULT_HOST = "127.0.0.1"
@@ -174,30 +174,23 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
     for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
                       ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
                       ("weights", getattr(args, "weights", None)),
-                      ("kv_cache_memory", getattr(args, "kv_cache_memory", None)),
-                      ("num_speculative_tokens", args.num_speculative_tokens),
-                      *batching_overrides(args).items()):
+                      ("kv_cache_memory", getattr(args, "kv_cache_memory", None))):
         if flag is not None:
             data[key] = flag
     config = config_from_dict(data)
-    cluster = {}
+    settings = {**batching_overrides(args), **cosine_overrides(args)}
     if args.address:
-        cluster["address"] = args.address
+        settings["address"] = args.address
     if getattr(args, "drafters_in_engine", None) is not None:
-        cluster["drafters_in_engine"] = args.drafters_in_engine
+        settings["drafters_in_engine"] = args.drafters_in_engine
     if getattr(args, "stages_in_engine", None) is not None:
-        cluster["stages_in_engine"] = args.stages_in_engine
+        settings["stages_in_engine"] = args.stages_in_engine
     elif "stages_in_engine" not in (data.get("cluster") or {}) and not (file is not None and file.serve_config):
-        cluster["stages_in_engine"] = local_cpu(config, args.address)
+        settings["stages_in_engine"] = local_cpu(config, args.address)
     runner = runner_from_args(args)
-    config = config.replace(**cluster, **cosine_step_overrides(args), **({"runner": runner} if runner else {}))
-    given = {**(data.get("step") or data.get("router") or {}), **(data.get("experiments") or {})}
-    if "num_lanes" not in given:
-        # one micro-batch lane per pipeline stage, so every stage has work (a config file
-        # that sets num_lanes keeps it: `serve run` of the same file must run the same engine);
-        # stages in the engine run one after another, so one lane keeps the batch whole
-        config = config.replace(num_lanes=1 if config.cluster.stages_in_engine else config.num_stages)
-    return config_to_dict(config)
+    if runner:
+        settings["runner"] = runner
+    return config_to_dict(config.replace(**settings))
 
 
 def local_cpu(config, address: str | None) -> bool:

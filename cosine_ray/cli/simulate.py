@@ -8,14 +8,15 @@ import sys
 
 import yaml
 
-from cosine_ray.cli.args import CliError, add_cosine_args, cosine_step_overrides
+from cosine_ray.cli.args import CliError, add_cosine_args, cosine_overrides
 
 SCENARIO_HELP = """\
 The scenario file (YAML or JSON) describes a deployment and a workload; `--schema` prints its
 JSON Schema and docs/simulator.md explains every key. Top-level keys:
 
-  engine.step   the engine's own step config (deploy/engine.yaml `step`: batching, γ_max, lanes,
-                CoSine's switches); the real scheduler, routing, fusion, LP and verifier run it
+  engine        the engine's own config: its scheduler, speculation, runtime and experiments
+                parts (as in deploy/engine.yaml: batching, lanes, γ_max, CoSine's switches); the
+                real scheduler, routing, fusion, LP and verifier run it
   target        shapes that size the transfers: hidden_size, vocab_size, activation_bytes,
                 kv_bytes_per_token, returns (logits | ids: what the last stage ships back)
   latency       named cost models of the whole target on a device: {profile: FILE} (output of
@@ -71,7 +72,7 @@ def apply_override(data: dict, assignment: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cosine_ray.sim.runner import simulate
-    from cosine_ray.sim.scenario import SCHEMA, ScenarioError, load, validate
+    from cosine_ray.sim.scenario import SCHEMA, ScenarioError, load, set_engine_settings, validate
 
     if args.schema:
         json.dump(SCHEMA, sys.stdout, indent=2)
@@ -83,10 +84,7 @@ def run(args: argparse.Namespace) -> int:
         scenario = load(args.scenario)
         for assignment in args.set:
             apply_override(scenario.data, assignment)
-        overrides = cosine_step_overrides(args)
-        if overrides:
-            engine = scenario.data.setdefault("engine", {})
-            engine["step"] = {**(engine.get("step") or {}), **overrides}
+        set_engine_settings(scenario.data, **cosine_overrides(args))  # a flag wins over the file
         validate(scenario.data)
         result = simulate(scenario)
     except ScenarioError as exc:

@@ -81,8 +81,8 @@ def _answers(config: DistillConfig, checkpoint, tokenizer, log: Callable[[str], 
     if any(j.key not in have for j in jobs):
         from cosine_ray.engine.config import EngineConfig
         from cosine_ray.engine.local import LocalEngine
-        engine = LocalEngine(EngineConfig(model=config.model, drafters=(), max_num_seqs=config.batch_size,
-                                          num_threads=config.threads), checkpoint=checkpoint)
+        engine = LocalEngine(EngineConfig(model=config.model, drafters=(), num_threads=config.threads).replace(
+            max_num_seqs=config.batch_size), checkpoint=checkpoint)
         return generate_answers(engine, jobs, path, progress=config.progress)
     done = {r.key: r for r in read_answers(path)}
     return [done[j.key] for j in jobs]

@@ -1,7 +1,8 @@
-"""Factories: the target's stages, the drafters and the engine's settings from an EngineConfig.
+"""Factories of the workers an engine runs: a stage beside its feature head, and the drafters.
 
-Everything that builds a worker lives here, so the in-process engine (``engine.local``), the
-profiler (``engine.profile``) and the Ray actors (``runtime``) build exactly the same things.
+Everything that builds a drafter lives here, so the in-process engine and the Serve engine
+(``engine.backend``), the profiler (``engine.profile``) and the Ray actors (``runtime``) build
+exactly the same things. The target's stages come from ``models.loader.load_target``.
 """
 
 from __future__ import annotations
@@ -24,12 +25,8 @@ from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDraft
 from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
-from cosine_ray.engine.worker.target import TargetWorker, default_kv_tokens
-from cosine_ray.engine.worker.threads import ThreadGovernor
-from cosine_ray.models.config import stage_slices
 from cosine_ray.models.llama import LlamaStage
-from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
-from cosine_ray.models.native import load_weights
+from cosine_ray.models.loader import Checkpoint, build_stages, load_target, resolve_checkpoint
 
 PACKAGED_DATASTORES = Path(__file__).resolve().parent.parent / "data" / "datastores"
 PACKAGED_DRAFTERS = Path(__file__).resolve().parent.parent / "data" / "drafters"
@@ -54,30 +51,6 @@ def load_datastore(spec: DrafterSpec, model_name: str, root: str | Path | None =
         return stores[0]
     return Datastore.from_sequences([s for ds in stores for s in ds.sequences], domain="mixed",
                                     model_name=model_name)
-
-
-def build_target(config: EngineConfig, checkpoint: Checkpoint,
-                 state: dict[str, torch.Tensor]) -> tuple[TargetWorker, FeatureStore | None]:
-    """Every pipeline stage of ``config`` in this process, run one after another (the in-process
-    engine; the Serve engine with ``cluster.stages_in_engine``), and the store a feature head
-    drafts from when the drafter set has one (the last stage fills it)."""
-    stages = build_target_stages(checkpoint, state, config.num_stages, dtype=getattr(torch, config.dtype),
-                                 device=config.device)
-    features = FeatureStore() if head_spec(config) is not None else None
-    if features is not None:
-        stages[-1] = FeatureStage.wrap(stages[-1], features)
-    threads = torch.get_num_threads()
-    governor = ThreadGovernor(threads) if config.device == "cpu" and threads > 1 else None
-    worker = TargetWorker(stages, kv_cache_memory=config.kv_cache_memory, runner=config.runner,
-                          external_blocks=True, kv_token_budget=default_kv_tokens(config.step, checkpoint.config, stages[0].dtype),
-                          governor=governor)
-    return worker, features
-
-
-def build_target_stages(checkpoint: Checkpoint, state_dict: dict[str, torch.Tensor],
-                        num_stages: int, *, dtype: torch.dtype, device: str) -> list[LlamaStage]:
-    return [LlamaStage(checkpoint.config, state_dict, a, b, dtype=dtype, device=device)
-            for a, b in stage_slices(checkpoint.config.num_layers, num_stages)]
 
 
 def drafter_folder(spec: DrafterSpec, model_name: str) -> Path:
@@ -108,12 +81,23 @@ def check_distilled(folder: Path, name: str, target: Checkpoint, target_tokenize
                          f"({meta.get('target')}); drafters must share the target's tokenizer")
 
 
-def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[str, torch.Tensor],
-                  target_tokenizer: Any, config: EngineConfig, features: FeatureStore | None = None) -> Drafter:
-    """``features``: the store the last stage fills (a ``head`` drafter reads it)."""
+TOKENIZER_KINDS = ("model", "distilled", "head")
+"""Drafter kinds checked against the target's tokenizer (a drafter must share it)."""
+
+
+def build_drafter(spec: DrafterSpec, *, target: Checkpoint, config: EngineConfig,
+                  target_state: dict[str, Any] | None = None, target_tokenizer: Any = None,
+                  features: FeatureStore | None = None) -> Drafter:
+    """The drafter ``spec`` of a ``target``. ``target_state``: the target's weights when this
+    process loaded them for its stages (the target as its own drafter and a feature head share
+    them; None: read here when needed); ``target_tokenizer``: the target's tokenizer when the
+    caller holds one (None: loaded here for a drafter that must share it); ``features``: the
+    store the last stage fills (a ``head`` drafter reads it)."""
     dtype = getattr(torch, config.dtype)
-    # NOTE(lead): the engine smooths n-gram counts (a continuation seen once gets confidence
-    # 1/2, not 1): with the tree's confidence cut this keeps one-off matches from filling it.
+    if target_tokenizer is None and spec.kind in TOKENIZER_KINDS and target.has_tokenizer:
+        target_tokenizer = target.load_tokenizer()
+    # the engine smooths n-gram counts (a continuation seen once gets confidence 1/2, not 1):
+    # with the tree's confidence cut this keeps one-off matches from filling it
     if spec.kind == "ngram":
         return NgramDrafter(NgramConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "retrieval":
@@ -121,10 +105,11 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
                                 RetrievalConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "suffix":
         return build_suffix_drafter(spec, target.name, config.datastore_dir,
-                                    max_indexed_tokens=config.experiments.suffix_index_tokens)
+                                    max_indexed_tokens=config.runtime.suffix_index_tokens)
     if spec.kind == "self":
-        return ModelDrafter(LlamaStage(target.config, target_state, dtype=dtype, device=config.device),
-                            name="self", runner=config.runner)
+        stage = (build_stages(target, target_state, dtype=dtype, device=config.device)[0] if target_state else
+                 load_target(target, weights=config.weights, dtype=config.dtype, device=config.device).stages[0])
+        return ModelDrafter(stage, name="self", runner=config.runtime.runner)
     if spec.kind == "distilled" or (spec.kind == "model" and (Path(spec.source) / DRAFTER_METADATA).is_file()):
         folder = drafter_folder(DrafterSpec("distilled", spec.source), target.name)
         check_distilled(folder, spec.name, target, target_tokenizer)
@@ -145,34 +130,25 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, target_state: dict[s
         elif ckpt.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"drafter {spec.name!r} has vocabulary {ckpt.config.vocab_size}, the target "
                              f"{target.config.vocab_size}; drafters must share the target's tokenizer")
-        weights = load_weights(ckpt, config.weights, device=config.device, dtype=config.dtype)
-        return ModelDrafter(LlamaStage(ckpt.config, weights, dtype=dtype, device=config.device),
-                            name=spec.name, runner=config.runner)
+        stage = load_target(ckpt, weights=config.weights, dtype=config.dtype, device=config.device).stages[0]
+        return ModelDrafter(stage, name=spec.name, runner=config.runtime.runner)
     raise ValueError(f"unknown drafter kind {spec.kind!r}")
 
 
 def build_stage(config: EngineConfig, stage_index: int) -> tuple[LlamaStage, DrafterWorker | None]:
-    """Pipeline stage ``stage_index`` of ``config.num_stages``, built where it will run, and the
-    feature head that drafts beside it: the last stage of a config with a ``head`` drafter hands
-    its features to the head's store (``FeatureStage``), every other stage has none."""
-    checkpoint = resolve_checkpoint(config.model)
-    a, b = stage_slices(checkpoint.config.num_layers, config.num_stages)[stage_index]
-    weights = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
-    stage = LlamaStage(checkpoint.config, weights, a, b, dtype=getattr(torch, config.dtype), device=config.device)
+    """Pipeline stage ``stage_index`` of ``config.num_stages``, built where it will run (a stage
+    actor), and the feature head that drafts beside it: the last stage of a config with a
+    ``head`` drafter hands its features to the head's store (``FeatureStage``), every other
+    stage has none."""
+    loaded = load_target(config.model, weights=config.weights, dtype=config.dtype, device=config.device,
+                         num_stages=config.num_stages, stage_index=stage_index)
+    (stage,) = loaded.stages
     head = head_spec(config)
     if head is None or not stage.is_last:
         return stage, None
     features = FeatureStore()
-    return FeatureStage.wrap(stage, features), build_head(head, config, checkpoint, weights, features)
-
-
-def build_head(spec: DrafterSpec, config: EngineConfig, checkpoint: Checkpoint, state: dict[str, torch.Tensor],
-               features: FeatureStore) -> DrafterWorker:
-    """The feature head ``spec``, drafting from ``features``, which the last stage beside it fills
-    (in a stage actor, ``build_stage``; in the Serve engine with ``cluster.stages_in_engine``)."""
-    tokenizer = checkpoint.load_tokenizer() if checkpoint.has_tokenizer else None
-    return DrafterWorker(build_drafter(spec, target=checkpoint, target_state=state, target_tokenizer=tokenizer,
-                                       config=config, features=features))
+    return FeatureStage.wrap(stage, features), DrafterWorker(build_drafter(
+        head, target=loaded.checkpoint, config=config, target_state=loaded.weights, features=features))
 
 
 def head_spec(config: EngineConfig) -> DrafterSpec | None:
@@ -191,7 +167,7 @@ def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str 
     shared n-gram drafter covers the request's own text); ``suffix:FILE.parquet``: a snapshot
     a server saved (``SuffixDrafter.save``). Confidences stay raw frequencies: calibration
     rescales them per domain, role and depth. ``max_indexed_tokens`` bounds each global index
-    (``EngineConfig.suffix_index_tokens``; None: ``SuffixConfig``'s default)."""
+    (``RuntimeConfig.suffix_index_tokens``; None: ``SuffixConfig``'s default)."""
     caps = {} if max_indexed_tokens is None else {"max_indexed_tokens": max_indexed_tokens}
     if spec.source.endswith(".parquet"):
         return SuffixDrafter.load(spec.source, SuffixConfig(**caps), name=spec.name)
@@ -204,26 +180,6 @@ def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str 
 
 
 def make_drafter_worker(spec: DrafterSpec, config: EngineConfig) -> DrafterWorker:
-    """A drafter built where it will run (a drafter actor, or the engine for lookup
-    drafters); loads only what it needs."""
-    checkpoint = resolve_checkpoint(config.model)
-    needs_model = spec.kind in ("self", "model", "distilled")
-    return DrafterWorker(build_drafter(
-        spec, target=checkpoint, target_state=load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
-        if spec.kind == "self" else {},
-        target_tokenizer=checkpoint.load_tokenizer() if needs_model and checkpoint.has_tokenizer else None,
-        config=config))
-
-
-def eos_token_ids(checkpoint: Checkpoint, tokenizer: Any) -> tuple[int, ...]:
-    """End-of-sequence ids of the model config and of its tokenizer."""
-    ids = set(checkpoint.config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
-def kv_bytes_per_token(checkpoint: Checkpoint, dtype: str) -> int:
-    """KV bytes one token takes over all layers (all stages together): m_i of eq. 7 per token."""
-    cfg = checkpoint.config
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * getattr(torch, dtype).itemsize
+    """A drafter built where it will run (a drafter actor, or the engine for lookup drafters);
+    it loads only what it needs."""
+    return DrafterWorker(build_drafter(spec, target=resolve_checkpoint(config.model), config=config))

@@ -49,7 +49,7 @@ class LocalEngineClient:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.model_name = engine.checkpoint.name
-        self.max_model_len = engine.core.config.max_model_len
+        self.max_model_len = engine.core.config.scheduler.max_model_len
         self.vocab_size = engine.checkpoint.config.vocab_size
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,

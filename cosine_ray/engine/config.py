@@ -1,20 +1,26 @@
-"""Engine configuration: which target, which drafters, how to batch and speculate."""
+"""Engine configuration: one tree, each part read by the owner that uses it (vLLM's VllmConfig).
+
+``EngineConfig`` holds what is served and where (model, drafters, stages, device) and five
+parts: ``scheduler`` (what a step batches), ``speculation`` (what and how it drafts),
+``runtime`` (how stages and drafters run and fail), ``cluster`` (Ray placement) and
+``experiments`` (ablations). A YAML file or Serve ``args`` has the same shape
+(``config_from_dict``); docs/configuration.md is generated from the docstrings here.
+
+A default that depends on the device or on where the stages run is None until
+``EngineConfig.resolved`` fills it in, once, when an engine is built (with the model's context).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cosine_ray.engine.drafters.spec import (DEFAULT_DRAFTERS, DRAFTER_KINDS, DrafterSpec,  # noqa: F401 (re-exported)
                                             parse_drafters)
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
 from cosine_ray.models.native import check_weights_mode
-
-if TYPE_CHECKING:
-    from cosine_ray.models.loader import Checkpoint
-
 
 CPU_MAX_NUM_SEQS = 8
 CUDA_MAX_NUM_SEQS = 64
@@ -30,35 +36,38 @@ PEARL_MODES = ("off", "on", "auto")
 OVERLAP_MODES = ("auto", "on", "off")
 
 
-@dataclass(frozen=True, slots=True)
-class ExperimentsConfig:
-    """Research modes, ablations and tuning knobs (config key ``experiments``). The defaults are
-    what measures best; a user serving a model needs none of them (docs/configuration.md)."""
+def _on_off(value: Any) -> Any:
+    """YAML booleans for a mode that is off | on | auto."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
 
-    min_tree_confidence: float = 0.25
-    """With ``scheduler="fcfs"`` (LP off): draft nodes whose cumulative confidence (product
-    along their path) is below this are not verified. The LP decides γ_i itself."""
-    routing: str = "expertise"
-    """expertise (CoSine eq. 1-3) | random (ablation: routing off, k drafters at random)."""
-    fusion: str = "confidence"
-    """confidence (eq. 4, round by round) | single (ablation: the best routed drafter alone) |
-    union (every routed drafter's whole paths merged)."""
-    scheduler: str = "lp"
-    """lp (eq. 5-8 with scipy HiGHS) | fcfs (ablation: first come, fixed size, fixed cut)."""
-    adaptive: bool = True
-    """False (ablation): fixed γ and fixed drafter participation."""
-    drafters_per_request: int = 2
-    """k: drafters routed to each request per step (adaptive: where participation starts)."""
-    shared_drafters: tuple[str, ...] = ("ngram", "head")
-    """Domain-agnostic drafters every request uses besides its k routed ones (the context
-    n-gram drafter costs a dictionary lookup and knows the request's own text better than any
-    domain expert; a feature head is trained on every domain). Names not in the pool are
-    ignored; with ``fusion="single"`` they compete for the one slot like every other drafter."""
-    max_drafters_per_request: int = 3
-    total_gamma_max: int = 64
-    """Γ_max: draft tokens per micro-batch (eq. 6; Algorithm 2 trims above it)."""
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What a step batches (``BatchScheduler``, ``RequestPool``, ``KVBlocks``, the lanes of
+    ``EngineLoop``): how many requests and tokens, the LP's bounds (eq. 5-8) and the KV it may use."""
+
+    max_num_seqs: int | None = None
+    """Requests running at once, at most; fewer when their KV does not fit the pool (continuous
+    batching admits new ones as others finish). None: 8 on CPU, 64 on CUDA."""
+    max_num_batched_tokens: int | None = None
+    """Tokens one step computes at most: decodes and draft trees first, then prompt chunks, so a
+    long prompt is prefilled over several steps while the running requests keep streaming.
+    None: 512 on CPU, 2048 on CUDA (and at least ``max_num_seqs``)."""
+    max_model_len: int = 8192
+    """Prompt + output tokens a request may reach (capped at the model's context)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of prompt prefixes already computed (multi-turn chats, shared system
+    prompts); ``--no-prefix-caching`` turns it off."""
+    num_lanes: int | None = None
+    """Micro-batches in flight at once: running requests are split into this many lanes, each
+    stepped by its own coroutine, so with S pipeline stages stage s can work on lane n while
+    stage s+1 works on lane n-1. None: one per stage when the stages are actors (every stage
+    has work), 1 when they run one after another in the engine's process (the in-process
+    engine, ``cluster.stages_in_engine``), where one lane keeps the batch whole."""
     step_time_max_s: float = 5.0
     """T_max: the scheduler keeps a step's predicted time under this (eq. 7)."""
+    total_gamma_max: int = 64
+    """Γ_max: draft tokens per micro-batch (eq. 6; Algorithm 2 trims above it)."""
     kv_budget_bytes: float = float("inf")
     """M_max (eq. 7): KV bytes (all stages) that running requests may hold; the scheduler
     defers the prefill of a request that would exceed it. inf = no budget."""
@@ -66,20 +75,48 @@ class ExperimentsConfig:
     """While the pool drains (nothing waits, fewer run than at the last admission), a token
     is worth what it shortens the drain: only the requests that will finish last draft at
     the full price (``engine.owners.scheduler``). False: every request at the full price always."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}): every running request needs a token a step")
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if self.num_lanes is not None and self.num_lanes < 1:
+            raise ValueError("num_lanes must be >= 1")
+        if self.total_gamma_max < 0 or self.step_time_max_s <= 0:
+            raise ValueError("total_gamma_max must be >= 0 and step_time_max_s > 0")
+        if not self.kv_budget_bytes >= 0:
+            raise ValueError("kv_budget_bytes must be >= 0 (inf = no budget)")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """What a step drafts and how (``Speculator``, ``DraftRouting``, ``Learner`` and the modes
+    of ``engine.modes``): the draft budget, the drafters each request gets, PipeDec, PEARL and
+    twins."""
+
+    num_speculative_tokens: int = 8
+    """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
+    drafters_per_request: int = 2
+    """k: drafters routed to each request per step (adaptive: where participation starts)."""
+    max_drafters_per_request: int = 3
+    """Upper bound of k when the participation adapts."""
+    shared_drafters: tuple[str, ...] = ("ngram", "head")
+    """Domain-agnostic drafters every request uses besides its k routed ones (the context
+    n-gram drafter costs a dictionary lookup and knows the request's own text better than any
+    domain expert; a feature head is trained on every domain). Names not in the pool are
+    ignored; with ``experiments.fusion: single`` they compete for the one slot like every other
+    drafter."""
     twins: bool = True
     """Identical greedy requests in flight draft from each other: a follower takes the text
     its leader already wrote as its draft, and waits while the leader is less than a whole
     tree ahead (``engine.modes.twins``). Needs drafters and γ_max > 0. False: they run apart."""
-    drafter_deadline_s: float = 2.0
-    """A drafter's answer later than this is dropped for the step."""
-    stage_recovery_s: float = 60.0
-    """How long a lost stage may take to come back before its requests fail."""
-    max_restores: int = 3
-    """Re-prefills one request may go through before it fails (a bug must not loop)."""
-    num_lanes: int = 1
-    """Micro-batches in flight at once: running requests are split into this many lanes,
-    each stepped by its own coroutine, so with S pipeline stages stage s can work on lane
-    n while stage s+1 works on lane n-1. 1 for the in-process engine."""
     pipeline_mode: str = "lanes"
     """lanes: every step verifies whole speculation trees (micro-batches in lanes) | pipedec:
     a request alone in the pool runs PipeDec's timestep loop instead (``engine.modes.pipedec``:
@@ -111,86 +148,58 @@ class ExperimentsConfig:
     (on a CPU the forward holds the host, so deferring would only make learning a step
     late). YAML booleans mean off and on."""
 
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if not 1 <= self.drafters_per_request <= self.max_drafters_per_request:
+            raise ValueError("need 1 <= drafters_per_request <= max_drafters_per_request")
+        if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):
+            raise ValueError("shared_drafters must be a list of drafter names")
+        object.__setattr__(self, "shared_drafters", tuple(self.shared_drafters))
+        if self.pipeline_mode not in PIPELINE_MODES:
+            raise ValueError(f"pipeline_mode {self.pipeline_mode!r}: use one of {', '.join(PIPELINE_MODES)}")
+        if self.pipedec_width < 1 or self.pipedec_depth < 0:
+            raise ValueError("pipedec_width must be >= 1 and pipedec_depth >= 0")
+        for name, allowed in (("pearl", PEARL_MODES), ("overlap_learning", OVERLAP_MODES)):
+            object.__setattr__(self, name, _on_off(getattr(self, name)))
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r}: use one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """How the stages and drafters run a step and what the engine does when one fails
+    (``StepRunner``, the drafter clients, ``RecoveringTarget``, ``RequestPool``)."""
+
     runner: str = "auto"
     """How stages run a step (``models.runner``): ``auto`` (CUDA graphs on CUDA, eager on CPU),
     ``eager`` (``--enforce-eager``: never capture), ``graph``, or ``static`` (the graphs'
     fixed-shape step run eagerly, on any device: how CPU tests check the graph path)."""
+    drafter_deadline_s: float = 2.0
+    """A drafter's answer later than this is dropped for the step."""
+    stage_recovery_s: float = 60.0
+    """How long a lost stage may take to come back before its requests fail."""
+    max_restores: int = 3
+    """Re-prefills one request may go through before it fails (a bug must not loop)."""
     suffix_index_tokens: int = 1_000_000
     """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
     evicted first (about 60 MB a drafter at the default)."""
-    layer_parallel_drafting: bool = False
-    """Distilled domain drafters draft EasySpec's way: after a step's first draft token, every
-    layer's attention reads the hidden state entering the first layer, and the inexact KV is
-    recomputed with the next step's bonus token. Off: on the trained two-layer drafters it
-    lowers tokens a step by 0.4-18 % for a 4-10 % faster draft forward (docs/drafters.md)."""
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNER_MODES:
             raise ValueError(f"runner {self.runner!r}: use {', '.join(RUNNER_MODES)}")
+        if self.drafter_deadline_s <= 0:
+            raise ValueError("drafter_deadline_s must be > 0")
+        if self.stage_recovery_s <= 0 or self.max_restores < 0:
+            raise ValueError("stage_recovery_s must be > 0 and max_restores >= 0")
         if isinstance(self.suffix_index_tokens, bool) or not isinstance(self.suffix_index_tokens, int) \
                 or self.suffix_index_tokens < 1:
             raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
-        if self.drafter_deadline_s <= 0:
-            raise ValueError("drafter_deadline_s must be > 0")
-        if self.num_lanes < 1:
-            raise ValueError("num_lanes must be >= 1")
-        if self.pipeline_mode not in PIPELINE_MODES:
-            raise ValueError(f"pipeline_mode {self.pipeline_mode!r}: use one of {', '.join(PIPELINE_MODES)}")
-        if isinstance(self.pearl, bool):
-            object.__setattr__(self, "pearl", "on" if self.pearl else "off")
-        if self.pearl not in PEARL_MODES:
-            raise ValueError(f"pearl {self.pearl!r}: use one of {', '.join(PEARL_MODES)}")
-        if isinstance(self.overlap_learning, bool):
-            object.__setattr__(self, "overlap_learning", "on" if self.overlap_learning else "off")
-        if self.overlap_learning not in OVERLAP_MODES:
-            raise ValueError(f"overlap_learning {self.overlap_learning!r}: use one of {', '.join(OVERLAP_MODES)}")
-        if self.pipedec_width < 1 or self.pipedec_depth < 0:
-            raise ValueError("pipedec_width must be >= 1 and pipedec_depth >= 0")
-        if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):
-            raise ValueError("shared_drafters must be a list of drafter names")
-        object.__setattr__(self, "shared_drafters", tuple(self.shared_drafters))
-        for name, value, allowed in (("routing", self.routing, ROUTING_MODES), ("fusion", self.fusion, FUSION_MODES),
-                                     ("scheduler", self.scheduler, SCHEDULERS)):
-            if value not in allowed:
-                raise ValueError(f"{name} {value!r}: use one of {', '.join(allowed)}")
-        if not 1 <= self.drafters_per_request <= self.max_drafters_per_request:
-            raise ValueError("need 1 <= drafters_per_request <= max_drafters_per_request")
-        if self.total_gamma_max < 0 or self.step_time_max_s <= 0:
-            raise ValueError("total_gamma_max must be >= 0 and step_time_max_s > 0")
-        if not self.kv_budget_bytes >= 0:
-            raise ValueError("kv_budget_bytes must be >= 0 (inf = no budget)")
-
-
-@dataclass(frozen=True, slots=True)
-class StepConfig(ExperimentsConfig):
-    """What the engine core's owners read: the user's step settings (``EngineConfig``) and the
-    experiments, flattened (``EngineConfig.step``; tests build it directly)."""
-
-    max_num_seqs: int = 8
-    """Requests running at once, at most (``EngineConfig.max_num_seqs``)."""
-    num_speculative_tokens: int = 8
-    """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
-    max_model_len: int = 8192
-    """Prompt + output tokens a request may reach."""
-    max_num_batched_tokens: int = 512
-    """Tokens one step computes at most (``EngineConfig.max_num_batched_tokens``)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of cached prompt prefixes (``EngineConfig.enable_prefix_caching``)."""
-
-    def __post_init__(self) -> None:
-        ExperimentsConfig.__post_init__(self)
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"max_num_seqs ({self.max_num_seqs}): every running request needs a token a step")
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """How the Ray runtime places and supervises actors (ignored by the local engine)."""
+    """How the Ray runtime places and supervises actors (ignored by the in-process engine)."""
 
     address: str | None = None
     """Ray cluster to join (``auto``, ``HOST:PORT``, ``ray://...``); None starts a local one."""
@@ -207,22 +216,22 @@ class ClusterConfig:
     drafter_max_restarts: int = -1
     """Ray restarts of a drafter actor (-1 = unlimited); a drafter killed for good is respawned."""
     stage_max_restarts: int = -1
+    """Ray restarts of a stage actor (-1 = unlimited)."""
     stages_in_engine: bool = False
     """The target's stages run inside the engine replica, one after another, instead of one
     actor each (vLLM's single-process executor): on a machine of a few cores this saves a
     process that imports torch per stage (CPU-seconds at start, memory) and the Ray calls of
     every step. A feature head then drafts in the engine too. Stage actors are what spreads the
     target over devices and nodes, and what a lost stage restarts: in the engine there is no
-    stage to lose, ``stage_deadline_s``, ``stage_max_restarts`` and ``stage_recovery_s`` do not
-    apply, and a forward that fails fails its requests (CLI ``--stages-in-engine``). Where
+    stage to lose, ``stage_deadline_s``, ``stage_max_restarts`` and ``runtime.stage_recovery_s``
+    do not apply, and a forward that fails fails its requests (CLI ``--stages-in-engine``). Where
     neither its file nor a flag says, ``cosine-ray serve`` sets it when it starts a local cluster
     on CPU without ``use_resources`` (one machine), and leaves it false otherwise."""
     drafters_in_engine: tuple[str, ...] = ("ngram", "retrieval", "suffix")
     """Drafter kinds that run inside the engine process instead of an actor of their own: the
     n-gram, retrieval and suffix drafters are table lookups (no model, no GPU) that take micro-
     seconds, while a round trip to another process costs a millisecond or more per fusion
-    round. ``()`` (CLI ``--drafters-in-engine none``) gives every drafter its own actor.
-    (``drafters_in_router``, its name before the engine became a Serve deployment, is accepted.)"""
+    round. ``()`` (CLI ``--drafters-in-engine none``) gives every drafter its own actor."""
 
     def __post_init__(self) -> None:
         in_engine = self.drafters_in_engine
@@ -243,9 +252,48 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ExperimentsConfig:
+    """The paper's ablations and research modes. The defaults are CoSine as it measures best; a
+    user serving a model needs none of them."""
+
+    routing: str = "expertise"
+    """expertise (CoSine eq. 1-3) | random (ablation: routing off, k drafters at random)."""
+    fusion: str = "confidence"
+    """confidence (eq. 4, round by round) | single (ablation: the best routed drafter alone) |
+    union (every routed drafter's whole paths merged)."""
+    scheduler: str = "lp"
+    """lp (eq. 5-8 with scipy HiGHS) | fcfs (ablation: first come, fixed size, fixed cut)."""
+    adaptive: bool = True
+    """False (ablation): fixed γ and fixed drafter participation."""
+    min_tree_confidence: float = 0.25
+    """With ``scheduler: fcfs`` (LP off): draft nodes whose cumulative confidence (product
+    along their path) is below this are not verified. The LP decides γ_i itself."""
+    layer_parallel_drafting: bool = False
+    """Distilled domain drafters draft EasySpec's way: after a step's first draft token, every
+    layer's attention reads the hidden state entering the first layer, and the inexact KV is
+    recomputed with the next step's bonus token. Off: on the trained two-layer drafters it
+    lowers tokens a step by 0.4-18 % for a 4-10 % faster draft forward (docs/drafters.md)."""
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("routing", self.routing, ROUTING_MODES), ("fusion", self.fusion, FUSION_MODES),
+                                     ("scheduler", self.scheduler, SCHEDULERS)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: use one of {', '.join(allowed)}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
+
+
+SECTIONS = {"scheduler": SchedulerConfig, "speculation": SpeculationConfig, "runtime": RuntimeConfig,
+            "cluster": ClusterConfig, "experiments": ExperimentsConfig}
+"""The parts of ``EngineConfig``, by key."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """What a user configures: the model, the drafters, where it runs and how much it batches.
-    Deployment settings are in ``cluster``, research modes and tuning knobs in ``experiments``."""
+    """What is served and where: the model and its drafters, the pipeline stages, the device.
+    What a step batches is in ``scheduler``, what it drafts in ``speculation``, how stages and
+    drafters run and fail in ``runtime``, Ray placement in ``cluster``, the ablations in
+    ``experiments``."""
 
     model: str = "smollm2-135m"
     """Target model: embedded name, Hugging Face directory or .gguf file."""
@@ -264,20 +312,6 @@ class EngineConfig:
     """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""
     dtype: str = "float32"
     """float32 | bfloat16 | float16 (the half types pay on CUDA; on CPU they run, slowly)."""
-    max_num_seqs: int | None = None
-    """Requests running at once, at most; fewer when their KV does not fit the pool (continuous
-    batching admits new ones as others finish). None: 8 on CPU, 64 on CUDA."""
-    max_num_batched_tokens: int | None = None
-    """Tokens one step computes at most: decodes and draft trees first, then prompt chunks, so a
-    long prompt is prefilled over several steps while the running requests keep streaming.
-    None: 512 on CPU, 2048 on CUDA."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of prompt prefixes already computed (multi-turn chats, shared system
-    prompts); ``--no-prefix-caching`` turns it off."""
-    max_model_len: int = 8192
-    """Prompt + output tokens a request may reach (capped at the model's context)."""
-    num_speculative_tokens: int = 8
-    """Draft-token budget of one request's tree per step (γ_max; 0 = plain decoding)."""
     kv_cache_memory: int | str | None = None
     """Bytes of each stage's paged KV pool (``models.kv_cache``), an integer or a size such as
     ``"2GiB"``, allocated at start and never grown. None: on CUDA 90 % of the device memory free
@@ -290,58 +324,74 @@ class EngineConfig:
     threads together)."""
     datastore_dir: str | None = None
     """Where default retrieval datastores live; None = the packaged ones."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """What a step batches: requests, tokens, lanes and the LP's bounds."""
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    """What a step drafts: the draft budget, the drafters per request, PipeDec, PEARL, twins."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """How stages and drafters run a step, their deadlines, and recovery from a lost stage."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """How the Ray runtime places and supervises actors."""
     experiments: ExperimentsConfig = field(default_factory=ExperimentsConfig)
-    """Research modes, ablations and tuning knobs."""
+    """The paper's ablations and research modes."""
 
     def __post_init__(self) -> None:
-        if self.experiments.runner == "graph" and not str(self.device).startswith("cuda"):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+        if self.runtime.runner == "graph" and not str(self.device).startswith("cuda"):
             raise ValueError("runner 'graph' (CUDA graphs) needs device cuda")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
         check_dtype_name(self.dtype)
         check_device_name(self.device)
         check_weights_mode(self.weights)
 
     @property
-    def step(self) -> StepConfig:
-        """The step settings the engine core reads (the user's, with this device's defaults,
-        and the experiments')."""
-        on_cuda = str(self.device).startswith("cuda")
-        seqs = self.max_num_seqs or (CUDA_MAX_NUM_SEQS if on_cuda else CPU_MAX_NUM_SEQS)
-        tokens = self.max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if on_cuda else CPU_MAX_NUM_BATCHED_TOKENS)
-        return StepConfig(max_num_seqs=seqs, num_speculative_tokens=self.num_speculative_tokens,
-                          max_model_len=self.max_model_len, max_num_batched_tokens=max(tokens, seqs),
-                          enable_prefix_caching=self.enable_prefix_caching,
-                          **{f.name: getattr(self.experiments, f.name) for f in fields(ExperimentsConfig)})
+    def is_resolved(self) -> bool:
+        """Every default that depends on the device or on where the stages run is filled in."""
+        s = self.scheduler
+        return None not in (s.max_num_seqs, s.max_num_batched_tokens, s.num_lanes)
 
-    @property
-    def runner(self) -> str:
-        return self.experiments.runner
+    def resolved(self, *, context_len: int | None = None, stages_in_process: bool = True) -> "EngineConfig":
+        """This config with its defaults for this device and deployment filled in: the batch
+        and token budget of the device, the lanes (``SchedulerConfig.num_lanes``: one per stage
+        actor, 1 when ``stages_in_process``), and ``max_model_len`` capped at the model's
+        ``context_len``. An engine is built from a resolved config (``engine.build``); what is
+        set already stays."""
+        s = self.scheduler
+        on_cuda = str(self.device).startswith("cuda")
+        seqs = s.max_num_seqs or (CUDA_MAX_NUM_SEQS if on_cuda else CPU_MAX_NUM_SEQS)
+        tokens = s.max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if on_cuda else CPU_MAX_NUM_BATCHED_TOKENS)
+        lanes = s.num_lanes or (1 if stages_in_process else self.num_stages)
+        model_len = min(s.max_model_len, context_len) if context_len else s.max_model_len
+        return dataclasses.replace(self, scheduler=dataclasses.replace(
+            s, max_num_seqs=seqs, max_num_batched_tokens=max(tokens, seqs), num_lanes=lanes, max_model_len=model_len))
 
     def replace(self, **changes: Any) -> "EngineConfig":
-        """A copy with ``changes``, each key a field of this class, of ``experiments`` or of
-        ``cluster`` (one namespace: the names do not overlap)."""
-        top = {f.name for f in fields(EngineConfig)}
-        exp = {f.name for f in fields(ExperimentsConfig)}
-        clu = {f.name for f in fields(ClusterConfig)}
-        unknown = sorted(set(changes) - top - exp - clu)
+        """A copy with ``changes``, each key a setting's own name: a plain field of this class or
+        of one of its parts (``max_num_seqs=16``, ``routing="random"``, ``runner="eager"``;
+        the names do not overlap). A whole part is replaced with ``dataclasses.replace``."""
+        plain = {f.name for f in fields(EngineConfig)} - set(SECTIONS)
+        unknown = sorted(k for k in changes if k not in plain and k not in SETTING_PATHS)
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
-        experiments = dataclasses.replace(self.experiments, **{k: v for k, v in changes.items() if k in exp})
-        cluster = dataclasses.replace(self.cluster, **{k: v for k, v in changes.items() if k in clu})
-        return dataclasses.replace(self, experiments=experiments, cluster=cluster,
-                                   **{k: v for k, v in changes.items() if k in top})
+        parts = {}
+        for section in SECTIONS:
+            mine = {k: v for k, v in changes.items() if k not in plain and SETTING_PATHS[k].startswith(section + ".")}
+            if mine:
+                parts[section] = dataclasses.replace(getattr(self, section), **mine)
+        return dataclasses.replace(self, **parts, **{k: v for k, v in changes.items() if k in plain})
 
+
+SETTING_PATHS = {f.name: f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)}
+"""Where each setting of the parts lives (``max_num_seqs`` -> ``scheduler.max_num_seqs``)."""
+RENAMED = {"max_batch_size": "max_num_seqs", "drafters_in_router": "drafters_in_engine"}
+"""Old names of settings: a config that uses one gets an error naming the new key."""
+SPLIT_SECTIONS = ("step", "router")
+"""Mappings of older configs whose keys now live in the parts (``router`` was ``step``'s name)."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -363,81 +413,73 @@ def parse_bytes(value: int | str, name: str) -> int:
     return number
 
 
-def _build(cls: type, data: dict[str, Any], where: str):
+def _old_key(key: str, where: str) -> str | None:
+    """What to say of ``key`` found in ``where`` ("" = the top level) when it is no setting
+    there: where it lives now (moved, or renamed), or None for a key that is nowhere."""
+    path = f"{where}.{key}" if where else key
+    new = RENAMED.get(key, key)
+    if new not in SETTING_PATHS:
+        return None
+    return f"'{path}' {'was renamed' if new != key else 'moved'}: use '{SETTING_PATHS[new]}'"
+
+
+def _check_keys(data: dict[str, Any], cls: type, where: str) -> None:
+    """ValueError for keys ``cls`` does not have: one message naming each old key's new place,
+    else the unknown keys and the known ones."""
     names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(unknown)} in {where}; known: {', '.join(sorted(names))}")
+    extra = [k for k in data if k not in names]
+    old = []
+    for key in extra:
+        if where == "" and key in SPLIT_SECTIONS:
+            inner = data[key] if isinstance(data[key], dict) else {}
+            old += [_old_key(k, key) or f"'{key}.{k}' is no setting" for k in inner] or [
+                f"'{key}' was split: its keys are under {', '.join(SECTIONS)}"]
+        elif (message := _old_key(key, where)) is not None:
+            old.append(message)
+    if old:
+        raise ValueError("; ".join(old) + " (docs/configuration.md)")
+    if extra:
+        raise ValueError(f"unknown key(s) {', '.join(sorted(extra))} in {where or 'the config'}; "
+                         f"known: {', '.join(sorted(names))}")
+
+
+def _build(cls: type, data: dict[str, Any], where: str):
+    _check_keys(data, cls, where)
     try:
         return cls(**data)
     except TypeError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-
-
-STEP_KEYS = ("max_num_seqs", "max_model_len", "num_speculative_tokens", "max_num_batched_tokens",
-             "enable_prefix_caching")
-"""User keys that older configs gave under ``step`` (or ``router``)."""
-LEGACY_KEYS = {"max_batch_size": "max_num_seqs"}
-"""Old names still accepted in a config file."""
+        raise ValueError(f"{where or 'the config'}: {exc}") from None
 
 
 def config_from_dict(data: dict[str, Any] | None) -> EngineConfig:
-    """EngineConfig from plain data (YAML file, Serve ``args``); ValueError names bad keys.
+    """EngineConfig from plain data (YAML file, Serve ``args``); ValueError names bad keys, and
+    a key of an older config the key that replaced it.
 
-    ``drafters`` may be a string (``"ngram,retrieval"``) or a list of such names; ``cluster``
-    and ``experiments`` are mappings of ClusterConfig / ExperimentsConfig fields. Configs
-    written before the split keep working: a ``step`` (or ``router``) mapping is spread into
-    the user keys and ``experiments``, and ``max_batch_size`` is ``max_num_seqs``."""
+    ``drafters`` may be a string (``"ngram,retrieval"``) or a list of such names; each part
+    (``scheduler``, ``speculation``, ``runtime``, ``cluster``, ``experiments``) is a mapping of
+    its fields."""
     data = dict(data or {})
     if not isinstance(data, dict):
         raise ValueError("the config must be a mapping")
+    _check_keys(data, EngineConfig, "")
+    for section, cls in SECTIONS.items():
+        part = data.get(section) or {}
+        if not isinstance(part, dict):
+            raise ValueError(f"'{section}' must be a mapping of {cls.__name__} keys")
+        data[section] = _build(cls, part, section)
     drafters = data.pop("drafters", None)
-    if "router" in data and "step" in data:
-        raise ValueError("give the step settings once: 'step' (or its old name 'router'), not both")
-    legacy = data.pop("step", None) or data.pop("router", None) or {}
-    cluster = data.pop("cluster", None) or {}
-    experiments = data.pop("experiments", None) or {}
-    if not isinstance(legacy, dict) or not isinstance(cluster, dict) or not isinstance(experiments, dict):
-        raise ValueError("'step' and 'cluster' must be mappings (and 'experiments')")
-    experiments = dict(experiments)
-    known = set(STEP_KEYS) | set(LEGACY_KEYS) | {f.name for f in fields(ExperimentsConfig)}
-    unknown = sorted(set(legacy) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(unknown)} in step; known: {', '.join(sorted(known))}")
-    for key, value in legacy.items():
-        key = LEGACY_KEYS.get(key, key)
-        target = data if key in STEP_KEYS else experiments
-        if key in target:
-            raise ValueError(f"{key} is given twice (once under 'step')")
-        target[key] = value
-    for key in ("suffix_index_tokens", "runner"):  # top-level keys before the split
-        if key in data:
-            if key in experiments:
-                raise ValueError(f"{key} is given twice (top level and 'experiments')")
-            experiments[key] = data.pop(key)
-    if "drafters_in_router" in cluster:  # the name before the engine became a Serve deployment
-        if "drafters_in_engine" in cluster:
-            raise ValueError("give cluster.drafters_in_engine once (drafters_in_router is its old name)")
-        cluster = {**cluster, "drafters_in_engine": cluster["drafters_in_router"]}
-        del cluster["drafters_in_router"]
     if drafters is not None:
         if isinstance(drafters, (list, tuple)):
             drafters = ",".join(str(d) for d in drafters) or "none"
         data["drafters"] = parse_drafters(str(drafters))
-    data["experiments"] = _build(ExperimentsConfig, experiments, "experiments")
-    data["cluster"] = _build(ClusterConfig, cluster, "cluster")
-    return _build(EngineConfig, data, "the config")
+    return _build(EngineConfig, data, "")
 
 
 def config_to_dict(config: EngineConfig) -> dict[str, Any]:
-    out = {f.name: getattr(config, f.name) for f in fields(config)}
+    """The plain data ``config_from_dict`` reads back to ``config``."""
+    out = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in SECTIONS}
     out["drafters"] = ",".join(s.kind + (f":{s.source}" if s.source else "") for s in config.drafters) or "none"
-    out["experiments"] = {f.name: getattr(config.experiments, f.name) for f in fields(config.experiments)}
-    out["cluster"] = {f.name: getattr(config.cluster, f.name) for f in fields(config.cluster)}
+    for section in SECTIONS:
+        part = getattr(config, section)
+        out[section] = {f.name: getattr(part, f.name) for f in fields(part)}
     return out
-
-
-def step_config_for(config: EngineConfig, checkpoint: Checkpoint) -> StepConfig:
-    """The configured step settings, capped at the model's context length."""
-    return dataclasses.replace(config.step, max_model_len=min(
-        config.step.max_model_len, checkpoint.config.max_position_embeddings))

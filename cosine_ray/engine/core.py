@@ -27,12 +27,12 @@ import torch
 from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.guard import SpeculationGuard
-from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.modes.twins import Twins
 from cosine_ray.engine.owners.constraints import Constraints, GrammarCompiler, NoGrammars
-from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.learner import Learner, PendingLearning
@@ -45,7 +45,7 @@ from cosine_ray.engine.owners.verifier import Verifier
 from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, needs_prefill
 from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
-from cosine_ray.engine.worker.target import TargetClient
+from cosine_ray.engine.worker.clients import TargetClient
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
 from cosine_ray.models.kv_cache import DEFAULT_BLOCK_SIZE
@@ -69,57 +69,60 @@ class PhaseTimer:
 
 
 class EngineCore:
-    def __init__(self, config: StepConfig, target: TargetClient, drafters: Sequence[DrafterClient], *,
+    def __init__(self, config: EngineConfig, target: TargetClient, drafters: Sequence[DrafterClient], *,
                  vocab_size: int, eos_token_ids: Sequence[int] = (), clock: Callable[[], float] = time.monotonic,
                  metrics: MetricsRegistry | None = None, unit_embeddings: torch.Tensor | None = None,
                  domain_classifier: "DomainClassifier | None" = None,
                  latency_model: "LatencyModel | None" = None, kv_bytes_per_token: int = 0,
                  kv_num_blocks: int | None = None, seed: int | None = 0,
                  tokenizer: Any = None) -> None:
-        """``kv_num_blocks``: KV blocks every stage can hold (``TargetClient.kv_capacity``);
-        None: the stages' pools grow as needed.
-        ``tokenizer``: the target's HF tokenizer, for grammars (None: requests with a grammar
-        are refused)."""
+        """``config``: resolved (``EngineConfig.resolved``: the device's batch, the lanes, the
+        model's context). ``kv_num_blocks``: KV blocks every stage can hold
+        (``TargetClient.kv_capacity``); None: the stages' pools grow as needed. ``tokenizer``: the
+        target's HF tokenizer, for grammars (None: requests with a grammar are refused)."""
+        if not config.is_resolved:
+            raise ValueError("EngineCore needs a resolved config (EngineConfig.resolved)")
         self.config = config
+        sched, spec, run, exp = config.scheduler, config.speculation, config.runtime, config.experiments
         self.clock = clock
         self.metrics = metrics or MetricsRegistry()
         """Plain counters (cosine_ray.metrics.names); exported at the edge."""
         self.exporter = EngineMetrics(self.metrics)
         self.drafters = list(drafters)
-        self.pool = RequestPool(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                                num_lanes=config.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                                max_restores=config.max_restores, clock=clock)
-        self.kv = KVBlocks(kv_num_blocks, DEFAULT_BLOCK_SIZE, caching=config.enable_prefix_caching)
+        self.pool = RequestPool(max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len,
+                                num_lanes=sched.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
+                                max_restores=run.max_restores, clock=clock)
+        self.kv = KVBlocks(kv_num_blocks, DEFAULT_BLOCK_SIZE, caching=sched.enable_prefix_caching)
         """Every request's block table and the prefix cache (the stages' pools, seen from here)."""
-        self.target = RecoveringTarget(target, recovery_s=config.stage_recovery_s, on_lost=self._target_lost)
+        self.target = RecoveringTarget(target, recovery_s=run.stage_recovery_s, on_lost=self._target_lost)
         costs = CostModel(latency_model)
         # The ablations, chosen once: LP or first come, fusion or whole paths, and the tree policy.
-        is_lp, adaptive = config.scheduler == "lp", config.adaptive
+        is_lp, adaptive = exp.scheduler == "lp", exp.adaptive
         guard = SpeculationGuard(seed=seed) if is_lp and adaptive and self.drafters else None
-        uses_twins = config.twins and self.drafters and config.num_speculative_tokens > 0
+        uses_twins = spec.twins and self.drafters and spec.num_speculative_tokens > 0
         self.scheduler = BatchScheduler(config, self.pool, LpBatchPolicy() if is_lp else FirstComeBatchPolicy(),
                                         costs, self.kv, kv_bytes_per_token=kv_bytes_per_token,
                                         priced=is_lp and adaptive, guard=guard, clock=clock,
                                         # PEARL drafts ahead while the target verifies: not host time to save
-                                        skip_unpaying=config.pearl == "off",
+                                        skip_unpaying=spec.pearl == "off",
                                         twins=Twins(clock=clock) if uses_twins else None)
         participation = None
-        if adaptive and config.fusion != "single":
+        if adaptive and exp.fusion != "single":
             participation = ParticipationController(
-                min_drafters=1, max_drafters=max(config.max_drafters_per_request, config.drafters_per_request),
-                initial=config.drafters_per_request)
+                min_drafters=1, max_drafters=max(spec.max_drafters_per_request, spec.drafters_per_request),
+                initial=spec.drafters_per_request)
         self.routing = DraftRouting(config, [d.name for d in self.drafters], domain_classifier=domain_classifier,
                                     participation=participation, seed=seed)
         clients = {d.name: d for d in self.drafters}
-        drafting = (FusedDrafting(clients, vocab_size=vocab_size, deadline_s=config.drafter_deadline_s,
-                                  is_live=self.pool.is_live) if config.fusion == "confidence" else
-                    PathDrafting(clients, vocab_size=vocab_size, deadline_s=config.drafter_deadline_s))
+        drafting = (FusedDrafting(clients, vocab_size=vocab_size, deadline_s=run.drafter_deadline_s,
+                                  is_live=self.pool.is_live) if exp.fusion == "confidence" else
+                    PathDrafting(clients, vocab_size=vocab_size, deadline_s=run.drafter_deadline_s))
         selection = (FixedSelection() if not adaptive else
-                     PricedSelection() if is_lp else ConfidenceCutSelection(config.min_tree_confidence))
+                     PricedSelection() if is_lp else ConfidenceCutSelection(exp.min_tree_confidence))
         self.constraints = Constraints(GrammarCompiler(tokenizer, vocab_size) if tokenizer is not None else NoGrammars(),
                                        vocab_size)
         """Score rules and grammars of requests (``engine.owners.constraints``)."""
-        self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=config.total_gamma_max,
+        self.speculator = Speculator(drafting, selection, ConfidenceCalibrator(), total_gamma_max=sched.total_gamma_max,
                                      prune=self.constraints.prune)
         self.verifier = Verifier(self.target, is_live=self.pool.is_live, clock=clock)
         self.learner = Learner(speculator=self.speculator, routing=self.routing, costs=costs,
@@ -128,23 +131,23 @@ class EngineCore:
                                unit_embeddings=unit_embeddings)
         self.exporter.participation(self.routing.drafters_per_request)
         # The optional modes, chosen once.
-        self.pearl = Pearl(config.pearl) if config.pearl != "off" and self.drafters else None
+        self.pearl = Pearl(spec.pearl) if spec.pearl != "off" and self.drafters else None
         self._draft_and_verify = self._draft_then_verify if self.pearl is None else self._pearl_draft_verify
         self.pipedec: PipeDec | None = None
         self.mode_guard: ModeGuard | None = None
         self._step = self._lanes_step
-        if config.pipeline_mode == "pipedec":
+        if spec.pipeline_mode == "pipedec":
             if not self.target.supports_pipedec:
                 raise ValueError("pipeline_mode 'pipedec' needs a target client with PipeDec timesteps")
-            self.pipedec = PipeDec(self.target, clients, self.kv, width=config.pipedec_width,
-                                   max_depth=config.pipedec_depth or None, vocab_size=vocab_size,
-                                   deadline_s=config.drafter_deadline_s,
+            self.pipedec = PipeDec(self.target, clients, self.kv, width=spec.pipedec_width,
+                                   max_depth=spec.pipedec_depth or None, vocab_size=vocab_size,
+                                   deadline_s=run.drafter_deadline_s,
                                    on_drafter_failure=self.exporter.drafter_failed)
-            self.mode_guard = ModeGuard() if config.pipedec_guard else None
+            self.mode_guard = ModeGuard() if spec.pipedec_guard else None
             self._step = self._solo_or_lanes_step
-        self.overlap_learning = (config.overlap_learning == "on" or config.overlap_learning == "auto"
+        self.overlap_learning = (spec.overlap_learning == "on" or spec.overlap_learning == "auto"
                                  and bool(getattr(target, "runs_async", False)))
-        """Learn from step n while step n+1's forward runs (``StepConfig.overlap_learning``)."""
+        """Learn from step n while step n+1's forward runs (``SpeculationConfig.overlap_learning``)."""
         self._learn = self._learn_later if self.overlap_learning else self._learn_now
         self._unlearned: list[PendingLearning] = []
         """Recorded steps whose learning waits for the next forward (``overlap_learning``)."""
@@ -305,7 +308,7 @@ class EngineCore:
         return request is not None and not needs_prefill(request)
 
     async def _pipedec_step(self, request: Request) -> list[RequestOutput]:
-        batch = StepBatch([request], {request.request_id: self.config.pipedec_width})
+        batch = StepBatch([request], {request.request_id: self.config.speculation.pipedec_width})
         self._hold(batch, +1)
         started = self.clock()
         try:
@@ -342,7 +345,7 @@ class EngineCore:
 
     def _check_fits(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Only a request that could never fit the KV pool, even alone, is refused."""
-        tokens = len(prompt_token_ids) + params.max_tokens + self.config.num_speculative_tokens + 1
+        tokens = len(prompt_token_ids) + params.max_tokens + self.config.speculation.num_speculative_tokens + 1
         blocks = self.kv.blocks_for(tokens)
         if self.kv.capacity is not None and blocks > self.kv.capacity:
             raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "

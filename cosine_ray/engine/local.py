@@ -7,17 +7,10 @@ from typing import Any, AsyncIterator, Sequence
 
 import torch
 
-from cosine_ray.models.native import load_weights
-from cosine_ray.models.quant import as_dense
-from cosine_ray.engine.build import build_drafter, build_target, eos_token_ids
-from cosine_ray.engine.components import EMBEDDING_KEY, cosine_components
-from cosine_ray.engine.config import EngineConfig, step_config_for
-from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.owners.drafting import LocalDrafterClient
+from cosine_ray.engine.backend import build_local_engine
+from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.worker.target import LocalTargetClient
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 
 
@@ -27,23 +20,14 @@ class LocalEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), *, checkpoint: Checkpoint | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.config = config
         self.checkpoint = checkpoint or resolve_checkpoint(config.model)
         self.tokenizer = self.checkpoint.load_tokenizer() if self.checkpoint.has_tokenizer else None
-        state = load_weights(self.checkpoint, config.weights, device=config.device, dtype=config.dtype)
-        self.target, self.features = build_target(config, self.checkpoint, state)
-        """``features``: the target's features for a feature head (``engine.worker.features``); None without one."""
-        self.drafters = [build_drafter(s, target=self.checkpoint, target_state=state,
-                                       target_tokenizer=self.tokenizer, config=config, features=self.features)
-                         for s in config.drafters]
-        step = step_config_for(config, self.checkpoint)
-        self.target.capture_graphs(step)  # CUDA: every bucket a step can reach, before the first request
-        self.core = EngineCore(step, LocalTargetClient(self.target),
-                               [LocalDrafterClient(DrafterWorker(d)) for d in self.drafters],
-                               vocab_size=self.checkpoint.config.vocab_size,
-                               eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),
-                               kv_num_blocks=self.target.kv_capacity(), tokenizer=self.tokenizer,
-                               **cosine_components(config, self.checkpoint, as_dense(state[EMBEDDING_KEY])))
+        self.core = build_local_engine(config, checkpoint=self.checkpoint, tokenizer=self.tokenizer)
+        self.config = self.core.config
+        """``config`` resolved for this model and device (``EngineConfig.resolved``)."""
+        self.target = self.core.target.inner.worker
+        """The stages (``TargetWorker``)."""
+        self.drafters = [client.worker.drafter for client in self.core.drafters]
         self.loop = EngineLoop(self.core)
 
     def eos_token_ids(self) -> tuple[int, ...]:

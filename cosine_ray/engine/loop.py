@@ -46,7 +46,7 @@ class EngineLoop:
             # Serve's cancel of the request (its client left) cancelled them with it: the step
             # failed, and its stage counted as lost (tests/runtime/test_loop_context.py).
             self._tasks = [loop.create_task(self._run(lane), context=contextvars.Context())
-                           for lane in range(self.core.config.num_lanes)]
+                           for lane in range(self.core.config.scheduler.num_lanes)]
 
     async def _run(self, lane: int) -> None:
         while True:

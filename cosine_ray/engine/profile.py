@@ -34,13 +34,12 @@ import torch
 from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models import kernels as cpu_gemm
-from cosine_ray.models.native import load_weights
-from cosine_ray.engine.build import build_drafter, build_target_stages
+from cosine_ray.engine.build import build_drafter
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
 from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
 from cosine_ray.engine.worker.target import TargetWorker
-from cosine_ray.models.loader import cache_root, resolve_checkpoint
+from cosine_ray.models.loader import cache_root, load_target
 from cosine_ray.models.device import synchronize
 from cosine_ray.models.linear import projection_kernel
 
@@ -197,22 +196,16 @@ def run_profile(config: EngineConfig, *, quick: bool) -> LatencyModel:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     grid = ProfileGrid.for_mode(quick)
-    checkpoint = resolve_checkpoint(config.model)
-    state = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
-    dtype = getattr(torch, config.dtype)
-    worker = TargetWorker(build_target_stages(checkpoint, state, config.num_stages, dtype=dtype,
-                                              device=config.device), kv_cache_memory=config.kv_cache_memory,
-                          runner=config.runner)
+    loaded = load_target(config.model, weights=config.weights, dtype=config.dtype, device=config.device,
+                         num_stages=config.num_stages)
+    checkpoint = loaded.checkpoint
+    worker = TargetWorker(loaded.stages, kv_cache_memory=config.kv_cache_memory, runner=config.runtime.runner)
     vocab = checkpoint.config.vocab_size
     llm = measure_target(worker, vocab, grid, checkpoint.config.max_position_embeddings)
     ssm: list[SsmSample] = []
-    if config.drafters:
-        needs_tokenizer = any(s.kind in ("model", "self") for s in config.drafters) and checkpoint.has_tokenizer
-        tokenizer = checkpoint.load_tokenizer() if needs_tokenizer else None
-        for spec in config.drafters:
-            drafter = build_drafter(spec, target=checkpoint, target_state=state,
-                                    target_tokenizer=tokenizer, config=config)
-            ssm += measure_drafter(drafter, vocab, grid)
+    for spec in config.drafters:
+        drafter = build_drafter(spec, target=checkpoint, config=config, target_state=loaded.weights)
+        ssm += measure_drafter(drafter, vocab, grid)
     return LatencyModel.fit(llm, ssm, model_name=checkpoint.name, device=config.device, dtype=config.dtype,
                             num_stages=config.num_stages, num_threads=profile_threads(config))
 

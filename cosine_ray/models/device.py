@@ -20,7 +20,7 @@ import re
 
 DTYPES = ("float32", "bfloat16", "float16")
 RUNNER_MODES = ("auto", "eager", "graph", "static")
-"""How a stage runs its steps (``models.runner``; ``EngineConfig.runner``)."""
+"""How a stage runs its steps (``models.runner``; ``RuntimeConfig.runner``)."""
 _DEVICE = re.compile(r"^(cpu|cuda(:(0|[1-9][0-9]*))?)$")
 
 

@@ -11,18 +11,21 @@ A model *spec* is one of
   the file's size and mtime).
 
 Every spec resolves to a :class:`Checkpoint`: a plain HF directory that loads with
-``AutoModelForCausalLM.from_pretrained(path)``. The pieces live in ``checkpoint``
-(:class:`Checkpoint`, :class:`ModelLoadError`), ``embedded`` (the embedded models and their
-wheel) and ``conversion`` (the cache and the GGUF conversion); this module is the public entry
-point and re-exports their public names.
+``AutoModelForCausalLM.from_pretrained(path)``. ``load_target`` goes on to the stages an engine
+runs, built in one call from the weights read as ``EngineConfig.weights`` says, and
+``eos_token_ids`` reads the end-of-sequence ids of the model and its tokenizer. The pieces live
+in ``checkpoint`` (:class:`Checkpoint`, :class:`ModelLoadError`), ``embedded`` (the embedded
+models and their wheel) and ``conversion`` (the cache and the GGUF conversion); this module is
+the public entry point and re-exports their public names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checkpoint import Checkpoint, ModelLoadError
 from .config import ModelConfig
@@ -30,13 +33,22 @@ from .conversion import (CACHE_ENV, _build_cached, _convert_gguf, _gguf_cache_ke
                          _models_dir, cache_root)
 from .embedded import EMBEDDED_MODELS, EmbeddedModel, _fetch_embedded_gguf
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .llama import LlamaStage
+
 __all__ = [
     "CACHE_ENV",
     "EMBEDDED_MODELS",
     "EmbeddedModel",
     "Checkpoint",
     "ModelLoadError",
+    "LoadedTarget",
+    "build_stages",
     "cache_root",
+    "eos_token_ids",
+    "load_target",
     "resolve_checkpoint",
 ]
 
@@ -164,3 +176,95 @@ def _resolve_gguf_file(path: Path, root: Path) -> Checkpoint:
             return {"source": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         _build_cached(target, convert)
     return _read_hf_dir(target, path.stem)
+
+
+# --------------------------------------------------------------------------------------------
+# the target's stages
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class LoadedTarget:
+    """A target's pipeline stages, built and ready to run, and the weights they were built from."""
+
+    checkpoint: Checkpoint
+    stages: list["LlamaStage"]
+    """The stages asked for, in pipeline order."""
+    weights: dict[str, Any]
+    """The state dict the stages were built from (``models.native.load_weights``: tensors, or a
+    GGUF model's quantized blocks): what a drafter built beside them reads (the target as its
+    own drafter, a feature head, the embedding table)."""
+
+
+def load_target(model: str | os.PathLike[str] | Checkpoint, *, weights: str = "dense", dtype: str = "float32",
+                device: str = "cpu", num_stages: int = 1, stage_index: int | None = None) -> LoadedTarget:
+    """The target's stages in one trip: resolve ``model`` (a spec or a Checkpoint), read its
+    weights as ``weights`` says (dense | native | auto, ``models.native``) and build the
+    ``num_stages`` contiguous layer slices on ``device`` in ``dtype``, or only slice
+    ``stage_index`` (a stage actor)."""
+    from .native import load_weights
+
+    checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
+    state = load_weights(checkpoint, weights, device=device, dtype=dtype)
+    return LoadedTarget(checkpoint, build_stages(checkpoint, state, num_stages, dtype=dtype, device=device,
+                                                 stage_index=stage_index), state)
+
+
+def build_stages(checkpoint: Checkpoint, weights: dict[str, Any], num_stages: int = 1, *,
+                 dtype: "str | torch.dtype" = "float32", device: str = "cpu",
+                 stage_index: int | None = None) -> list["LlamaStage"]:
+    """The ``num_stages`` layer slices of ``checkpoint`` (or only slice ``stage_index``) built from
+    ``weights`` already read (``load_target`` reads them; the target as its own drafter is one
+    stage over the target's)."""
+    import torch
+
+    from .config import stage_slices
+    from .llama import LlamaStage
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    slices = stage_slices(checkpoint.config.num_layers, num_stages)
+    chosen = slices if stage_index is None else [slices[stage_index]]
+    return [LlamaStage(checkpoint.config, weights, a, b, dtype=dtype, device=device) for a, b in chosen]
+
+
+# --------------------------------------------------------------------------------------------
+# end of sequence
+# --------------------------------------------------------------------------------------------
+
+def eos_token_ids(checkpoint: Checkpoint, tokenizer: Any = None) -> tuple[int, ...]:
+    """End-of-sequence ids of the model config and of its tokenizer: the loaded ``tokenizer``'s
+    when the caller holds one, else the id the tokenizer files state (an engine needs nothing
+    else of a tokenizer, which holds ~100 MB once loaded), else the loaded tokenizer's; the
+    config's alone for a model without tokenizer files."""
+    ids = set(checkpoint.config.eos_token_ids)
+    if tokenizer is None and checkpoint.has_tokenizer:
+        stated = tokenizer_eos_id(checkpoint.path)
+        if stated is not None:
+            return tuple(sorted(ids | {stated}))
+        tokenizer = checkpoint.load_tokenizer()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def tokenizer_eos_id(path: Path) -> int | None:
+    """The tokenizer's end-of-sequence id as its files state it (``eos_token`` of
+    tokenizer_config.json or special_tokens_map.json, looked up in tokenizer.json's added
+    tokens, then its vocabulary); None when they do not say."""
+    def read(name: str) -> Any:
+        try:
+            return json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    token = next((t for cfg in (read("tokenizer_config.json"), read("special_tokens_map.json"))
+                  if isinstance(cfg, dict) and (t := cfg.get("eos_token"))), None)
+    token = token.get("content") if isinstance(token, dict) else token
+    spec = read("tokenizer.json")
+    if not isinstance(token, str) or not isinstance(spec, dict):
+        return None
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+            return added["id"]
+    vocab = (spec.get("model") or {}).get("vocab")
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return found if isinstance(found, int) else None

@@ -17,7 +17,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
 from cosine_ray.engine.worker.scoring import KVCommit, LayerItem, ScoreItem, split_output
-from cosine_ray.engine.worker.target import TargetUnavailable
+from cosine_ray.engine.worker.clients import TargetUnavailable
 from cosine_ray.runtime.cluster import NAMESPACE
 
 log = logging.getLogger(__name__)

@@ -4,10 +4,11 @@ and drafters (the Ray Serve LLM pattern: ``LLMServer`` bound into the OpenAI ing
 ``serve.app.build_app`` deploys ``EngineServer`` and binds its handle into the ingress, so
 Serve starts it, health-checks it (``check_health``), restarts it when it dies, and replaces
 it when the application's config changes (a ``serve deploy`` with other engine settings
-starts a new engine and drains the old one). The stage and drafter actors are created by the
-engine replica and owned by it: they die with it (Ray's ownership fate-sharing), so a
-replaced or restarted engine never leaves stages behind. With ``cluster.stages_in_engine`` the
-replica builds the stages itself and runs them in its own process (``local_target``).
+starts a new engine and drains the old one). The engine is built by
+``engine.backend.build_engine`` on ``runtime.backend.ActorBackend``: the stage and drafter
+actors are created by the engine replica and owned by it, so they die with it (Ray's ownership
+fate-sharing) and a replaced or restarted engine never leaves stages behind. With
+``cluster.stages_in_engine`` the replica builds the stages itself and runs them in its own process.
 
 Actor names: ``cosine_ray:stage:<i>`` and ``cosine_ray:drafter:<i>`` in the engine's own
 namespace ``cosine_ray.<engine id>`` (``describe()["namespace"]``). During a rolling update
@@ -19,130 +20,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import os
 import uuid
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Sequence
 
-import ray
 import torch
 
-from cosine_ray.engine.build import build_head, build_target, eos_token_ids, head_spec, make_drafter_worker
-from cosine_ray.engine.components import cosine_components
-from cosine_ray.engine.config import DrafterSpec, EngineConfig, config_from_dict, step_config_for
-from cosine_ray.engine.core import EngineCore
-from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.worker.target import LocalTargetClient
-from cosine_ray.engine.owners.constraints import TokenizerLoader
-from cosine_ray.engine.owners.drafting import LocalDrafterClient
+from cosine_ray.engine.backend import build_engine
+from cosine_ray.engine.config import config_from_dict
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.worker.clients import LocalDrafterClient, LocalTargetClient
 from cosine_ray.models.loader import resolve_checkpoint
-from cosine_ray.models.native import load_weights
-from cosine_ray.runtime.actors import HEAD_METHOD_PREFIX, DrafterActor, StageActor
-from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref
-from cosine_ray.runtime.cluster import NAMESPACE, actor_name
+from cosine_ray.runtime.backend import READY_TIMEOUT_S, ActorBackend
+from cosine_ray.runtime.clients import RayDrafterClient, await_ref
+from cosine_ray.runtime.cluster import NAMESPACE
 from cosine_ray.runtime.engine_client import ACCEPTED, coalesced, with_heartbeats
 from cosine_ray.runtime.memory import drop_file_pages, malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
-from cosine_ray.runtime.placement import (ActorAsk, actor_asks, actor_options, check_placement, cluster_nodes,
-                                          describe, public, without_drafters)
+from cosine_ray.runtime.placement import check_placement, cluster_nodes, without_drafters
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 900.0
-"""Longest wait for the stages to load (a first start converts the model)."""
 DRAFTER_READY_S = 60.0
 """Longest wait for the drafter actors once the stages are up: a drafter never blocks serving
 (one that comes up later joins the drafting then)."""
-PENDING_REPORT_S = 30.0
-"""While actors are not up yet, say every this often which, what they ask and what is free."""
-
-
-def stage_slots(config: EngineConfig, namespace: str) -> list[ActorSlot]:
-    """One ``StageActor`` per pipeline stage, named ``cosine_ray:stage:<i>`` in ``namespace``
-    (the engine's own; benchmarks and tests that build an ``EngineCore`` over stage actors
-    without Serve pass a fresh one)."""
-    def spawn(i: int):
-        options = {**actor_options("stage", i, config), "namespace": namespace}
-        return lambda: StageActor.options(**options).remote(config, i)
-
-    return [ActorSlot(actor_name("stage", i), spawn(i), namespace=namespace) for i in range(config.num_stages)]
-
-
-def drafter_clients(config: EngineConfig, stages: Sequence[ActorSlot], namespace: str, *,
-                    head: DrafterWorker | None = None) -> list[LocalDrafterClient | RayDrafterClient]:
-    """One client per drafter of ``config``: a feature head drafts beside the last stage, which
-    computes its features: in its actor (``runtime.actors.StageHost``), or here as ``head``
-    when the stages run in this process; lookup drafters run in this process
-    (``cluster.drafters_in_engine``); the others get an actor each, named
-    ``cosine_ray:drafter:<i>`` by their place in the drafter list."""
-    deadline_s = config.step.drafter_deadline_s
-
-    def client(i: int, spec: DrafterSpec) -> LocalDrafterClient | RayDrafterClient:
-        if spec.kind == "head" and head is not None:
-            return LocalDrafterClient(head)
-        if spec.kind == "head":
-            return RayDrafterClient(stages[-1], spec.name, deadline_s=deadline_s, method_prefix=HEAD_METHOD_PREFIX)
-        if spec.kind in config.cluster.drafters_in_engine:
-            return LocalDrafterClient(make_drafter_worker(spec, config))
-        options = {**actor_options("drafter", i, config), "namespace": namespace}
-        slot = ActorSlot(actor_name("drafter", i), lambda: DrafterActor.options(**options).remote(config, spec),
-                         namespace=namespace)
-        return RayDrafterClient(slot, spec.name, deadline_s=deadline_s, learns=spec.learns)
-
-    return [client(i, spec) for i, spec in enumerate(config.drafters)]
-
-
-def tokenizer_eos_id(path: Path) -> int | None:
-    """The tokenizer's end-of-sequence id as its files state it (``eos_token`` of
-    tokenizer_config.json or special_tokens_map.json, looked up in tokenizer.json's added
-    tokens, then its vocabulary); None when they do not say."""
-    def read(name: str) -> Any:
-        try:
-            return json.loads((path / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-
-    token = next((t for cfg in (read("tokenizer_config.json"), read("special_tokens_map.json"))
-                  if isinstance(cfg, dict) and (t := cfg.get("eos_token"))), None)
-    token = token.get("content") if isinstance(token, dict) else token
-    spec = read("tokenizer.json")
-    if not isinstance(token, str) or not isinstance(spec, dict):
-        return None
-    for added in spec.get("added_tokens") or []:
-        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
-            return added["id"]
-    vocab = (spec.get("model") or {}).get("vocab")
-    found = vocab.get(token) if isinstance(vocab, dict) else None
-    return found if isinstance(found, int) else None
-
-
-def eos_source(checkpoint: Any) -> Any:
-    """What ``engine.build.eos_token_ids`` reads the tokenizer's EOS from: the id its files state
-    (the engine needs nothing else of the tokenizer, which holds ~100 MB once loaded), else the
-    loaded tokenizer; None without tokenizer files."""
-    if not checkpoint.has_tokenizer:
-        return None
-    eos = tokenizer_eos_id(Path(checkpoint.path))
-    return SimpleNamespace(eos_token_id=eos) if eos is not None else checkpoint.load_tokenizer()
-
-
-def local_target(config: EngineConfig, checkpoint: Any,
-                 step_config: Any) -> tuple[LocalTargetClient, DrafterWorker | None]:
-    """``cluster.stages_in_engine``: every stage built in this process (``engine.build.build_target``),
-    and the feature head that drafts from the last stage's features (None without one)."""
-    state = load_weights(checkpoint, config.weights, device=config.device, dtype=config.dtype)
-    worker, features = build_target(config, checkpoint, state)
-    worker.capture_graphs(step_config)  # CUDA: before the first request
-    spec = head_spec(config)
-    head = build_head(spec, config, checkpoint, state, features) if spec is not None else None
-    del state
-    drop_file_pages()  # checkpoint pages read only to build fused copies, as in a stage actor
-    return LocalTargetClient(worker), head
 
 
 class EngineServer:
@@ -155,69 +58,32 @@ class EngineServer:
         for ask, why in unplaceable:
             log.warning("serving without %s: %s", ask.what, why)
         config = without_drafters(config, [ask.drafter_index for ask, _ in unplaceable])
-        self.config = config
         self.engine_id = uuid.uuid4().hex[:8]
         self.namespace = f"{NAMESPACE}.{self.engine_id}"
         checkpoint = resolve_checkpoint(config.model)
-        self.model_name = checkpoint.name
-        self.vocab_size = checkpoint.config.vocab_size
-
-        step_config = step_config_for(config, checkpoint)
-        head = None
         if config.cluster.stages_in_engine:
             # the threads the stage actors would have had together; set on this loop's thread,
             # which runs the forwards (a thread's OpenMP setting is its own)
             torch.set_num_threads(config.num_threads or config.cluster.threads_per_actor * config.num_stages)
-            # before the stages: a missing latency profile is measured on a model of its own,
-            # which on CUDA must not find the stages' KV pools holding the device's memory
-            components = cosine_components(config, checkpoint, run_profile_if_missing=True)
-            self.stage_slots: list[ActorSlot] = []
-            self.target, head = local_target(config, checkpoint, step_config)  # nothing is served before
-        else:
-            self.stage_slots = stage_slots(config, self.namespace)
-            self.target = RayTargetClient(self.stage_slots, deadline_s=config.cluster.stage_deadline_s)
-        drafters = drafter_clients(config, self.stage_slots, self.namespace, head=head)
-        self.local_drafters = [d for d in drafters if isinstance(d, LocalDrafterClient)]
-        self.actor_drafters = [d for d in drafters if isinstance(d, RayDrafterClient) and not d.method_prefix]
-        self.drafter_slots = [d.slot for d in self.actor_drafters]
-        self.max_model_len = step_config.max_model_len
-        if not config.cluster.stages_in_engine:  # while the stage and drafter actors load
-            components = cosine_components(config, checkpoint, run_profile_if_missing=True)
-        asks = {a.name: a for a in actor_asks(config)}
-        await self._await_up(self.stage_slots, asks, ready_timeout_s, required=True)
-        # the tokenizer (~100 MB) is loaded only when a request first asks for a grammar
-        tokenizer = TokenizerLoader(checkpoint.load_tokenizer) if checkpoint.has_tokenizer else None
-        self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
-                               eos_token_ids=eos_token_ids(checkpoint, eos_source(checkpoint)),
-                               kv_num_blocks=await self.target.kv_capacity(),
-                               tokenizer=tokenizer, **components)
+        self.backend = ActorBackend(config, self.namespace, ready_timeout_s=ready_timeout_s)
+        # nothing is served before the stages are up; the EOS id is read from the tokenizer's
+        # files, and the tokenizer (~100 MB) loaded only when a request first asks for a grammar
+        self.core = await build_engine(config, self.backend, checkpoint=checkpoint, profile_if_missing=True)
+        if config.cluster.stages_in_engine:
+            drop_file_pages()  # checkpoint pages read only to build fused copies, as in a stage actor
+        self.config = self.core.config
+        self.model_name = checkpoint.name
+        self.vocab_size = checkpoint.config.vocab_size
+        self.max_model_len = self.config.scheduler.max_model_len
+        self.target = self.core.target.inner
+        self.stage_slots = self.backend.stage_slots
+        self.drafter_slots = self.backend.drafter_slots
+        self.local_drafters = [d for d in self.core.drafters if isinstance(d, LocalDrafterClient)]
+        self.actor_drafters = [d for d in self.core.drafters if isinstance(d, RayDrafterClient) and not d.method_prefix]
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
         self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held
-        await self._await_up(self.drafter_slots, asks, min(ready_timeout_s, DRAFTER_READY_S), required=False)
-
-    async def _await_up(self, slots: Sequence[ActorSlot], asks: dict[str, ActorAsk], timeout_s: float, *,
-                        required: bool) -> None:
-        """Until every slot's actor answers a ping: a stage not up within ``timeout_s`` fails the
-        engine's start, a drafter is left to join later. Pending ones are named every
-        ``PENDING_REPORT_S`` with what they ask and what the cluster has free."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        pending = {s.name: asyncio.ensure_future(await_ref(s.handle.ping.remote(), timeout_s)) for s in slots}
-        while pending:
-            await asyncio.wait(pending.values(), timeout=min(PENDING_REPORT_S, max(0.1, deadline - loop.time())))
-            for name, fut in list(pending.items()):
-                if fut.done():
-                    del pending[name]
-                    if fut.exception() is not None and required:
-                        raise RuntimeError(f"{name} did not start: {type(fut.exception()).__name__}: "
-                                           f"{fut.exception()}") from fut.exception()
-                    if fut.exception() is not None:
-                        log.warning("drafter %s not up (%r); serving without it until it is", name, fut.exception())
-            if pending:
-                free = describe(public(await asyncio.to_thread(ray.available_resources)))
-                log.warning("waiting for %s: %s; free in the cluster now: %s", ", ".join(pending),
-                            "; ".join(f"{n} asks {describe(asks[n].resources)}" for n in pending if n in asks), free)
+        await self.backend.await_drafters(min(ready_timeout_s, DRAFTER_READY_S))
 
     # ---- Serve hooks --------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -263,7 +129,7 @@ class EngineServer:
                 "engine_id": self.engine_id, "namespace": self.namespace,
                 "stages": [s.name for s in self.stage_slots], "drafters": [d.name for d in self.core.drafters],
                 "config": {"num_stages": self.config.num_stages,
-                           "num_speculative_tokens": self.config.step.num_speculative_tokens,
+                           "num_speculative_tokens": self.config.speculation.num_speculative_tokens,
                            "stages_in_engine": self.config.cluster.stages_in_engine}}
 
     async def health(self) -> dict[str, Any]:

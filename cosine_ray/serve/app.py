@@ -26,7 +26,7 @@ from typing import Any
 
 from ray import serve
 
-from cosine_ray.engine.config import config_from_dict, step_config_for
+from cosine_ray.engine.config import config_from_dict
 
 INGRESS_ARGS = ("api_key", "max_body_bytes", "max_ongoing_requests", "max_queued_requests",
                 "return_spec_stats", "metrics_require_key", "max_pending_requests", "request_timeout_s")
@@ -52,7 +52,8 @@ class OpenAIIngress:
         config = config_from_dict(config_data)
         checkpoint = resolve_checkpoint(config.model)
         self.engine = RayEngineClient(engine, model_name=checkpoint.name,
-                                      max_model_len=step_config_for(config, checkpoint).max_model_len,
+                                      max_model_len=config.resolved(
+                                          context_len=checkpoint.config.max_position_embeddings).scheduler.max_model_len,
                                       vocab_size=checkpoint.config.vocab_size)
         self.tokenizer = checkpoint.load_tokenizer()
         self.api_key = api_key or os.environ.get("COSINE_RAY_API_KEY") or None

@@ -1,7 +1,7 @@
 """Run a scenario: the real engine on the virtual clock, clients from cosine-loadgen's arrivals.
 
 ``simulate(scenario)`` builds the simulated deployment (``sim.world``), an ``EngineCore`` with
-the scenario's ``step`` config and the engine's real scheduler, routing, fusion, tree selection,
+the scenario's ``engine`` config and the engine's real scheduler, routing, fusion, tree selection,
 verifier, learner and ``EngineLoop``, and one client task per request that arrives at its
 offset (``loadgen.arrivals``: rates, burstiness, the CoSine low/high/fluctuating modes), waits
 for a concurrency slot when ``max_concurrency`` is set, streams its tokens and records when
@@ -20,13 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from cosine_ray.engine.config import config_from_dict
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.sim.clock import Link, Resource, run_virtual
 from cosine_ray.sim.latency import drafter_cost, engine_model, target_cost
-from cosine_ray.sim.scenario import ENGINE_DEVICE, Scenario, ScenarioError, request_rate
+from cosine_ray.sim.scenario import ENGINE_DEVICE, Scenario, ScenarioError, engine_config, request_rate
 from cosine_ray.sim.world import (Acceptance, DomainOfPrompt, DrafterModel, Oracle, SimDrafter, SimDrafterClient,
                                   SimStage, SimTarget, TargetShape, _mix)
 from loadgen.arrivals import ArrivalConfig, arrival_offsets
@@ -201,8 +200,7 @@ async def _simulate(scenario: Scenario, requests: list[SimRequest]) -> SimResult
     clock = loop.time
     domains = sorted({r.domain for r in requests} | {"default"})
     world = Deployment(scenario, domains)
-    step = config_from_dict({"step": dict((scenario.get("engine") or {}).get("step") or {})}).step
-    core = EngineCore(step, world.target, world.drafters, vocab_size=SIM_VOCAB, clock=clock,
+    core = EngineCore(engine_config(scenario.data), world.target, world.drafters, vocab_size=SIM_VOCAB, clock=clock,
                       domain_classifier=world.classifier, latency_model=world.latency_model,
                       kv_bytes_per_token=world.kv_bytes_per_token, seed=scenario.seed)
     engine = EngineLoop(core)

@@ -1,8 +1,9 @@
 """The scenario file of ``cosine-ray simulate``: a deployment and a workload, in YAML or JSON.
 
 Checked against ``SCHEMA`` (JSON Schema, ``jsonschema``), then against itself (names that must
-exist, such as each stage's device and latency model). Top-level keys: ``engine`` (the engine's
-own ``step`` config), ``target`` (shapes that size the transfers), ``latency`` (named cost models
+exist, such as each stage's device and latency model). Top-level keys: ``engine`` (the parts of
+the engine's own config that a simulation runs: ``scheduler``, ``speculation``, ``runtime``,
+``experiments``, as in deploy/engine.yaml), ``target`` (shapes that size the transfers), ``latency`` (named cost models
 of the whole target on a device), ``devices`` (FIFO servers; ``engine`` is the engine's host and
 always exists), ``engine_host``, ``stages``, ``links``, ``drafters`` and ``workload``
 (cosine-loadgen's arrivals and domain mixes). Files written with the older names (``router``,
@@ -20,6 +21,11 @@ from typing import Any
 
 import yaml
 
+from cosine_ray.engine.config import SETTING_PATHS, EngineConfig, config_from_dict
+
+ENGINE_PARTS = ("scheduler", "speculation", "runtime", "experiments")
+"""The parts of ``EngineConfig`` a scenario's ``engine`` may set (the others say what is served
+and where, which the scenario's own keys describe)."""
 _NUM = {"type": "number", "minimum": 0}
 _POS = {"type": "number", "exclusiveMinimum": 0}
 _LINK = {"type": "object", "additionalProperties": False,
@@ -40,8 +46,8 @@ SCHEMA: dict[str, Any] = {
     "properties": {
         "name": {"type": "string"},
         "seed": {"type": "integer", "minimum": 0},
-        "engine": {"type": "object", "additionalProperties": False, "properties": {
-            "step": {"type": "object", "description": "StepConfig keys (deploy/engine.yaml `step`)"}}},
+        "engine": {"type": "object", "description": "the engine config's parts a simulation runs "
+                   f"({', '.join(ENGINE_PARTS)}: the keys of deploy/engine.yaml)"},
         "target": {"type": "object", "additionalProperties": False, "properties": {
             "hidden_size": {"type": "integer", "minimum": 1},
             "vocab_size": {"type": "integer", "minimum": 2},
@@ -141,6 +147,7 @@ def validate(data: Any) -> None:
         e = errors[0]
         where = ".".join(str(p) for p in e.absolute_path) or "the scenario"
         raise ScenarioError(f"{where}: {e.message}")
+    engine_config(data)
     devices = set(data.get("devices", ())) | {ENGINE_DEVICE}
     latency = data["latency"]
     host = data.get("engine_host", {}).get("device", ENGINE_DEVICE)
@@ -172,6 +179,20 @@ def validate(data: Any) -> None:
         raise ScenarioError("workload.duration_s needs a finite arrival.request_rate")
     if w.get("arrival", {}).get("schedule", "constant") != "constant" and rate == "inf":
         raise ScenarioError("workload.arrival.schedule needs a finite request_rate (the peak rate)")
+
+
+def engine_config(data: dict[str, Any]) -> EngineConfig:
+    """The engine config of the scenario's ``engine`` parts, resolved (one lane unless
+    ``scheduler.num_lanes`` says); ScenarioError names a bad key."""
+    engine = data.get("engine") or {}
+    try:
+        config = config_from_dict(engine)
+    except ValueError as exc:
+        raise ScenarioError(f"engine: {exc}") from None
+    other = sorted(set(engine) - set(ENGINE_PARTS))
+    if other:
+        raise ScenarioError(f"engine: {', '.join(other)} is not simulated; give {', '.join(ENGINE_PARTS)}")
+    return config.resolved()
 
 
 ENGINE_DEVICE = "engine"
@@ -243,6 +264,16 @@ def set_key(data: dict, path: str, value: Any) -> None:
                 node[k] = value
         else:
             node = node.setdefault(k, {})
+
+
+def set_engine_settings(data: dict, **settings: Any) -> None:
+    """Engine settings by name, each in its part of the scenario's ``engine`` (``num_lanes`` in
+    ``engine.scheduler``: the names of ``EngineConfig.replace``)."""
+    unknown = sorted(set(settings) - set(SETTING_PATHS))
+    if unknown:
+        raise ScenarioError(f"engine: unknown setting(s) {', '.join(unknown)}")
+    for name, value in settings.items():
+        set_key(data, f"engine.{SETTING_PATHS[name]}", value)
 
 
 def request_rate(value: Any) -> float:

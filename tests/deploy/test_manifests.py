@@ -260,8 +260,8 @@ def test_removing_serve_config_fails():
 def test_bad_serve_config_fails_through_the_app():
     config = _serve_config(SERVE_CONFIG_OF_VARIANT["rayservice"])
     unknown = copy.deepcopy(config)
-    _app(unknown)["args"]["experiments"]["no_such_step_option"] = 1
-    assert any("no_such_step_option" in e for e in serve_config_errors(unknown))
+    _app(unknown)["args"]["speculation"]["no_such_option"] = 1
+    assert any("no_such_option" in e for e in serve_config_errors(unknown))
     bad_drafter = copy.deepcopy(config)
     _app(bad_drafter)["args"]["drafters"] = "ngram,telepathy"
     assert any("telepathy" in e for e in serve_config_errors(bad_drafter))

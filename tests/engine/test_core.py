@@ -14,16 +14,17 @@ from cosine_ray.algo.sampling import logits_to_probs
 from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.drafters.model import ModelDrafter
 from cosine_ray.engine.drafters.ngram import NgramDrafter
-from cosine_ray.engine.build import build_target_stages
+from cosine_ray.models.loader import build_stages
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.owners.drafting import LocalDrafterClient
-from cosine_ray.engine.worker.target import LocalTargetClient, TargetWorker
+from cosine_ray.engine.worker.clients import LocalDrafterClient
+from cosine_ray.engine.worker.target import TargetWorker
+from cosine_ray.engine.worker.clients import LocalTargetClient
 from cosine_ray.models.llama import LlamaStage, StageBatch
 
+from support.factories import engine_config
 from support.fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafter, GarbageDrafter,  # noqa: E402
                            HangingDrafter, OracleDrafter, RaisingDrafter, TableTarget)
 
@@ -36,7 +37,7 @@ plumbing these tests pin down exactly. CoSine's own path is tested in test_cosin
 
 
 def make_router(target, drafters=(), *, eos=(), vocab=VOCAB, **config) -> EngineCore:
-    return EngineCore(StepConfig(**{**CLASSIC, **config}), target, list(drafters), vocab_size=vocab, eos_token_ids=eos)
+    return EngineCore(engine_config(**{**CLASSIC, **config}), target, list(drafters), vocab_size=vocab, eos_token_ids=eos)
 
 
 def run_batch(target, drafters, prompts=PROMPTS, params=SamplingParams(max_tokens=21), **config):
@@ -318,11 +319,11 @@ def test_add_request_validation():
     with pytest.raises(ValueError, match="at least one token"):
         router.add_request("b", [], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError):
-        StepConfig(max_num_seqs=0)
+        engine_config(max_num_seqs=0)
     with pytest.raises(ValueError):
-        StepConfig(num_speculative_tokens=-1)
+        engine_config(num_speculative_tokens=-1)
     with pytest.raises(ValueError):
-        StepConfig(drafter_deadline_s=0)
+        engine_config(drafter_deadline_s=0)
     assert asyncio.run(make_router(TableTarget()).step()) == []
 
 
@@ -416,13 +417,13 @@ def test_sampled_sequences_follow_the_target_distribution(temperature, top_k, to
 
 @pytest.fixture(scope="module")
 def tiny_stages(tiny_checkpoint) -> list[LlamaStage]:
-    return build_target_stages(tiny_checkpoint, tiny_checkpoint.load_state_dict(), 2,
+    return build_stages(tiny_checkpoint, tiny_checkpoint.load_state_dict(), 2,
                                dtype=torch.float32, device="cpu")
 
 
 def tiny_router(tiny_stages, drafters, **config):
     worker = TargetWorker(tiny_stages, external_blocks=True)
-    router = EngineCore(StepConfig(**config), LocalTargetClient(worker),
+    router = EngineCore(engine_config(**config), LocalTargetClient(worker),
                     [LocalDrafterClient(DrafterWorker(d)) for d in drafters], vocab_size=256)
     return worker, router
 
@@ -561,7 +562,7 @@ def test_target_failure_fails_running_requests_without_hanging():
 
 def test_kv_cap_error_reaches_the_caller(tiny_checkpoint, tiny_stages):
     worker = TargetWorker(tiny_stages, max_kv_tokens=30, external_blocks=True)
-    router = EngineCore(StepConfig(num_speculative_tokens=4), LocalTargetClient(worker), [], vocab_size=256)
+    router = EngineCore(engine_config(num_speculative_tokens=4), LocalTargetClient(worker), [], vocab_size=256)
     loop = EngineLoop(router)
 
     async def go():
@@ -636,7 +637,7 @@ def test_model_drafter_stays_in_sync_with_the_context(tiny_checkpoint, tiny_draf
                            name="draft")
     checked = CheckedModelDrafter(DrafterWorker(drafter))
     worker = TargetWorker(tiny_stages, external_blocks=True)
-    router = EngineCore(StepConfig(num_speculative_tokens=3, **config), LocalTargetClient(worker), [checked],
+    router = EngineCore(engine_config(num_speculative_tokens=3, **config), LocalTargetClient(worker), [checked],
                     vocab_size=256)
     for i, p in enumerate(tiny_prompts()):
         router.add_request(f"r{i}", p, SamplingParams(max_tokens=20))
@@ -701,7 +702,7 @@ def test_duplicate_request_id_does_not_hang_the_first_stream():
 def test_abort_in_one_lane_while_another_lane_steps(tiny_stages):
     worker = TargetWorker(tiny_stages, external_blocks=True)
     slow = HangingDrafter("slow", seconds=0.05)
-    router = EngineCore(StepConfig(num_speculative_tokens=2, num_lanes=2, drafter_deadline_s=1.0),
+    router = EngineCore(engine_config(num_speculative_tokens=2, num_lanes=2, drafter_deadline_s=1.0),
                     LocalTargetClient(worker), [slow], vocab_size=256)
     prompts = tiny_prompts()
     router.add_request("a", prompts[0], SamplingParams(max_tokens=10))

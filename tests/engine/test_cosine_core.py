@@ -16,12 +16,11 @@ from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.algo.latency_model import LatencyModel
 from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.owners.economics import REFIT_EVERY
 from cosine_ray.engine.owners.scheduler import PROBE_EVERY
 
-from support.factories import Clock
+from support.factories import Clock, engine_config
 from support.fakes import VOCAB, AdversarialDrafter, FakeDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
 DOMAINS = ("code", "math", "chat", "instruction")
@@ -73,7 +72,7 @@ class ParityDrafter(FakeDrafter):
 
 
 def make(target, drafters, *, clock=time.monotonic, **config) -> EngineCore:
-    return EngineCore(StepConfig(**config), target, list(drafters), vocab_size=VOCAB,
+    return EngineCore(engine_config(**config), target, list(drafters), vocab_size=VOCAB,
                   domain_classifier=MarkerClassifier(), seed=0, clock=clock)
 
 
@@ -278,7 +277,7 @@ def test_drafting_of_one_lane_overlaps_verification_of_the_other(num_lanes):
 
     target = ExclusiveSlowTarget(0.02)
     drafter = SlowOracle("slow", target, 0.02)
-    router = EngineCore(StepConfig(num_lanes=num_lanes, fusion="single", adaptive=False, scheduler="fcfs",
+    router = EngineCore(engine_config(num_lanes=num_lanes, fusion="single", adaptive=False, scheduler="fcfs",
                                    num_speculative_tokens=1, drafters_per_request=1),
                         target, [drafter], vocab_size=VOCAB)
     loop = EngineLoop(router)
@@ -312,7 +311,7 @@ def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overla
     def run_once(overlap_mode, target_async):
         target = ExclusiveSlowTarget(0.005)
         target.runs_async = target_async
-        router = EngineCore(StepConfig(fusion="single", adaptive=False, scheduler="fcfs", num_speculative_tokens=3,
+        router = EngineCore(engine_config(fusion="single", adaptive=False, scheduler="fcfs", num_speculative_tokens=3,
                                        drafters_per_request=1, overlap_learning=overlap_mode),
                             target, [ParityDrafter("even", target, 0)],
                             vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)
@@ -364,12 +363,12 @@ def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without
     and verify together, and the GPU idles)."""
     from cosine_ray.engine.drafters.ngram import NgramDrafter
     from cosine_ray.engine.drafters.worker import DrafterWorker
-    from cosine_ray.engine.owners.drafting import LocalDrafterClient
+    from cosine_ray.engine.worker.clients import LocalDrafterClient
     from cosine_ray.engine.loop import EngineLoop
 
     target = ExclusiveSlowTarget(0.0005)
     drafters = [LocalDrafterClient(DrafterWorker(NgramDrafter(name=f"ngram{i}"))) for i in range(4)]
-    router = EngineCore(StepConfig(num_lanes=2, num_speculative_tokens=3, overlap_learning="on"), target, drafters,
+    router = EngineCore(engine_config(num_lanes=2, num_speculative_tokens=3, overlap_learning="on"), target, drafters,
                         vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)
     events = []
     schedule, score = router.scheduler.schedule, target.score

@@ -22,7 +22,8 @@ from cosine_ray.engine.drafters.ngram import NgramDrafter
 from cosine_ray.engine.drafters.retrieval import RetrievalDrafter
 from cosine_ray.engine.build import PACKAGED_DATASTORES
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.owners.drafting import LocalDrafterClient, fuse_drafts
+from cosine_ray.engine.owners.drafting import fuse_drafts
+from cosine_ray.engine.worker.clients import LocalDrafterClient
 from cosine_ray.models.llama import LlamaStage
 from support.fakes import fuse_behind_leader
 

@@ -63,7 +63,7 @@ def test_graph_runner_equals_eager_on_cuda(tiny_checkpoint):
 
 def test_enforce_eager_on_cuda_captures_nothing(tiny_checkpoint, prompts):
     engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram"),
-                                      device="cuda", runner="eager"), checkpoint=tiny_checkpoint)
+                                      device="cuda").replace(runner="eager"), checkpoint=tiny_checkpoint)
     engine.generate(prompts[:2], SamplingParams(max_tokens=8))
     stats = engine.target.stages[0].runner.stats
     assert stats["graph"] == 0 and stats["captures"] == 0 and stats["eager"] > 0, stats
@@ -109,7 +109,7 @@ def test_eager_bf16_steps_do_not_use_cudnn_attention(tiny_checkpoint, prompts):
     from torch.profiler import ProfilerActivity, profile
 
     engine = LocalEngine(EngineConfig(model=str(tiny_checkpoint.path), drafters=parse_drafters("ngram"),
-                                      device="cuda", dtype="bfloat16", runner="eager"), checkpoint=tiny_checkpoint)
+                                      device="cuda", dtype="bfloat16").replace(runner="eager"), checkpoint=tiny_checkpoint)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.generate(prompts, SamplingParams(max_tokens=8))
     names = {e.key for e in prof.key_averages()}

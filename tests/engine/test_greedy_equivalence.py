@@ -470,7 +470,7 @@ BF16_NEAR_TIE = 1.0
 @pytest.mark.real_model
 @pytest.mark.parametrize("drafters", ["default", "ngram"])
 def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prompts, drafters):
-    from cosine_ray.engine.build import build_target_stages
+    from cosine_ray.models.loader import build_stages
     from support.divergence import divergences
     from cosine_ray.engine.worker.target import TargetWorker
 
@@ -483,7 +483,7 @@ def test_real_bf16_speculative_equals_our_bf16_decode(real_checkpoint, real_prom
     plain = [o.new_token_ids for o in engine("none").generate(real_prompts, params)]
     spec_outs = engine(drafters).generate(real_prompts, params)
     assert sum(o.stats.num_accepted_tokens for o in spec_outs) > 0
-    worker = TargetWorker(build_target_stages(real_checkpoint, real_checkpoint.load_state_dict(), 1,
+    worker = TargetWorker(build_stages(real_checkpoint, real_checkpoint.load_state_dict(), 1,
                                               dtype=torch.bfloat16, device="cpu"))
     identical, found = divergences(worker, real_prompts, plain, [o.new_token_ids for o in spec_outs])
     report = [str(d) for d in found]

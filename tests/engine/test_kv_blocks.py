@@ -180,14 +180,14 @@ def test_a_cpu_pool_without_a_budget_may_hold_a_share_of_the_available_memory(mo
 
     from cosine_ray.engine.worker import target
     from cosine_ray.models.config import ModelConfig
-    from support.factories import step_config
+    from support.factories import engine_config
 
     assert 0 < target.available_memory_bytes() < 1 << 50
     model = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                         num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0)
     per_token = 4 * 2 * 2 * 8 * 4  # layers, keys and values, heads, dims, fp32 bytes
     monkeypatch.setattr(target, "available_memory_bytes", lambda: 10 ** 9)
-    step = step_config(max_model_len=512, num_speculative_tokens=8)
+    step = engine_config(max_model_len=512, num_speculative_tokens=8)
     assert target.default_kv_tokens(step, model, torch.float32) == int(target.CPU_KV_MEMORY_SHARE * 10 ** 9) // per_token
     monkeypatch.setattr(target, "available_memory_bytes", lambda: 1000)
     assert target.default_kv_tokens(step, model, torch.float32) == 512 + 8 + 1  # one whole request, at least

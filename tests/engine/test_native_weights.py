@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cosine_ray.datasets import held_back_prompts
-from cosine_ray.engine.build import build_target_stages
+from cosine_ray.models.loader import build_stages
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
@@ -36,8 +36,8 @@ def prompts(real_checkpoint) -> list[list[int]]:
 
 
 def engine(ckpt, drafters: str) -> LocalEngine:
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), weights="native",
-                                    max_num_seqs=8), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), weights="native").replace(
+        max_num_seqs=8), checkpoint=ckpt)
 
 
 def test_native_engine_runs_on_quantized_projections(real_checkpoint):
@@ -54,7 +54,7 @@ def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, d
     plain = [o.new_token_ids for o in engine(real_checkpoint, "none").generate(prompts, params)]
     spec_outs = engine(real_checkpoint, drafters).generate(prompts, params)
     assert sum(o.stats.num_accepted_tokens for o in spec_outs) > 0
-    worker = TargetWorker(build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
+    worker = TargetWorker(build_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
                                               dtype=torch.float32, device="cpu"))
     identical, found = divergences(worker, prompts, plain, [o.new_token_ids for o in spec_outs])
     assert identical == len(prompts), f"native {drafters} ({kernel}): {identical}/{len(prompts)} identical: " + \
@@ -76,9 +76,9 @@ def test_native_stage_attends_in_float64_where_its_activations_are_bf16(real_che
     """PyTorch's int4 kernel (``onednn``/``mkl``) rounds activations to bf16: attention in float64.
     Our kernel keeps them fp32, as the dense path does: fp32 attention."""
     monkeypatch.setenv(kernels.ENV, kernel)
-    stage = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
+    stage = build_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
                                 dtype=torch.float32, device="cpu")[0]
-    dense = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "dense"), 1,
+    dense = build_stages(real_checkpoint, load_weights(real_checkpoint, "dense"), 1,
                                 dtype=torch.float32, device="cpu")[0]
     ours = kernel == "blocked" and kernels.available()
     assert stage.wide_attention is not ours and not dense.wide_attention

@@ -17,7 +17,7 @@ import asyncio
 import pytest
 import torch
 
-from cosine_ray.engine.config import EngineConfig, StepConfig, parse_drafters
+from cosine_ray.engine.config import EngineConfig, SpeculationConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDecSession
 from cosine_ray.engine.request import Request, SamplingParams
@@ -249,9 +249,9 @@ def test_engine_with_the_guard_runs_both_modes_and_stays_lossless(tiny_checkpoin
 
 def test_pipedec_needs_a_pipeline_target():
     with pytest.raises(ValueError, match="pipeline_mode"):
-        StepConfig(pipeline_mode="tree")
+        SpeculationConfig(pipeline_mode="tree")
     with pytest.raises(ValueError, match="pipedec_width"):
-        StepConfig(pipedec_width=0)
+        SpeculationConfig(pipedec_width=0)
 
 
 @pytest.mark.real_model

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 
+from support.factories import engine_config
 from support.fakes import PROMPTS, VOCAB, FakeDrafter, OracleDrafter, TableTarget  # noqa: E402
 
 MAX_BATCH = 3
@@ -72,7 +72,7 @@ def check_invariants(router: Router, target: TableTarget, model: Model) -> None:
 
 
 async def run_ops(ops, target: TableTarget, drafters) -> tuple[Router, Model]:
-    router = EngineCore(StepConfig(max_num_seqs=MAX_BATCH, num_speculative_tokens=4, fusion="union",
+    router = EngineCore(engine_config(max_num_seqs=MAX_BATCH, num_speculative_tokens=4, fusion="union",
                                  scheduler="fcfs", adaptive=False, drafters_per_request=2),
                     target, drafters, vocab_size=VOCAB)
     model = Model()

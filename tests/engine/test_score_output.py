@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.engine.build import build_target_stages
+from cosine_ray.models.loader import build_stages
 from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem, ScoreOutput
 from cosine_ray.engine.worker.target import TargetWorker
 
@@ -32,7 +32,7 @@ def test_ids_for_greedy_items_logits_for_the_rest(tiny_checkpoint, num_stages):
     state = tiny_checkpoint.load_state_dict()
 
     def run(ids_only):
-        worker = TargetWorker(build_target_stages(tiny_checkpoint, state, num_stages, dtype=torch.float32,
+        worker = TargetWorker(build_stages(tiny_checkpoint, state, num_stages, dtype=torch.float32,
                                                   device="cpu"))
         prefills, trees = items(ids_only)
         first = worker.score(prefills)
@@ -90,7 +90,8 @@ def test_local_client_steps_other_lanes_while_the_gpu_verifies():
 
     from cosine_ray.engine.worker.scoring import ScoreOutput
 
-    from cosine_ray.engine.worker.target import LocalTargetClient, PendingScore
+    from cosine_ray.engine.worker.target import PendingScore
+    from cosine_ray.engine.worker.clients import LocalTargetClient
 
     class FakeEvent:
         def __init__(self):

@@ -11,16 +11,16 @@ import random
 
 import pytest
 
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.request import SamplingParams
 
+from support.factories import engine_config
 from support.fakes import VOCAB, AdversarialDrafter, OracleDrafter, TableTarget, drain  # noqa: E402
 
 
 def make(target, *, drafters=None, kv_num_blocks=None, **config) -> EngineCore:
     drafters = [AdversarialDrafter("adv", target, confidence=0.6)] if drafters is None else drafters
-    return EngineCore(StepConfig(**config), target, drafters, vocab_size=VOCAB, kv_num_blocks=kv_num_blocks, seed=0)
+    return EngineCore(engine_config(**config), target, drafters, vocab_size=VOCAB, kv_num_blocks=kv_num_blocks, seed=0)
 
 
 def tokens(n: int, seed: int) -> list[int]:

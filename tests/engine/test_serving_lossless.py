@@ -47,7 +47,7 @@ def reference(hf, prompts) -> list[list[int]]:
 
 def make(ckpt, draft_ckpt, **settings) -> LocalEngine:
     drafters = parse_drafters(f"ngram,model:{draft_ckpt.path}")  # a drafter that is mostly wrong
-    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=drafters, **settings), checkpoint=ckpt)
+    return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=drafters).replace(**settings), checkpoint=ckpt)
 
 
 def run_waves(engine: LocalEngine, waves, params) -> dict[int, object]:

@@ -591,7 +591,7 @@ def test_config_validation(kwargs, message):
 
 
 def test_the_engine_config_caps_every_suffix_index():
-    """``EngineConfig.suffix_index_tokens`` reaches every suffix drafter the engine builds: the
+    """``runtime.suffix_index_tokens`` reaches every suffix drafter the engine builds: the
     packaged seeds (11-24 k tokens per domain) are cut to the cap, oldest rows first."""
     import types
 

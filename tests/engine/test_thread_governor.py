@@ -89,7 +89,7 @@ def test_switching_threads_every_step_changes_no_token(real_checkpoint, weights)
         for name in ("fixed", "switching"):
             torch.set_num_threads(2)
             eng = LocalEngine(EngineConfig(model=str(real_checkpoint.path), drafters=parse_drafters("default"),
-                                           weights=weights, max_num_seqs=4), checkpoint=real_checkpoint)
+                                           weights=weights).replace(max_num_seqs=4), checkpoint=real_checkpoint)
             counts: list[int] = []
 
             def set_threads(n: int) -> None:

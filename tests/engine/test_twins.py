@@ -10,18 +10,18 @@ import asyncio
 
 import pytest
 
-from cosine_ray.engine.config import StepConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.request import Request, SamplingParams
 from cosine_ray.engine.modes.twins import TWIN, Twins
 
+from support.factories import engine_config
 from support.fakes import VOCAB, AdversarialDrafter, TableTarget, drain  # noqa: E402
 
 P, Q = [3, 1, 4, 1, 5], [9, 2, 6]
 
 
 def make(target, **config) -> EngineCore:
-    return EngineCore(StepConfig(**config), target, [AdversarialDrafter("adv", target, confidence=0.6)],
+    return EngineCore(engine_config(**config), target, [AdversarialDrafter("adv", target, confidence=0.6)],
                       vocab_size=VOCAB, seed=0)
 
 

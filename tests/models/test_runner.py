@@ -33,7 +33,7 @@ def test_a_verify_bucket_of_the_engines_whole_tree_equals_eager(tiny_checkpoint)
     """``StepRunner.tree_size(9)`` (γ_max 8 + the root, what an engine adds at start): a step
     whose largest tree has 9 nodes takes a 9-row bucket instead of 16, with the eager forward's
     logits; the mixed steps of ``compare_runners`` still match with the extra bucket."""
-    from cosine_ray.engine.config import StepConfig as Step
+    from cosine_ray.engine.config import SpeculationConfig
     from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
     from cosine_ray.models.runner import startup_keys
     from support.runner_steps import random_tree, workers
@@ -55,7 +55,7 @@ def test_a_verify_bucket_of_the_engines_whole_tree_equals_eager(tiny_checkpoint)
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     for stage in static.stages:
         assert (2, 9, 256) in stage.runner._buckets, list(stage.runner._buckets)
-    keys = startup_keys(8, Step().num_speculative_tokens + 1, 8192, 16, new_tokens=static.stages[0].runner.new_tokens)
+    keys = startup_keys(8, SpeculationConfig().num_speculative_tokens + 1, 8192, 16, new_tokens=static.stages[0].runner.new_tokens)
     assert {n for _, n, _ in keys} == {1, 2, 4, 8, 9} and len(keys) == 4 * 5 * 3
 
 

@@ -1,6 +1,7 @@
 """What the engine and its actors no longer hold, checked for being the same: the EOS id read
-from the tokenizer's files equals the loaded tokenizer's (runtime/engine_server.py), and our
-actors leave no task events in the GCS (runtime/placement.py), with a control actor that does."""
+from the tokenizer's files, without loading it, equals the loaded tokenizer's
+(``models.loader.eos_token_ids``, what the Serve engine reads), and our actors leave no task
+events in the GCS (runtime/placement.py), with a control actor that does."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ from collections import Counter
 
 import pytest
 
-from cosine_ray.engine.build import eos_token_ids
-from cosine_ray.runtime.engine_server import eos_source, tokenizer_eos_id
+from cosine_ray.models.loader import eos_token_ids, tokenizer_eos_id
 from support.tiny_checkpoint import write_tiny_checkpoint
 
 
 @pytest.mark.real_model
-def test_the_eos_id_from_the_files_is_the_tokenizers(real_checkpoint, tmp_path):
+def test_the_eos_id_from_the_files_is_the_tokenizers(real_checkpoint, tmp_path, monkeypatch):
     tiny = write_tiny_checkpoint(tmp_path / "tiny", tokenizer_from=real_checkpoint, seed=3)
     for ckpt in (real_checkpoint, tiny):
         tokenizer = ckpt.load_tokenizer()
         assert tokenizer_eos_id(ckpt.path) == tokenizer.eos_token_id
-        assert eos_token_ids(ckpt, eos_source(ckpt)) == eos_token_ids(ckpt, tokenizer)
+        with monkeypatch.context() as m:
+            m.setattr(type(ckpt), "load_tokenizer", lambda self: pytest.fail("loaded the tokenizer for its EOS id"))
+            from_files = eos_token_ids(ckpt)
+        assert from_files == eos_token_ids(ckpt, tokenizer)
     # eos_token as {"content": ...}, found in the vocabulary rather than the added tokens
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))

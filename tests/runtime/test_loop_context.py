@@ -47,7 +47,7 @@ def _actors():
 
         def __init__(self, stage) -> None:
             self.stage = stage
-            self.config = SimpleNamespace(num_lanes=1)
+            self.config = SimpleNamespace(scheduler=SimpleNamespace(num_lanes=1))
             self.stepping = False
             self.outcome: str | None = None
 

@@ -18,15 +18,16 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from cosine_ray.engine.build import eos_token_ids, make_drafter_worker  # noqa: E402
-from cosine_ray.engine.config import config_from_dict, step_config_for  # noqa: E402
+from cosine_ray.engine.build import make_drafter_worker  # noqa: E402
+from cosine_ray.engine.config import config_from_dict  # noqa: E402
 from cosine_ray.engine.core import EngineCore  # noqa: E402
-from cosine_ray.engine.owners.drafting import LocalDrafterClient  # noqa: E402
+from cosine_ray.engine.worker.clients import LocalDrafterClient  # noqa: E402
 from cosine_ray.engine.loop import EngineLoop  # noqa: E402
 from cosine_ray.engine.request import SamplingParams  # noqa: E402
+from cosine_ray.models.loader import eos_token_ids  # noqa: E402
 from cosine_ray.runtime.actors import DrafterActor  # noqa: E402
 from cosine_ray.runtime.clients import ActorSlot, RayDrafterClient, RayTargetClient, await_ref  # noqa: E402
-from cosine_ray.runtime.engine_server import stage_slots  # noqa: E402
+from cosine_ray.runtime.backend import stage_slots  # noqa: E402
 from cosine_ray.runtime.placement import actor_options  # noqa: E402
 from support.hf_reference import hf_greedy  # noqa: E402
 
@@ -59,8 +60,9 @@ class StageEngine:
                  drafter_actors: bool = False) -> None:
         self.config = config_from_dict({
             "model": str(ckpt.path), "drafters": drafters, "num_stages": num_stages,
-            "step": {**mode, "num_lanes": num_stages, "stage_recovery_s": 120.0},
-            "cluster": {"num_cpus_per_actor": 0, "stage_deadline_s": 30.0}})
+            "scheduler": {"num_lanes": num_stages}, "runtime": {"stage_recovery_s": 120.0},
+            "cluster": {"num_cpus_per_actor": 0, "stage_deadline_s": 30.0}}).replace(**mode).resolved(
+            context_len=ckpt.config.max_position_embeddings, stages_in_process=False)
         self.namespace = f"test.pipemodes.{uuid.uuid4().hex[:6]}"
         self.slots = stage_slots(self.config, self.namespace)
         self.drafter_slots: dict[str, ActorSlot] = {}
@@ -80,7 +82,7 @@ class StageEngine:
         drafters = [RayDrafterClient(self.drafter_slots[spec.name], spec.name, deadline_s=300.0)
                     if spec.name in self.drafter_slots else LocalDrafterClient(make_drafter_worker(spec, self.config))
                     for spec in self.config.drafters]
-        self.core = EngineCore(step_config_for(self.config, self.ckpt), RayTargetClient(self.slots, deadline_s=30.0),
+        self.core = EngineCore(self.config, RayTargetClient(self.slots, deadline_s=30.0),
                                drafters, vocab_size=self.ckpt.config.vocab_size,
                                eos_token_ids=eos_token_ids(self.ckpt, None))
         self.loop = EngineLoop(self.core)

@@ -106,9 +106,11 @@ def tiny(tmp_path_factory, real_checkpoint) -> Tiny:
 
 def engine_config_data(tiny: Tiny, num_stages: int, *, stages_in_engine: bool = False) -> dict[str, Any]:
     return {"model": str(tiny.ckpt.path), "drafters": DRAFTERS[num_stages], "num_stages": num_stages,
-            "step": {"num_lanes": num_stages, "num_speculative_tokens": GAMMA, "max_num_seqs": 8,
-                     "stage_recovery_s": STAGE_RECOVERY_S, "min_tree_confidence": MIN_TREE_CONFIDENCE,
-                     "adaptive": False},  # fixed γ: the random tiny model's drafts are verified
+            "scheduler": {"num_lanes": num_stages, "max_num_seqs": 8},
+            "speculation": {"num_speculative_tokens": GAMMA},
+            "runtime": {"stage_recovery_s": STAGE_RECOVERY_S},
+            # fixed γ: the random tiny model's drafts are verified
+            "experiments": {"min_tree_confidence": MIN_TREE_CONFIDENCE, "adaptive": False},
             "cluster": {"stage_deadline_s": 30.0, "drafters_in_engine": "none",  # every drafter an actor
                         "stages_in_engine": stages_in_engine}}
 

@@ -17,7 +17,7 @@ import yaml
 from cosine_ray.cli import build_parser, main
 from cosine_ray.cli import serve as serve_cli
 from cosine_ray.cli import serve_start
-from cosine_ray.engine.config import ClusterConfig, EngineConfig, ExperimentsConfig
+from cosine_ray.engine.config import SECTIONS, EngineConfig, config_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_YAML = REPO / "deploy" / "engine.yaml"
@@ -41,6 +41,13 @@ def write(tmp_path: Path, data, name: str = "c.yaml") -> str:
     return str(path)
 
 
+def lanes(p: serve_cli.ServePlan) -> int:
+    """The micro-batch lanes the engine replica runs for ``p``: its config resolved as the
+    replica resolves it (one lane a stage actor, one in all for stages in the engine)."""
+    config = config_from_dict(p.engine)
+    return config.resolved(stages_in_process=config.cluster.stages_in_engine).scheduler.num_lanes
+
+
 def serve_config(args: dict, **top) -> dict:
     return {"http_options": {"host": "0.0.0.0", "port": 8123}, **top,
             "applications": [{"name": "cosine_ray", "route_prefix": "/", "import_path": "cosine_ray.serve.app:build_app",
@@ -55,15 +62,15 @@ def test_engine_yaml_is_what_serve_runs_without_flags():
     assert from_file.engine == default.engine
     assert (from_file.host, from_file.port, from_file.app_args) == (default.host, default.port, default.app_args)
     # a local CPU cluster: the two stages in the engine, one lane
-    assert default.engine["num_stages"] == 2 and default.engine["experiments"]["num_lanes"] == 1
+    assert default.engine["num_stages"] == 2 and lanes(default) == 1
     assert default.engine["cluster"]["stages_in_engine"] is True
     assert default.engine["model"] == "smollm2-135m"
     # every field of the engine config is written out, each with a comment
     text = ENGINE_YAML.read_text()
     data = yaml.safe_load(text)
     assert set(data) == {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(data["experiments"]) == {f.name for f in dataclasses.fields(ExperimentsConfig)}
-    assert set(data["cluster"]) == {f.name for f in dataclasses.fields(ClusterConfig)}
+    for section, cls in SECTIONS.items():
+        assert set(data[section]) == {f.name for f in dataclasses.fields(cls)}, section
     keyed = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert all("#" in line for line in keyed), [line for line in keyed if "#" not in line]
     # flags still override the file
@@ -72,13 +79,13 @@ def test_engine_yaml_is_what_serve_runs_without_flags():
 
 
 def test_enforce_eager_flag_sets_the_runner(tmp_path):
-    assert plan().engine["experiments"]["runner"] == "auto"
-    assert plan("--enforce-eager").engine["experiments"]["runner"] == "eager"
-    from_file = write(tmp_path, {"num_stages": 1, "runner": "eager"})
-    assert plan("--config", from_file).engine["experiments"]["runner"] == "eager"  # absent flag: the file's value stands
+    assert plan().engine["runtime"]["runner"] == "auto"
+    assert plan("--enforce-eager").engine["runtime"]["runner"] == "eager"
+    from_file = write(tmp_path, {"num_stages": 1, "runtime": {"runner": "eager"}})
+    assert plan("--config", from_file).engine["runtime"]["runner"] == "eager"  # absent flag: the file's value stands
     from cosine_ray.cli.args import engine_config_from_args
     for argv, runner in ((["generate", "hi"], "auto"), (["generate", "hi", "--enforce-eager"], "eager")):
-        assert engine_config_from_args(build_parser().parse_args(argv)).runner == runner
+        assert engine_config_from_args(build_parser().parse_args(argv)).runtime.runner == runner
 
 
 def test_stages_in_engine_flag_runs_one_lane(tmp_path):
@@ -86,11 +93,11 @@ def test_stages_in_engine_flag_runs_one_lane(tmp_path):
     lane keeps the batch whole; a file's own ``num_lanes`` stands."""
     p = plan("--stages-in-engine")
     assert p.engine["cluster"]["stages_in_engine"] is True and p.engine["num_stages"] == 2
-    assert p.engine["experiments"]["num_lanes"] == 1
+    assert p.engine["scheduler"]["num_lanes"] is None and lanes(p) == 1  # the replica resolves it
     actors = plan("--no-stages-in-engine")
-    assert actors.engine["cluster"]["stages_in_engine"] is False and actors.engine["experiments"]["num_lanes"] == 2
-    from_file = write(tmp_path, {"cluster": {"stages_in_engine": True}, "step": {"num_lanes": 2}})
-    assert plan("--config", from_file).engine["experiments"]["num_lanes"] == 2
+    assert actors.engine["cluster"]["stages_in_engine"] is False and lanes(actors) == 2
+    from_file = write(tmp_path, {"cluster": {"stages_in_engine": True}, "scheduler": {"num_lanes": 2}})
+    assert plan("--config", from_file).engine["scheduler"]["num_lanes"] == 2
 
 
 def test_stages_run_in_the_engine_by_default_only_on_a_local_cpu_cluster(tmp_path, monkeypatch):
@@ -99,17 +106,17 @@ def test_stages_run_in_the_engine_by_default_only_on_a_local_cpu_cluster(tmp_pat
     or places stages by resource (use_resources); a file's own setting and the flags win."""
     assert plan().engine["cluster"]["stages_in_engine"] is True
     joined = plan("--address", "10.0.0.1:6379")
-    assert joined.engine["cluster"]["stages_in_engine"] is False and joined.engine["experiments"]["num_lanes"] == 2
+    assert joined.engine["cluster"]["stages_in_engine"] is False and lanes(joined) == 2
     in_file = write(tmp_path, {"num_stages": 2, "cluster": {"address": "10.0.0.1:6379"}})
     assert plan("--config", in_file).engine["cluster"]["stages_in_engine"] is False
     monkeypatch.setattr(serve_cli, "check_local_device", lambda device: None)  # no GPU on this machine
     on_cuda = plan("--device", "cuda")
-    assert on_cuda.engine["cluster"]["stages_in_engine"] is False and on_cuda.engine["experiments"]["num_lanes"] == 2
+    assert on_cuda.engine["cluster"]["stages_in_engine"] is False and lanes(on_cuda) == 2
     placed = write(tmp_path, {"num_stages": 2, "cluster": {"use_resources": True}}, "placed.yaml")
     assert plan("--config", placed).engine["cluster"]["stages_in_engine"] is False
     said = write(tmp_path, {"num_stages": 2, "cluster": {"stages_in_engine": False}}, "said.yaml")
     # a Ray Serve config runs what `serve run` of it runs: stage actors where it does not say
-    serve_file = write(tmp_path, serve_config({"num_stages": 2, "step": {"num_lanes": 2}}), "serve.yaml")
+    serve_file = write(tmp_path, serve_config({"num_stages": 2}), "serve.yaml")
     assert plan("--config", serve_file).engine["cluster"]["stages_in_engine"] is False
     assert plan("--config", said).engine["cluster"]["stages_in_engine"] is False
     assert plan("--address", "10.0.0.1:6379", "--stages-in-engine").engine["cluster"]["stages_in_engine"] is True
@@ -118,7 +125,7 @@ def test_stages_run_in_the_engine_by_default_only_on_a_local_cpu_cluster(tmp_pat
 def test_an_engine_config_file_takes_the_ingress_args_too(tmp_path):
     """An engine config file is the application builder's ``args``: ingress args included."""
     p = plan("--config", write(tmp_path, {"num_stages": 1, "api_key": "k", "metrics_require_key": True}))
-    assert p.engine["num_stages"] == 1 and p.engine["experiments"]["num_lanes"] == 1 and "api_key" not in p.engine
+    assert p.engine["num_stages"] == 1 and lanes(p) == 1 and "api_key" not in p.engine
     assert (p.app_args["api_key"], p.app_args["metrics_require_key"]) == ("k", True)
 
 
@@ -144,10 +151,10 @@ def test_serve_config_yaml_is_the_same_application_as_serve():
 def test_serve_config_gives_engine_ingress_and_http_settings(tmp_path, monkeypatch):
     path = write(tmp_path, serve_config(
         {"model": "smollm2-135m", "drafters": "ngram", "num_stages": 1, "api_key": "file-key",
-         "return_spec_stats": True, "max_pending_requests": 7, "step": {"num_lanes": 1}},
+         "return_spec_stats": True, "max_pending_requests": 7, "scheduler": {"num_lanes": 1}},
         proxy_location="HeadOnly", logging_config={"encoding": "JSON"}))
     p = plan("--config", path)
-    assert p.engine["drafters"] == "ngram" and p.engine["num_stages"] == 1 and p.engine["experiments"]["num_lanes"] == 1
+    assert p.engine["drafters"] == "ngram" and p.engine["num_stages"] == 1 and p.engine["scheduler"]["num_lanes"] == 1
     assert "api_key" not in p.engine
     assert {k: p.app_args[k] for k in ("api_key", "return_spec_stats", "max_pending_requests")} == {
         "api_key": "file-key", "return_spec_stats": True, "max_pending_requests": 7}
@@ -184,11 +191,14 @@ def test_serve_config_without_exactly_one_cosine_ray_app_exits_2(tmp_path, capsy
     ("model: [unclosed\n", "is not valid YAML"),
     ("- a\n- b\n", "must be a mapping of settings"),
     ("model: smollm2-135m\nbogus_key: 1\n", "unknown key(s) bogus_key"),
-    ("step:\n  bogus_step_key: 1\n", "unknown key(s) bogus_step_key in step"),
-    ("step: 5\n", "'step' and 'cluster' must be mappings"),
+    ("scheduler:\n  bogus_key: 1\n", "unknown key(s) bogus_key in scheduler"),
+    ("scheduler: 5\n", "'scheduler' must be a mapping"),
+    ("max_batch_size: 4\n", "'max_batch_size' was renamed: use 'scheduler.max_num_seqs'"),
+    ("step:\n  num_lanes: 2\n", "'step.num_lanes' moved: use 'scheduler.num_lanes'"),
+    ("cluster: {drafters_in_router: none}\n", "'cluster.drafters_in_router' was renamed: use 'cluster.drafters_in_engine'"),
     ("num_stages: zero\n", "--config"),
     ("drafters: telepathy\n", "unknown drafter 'telepathy'"),
-    ("suffix_index_tokens: 0\n", "suffix_index_tokens must be an integer >= 1"),
+    ("runtime: {suffix_index_tokens: 0}\n", "suffix_index_tokens must be an integer >= 1"),
     ("model: /nonexistent/model/dir\n", "--config"),
     ("applications:\n  - import_path: cosine_ray.serve.app:build_app\n    args: {bogus: 1}\n",
      "unknown key(s) bogus"),

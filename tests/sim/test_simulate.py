@@ -26,7 +26,7 @@ from cosine_ray.sim.world import Acceptance, DrafterModel, Oracle, SimDrafter
 SMALL = {
     "name": "small",
     "seed": 0,
-    "engine": {"step": {"max_num_seqs": 8, "num_speculative_tokens": 8}},
+    "engine": {"scheduler": {"max_num_seqs": 8}, "speculation": {"num_speculative_tokens": 8}},
     "latency": {"cpu": {"linear": {"c0_ms": 40, "c_req_ms": 0.5, "c_tok_ms": 0.45, "c_knee_ms": 1.5,
                                    "knee_tokens": 16, "c_attn_us": 0.2}, "source": "hand"}},
     "devices": ["cpu0"],
@@ -55,7 +55,7 @@ def scenario(base: dict = SMALL, **changes) -> Scenario:
 
 def one_request(c0_ms: float = 10.0, *, output_len: int = 6, input_len: int = 20, **changes) -> dict:
     """One request on one stage whose whole cost is ``c0_ms`` a forward, no drafters."""
-    data = {"name": "one", "engine": {"step": {"num_speculative_tokens": 0}},
+    data = {"name": "one", "engine": {"speculation": {"num_speculative_tokens": 0}},
             "latency": {"c": {"linear": {"c0_ms": c0_ms}}},
             "devices": ["gpu"], "stages": [{"device": "gpu", "latency": "c"}],
             "workload": {"requests": [{"input_len": input_len, "output_len": output_len}]}}
@@ -117,7 +117,7 @@ def _one_drafter(alpha: float, depths: int = 6) -> list[dict]:
 def test_speculation_speed_follows_acceptance():
     good = simulate(scenario(drafters=_one_drafter(0.9)))
     useless = simulate(scenario(drafters=_one_drafter(0.0)))
-    off = simulate(scenario(engine={"step": {"max_num_seqs": 8, "num_speculative_tokens": 0}},
+    off = simulate(scenario(engine={"scheduler": {"max_num_seqs": 8}, "speculation": {"num_speculative_tokens": 0}},
                             drafters=_one_drafter(0.9)))
     tpot = {name: r.summary()["tpot_mean_s"] for name, r in [("good", good), ("useless", useless), ("off", off)]}
 
@@ -144,7 +144,7 @@ def test_summary_mean_accepted_length_is_tokens_per_verify_step(drafters):
 
 # ---- closed forms -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", [{}, {"drafters": []}, {"engine": {"step": {"num_speculative_tokens": 8}},
+@pytest.mark.parametrize("spec", [{}, {"drafters": []}, {"engine": {"speculation": {"num_speculative_tokens": 8}},
                                                           "drafters": []}],
                          ids=["gamma-0", "gamma-0-empty-drafters", "gamma-8-no-drafters"])
 def test_one_request_constant_cost_closed_form(spec):
@@ -218,7 +218,7 @@ def test_logits_return_slows_a_speculative_run_on_a_slow_engine_link():
 
 PIPELINE = {
     "name": "two-stages",
-    "engine": {"step": {"max_num_seqs": 4, "num_lanes": 2, "num_speculative_tokens": 0}},
+    "engine": {"scheduler": {"max_num_seqs": 4, "num_lanes": 2}, "speculation": {"num_speculative_tokens": 0}},
     "latency": {"whole": {"linear": {"c0_ms": 20, "c_tok_ms": 0.1}}},
     "devices": ["gpu0", "gpu1"],
     "stages": [{"device": "gpu0", "latency": "whole", "layers": 0.5},
@@ -229,8 +229,8 @@ PIPELINE = {
 
 def test_two_lanes_keep_both_stages_busy():
     two = simulate(scenario(PIPELINE)).summary()
-    one = simulate(scenario(PIPELINE, engine={"step": {"max_num_seqs": 4, "num_lanes": 1,
-                                                       "num_speculative_tokens": 0}})).summary()
+    one = simulate(scenario(PIPELINE, engine={"scheduler": {"max_num_seqs": 4, "num_lanes": 1},
+                                              "speculation": {"num_speculative_tokens": 0}})).summary()
     u2, u1 = two["utilisation"], one["utilisation"]
     # equal halves of the same model: both devices work the same amount
     assert u2["device:gpu0"] == pytest.approx(u2["device:gpu1"], rel=0.05)
@@ -435,8 +435,10 @@ def test_cli_bad_scenario_file_exits_2_with_one_line(tmp_path, capsys, path, val
     ("no-equals-sign", "KEY.PATH=VALUE"),
     ("workload.output_len=0", "workload.output_len"),
     ("stages.0.device=gpu9", "stages.0.device"),
-    ("engine.step.num_lanes=0", "num_lanes"),
-    ("engine.step.no_such_key=1", "no_such_key"),
+    ("engine.scheduler.num_lanes=0", "num_lanes"),
+    ("engine.scheduler.no_such_key=1", "no_such_key"),
+    ("engine.step.num_lanes=2", "'step.num_lanes' moved: use 'scheduler.num_lanes'"),
+    ("engine.model=other", "engine: model is not simulated"),
 ])
 def test_cli_bad_set_exits_2_with_one_line(tmp_path, capsys, assignment, needle):
     assert cli_main(["simulate", _write(tmp_path, SMALL), "--set", assignment]) == 2
@@ -451,10 +453,10 @@ def test_cli_missing_file_and_no_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("path,value,needle", [
-    ("engine.step", [1, 2], "engine.step"),
-    ("engine.step", 5, "engine.step"),
+    ("engine.scheduler", [1, 2], "'scheduler' must be a mapping"),
+    ("engine.speculation", 5, "'speculation' must be a mapping"),
     ("workload.domains", {"code": 0}, "workload.domains"),
-], ids=["step-list", "step-int", "all-domain-weights-zero"])
+], ids=["part-list", "part-int", "all-domain-weights-zero"])
 def test_cli_malformed_scenarios_exit_2_not_a_traceback(tmp_path, capsys, path, value, needle):
     """Schema-valid files the runner cannot use must still be one error line, not a crash."""
     assert cli_main(["simulate", _write(tmp_path, _bad(path, value))]) == 2
@@ -483,7 +485,7 @@ def test_cli_runs_a_scenario_and_writes_json(tmp_path, capsys):
     assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] and math.isfinite(r["tpot_s"]) for r in rows)
     # the overrides went into the scenario that ran
     assert payload["scenario"]["workload"]["num_requests"] == 5
-    assert payload["scenario"]["engine"]["step"]["fusion"] == "single"
+    assert payload["scenario"]["engine"]["experiments"]["fusion"] == "single"
     assert payload["scenario"]["stages"][0]["layers"] == 1.0
 
 

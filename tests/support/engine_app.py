@@ -43,7 +43,7 @@ def deploy(args: dict[str, Any], *, timeout_s: float = 600.0, app_name: str = AP
     from cosine_ray.serve.app import build_app
 
     config = config_from_dict({k: v for k, v in args.items() if k not in INGRESS_KEYS})
-    want = {"num_stages": config.num_stages, "num_speculative_tokens": config.step.num_speculative_tokens,
+    want = {"num_stages": config.num_stages, "num_speculative_tokens": config.speculation.num_speculative_tokens,
             "stages_in_engine": config.cluster.stages_in_engine, "drafters": [s.name for s in config.drafters]}
     # Serve versions a deployment of ``serve.run`` with a string from the global ``random``
     # module, which conftest's autouse fixture seeds identically for every test: two deploys in

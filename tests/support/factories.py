@@ -1,7 +1,7 @@
 """Small factories for unit tests of one step owner at a time (``cosine_ray.engine.owners``).
 
 Each ``make_*`` builds one owner with defaults a test can override by keyword, the way vLLM's
-``create_scheduler()`` does: settings go through ``StepConfig`` (``**config``), collaborators
+``create_scheduler()`` does: settings go by name through ``engine_config`` (``**config``), collaborators
 are fakes (``support.fakes``) or the real small objects. They stay thin on purpose: an
 owner's constructor is the contract, a factory only fills in what a test does not care about.
 
@@ -15,9 +15,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.latency_model import LatencyModel
-from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.modes.twins import Twins
-from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.learner import Learner
@@ -50,9 +50,10 @@ def _live(_request_id: str) -> bool:
     return True
 
 
-def step_config(**config) -> StepConfig:
-    """A ``StepConfig`` for owner tests: the engine's defaults with ``config`` changed."""
-    return StepConfig(**config)
+def engine_config(**settings) -> EngineConfig:
+    """A resolved ``EngineConfig`` for the core and its owners: the defaults (on CPU, stages in
+    process) with ``settings`` changed by name (``EngineConfig.replace``)."""
+    return EngineConfig().replace(**settings).resolved()
 
 
 def make_request(request_id: str = "r0", prompt: Sequence[int] = (1, 2, 3), *, output: Sequence[int] = (),
@@ -104,7 +105,7 @@ def make_scheduler(pool: RequestPool | None = None, *, policy: BatchPolicy | str
     pool = pool if pool is not None else make_pool(clock=clock)
     if isinstance(policy, str):
         policy = LpBatchPolicy() if policy == "lp" else FirstComeBatchPolicy()
-    return BatchScheduler(step_config(**config), pool, policy, CostModel(latency_model), kv or make_kv(),
+    return BatchScheduler(engine_config(**config), pool, policy, CostModel(latency_model), kv or make_kv(),
                           kv_bytes_per_token=kv_bytes_per_token, priced=priced, guard=guard, clock=clock,
                           skip_unpaying=skip_unpaying, twins=Twins(clock=clock) if twins else None)
 
@@ -113,7 +114,7 @@ def make_routing(drafters: Sequence[str] = ("ngram", "a", "b", "c"), *, domain_c
                  participation: ParticipationController | None = None, seed: int | None = 0,
                  **config) -> DraftRouting:
     """``DraftRouting`` over drafter names; ``ngram`` is shared by default (``shared_drafters``)."""
-    return DraftRouting(step_config(**config), list(drafters), domain_classifier=domain_classifier,
+    return DraftRouting(engine_config(**config), list(drafters), domain_classifier=domain_classifier,
                         participation=participation, seed=seed)
 
 

@@ -317,7 +317,8 @@ def fuse_behind_leader(drafter, token: int, context: tuple[int, ...], depth: int
     ``drafter`` (in process, through ``DrafterWorker``) second."""
     from cosine_ray.algo.fusion import FusionState
     from cosine_ray.engine.drafters.worker import DrafterWorker
-    from cosine_ray.engine.owners.drafting import LocalDrafterClient, fuse_drafts
+    from cosine_ray.engine.owners.drafting import fuse_drafts
+    from cosine_ray.engine.worker.clients import LocalDrafterClient
 
     leader = LeadingDrafter(token)
     states = {"r": FusionState((leader.name, drafter.name), depth)}

@@ -1,4 +1,4 @@
-"""PEARL: drafting and verification of a step run at the same time (``experiments.pearl``).
+"""PEARL: drafting and verification of a step run at the same time (``speculation.pearl``).
 
 In a plain step the drafters draft, then the target verifies. With PEARL every step makes one
 target call and one drafting call concurrently: the target verifies the tree the previous

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from cosine_ray.engine.drafters.base import ContinueQuery
-from cosine_ray.engine.owners.drafting import DrafterClient, call_drafters, is_valid_candidates
+from cosine_ray.engine.owners.drafting import call_drafters, is_valid_candidates
+from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request

@@ -22,66 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Sequence
 
 from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
-from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
-                                             FinishedText)
-from cosine_ray.engine.drafters.worker import DrafterWorker
+from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftInput, DraftProposal
 from cosine_ray.engine.types import DraftingStats
+from cosine_ray.engine.worker.clients import DrafterClient
 
 log = logging.getLogger(__name__)
-
-
-class DrafterClient(Protocol):
-    name: str
-
-    async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]: ...
-
-    async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]: ...
-
-    # optional: async def continue_chains(queries) -> list[list[list[Candidates]]] (drafters.base)
-
-    async def observe(self, feedback: Sequence[DraftFeedback]) -> None: ...
-
-    async def release(self, request_ids: Sequence[str]) -> None: ...
-
-    learns: bool
-    """Whether the drafter learns from finished requests (then the engine calls ``learn``)."""
-
-    async def learn(self, texts: Sequence[FinishedText]) -> None: ...
-
-
-class LocalDrafterClient:
-    """DrafterClient over an in-process ``DrafterWorker`` (the same worker a drafter actor hosts)."""
-
-    synchronous = True
-    """Each call runs to completion when awaited, without yielding to the event loop: a
-    deadline could not cut it, so ``call_drafters`` awaits it directly (no task per call,
-    and no other lane's step runs in the middle of this one's drafting)."""
-
-    def __init__(self, worker: DrafterWorker) -> None:
-        self.worker = worker
-        self.name = worker.name
-        self.learns = worker.learns
-
-    async def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
-        return self.worker.propose(inputs)
-
-    async def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
-        return self.worker.continue_drafts(queries)
-
-    async def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
-        return self.worker.continue_chains(queries)
-
-    async def observe(self, feedback: Sequence[DraftFeedback]) -> None:
-        self.worker.observe(feedback)
-
-    async def release(self, request_ids: Sequence[str]) -> None:
-        self.worker.release(request_ids)
-
-    async def learn(self, texts: Sequence[FinishedText]) -> None:
-        self.worker.learn(texts)
 
 
 def is_valid_proposal(p: object, item: DraftInput, vocab_size: int) -> bool:
@@ -133,7 +81,7 @@ async def continue_via_propose(client: DrafterClient, queries: Sequence[Continue
 
 
 def _is_synchronous(client: object) -> bool:
-    """An in-process client whose calls never yield (``LocalDrafterClient.synchronous``)."""
+    """An in-process client whose calls never yield (``engine.worker.clients.LocalDrafterClient``)."""
     return bool(getattr(client, "synchronous", False))
 
 

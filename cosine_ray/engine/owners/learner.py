@@ -29,7 +29,7 @@ from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.algo.routing import routing_score, verification_accuracy
 from cosine_ray.algo.verify import VerifyResult
 from cosine_ray.engine.drafters.base import DraftFeedback, FinishedText
-from cosine_ray.engine.owners.drafting import DrafterClient
+from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.owners.routing import DraftRouting

@@ -4,7 +4,7 @@ A request's domain is classified once, on arrival (``algo.domains``), to pick it
 prior; from then on its routing vector learns from its own verify steps (the learner feeds
 eq. 1-2 back through ``update``). Each step every decoding request with a draft budget gets
 its k routed drafters (best-scoring first, the tie order fusion uses) plus the *shared*
-drafters, which join every request (``StepConfig.shared_drafters``: the context n-gram
+drafters, which join every request (``SpeculationConfig.shared_drafters``: the context n-gram
 drafter knows the request's own text better than any domain expert). k is the adaptive
 participation (``algo.adaptive.ParticipationController``) or fixed.
 
@@ -19,26 +19,27 @@ from typing import Mapping, Sequence
 from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.domains import DomainClassifier
 from cosine_ray.algo.routing import ExpertiseRouter, RoutingConfig
-from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.types import Route, StepBatch
 
 
 class DraftRouting:
-    def __init__(self, config: StepConfig, drafter_names: Sequence[str], *,
+    def __init__(self, config: EngineConfig, drafter_names: Sequence[str], *,
                  domain_classifier: DomainClassifier | None = None,
                  participation: ParticipationController | None = None, seed: int | None = 0) -> None:
-        single = config.fusion == "single"
-        shared = set() if single else set(config.shared_drafters)
+        spec, exp = config.speculation, config.experiments
+        single = exp.fusion == "single"
+        shared = set() if single else set(spec.shared_drafters)
         self.shared = tuple(n for n in drafter_names if n in shared)
         self.router = ExpertiseRouter(
             [n for n in drafter_names if n not in shared],
-            RoutingConfig(drafters_per_request=config.drafters_per_request,
-                          mode="random" if config.routing == "random" else "expertise"), seed=seed)
+            RoutingConfig(drafters_per_request=spec.drafters_per_request,
+                          mode="random" if exp.routing == "random" else "expertise"), seed=seed)
         self.domain_classifier = domain_classifier
         self.participation = participation
         """Adaptive k; None: k is fixed (1 with ``fusion="single"``)."""
-        self._fixed_k = 1 if single else config.drafters_per_request
+        self._fixed_k = 1 if single else spec.drafters_per_request
         self._has_drafters = bool(drafter_names)
 
     @property

@@ -23,7 +23,7 @@ from typing import Callable, Protocol, Sequence
 from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.algo.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch, trim_gammas
 from cosine_ray.algo.tree_selection import TreePrice
-from cosine_ray.engine.config import StepConfig
+from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.owners.economics import CostModel, predicted_gains
 from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.pool import RequestPool
@@ -70,11 +70,14 @@ class FirstComeBatchPolicy:
 
 
 class BatchScheduler:
-    def __init__(self, config: StepConfig, pool: RequestPool, policy: BatchPolicy, costs: CostModel, kv: KVBlocks, *,
+    def __init__(self, config: EngineConfig, pool: RequestPool, policy: BatchPolicy, costs: CostModel, kv: KVBlocks, *,
                  kv_bytes_per_token: int = 0, priced: bool = True, guard: SpeculationGuard | None = None,
                  clock: Callable[[], float] = time.monotonic, skip_unpaying: bool = True,
                  twins: Twins | None = None) -> None:
-        self.config = config
+        self.config = config.scheduler
+        """The batch and token budgets, the LP's bounds (``SchedulerConfig``)."""
+        self.gamma_max = config.speculation.num_speculative_tokens
+        """γ_max: a request's draft budget per step."""
         self.pool = pool
         self.kv = kv
         self.policy = policy
@@ -87,7 +90,7 @@ class BatchScheduler:
         self.twins = twins if twins is not None else NoTwins()
         """Identical greedy requests: followers wait for, then draft from, their leader."""
         self.tally = PriceTally()
-        self.pricing = (TreePricing(self, guard, skip_unpaying=skip_unpaying, drain=config.drain_pricing)
+        self.pricing = (TreePricing(self, guard, skip_unpaying=skip_unpaying, drain=self.config.drain_pricing)
                         if priced else FixedBudgets())
         """The rule that prices this step's trees, chosen once."""
         self._configs: dict[int, ScheduleConfig] = {}
@@ -245,7 +248,7 @@ class BatchScheduler:
         if config is None:
             cfg = self.config
             config = self._configs[size] = ScheduleConfig(
-                max_batch_size=size, gamma_max=cfg.num_speculative_tokens, total_gamma_max=cfg.total_gamma_max,
+                max_batch_size=size, gamma_max=self.gamma_max, total_gamma_max=cfg.total_gamma_max,
                 t_max_s=cfg.step_time_max_s, kv_budget_bytes=cfg.kv_budget_bytes)
         return config
 
@@ -280,7 +283,7 @@ class BatchScheduler:
 
     def _budget(self, request: Request) -> int:
         left = request.params.max_tokens - len(request.output_token_ids) - 1
-        return max(min(self.config.num_speculative_tokens, left), 0)
+        return max(min(self.gamma_max, left), 0)
 
     def _candidate(self, request: Request, now: float, budget: int | None, chunk: int | None) -> Candidate:
         rid = request.request_id

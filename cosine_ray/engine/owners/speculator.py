@@ -29,7 +29,8 @@ from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
 from cosine_ray.algo.lp_schedule import trim_gammas
 from cosine_ray.algo.tree_selection import SelectedTree, build_tree
 from cosine_ray.engine.drafters.base import DraftInput
-from cosine_ray.engine.owners.drafting import DrafterClient, fuse_drafts, gather_proposals, proposals_to_paths
+from cosine_ray.engine.owners.drafting import fuse_drafts, gather_proposals, proposals_to_paths
+from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.types import Answers, DraftTree, Drafted, DraftingStats, Drafts, Route, StepBatch
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.owners.scheduler import PROBE_EVERY

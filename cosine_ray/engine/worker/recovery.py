@@ -21,7 +21,7 @@ import torch
 
 from cosine_ray.engine.worker.scoring import KVCommit, LayerItem, ScoreItem
 
-from cosine_ray.engine.worker.target import TargetClient, TargetUnavailable
+from cosine_ray.engine.worker.clients import TargetClient, TargetUnavailable
 
 
 class RecoveringTarget:

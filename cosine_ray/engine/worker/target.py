@@ -2,27 +2,22 @@
 
 ``TargetWorker`` owns one or more consecutive ``LlamaStage`` slices and their KV caches
 (the single-process engine runs every slice here; the Ray runtime gives each slice its
-own actor and chains the hidden states). The engine talks to it through ``TargetClient``.
+own actor and chains the hidden states). The engine talks to it through ``TargetClient``
+(``engine.worker.clients``).
 
 What a step sends and gets back (``ScoreItem``, ``ScoreOutput``, ``KVCommit``) is in
 ``engine.worker.scoring``.
-
-After verification the engine calls ``TargetClient.commit`` with each request's kept slots
-(root + accepted path, or the whole prefill chain). The in-process client applies it at once;
-the Ray client sends it with the request's next forward (no extra round trip). Either way it
-takes effect before that request's next forward.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -33,58 +28,10 @@ from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import StepRunner, startup_keys
 
 if TYPE_CHECKING:
-    from cosine_ray.engine.config import StepConfig
+    from cosine_ray.engine.config import EngineConfig
     from cosine_ray.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-
-class TargetUnavailable(RuntimeError):
-    """A stage died, hung past its deadline or lost its KV: the engine re-prefills."""
-
-
-class PipelineTarget(Protocol):
-    """What PipeDec needs of the target besides ``TargetClient``: a timestep in which every
-    stage works on its own layer at once (``items[s]`` for stage s, None = idle), stage s
-    reading stage s-1's output of the previous timestep. Returns the last stage's logits
-    when it worked."""
-
-    num_stages: int
-
-    async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None: ...
-
-    async def prune(self, request_id: str, per_stage: Sequence[tuple[tuple[int, ...], int] | None]) -> None:
-        """Prune each stage's tree level (keep, num_committed) and forget held outputs."""
-        ...
-
-    async def settle(self, request_id: str) -> None:
-        """Apply the request's pending ``commit`` on every stage now."""
-        ...
-
-
-class TargetClient(Protocol):
-    async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
-        """Per item: logits (fp32) [len(token_ids), vocab] or [1, vocab] for prefill, or with
-        ``ids_only`` the argmax tokens [len(token_ids)] or [1] (int64).
-        Raises TargetUnavailable when a stage is gone or its state is lost."""
-        ...
-
-    def commit(self, commits: Sequence[KVCommit]) -> None:
-        """Keep the accepted slots; applied before each request's next forward."""
-        ...
-
-    async def release(self, request_ids: Sequence[str]) -> None:
-        ...
-
-    async def recover(self, timeout_s: float) -> bool:
-        """Bring every stage back (restart if needed) and drop all per-request KV;
-        False if that did not happen within ``timeout_s``."""
-        ...
-
-    async def kv_capacity(self) -> int | None:
-        """KV blocks every stage can hold for the engine's block tables (``engine.owners.kv``);
-        None: the pools grow as needed."""
-        ...
 
 
 CUDA_KV_MEMORY_SHARE = 0.9
@@ -121,13 +68,14 @@ def available_memory_bytes() -> int:
     return min(found)
 
 
-def default_kv_tokens(step: "StepConfig", model: "ModelConfig", dtype: torch.dtype) -> int:
-    """Tokens a CPU stage's pool may grow to when no byte budget is given: what
-    ``CPU_KV_MEMORY_SHARE`` of the available memory holds of the whole model's KV (so every
-    stage holds as many tokens), and at least one request of ``max_model_len`` with its tree."""
+def default_kv_tokens(config: "EngineConfig", model: "ModelConfig", dtype: torch.dtype) -> int:
+    """Tokens a CPU stage's pool may grow to when no byte budget is given (``config`` resolved):
+    what ``CPU_KV_MEMORY_SHARE`` of the available memory holds of the whole model's KV (so
+    every stage holds as many tokens), and at least one request of ``max_model_len`` with its
+    tree."""
     per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * dtype.itemsize
     share = int(CPU_KV_MEMORY_SHARE * available_memory_bytes()) // per_token
-    return max(step.max_model_len + step.num_speculative_tokens + 1, share)
+    return max(config.scheduler.max_model_len + config.speculation.num_speculative_tokens + 1, share)
 
 
 def kv_budgets(stages: Sequence[LlamaStage], kv_cache_memory: int | None) -> list[int | None]:
@@ -240,13 +188,14 @@ class StageWorker:
         """Drop every request's KV (after a recovery nothing held before is valid)."""
         self.release(self.cache.request_ids)
 
-    def capture_graphs(self, step: "StepConfig") -> int:
-        """CUDA graphs for the buckets ``step``'s steps can reach (``runner.startup_keys``; a
-        verify tree is the draft budget plus its root), captured now so no step pays for one; a
-        failure is logged and leaves capture to first use. Returns the graphs captured (0 unless
-        the runner replays graphs)."""
-        self.runner.tree_size(step.num_speculative_tokens + 1)
-        keys = startup_keys(step.max_num_seqs, step.num_speculative_tokens + 1, step.max_model_len,
+    def capture_graphs(self, config: "EngineConfig") -> int:
+        """CUDA graphs for the buckets the steps of ``config`` (resolved) can reach
+        (``runner.startup_keys``; a verify tree is the draft budget plus its root), captured now
+        so no step pays for one; a failure is logged and leaves capture to first use. Returns the
+        graphs captured (0 unless the runner replays graphs)."""
+        tree = config.speculation.num_speculative_tokens + 1
+        self.runner.tree_size(tree)
+        keys = startup_keys(config.scheduler.max_num_seqs, tree, config.scheduler.max_model_len,
                             self.cache.block_size, prefills=True, new_tokens=self.runner.new_tokens)
         try:
             return self.runner.capture(self.cache, keys)
@@ -297,9 +246,9 @@ class TargetWorker:
         for stage in self.stages:
             stage.commit(commits)
 
-    def capture_graphs(self, step: "StepConfig") -> int:
-        """``StageWorker.capture_graphs`` on every stage for ``step``'s batch, tree and context."""
-        return sum(s.capture_graphs(step) for s in self.stages)
+    def capture_graphs(self, config: "EngineConfig") -> int:
+        """``StageWorker.capture_graphs`` on every stage for ``config``'s batch, tree and context."""
+        return sum(s.capture_graphs(config) for s in self.stages)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for stage in self.stages:
@@ -330,60 +279,3 @@ class PendingScore:
         if self.output is None:
             return []
         return split_output(self.items, self.output.wait())
-
-
-class LocalTargetClient:
-    """TargetClient over an in-process TargetWorker (and ``PipelineTarget``: the stages of a
-    PipeDec timestep run one after another here)."""
-
-    def __init__(self, worker: TargetWorker) -> None:
-        self.worker = worker
-        self._outputs: list[torch.Tensor | None] = [None] * len(worker.stages)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.worker.stages)
-
-    @property
-    def runs_async(self) -> bool:
-        """The forward is queued on a GPU and ``score`` waits without holding the host, so host
-        work can overlap it (``StepConfig.overlap_learning``: auto)."""
-        return any(w.stage.device.type == "cuda" for w in self.worker.stages)
-
-    async def timestep(self, items: Sequence[LayerItem | None]) -> torch.Tensor | None:
-        outputs = [stage.forward_layer(item, self._outputs[s - 1] if s else None) if item is not None else None
-                   for s, (stage, item) in enumerate(zip(self.worker.stages, items))]
-        self._outputs = outputs
-        return outputs[-1]
-
-    async def prune(self, request_id: str, per_stage: Sequence[tuple[tuple[int, ...], int] | None]) -> None:
-        for stage, p in zip(self.worker.stages, per_stage):
-            if p is not None:
-                stage.prune(request_id, *p)
-        self._outputs = [None] * len(self._outputs)
-
-    async def settle(self, request_id: str) -> None:
-        """Nothing is pending here: ``commit`` applies at once."""
-
-    async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
-        pending = self.worker.score_pending(items)
-        while not pending.ready():  # CUDA: the GPU verifies; other lanes' steps run meanwhile
-            await asyncio.sleep(0)
-        return pending.wait_and_split()
-
-    def commit(self, commits: Sequence[KVCommit]) -> None:
-        self.worker.commit(commits)
-
-    async def release(self, request_ids: Sequence[str]) -> None:
-        self.worker.release(request_ids)
-
-    async def kv_capacity(self) -> int | None:
-        return self.worker.kv_capacity()
-
-    async def kv_usage(self) -> list[dict[str, int]]:
-        return [stage.kv_usage() for stage in self.worker.stages]
-
-    async def recover(self, timeout_s: float) -> bool:
-        for stage in self.worker.stages:
-            stage.release_all()
-        return True

@@ -12,7 +12,7 @@ from cosine_ray.algo.sampling import logits_to_probs, sample_keyed
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.algo.tree_selection import SelectedTree
 from cosine_ray.engine.types import Drafts, DraftTree, DraftingStats, StepBatch
-from cosine_ray.engine.worker.target import TargetUnavailable
+from cosine_ray.engine.worker.clients import TargetUnavailable
 
 from support.factories import Clock, make_kv, make_request, make_verifier
 from support.fakes import TableTarget
