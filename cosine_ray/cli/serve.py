@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
                           "memory; one actor per stage when joining a cluster with --address or on CUDA)")
     add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
+    srv.add_argument("--allow-unauthenticated", action="store_true",
+                     help="serve without an API key on a host other than localhost (refused by default)")
     srv.add_argument("--return-spec-stats", action="store_true",
                      help="add the `cosine_ray` speculation-stats block to every completion")
     srv.add_argument("--metrics-require-key", action="store_true",
@@ -223,6 +225,8 @@ def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str
         out["return_spec_stats"] = True
     if getattr(args, "metrics_require_key", False):
         out["metrics_require_key"] = True
+    if getattr(args, "allow_unauthenticated", False):
+        out["allow_unauthenticated"] = True
     for name in ("max_pending_requests", "request_timeout_s"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
@@ -245,6 +249,7 @@ INGRESS_ARG_CHECKS = {
     "max_queued_requests": ("an integer (-1 = no limit)", lambda v: _is_int(v) and v >= -1),
     "return_spec_stats": ("true or false", lambda v: isinstance(v, bool)),
     "metrics_require_key": ("true or false", lambda v: isinstance(v, bool)),
+    "allow_unauthenticated": ("true or false", lambda v: isinstance(v, bool)),
     "max_pending_requests": (">= 1", lambda v: _is_int(v) and v >= 1),
     "request_timeout_s": ("> 0", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0),
 }
@@ -277,6 +282,33 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
                      proxy_location=file.proxy_location if file else None,
                      app_name=file.app_name if file else APP_NAME, route_prefix=file.route_prefix if file else "/",
                      ignored=list(file.ignored) if file else [])
+
+
+LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` binds this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() in LOOPBACK_HOSTS
+
+
+def check_exposure(host: str, app_args: dict[str, Any]) -> dict[str, Any]:
+    """Closed by default: serving beyond this machine needs an API key, or an explicit
+    ``--allow-unauthenticated`` (``allow_unauthenticated: true`` in the file). CliError
+    otherwise. Returns ``app_args`` as ``build_app`` must get them: the builder refuses to run
+    without a key unless told the server may be open, and it cannot see the host (a Serve
+    config's ``http_options`` are not its args), so a keyless server on localhost says so."""
+    if app_args.get("api_key") or app_args.get("allow_unauthenticated"):
+        return app_args
+    if not is_loopback(host):
+        raise CliError(f"--host {host} serves beyond this machine and no API key is set: give --api-key KEY "
+                       f"(or COSINE_RAY_API_KEY), or --allow-unauthenticated to serve it open")
+    return {**app_args, "allow_unauthenticated": True}
 
 
 def local_cluster_cpus(data: dict[str, Any]) -> int:
@@ -394,6 +426,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
 
 def run(args: argparse.Namespace) -> int:
     plan = serve_plan(args)
+    plan.app_args = check_exposure(plan.host, plan.app_args)
     for what in plan.ignored:
         print(f"cosine-ray: note: --config {args.config}: ignoring {what} (`serve run` applies it)",
               file=sys.stderr, flush=True)
