@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from cosine_ray.cli.args import (CliError, add_batching_args, add_cosine_args, add_device_args, batching_overrides,
                                  check_local_device, cosine_step_overrides, runner_from_args)
@@ -368,9 +368,11 @@ def check_cluster_gpus(engine: dict[str, Any], resources: dict[str, float]) -> N
                        f"use --device cpu or add GPU nodes")
 
 
-def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer) -> ServePlan:
+def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer,
+                             on_connected: Callable[[], None] = lambda: None) -> ServePlan:
     """Connect to (or start) the cluster, check placement, start Serve and deploy the
-    application through ``deployer``; CliError on any user-facing failure."""
+    application through ``deployer``; CliError on any user-facing failure. ``on_connected``
+    runs right after ``ray.init`` (which replaces the process's SIGTERM handler)."""
     import ray
     from ray import serve
 
@@ -388,6 +390,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
         if not address:
             raise
         raise CliError(f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
+    on_connected()
     if address:
         check_cluster_gpus(plan.engine, ray.cluster_resources())
     try:
@@ -434,17 +437,24 @@ def run(args: argparse.Namespace) -> int:
 
     deployer = Deployer()  # imports the engine while the cluster starts; told what to deploy below
     # Ctrl-C / SIGTERM from now on, also during the start and when inherited as ignored (a
-    # background job): stop; during the start that means killing the deploying child
+    # background job): stop; during the start that means killing the deploying child. Both
+    # take one path: the application is deleted, which lets the replicas finish what they
+    # serve (``graceful_shutdown_timeout_s``), then exit 0. ray.init installs its own SIGTERM
+    # handler (sys.exit, under Ray's C++ trace: `docker stop` and Kubernetes would abort the
+    # server mid-request), so ours goes back once Ray is up.
     stop = threading.Event()
 
     def on_stop(*_: Any) -> None:
         stop.set()
         deployer.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_stop)
+    def handle_stop_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_stop)
+
+    handle_stop_signals()
     try:
-        plan = start_cluster_and_deploy(args, plan, deployer)
+        plan = start_cluster_and_deploy(args, plan, deployer, on_connected=handle_stop_signals)
     except CliError:
         if stop.is_set():  # the deploy failed because we killed it: not an error of the user's
             print("cosine_ray: stopped during the start", file=sys.stderr, flush=True)
