@@ -64,13 +64,15 @@ class OpenAIIngress:
         self.request_timeout_s = float(request_timeout_s)
 
     def __serve_build_asgi_app__(self):
+        from cosine_ray.serve.completion_ledger import with_completion_ledger
         from cosine_ray.serve.openai_app import build_openai_app  # here: importing this module stays light
-        return build_openai_app(self.engine, self.tokenizer, model_name=self.engine.model_name,
+        asgi = build_openai_app(self.engine, self.tokenizer, model_name=self.engine.model_name,
                                 max_body_bytes=self.max_body_bytes, api_key=self.api_key,
                                 return_spec_stats=self.return_spec_stats,
                                 metrics_require_key=self.metrics_require_key,
                                 max_pending_requests=self.max_pending_requests,
                                 request_timeout_s=self.request_timeout_s)
+        return with_completion_ledger(asgi)  # the client request ids it answered, for an audit
 
 
 ENGINE_CLASS = "cosine_ray.runtime.engine_server.EngineServer"
