@@ -47,13 +47,19 @@ from urllib.parse import parse_qs, urlparse
 DIRECTIVE = re.compile(r"\[\[(\w+)(?:=([^\]]*))?\]\]")
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 128  # a flood of connections waits in the backlog, as on a real server
+
+
 class StubServer:
     def __init__(self, *, ttft_s: float = 0.05, chunk_s: float = 0.02, num_chunks: int = 4,
                  tokens_per_chunk: int = 1, accept_default: tuple[int, int] = (3, 6), healthy: bool = True,
-                 port: int = 0, model: str = "stub-model") -> None:
+                 port: int = 0, model: str = "stub-model", api_key: str | None = None) -> None:
         self.ttft_s, self.chunk_s, self.num_chunks = ttft_s, chunk_s, num_chunks
         self.tokens_per_chunk, self.accept_default, self.healthy = tokens_per_chunk, accept_default, healthy
         self.model = model
+        self.api_key = api_key
+        """With a key, every route but /health answers 401 without ``Authorization: Bearer KEY``."""
         self.lock = threading.Lock()
         self.received: list[tuple[str, dict[str, Any]]] = []
         self.forced: dict[str, str] = {}
@@ -61,7 +67,7 @@ class StubServer:
         self.replica = f"stub-{id(self):x}"
         self.completions: list[dict[str, Any]] = []
         self.planted: list[str] = []
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.httpd = _HTTPServer(("127.0.0.1", port), _handler(self))
         self.httpd.daemon_threads = True
         self.thread: threading.Thread | None = None
 
@@ -136,7 +142,15 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
             self.status = code
             super().send_response(code, message)
 
+        def _refused(self) -> bool:
+            if stub.api_key is None or self.headers.get("Authorization") == f"Bearer {stub.api_key}":
+                return False
+            self._json(401, {"error": {"message": "missing or invalid API key", "type": "authentication_error"}})
+            return True
+
         def do_GET(self) -> None:
+            if self.path != "/health" and self._refused():
+                return
             if self.path.startswith("/admin/completions"):
                 self._json(200, stub.page(parse_qs(urlparse(self.path).query)))
             elif self.path == "/health":
@@ -148,6 +162,8 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self._refused():
+                return
             rid = self.headers.get("X-Request-Id", "")
             with stub.lock:
                 stub.received.append((rid, body))
