@@ -22,6 +22,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from loadgen.client import error_message
+
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SMALL_DEADLINE_S = 30.0
 """Beside 16 streams of n=16 from one client, a small request must be served within this."""
@@ -65,12 +67,17 @@ def _body(target: Target, **fields: Any) -> dict[str, Any]:
 
 async def post(target: Target, seen: Seen, path: str, body: dict[str, Any] | str, *, headers: dict | None = None,
                timeout: float | None = None) -> int:
-    """One request (a dict as JSON, or JSON text as it is); its status is noted."""
+    """One request (a dict as JSON, or JSON text as it is); its status is noted, and the first
+    error message of each status."""
     content = body if isinstance(body, str) else json.dumps(body)
     resp = await target.client.post(path, content=content.encode(), timeout=timeout,
                                     headers={"Content-Type": "application/json",
                                              **(target.headers if headers is None else headers)})
     seen.statuses.append(resp.status_code)
+    if resp.status_code >= 400:
+        note = f"{resp.status_code}: {error_message(resp.content)[:160]}"
+        if note not in seen.notes:
+            seen.notes.append(note)
     return resp.status_code
 
 
@@ -143,8 +150,8 @@ async def stop_ids_cover_vocab(target: Target, seen: Seen) -> None:
 
 
 async def deep_schema(target: Target, seen: Seen) -> None:
-    depth = 950
-    schema = '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+    depth = 950  # JSON levels: one per schema level (nested "items")
+    schema = '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
     head = json.dumps(_body(target, messages=[{"role": "user", "content": "Answer."}], max_tokens=8))[:-1]
     await post(target, seen, CHAT, f'{head}, "response_format": {{"type": "json_schema", "json_schema": '
                                    f'{{"name": "deep", "schema": {schema}}}}}}}')
@@ -243,7 +250,7 @@ CASES = (
     Case("echo-logprobs-n4", "a 3,000-token prompt with echo, logprobs=5, n=4", echo_logprobs_n4),
     Case("logit-bias-70k", "70,000 logit_bias entries, each id twice (\"1\" and \"01\")", logit_bias_duplicates),
     Case("stop-ids-vocab", "stop_token_ids covering the vocabulary, min_tokens=4", stop_ids_cover_vocab),
-    Case("schema-950-deep", "a JSON schema nested 950 deep", deep_schema),
+    Case("schema-950-deep", "a JSON schema nested 950 deep (array items)", deep_schema),
     Case("bad-numbers", "temperature NaN; max_tokens 10^30; top_p -1 (three requests)", bad_numbers),
     Case("10k-stop-strings", "10,000 stop strings of 40 characters", many_stop_strings),
     Case("2k-tools", "2,000 tools", many_tools),

@@ -36,7 +36,11 @@ def print_table(results: Sequence[CaseResult], title: str) -> None:
         table.add_column(col, justify="right" if col in ("time (s)", "bystander max gap (s)") else "left")
     for row in data:
         table.add_row(*row.values())
-    wide_console().print(table)
+    console = wide_console()
+    console.print(table)
+    for r in results:
+        for note in r.notes:
+            console.print(f"  {r.name}: {note}", highlight=False, markup=False)
 
 
 def markdown(results: Sequence[CaseResult]) -> str:
@@ -46,7 +50,8 @@ def markdown(results: Sequence[CaseResult]) -> str:
     head = list(data[0])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     lines += ["| " + " | ".join(r[h].replace("|", "/") for h in head) + " |" for r in data]
-    return "\n".join(lines) + "\n"
+    notes = [f"- {r.name}: {note}" for r in results for note in r.notes]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def write(results: Sequence[CaseResult], out_dir: Path, config: Mapping[str, Any]) -> None:
