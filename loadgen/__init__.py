@@ -14,5 +14,6 @@ The pieces, in the order a run uses them:
     launcher.py  start/stop a server process and wait for /health (compare --launch)
     compare.py   the same plan against several targets → one table normalised to a baseline
     chaos/       ``chaos``: faults under load, a ledger audit, memory over time (its __init__)
-    cli.py       ``cosine-loadgen run | compare | chaos | footprint``
+    hostile/     ``hostile``: hostile requests, each with a bystander stream beside it
+    cli.py       ``cosine-loadgen run | compare | chaos | footprint | hostile``
 """

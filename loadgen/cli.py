@@ -1,5 +1,6 @@
-"""``cosine-loadgen run | compare | chaos | footprint``: flag names follow ``vllm bench serve`` where
-one exists (``chaos`` and ``footprint``: ``loadgen/chaos/cli.py``).
+"""``cosine-loadgen run | compare | chaos | footprint | hostile``: flag names follow ``vllm bench
+serve`` where one exists (``chaos`` and ``footprint``: ``loadgen/chaos/cli.py``; ``hostile``:
+``loadgen/hostile/cli.py``).
 
 Exit codes: 0 every request completed and the ledger is consistent; 1 something failed (a
 request, an unreachable server, a server that did not come up, an interrupt): one line on
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(cmp_)
     from loadgen.chaos.cli import add_parsers
     add_parsers(sub)
+    from loadgen.hostile.cli import add_parser as add_hostile
+    add_hostile(sub)
     return parser
 
 
@@ -253,14 +256,17 @@ def _fail(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from loadgen.chaos import cli as chaos_cli
+    from loadgen.hostile import cli as hostile_cli
     try:
         args = build_parser().parse_args(argv)
         if args.command == "chaos":
             return chaos_cli.run_chaos(args, _fail)
         if args.command == "footprint":
             return chaos_cli.run_footprint(args, _fail)
+        if args.command == "hostile":
+            return hostile_cli.run_hostile(args, _fail)
         return _run(args) if args.command == "run" else _compare(args)
-    except (UsageError, WorkloadError, chaos_cli.UsageError) as exc:
+    except (UsageError, WorkloadError, chaos_cli.UsageError, hostile_cli.UsageError) as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return 2
     except KeyboardInterrupt:

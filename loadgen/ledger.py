@@ -1,12 +1,14 @@
-"""The ledger: proof that no request was lost or duplicated.
+"""The client's ledger: every planned request gets one outcome, in order.
 
 Every planned request id gets events in order: ``planned`` → ``sent`` → exactly one terminal
 event (``ok`` | ``failed``), or ``planned`` → ``not_sent`` (the run was aborted or hit
 ``--duration``); ``terminal`` can name other ending events (``chaos``: ``disconnected``,
-``hung``). ``check()`` counts what breaks that: lost (sent, no terminal event), duplicated (sent
-twice or two terminal events), unknown (an event for an id never planned), a completed stream
-without exactly one ``[DONE]`` (``ok`` events that carry a count), and a response id the server
-reused. All must be 0.
+``hung``). ``check()`` counts what breaks that: sent without a terminal event, recorded twice,
+an event for an id never planned, a completed stream without exactly one ``[DONE]`` (``ok``
+events that carry a count), a response id seen twice. All must be 0. This is the client's own
+bookkeeping, kept by the code that sends the requests, so it catches harness bugs and broken
+streams, not a server that dropped or repeated work: ``cosine-loadgen chaos`` checks that
+against the server's own record of the request ids it answered (``chaos/audit.py``).
 ``ledger.jsonl`` is the event list, one JSON object per line, in the order they happened.
 """
 

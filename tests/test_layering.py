@@ -180,7 +180,7 @@ DEPLOYER_PROBE = """
 import json, sys
 import cosine_ray.cli.serve_start
 from cosine_ray.serve.app import build_app
-app = build_app({"num_stages": 2})
+app = build_app({"num_stages": 2, "allow_unauthenticated": True})
 print(json.dumps({"torch": "torch" in sys.modules, "engine": "cosine_ray.engine.core" in sys.modules}))
 """
 

@@ -86,7 +86,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     base = f"http://127.0.0.1:{args.port}"
     for label, drafters in ((f"http, {args.drafters}", args.drafters), ("http, speculation off", "none")):
-        serve.run(build_app({"drafters": drafters, "num_stages": args.stages,
+        serve.run(build_app({"drafters": drafters, "num_stages": args.stages, "allow_unauthenticated": True,
                              "scheduler": {"num_lanes": args.stages, "max_num_seqs": args.concurrency}}),
                   name="cosine_ray", route_prefix="/")
         results[label] = asyncio.run(_http_figures(base, prompts, args.max_tokens, args.concurrency,

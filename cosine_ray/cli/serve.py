@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from cosine_ray.cli.args import (CliError, add_batching_args, add_cosine_args, add_device_args, batching_overrides,
                                  check_local_device, cosine_overrides, runner_from_args)
@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
                           "memory; one actor per stage when joining a cluster with --address or on CUDA)")
     add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
+    srv.add_argument("--allow-unauthenticated", action="store_true",
+                     help="serve without an API key on a host other than localhost (refused by default)")
     srv.add_argument("--return-spec-stats", action="store_true",
                      help="add the `cosine_ray` speculation-stats block to every completion")
     srv.add_argument("--metrics-require-key", action="store_true",
@@ -216,6 +218,8 @@ def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str
         out["return_spec_stats"] = True
     if getattr(args, "metrics_require_key", False):
         out["metrics_require_key"] = True
+    if getattr(args, "allow_unauthenticated", False):
+        out["allow_unauthenticated"] = True
     for name in ("max_pending_requests", "request_timeout_s"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
@@ -238,6 +242,7 @@ INGRESS_ARG_CHECKS = {
     "max_queued_requests": ("an integer (-1 = no limit)", lambda v: _is_int(v) and v >= -1),
     "return_spec_stats": ("true or false", lambda v: isinstance(v, bool)),
     "metrics_require_key": ("true or false", lambda v: isinstance(v, bool)),
+    "allow_unauthenticated": ("true or false", lambda v: isinstance(v, bool)),
     "max_pending_requests": (">= 1", lambda v: _is_int(v) and v >= 1),
     "request_timeout_s": ("> 0", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0),
 }
@@ -270,6 +275,33 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
                      proxy_location=file.proxy_location if file else None,
                      app_name=file.app_name if file else APP_NAME, route_prefix=file.route_prefix if file else "/",
                      ignored=list(file.ignored) if file else [])
+
+
+LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` binds this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() in LOOPBACK_HOSTS
+
+
+def check_exposure(host: str, app_args: dict[str, Any]) -> dict[str, Any]:
+    """Closed by default: serving beyond this machine needs an API key, or an explicit
+    ``--allow-unauthenticated`` (``allow_unauthenticated: true`` in the file). CliError
+    otherwise. Returns ``app_args`` as ``build_app`` must get them: the builder refuses to run
+    without a key unless told the server may be open, and it cannot see the host (a Serve
+    config's ``http_options`` are not its args), so a keyless server on localhost says so."""
+    if app_args.get("api_key") or app_args.get("allow_unauthenticated"):
+        return app_args
+    if not is_loopback(host):
+        raise CliError(f"--host {host} serves beyond this machine and no API key is set: give --api-key KEY "
+                       f"(or COSINE_RAY_API_KEY), or --allow-unauthenticated to serve it open")
+    return {**app_args, "allow_unauthenticated": True}
 
 
 def local_cluster_cpus(data: dict[str, Any]) -> int:
@@ -329,9 +361,11 @@ def check_cluster_gpus(engine: dict[str, Any], resources: dict[str, float]) -> N
                        f"use --device cpu or add GPU nodes")
 
 
-def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer) -> ServePlan:
+def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer,
+                             on_connected: Callable[[], None] = lambda: None) -> ServePlan:
     """Connect to (or start) the cluster, check placement, start Serve and deploy the
-    application through ``deployer``; CliError on any user-facing failure."""
+    application through ``deployer``; CliError on any user-facing failure. ``on_connected``
+    runs right after ``ray.init`` (which replaces the process's SIGTERM handler)."""
     import ray
     from ray import serve
 
@@ -349,6 +383,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
         if not address:
             raise
         raise CliError(f"cannot join the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
+    on_connected()
     if address:
         check_cluster_gpus(plan.engine, ray.cluster_resources())
     try:
@@ -387,6 +422,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
 
 def run(args: argparse.Namespace) -> int:
     plan = serve_plan(args)
+    plan.app_args = check_exposure(plan.host, plan.app_args)
     for what in plan.ignored:
         print(f"cosine-ray: note: --config {args.config}: ignoring {what} (`serve run` applies it)",
               file=sys.stderr, flush=True)
@@ -394,17 +430,24 @@ def run(args: argparse.Namespace) -> int:
 
     deployer = Deployer()  # imports the engine while the cluster starts; told what to deploy below
     # Ctrl-C / SIGTERM from now on, also during the start and when inherited as ignored (a
-    # background job): stop; during the start that means killing the deploying child
+    # background job): stop; during the start that means killing the deploying child. Both
+    # take one path: the application is deleted, which lets the replicas finish what they
+    # serve (``graceful_shutdown_timeout_s``), then exit 0. ray.init installs its own SIGTERM
+    # handler (sys.exit, under Ray's C++ trace: `docker stop` and Kubernetes would abort the
+    # server mid-request), so ours goes back once Ray is up.
     stop = threading.Event()
 
     def on_stop(*_: Any) -> None:
         stop.set()
         deployer.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_stop)
+    def handle_stop_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_stop)
+
+    handle_stop_signals()
     try:
-        plan = start_cluster_and_deploy(args, plan, deployer)
+        plan = start_cluster_and_deploy(args, plan, deployer, on_connected=handle_stop_signals)
     except CliError:
         if stop.is_set():  # the deploy failed because we killed it: not an error of the user's
             print("cosine_ray: stopped during the start", file=sys.stderr, flush=True)

@@ -29,7 +29,8 @@ from ray import serve
 from cosine_ray.engine.config import config_from_dict
 
 INGRESS_ARGS = ("api_key", "max_body_bytes", "max_ongoing_requests", "max_queued_requests",
-                "return_spec_stats", "metrics_require_key", "max_pending_requests", "request_timeout_s")
+                "return_spec_stats", "metrics_require_key", "max_pending_requests", "request_timeout_s",
+                "allow_unauthenticated")
 DEFAULT_MAX_PENDING_REQUESTS = 256
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 CONTROL_HEADROOM = 32
@@ -64,13 +65,15 @@ class OpenAIIngress:
         self.request_timeout_s = float(request_timeout_s)
 
     def __serve_build_asgi_app__(self):
+        from cosine_ray.serve.completion_ledger import with_completion_ledger
         from cosine_ray.serve.openai_app import build_openai_app  # here: importing this module stays light
-        return build_openai_app(self.engine, self.tokenizer, model_name=self.engine.model_name,
+        asgi = build_openai_app(self.engine, self.tokenizer, model_name=self.engine.model_name,
                                 max_body_bytes=self.max_body_bytes, api_key=self.api_key,
                                 return_spec_stats=self.return_spec_stats,
                                 metrics_require_key=self.metrics_require_key,
                                 max_pending_requests=self.max_pending_requests,
                                 request_timeout_s=self.request_timeout_s)
+        return with_completion_ledger(asgi)  # the client request ids it answered, for an audit
 
 
 ENGINE_CLASS = "cosine_ray.runtime.engine_server.EngineServer"
@@ -86,6 +89,16 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
     ingress = {k: args.pop(k) for k in INGRESS_ARGS if k in args}
     config = config_from_dict(args)  # validate before anything starts
+    # Closed by default: the builder cannot see the HTTP host (a Serve config's http_options
+    # are not its args), so without a key the server may only be open when the args say so
+    # (`cosine-ray serve` says so for localhost). The key the check saw is the one served.
+    api_key = ingress.get("api_key") or os.environ.get("COSINE_RAY_API_KEY")
+    allow_open = ingress.pop("allow_unauthenticated", False)
+    if allow_open not in (True, False) or not (api_key or allow_open):
+        raise ValueError("no API key: set COSINE_RAY_API_KEY on the Ray nodes or api_key in the args, "
+                         "or allow_unauthenticated: true to serve without one")
+    if api_key:
+        ingress["api_key"] = api_key
     max_pending = int(ingress.get("max_pending_requests", DEFAULT_MAX_PENDING_REQUESTS))
     if max_pending < 1 or not float(ingress.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S)) > 0:
         raise ValueError("max_pending_requests must be >= 1 and request_timeout_s > 0")

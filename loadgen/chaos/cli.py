@@ -1,9 +1,10 @@
 """``cosine-loadgen chaos`` and ``cosine-loadgen footprint``: flags, and the run end to end.
 
 Exit codes (as ``run``): 0 the verdict passed (no request lost, duplicated or hung, every text
-as expected, no 5xx but 503, every fault recovered, the server idle after, every judged memory
-slope under the bound); 1 it did not, or the server did not come up (results written as far as
-they go); 2 bad flags (one line, nothing started).
+as expected, no 5xx but 503, no more failures outside faults than ``--max-failed-fraction``,
+every fault recovered, the server idle after, every judged memory slope under the bound); 1 it
+did not, or the server did not come up (results written as far as they go); 2 bad flags (one
+line, nothing started).
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 from loadgen.chaos.cluster import ClusterError, NodeSpec
 from loadgen.chaos.deploy import Deployment, DeploymentError, DeploymentOptions
 from loadgen.chaos.faults import Injector, parse_kinds
 from loadgen.chaos.memory import footprint
+from loadgen.chaos.references import NoReferenceModel, hf_references, resolve_reference_model
 from loadgen.chaos.run import ChaosConfig, ChaosRun
-from loadgen.chaos.traffic import Mix, build_shapes
+from loadgen.chaos.shapes import build_shapes, parse_features
+from loadgen.chaos.traffic import Mix
 from loadgen.launcher import LaunchError
 from loadgen.workload import DEFAULT_DATASET_DIR, SPLITS, load_rows
 
@@ -56,6 +60,8 @@ def add_parsers(sub: Any) -> None:
     f.add_argument("--max-kills", type=int, default=1000)
     f.add_argument("--pause-seconds", type=float, default=10.0, help="SIGSTOP..SIGCONT length of a pause fault")
     f.add_argument("--recovery-timeout", type=float, default=300.0)
+    f.add_argument("--max-failed-fraction", type=float, default=0.0,
+                   help="of the load requests no fault overlapped, the fraction that may fail (default 0)")
     w = ch.add_argument_group("requests")
     w.add_argument("--dataset-dir", type=Path, default=DEFAULT_DATASET_DIR)
     w.add_argument("--split", choices=SPLITS, default="second-half")
@@ -63,6 +69,11 @@ def add_parsers(sub: Any) -> None:
     w.add_argument("--max-tokens", type=int, default=32)
     w.add_argument("--seeded-fraction", type=float, default=0.3, help="shapes sampled with a fixed seed")
     w.add_argument("--completions-fraction", type=float, default=0.25, help="shapes sent to /v1/completions")
+    w.add_argument("--features", default="all",
+                   help="API features the shapes use in turn: plain,n,stop,logprobs,json,tools (or all)")
+    w.add_argument("--reference-model", default="auto", metavar="DIR|auto|none",
+                   help="Hugging Face directory whose fp32 greedy decoding gives the greedy references "
+                        "(auto: the served model in cosine_ray's cache; none: the server's own warm-up answers)")
     w.add_argument("--stream-fraction", type=float, default=0.5)
     w.add_argument("--disconnect-fraction", type=float, default=0.1, help="callers that leave early")
     w.add_argument("--request-timeout", type=float, default=180.0, help="per request; past it the request is hung")
@@ -106,12 +117,15 @@ def chaos_config(args: argparse.Namespace) -> tuple[ChaosConfig, DeploymentOptio
     launch = None if args.url else (args.launch or DEFAULT_LAUNCH)
     if launch and "{port}" not in launch:
         raise ValueError("--launch template must contain {port}")
+    args.features = parse_features(args.features) if isinstance(args.features, str) else args.features
+    if args.reference_model not in ("auto", "none"):
+        resolve_reference_model(args.reference_model, None)
     cfg = ChaosConfig(duration_s=args.duration, clients=args.clients, kill_every_s=args.kill_every, kinds=kinds,
                       order=args.order, max_kills=args.max_kills, pause_s=args.pause_seconds,
                       recovery_timeout_s=args.recovery_timeout, request_timeout_s=args.request_timeout,
                       mix=Mix(args.stream_fraction, args.disconnect_fraction), memory_interval_s=args.memory_interval,
                       memory_warmup_s=args.memory_warmup, memory_min_span_s=args.memory_min_span, seed=args.seed,
-                      api_key=args.api_key, model=args.model)
+                      api_key=args.api_key, model=args.model, max_failed_fraction=args.max_failed_fraction)
     head = NodeSpec.parse(args.head_node) if args.head_node else None
     workers = tuple(NodeSpec.parse(w) for w in args.worker_node or ())
     out_dir = args.output_dir or Path("loadgen-results") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -130,8 +144,8 @@ def run_chaos(args: argparse.Namespace, fail: Any) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     rng = np.random.default_rng(np.random.SeedSequence(args.seed).spawn(2)[1])
-    shapes = build_shapes(rows, args.num_shapes, rng, max_tokens=args.max_tokens,
-                          seeded_fraction=args.seeded_fraction, completions_fraction=args.completions_fraction)
+    shapes = build_shapes(rows, args.num_shapes, rng, max_tokens=args.max_tokens, seeded_fraction=args.seeded_fraction,
+                          completions_fraction=args.completions_fraction, features=args.features)
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     log = _logger(out_dir / "chaos.log")
@@ -140,17 +154,19 @@ def run_chaos(args: argparse.Namespace, fail: Any) -> int:
         with Deployment(opts, log=log) as dep:
             before = footprint(dep.processes())
             report.footprint_table(before, f"Deployment at idle before the load ({dep.url})")
+            references = independent_references(args, dep.url, shapes, log)
             injector = Injector(dep.processes, np.random.default_rng(np.random.SeedSequence(args.seed).spawn(3)[2]),
                                 cluster=dep.cluster, pause_s=cfg.pause_s, log=log)
-            run = ChaosRun(cfg, dep.url, shapes, find=dep.processes, injector=injector, log=log)
+            run = ChaosRun(cfg, dep.url, shapes, find=dep.processes, injector=injector, log=log, references=references)
             try:
                 result = asyncio.run(run.main())
             finally:
                 injector.resume_all()
-    except (DeploymentError, LaunchError, ClusterError) as exc:
+    except (DeploymentError, LaunchError, ClusterError, NoReferenceModel) as exc:
         fail(str(exc).splitlines()[0])
         return 1
-    verdict = audit.audit(result.calls, result.ledger, result.references, result.faults)
+    verdict = audit.audit(result.calls, result.ledger, result.references, result.faults, result.server,
+                          shapes=shapes, max_failed_fraction=cfg.max_failed_fraction)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
     data = report.write(result, verdict, out_dir, footprint=before, slope_bound=args.slope_bound, config=config,
                         plots=not args.no_plots)
@@ -160,6 +176,23 @@ def run_chaos(args: argparse.Namespace, fail: Any) -> int:
         fail(f"chaos verdict FAIL (see {out_dir / 'chaos.json'}: verdict, audit.problems)")
         return 1
     return 0
+
+
+def independent_references(args: argparse.Namespace, url: str, shapes: list, log: Any) -> dict[str, list[str]]:
+    """The greedy references of ``--reference-model`` (none: {}); auto asks the server its model."""
+    served = args.model
+    if args.reference_model == "auto" and served is None:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        try:
+            served = str(httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise NoReferenceModel(f"--reference-model auto: GET /v1/models failed ({type(exc).__name__}); "
+                                   f"pass --model or --reference-model DIR") from None
+    model_dir = resolve_reference_model(args.reference_model, served)
+    if model_dir is None:
+        log("[chaos] --reference-model none: greedy answers are checked against the server's own warm-up")
+        return {}
+    return hf_references(model_dir, shapes, log)[0]
 
 
 def run_footprint(args: argparse.Namespace, fail: Any) -> int:

@@ -86,6 +86,7 @@ def summary_data(result: ChaosResult, verdict: Mapping[str, Any], *, footprint: 
                    "processes": slopes},
         "series": series(result, bin_s=max(5.0, round(duration / 60.0))),
         "references": result.references,
+        "independent_references": result.independent,
     }
 
 
@@ -151,8 +152,18 @@ def print_report(data: Mapping[str, Any], console: Console | None = None) -> Non
             ("Requests (load / all)", f"{load['requests']} / {a['requests']}"),
             ("Outcomes", ", ".join(f"{k} {v}" for k, v in sorted(a["outcomes"].items()))),
             ("Lost / duplicated / hung", f"{a['lost']} / {a['duplicated']} / {a['hung']}"),
-            ("Wrong text / 5xx other than 503 / unclear errors",
-             f"{a['wrong_text']} / {a['server_errors']} / {a['unclear_errors']}"),
+            ("Server's record (entries, replicas, dropped; read error)",
+             f"{a['server_ledger']['entries']}, {a['server_ledger']['replicas']}, {a['server_ledger']['dropped']}"
+             + (f"; {a['server_ledger']['error']}" if a['server_ledger']['error'] else "")),
+            ("Undelivered in a proxy outage / unverifiable (replica record lost)",
+             f"{a['undelivered_in_outage']} / {a['unverifiable']}"),
+            ("Wrong text / bad logprobs / bad JSON", f"{a['wrong_text']} / {a['bad_logprobs']} / {a['bad_json']}"),
+            ("5xx other than 503 / unclear errors", f"{a['server_errors']} / {a['unclear_errors']}"),
+            ("Failed outside faults (max fraction)",
+             f"{a['failed_outside_faults']['failed']} of {a['failed_outside_faults']['requests']} "
+             f"({a['failed_outside_faults']['max_fraction']:g})"),
+            ("References: independent (HF fp32) / server warm-up",
+             f"{len(data['independent_references'])} / {len(data['references']) - len(data['independent_references'])}"),
             ("Errors the clients saw", ", ".join(f"{k} {v}" for k, v in sorted(a["errors_by_kind"].items())) or "none"),
             ("Throughput (req/s, output tok/s)", f"{load['requests_per_s']:.2f}, {load['output_tokens_per_s']:.1f}"),
             ("Latency p50 / p99 (s, completed)", f"{_fmt(load['p50_s'])} / {_fmt(load['p99_s'])}"),

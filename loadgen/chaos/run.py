@@ -1,15 +1,17 @@
 """The chaos run: load, faults on a schedule, recovery measured, memory sampled, one verdict.
 
 Phases on one clock (seconds since the server answered /health): a **warm-up** pass asks every
-shape once, non-streaming (the references; a failure there stops the run: the server was not
-healthy before the chaos); then ``clients`` closed-loop callers send one request after another
-(a failed one waits 1 s, as ``Retry-After`` asks) for ``duration_s``, while the fault loop
-injects one fault every ``kill_every_s``. After each fault it polls ``/health`` and, once that
-answers 200, sends a short greedy **probe**: the first probe that succeeds ends the recovery.
-The next fault waits for the previous recovery (so each recovery is measured alone) and none is
-injected in the last ``kill_every_s`` of the load. The run ends when the callers have finished
-their last requests; then the server must be idle (``cosine_ray:num_requests_running`` and
-``_waiting`` 0 on ``/metrics``) within ``idle_timeout_s``.
+shape once, non-streaming (the reference of each shape the independent run gave none; a failure
+there stops the run: the server was not healthy before the chaos); then ``clients`` closed-loop
+callers send one request after another (a failed one waits 1 s, as ``Retry-After`` asks) for
+``duration_s``, while the fault loop injects one fault every ``kill_every_s``. After each fault
+it polls ``/health`` and, once that answers 200, sends a short greedy **probe**: the first probe
+that succeeds ends the recovery. The next fault waits for the previous recovery (so each
+recovery is measured alone) and none is injected in the last ``kill_every_s`` of the load. The
+run ends when the callers have finished their last requests; then the server must be idle
+(``cosine_ray:num_requests_running`` and ``_waiting`` 0 on ``/metrics``) within
+``idle_timeout_s``. Once a second all along, and once at the end, the server's record of the
+request ids it answered is read (``server_ledger.py``); every id starts with the run's tag.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import re
 import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,11 +32,14 @@ from loadgen.chaos import audit as audit_mod
 from loadgen.chaos.faults import KINDS, Fault, Injector
 from loadgen.chaos.memory import MemoryLog
 from loadgen.chaos.procs import Proc
-from loadgen.chaos.traffic import Call, Mix, Shape, probe_shape, send
+from loadgen.chaos.server_ledger import ServerLedger
+from loadgen.chaos.shapes import Shape, probe_shape
+from loadgen.chaos.traffic import Call, Mix, send
 from loadgen.ledger import Ledger
 
 BACKOFF_S = 1.0
 HEALTH_POLL_S = 0.5
+LEDGER_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,8 @@ class ChaosConfig:
     memory_min_span_s: float = 300.0
     """Post-warm-up seconds a process needs for its own slope."""
     idle_timeout_s: float = 30.0
+    max_failed_fraction: float = 0.0
+    """Of the load requests no fault overlapped, the fraction that may fail."""
     seed: int = 0
     api_key: str | None = None
     model: str | None = None
@@ -73,6 +81,8 @@ class ChaosConfig:
                 raise ValueError(f"--{flag} must be > 0, got {getattr(self, name)}")
         if self.clients < 1 or self.max_kills < 0 or self.warmup_concurrency < 1:
             raise ValueError("--clients must be >= 1 and --max-kills >= 0")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(f"--max-failed-fraction must be in [0, 1], got {self.max_failed_fraction}")
         if self.order not in ("random", "cycle"):
             raise ValueError(f"--order must be random or cycle, got {self.order!r}")
 
@@ -81,7 +91,8 @@ class ChaosConfig:
 class ChaosResult:
     config: ChaosConfig
     shapes: list[Shape]
-    references: dict[str, str]
+    references: dict[str, list[str]]
+    """Per shape, each choice's expected text."""
     calls: list[Call]
     ledger: Ledger
     faults: list[Fault]
@@ -95,12 +106,16 @@ class ChaosResult:
     model: str | None = None
     probe_baseline_s: list[float] = field(default_factory=list)
     """Latencies of probes sent under load before the first fault."""
+    server: ServerLedger = field(default_factory=ServerLedger)
+    independent: list[str] = field(default_factory=list)
+    """Shapes whose references came from the independent run, not the warm-up."""
 
 
 class ChaosRun:
     def __init__(self, cfg: ChaosConfig, base_url: str, shapes: Sequence[Shape], *,
                  find: Callable[[], list[Proc]], injector: Injector | None,
-                 clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print) -> None:
+                 clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print,
+                 references: dict[str, list[str]] | None = None) -> None:
         self.cfg, self.base_url, self.shapes = cfg, base_url.rstrip("/"), list(shapes)
         self.find, self.injector, self.log = find, injector, log
         self._clock = clock
@@ -108,7 +123,10 @@ class ChaosRun:
         self.model = cfg.model
         self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.probe = probe_shape()
-        self.references: dict[str, str] = {}
+        self.references: dict[str, list[str]] = dict(references or {})
+        self.independent = sorted(self.references)
+        self.tag = uuid.uuid4().hex[:8]
+        self.server = ServerLedger(prefix=f"{self.tag}-")
         self.calls: list[Call] = []
         self.in_flight: dict[str, Call] = {}
         self.ledger = audit_mod.new_ledger()
@@ -162,9 +180,10 @@ class ChaosRun:
         async def one(shape: Shape) -> None:
             async with gate:
                 for attempt in range(3):
-                    call = await self.call(client, shape, Call(f"w-{shape.key}-{attempt}", shape.key, "warmup", False))
+                    call = await self.call(client, shape, Call(f"{self.tag}-w-{shape.key}-{attempt}", shape.key,
+                                                               "warmup", False))
                     if call.outcome == "ok":
-                        self.references[shape.key] = call.text
+                        self.references.setdefault(shape.key, list(call.texts))
                         return
                     await asyncio.sleep(BACKOFF_S)
                 self.abort_reason = self.abort_reason or f"warm-up: shape {shape.key} failed 3 times: {call.error}"
@@ -176,11 +195,17 @@ class ChaosRun:
         while not self.stopping.is_set():
             shape = self.shapes[int(rng.integers(len(self.shapes)))]
             stream, leave = self.cfg.mix.draw(rng)
-            call = await self.call(client, shape, Call(f"c{index:02d}-{n:05d}", shape.key, "load", stream, leave,
-                                                       client=index))
+            call = await self.call(client, shape, Call(f"{self.tag}-c{index:02d}-{n:05d}", shape.key, "load", stream,
+                                                       leave, client=index))
             n += 1
             if call.outcome == "failed":
                 await asyncio.sleep(BACKOFF_S)
+
+    async def server_ledger_loop(self, client: httpx.AsyncClient) -> None:
+        while not self.stopping.is_set():
+            await self.server.poll(client, self.headers, self.clock)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), LEDGER_POLL_S)
 
     async def memory_loop(self) -> None:
         while not self.stopping.is_set():
@@ -216,11 +241,14 @@ class ChaosRun:
                      f"({len(fault.in_flight)} requests were in flight)")
             next_t = max(fault.t + self.cfg.kill_every_s, fault.recovered_t + 1.0)
 
+    def probe_call(self) -> Call:
+        self._num_probes += 1
+        return Call(f"{self.tag}-p-{self._num_probes:05d}", "probe", "probe", False)
+
     async def probe_baseline(self, client: httpx.AsyncClient, count: int) -> None:
         """Probe latency under load before any fault: what a recovery time is to be read against."""
         for _ in range(count):
-            self._num_probes += 1
-            probe = await self.call(client, self.probe, Call(f"p-{self._num_probes:05d}", "probe", "probe", False))
+            probe = await self.call(client, self.probe, self.probe_call())
             if probe.outcome == "ok":
                 self.probe_baseline_s.append(probe.end_t - probe.sent_t)
 
@@ -260,8 +288,7 @@ class ChaosRun:
                 await asyncio.sleep(HEALTH_POLL_S)
                 continue
             fault.health_ok_t = fault.health_ok_t or self.clock()
-            self._num_probes += 1
-            probe = await self.call(client, self.probe, Call(f"p-{self._num_probes:05d}", "probe", "probe", False))
+            probe = await self.call(client, self.probe, self.probe_call())
             if probe.outcome == "ok":
                 fault.recovered_t = probe.end_t
                 return
@@ -320,6 +347,7 @@ class ChaosRun:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits) as client:
             await self.discover_model(client)
             memory = asyncio.ensure_future(self.memory_loop())
+            ledger = asyncio.ensure_future(self.server_ledger_loop(client))
             try:
                 await self.warm_up(client)
                 if self.abort_reason is None:
@@ -328,9 +356,11 @@ class ChaosRun:
             finally:
                 self.stopping.set()
                 await memory
+                await ledger
+            await self.server.poll(client, self.headers, self.clock)  # what was answered last
         return ChaosResult(self.cfg, self.shapes, self.references, self.calls, self.ledger, self.faults,
                            self.memory, self.load_start_t, self.load_end_t, self.skipped, idle, self.abort_reason,
-                           self.model, self.probe_baseline_s)
+                           self.model, self.probe_baseline_s, self.server, self.independent)
 
     async def load(self, client: httpx.AsyncClient) -> None:
         self.load_start_t = self.clock()

@@ -1,18 +1,17 @@
-"""What a chaos run sends: request shapes, and one call → one ``Call`` with exactly one outcome.
+"""One chaos call → one ``Call`` with exactly one outcome, and the callers' mix.
 
-A **shape** is a request that always has the same answer on a lossless server: a prompt from
-the packaged domains, an endpoint, ``max_tokens`` and either greedy decoding or sampling with a
-fixed ``seed`` (sampling noise is keyed by seed and position, so a seeded answer is
-reproducible too). Before the chaos, a warm-up pass asks every shape once: its answer is the
-**reference**. Each call then picks a shape and a manner: streaming or not, and some callers
+Each call picks a shape (``shapes.py``) and a manner: streaming or not, and some callers
 disconnect early (a stream closed after a few chunks, or a non-streaming call given up after
-a second or two).
+a second or two). Every call sends its own id as ``X-Request-Id``: the server's record of the
+ids it answered is what the audit checks the client's against (``server_ledger.py``).
 
 Outcomes: ``ok`` (200, the whole answer, one ``[DONE]`` for a stream), ``failed`` (the client
 saw an error: ``http`` status, ``sse_error`` event, ``connect`` refused, ``broken``
 connection, ``no_done`` (a stream that ended without ``[DONE]``), ``malformed``),
 ``disconnected`` (the caller left on purpose), ``hung`` (no outcome by the per-request
-deadline). ``send`` never raises and sets the outcome exactly once.
+deadline). ``send`` never raises and sets the outcome exactly once. A call keeps each
+choice's text (a named tool call's arguments count as its text), finish reason, and the
+number of log-probability entries it got.
 """
 
 from __future__ import annotations
@@ -21,67 +20,13 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import httpx
 import numpy as np
 
+from loadgen.chaos.shapes import CHAT, Shape
 from loadgen.client import decode_event, error_message
-from loadgen.workload import PromptRow
-
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-SEEDED_TEMPERATURE = 0.8
-PROBE_PROMPT = "The capital of France is"
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    key: str
-    domain: str
-    path: str
-    prompt: str
-    max_tokens: int
-    seed: int | None = None
-    """None: greedy; else sampled at SEEDED_TEMPERATURE with this seed."""
-
-    def body(self, model: str | None, *, stream: bool, request_id: str) -> dict[str, Any]:
-        body: dict[str, Any] = {"max_tokens": self.max_tokens, "stream": stream, "user": request_id,
-                                "temperature": 0.0 if self.seed is None else SEEDED_TEMPERATURE}
-        if self.seed is not None:
-            body["seed"] = self.seed
-        if model:
-            body["model"] = model
-        if self.path == CHAT:
-            body["messages"] = [{"role": "user", "content": self.prompt}]
-        else:
-            body["prompt"] = self.prompt
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        return body
-
-
-def probe_shape(max_tokens: int = 4) -> Shape:
-    return Shape("probe", "probe", COMPLETIONS, PROBE_PROMPT, max_tokens)
-
-
-def build_shapes(rows: Mapping[str, Sequence[PromptRow]], num_shapes: int, rng: np.random.Generator, *,
-                 max_tokens: int, seeded_fraction: float, completions_fraction: float) -> list[Shape]:
-    """``num_shapes`` shapes, domains in turn, prompts drawn without replacement per domain."""
-    domains = sorted(d for d, r in rows.items() if r)
-    if not domains:
-        raise ValueError("no prompt rows to build requests from")
-    order = {d: list(rng.permutation(len(rows[d]))) for d in domains}
-    shapes = []
-    for i in range(num_shapes):
-        domain = domains[i % len(domains)]
-        if not order[domain]:
-            order[domain] = list(rng.permutation(len(rows[domain])))
-        row = rows[domain][order[domain].pop()]
-        seeded = rng.random() < seeded_fraction
-        path = COMPLETIONS if rng.random() < completions_fraction else CHAT
-        shapes.append(Shape(f"s{i:03d}", domain, path, row.turns[0], max_tokens,
-                            int(rng.integers(1, 2**31)) if seeded else None))
-    return shapes
 
 
 @dataclass
@@ -103,18 +48,35 @@ class Call:
     http_status: int | None = None
     error_type: str | None = None
     """OpenAI ``error.type`` of an error body or SSE error event (``service_unavailable_error`` = 503)."""
-    text: str = ""
+    texts: list[str] = field(default_factory=list)
+    """Each choice's text, by index."""
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    logprob_entries: int = 0
     num_done: int = 0
     response_id: str | None = None
     output_tokens: int | None = None
     num_chunks: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.texts[0] if self.texts else ""
+
+    def add_text(self, index: int, delta: str) -> None:
+        if not 0 <= index < 64:
+            self.fail("malformed", f"choice index {index}")
+            return
+        while len(self.texts) <= index:
+            self.texts.append("")
+        self.texts[index] += delta
 
     def fail(self, kind: str, message: str) -> None:
         if self.error_kind is None:  # keep the first cause
             self.error_kind, self.error = kind, message.splitlines()[0][:300] if message else kind
 
     def as_row(self) -> dict[str, Any]:
-        return asdict(self)
+        row = asdict(self)
+        row["finish_reasons"] = {str(k): v for k, v in self.finish_reasons.items()}
+        return row
 
 
 class _Leave(Exception):
@@ -163,11 +125,11 @@ async def _unary(client: httpx.AsyncClient, shape: Shape, call: Call, body: dict
         return
     try:
         data = resp.json()
-        choice = data["choices"][0]
-        call.text = choice["message"]["content"] if shape.path == CHAT else choice["text"]
+        for choice in data["choices"]:
+            _read_choice(shape, call, choice, choice["message"] if shape.path == CHAT else choice)
         call.response_id = data.get("id")
         call.output_tokens = (data.get("usage") or {}).get("completion_tokens")
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         call.fail("malformed", f"unexpected response body: {type(exc).__name__}")
 
 
@@ -197,6 +159,23 @@ async def _stream(client: httpx.AsyncClient, shape: Shape, call: Call, body: dic
         call.fail("no_done", "the stream ended without data: [DONE]")
 
 
+def _read_choice(shape: Shape, call: Call, choice: Mapping[str, Any], message: Mapping[str, Any]) -> None:
+    """One choice of a response (``message``: the chat message or delta, or the completion
+    choice itself): its text (content, then a tool call's arguments), finish reason and
+    log-probability entries."""
+    index = int(choice.get("index", 0))
+    text = (message.get("content") if shape.path == CHAT else message.get("text")) or ""
+    for tool_call in message.get("tool_calls") or []:
+        text += (tool_call.get("function") or {}).get("arguments") or ""
+    call.add_text(index, text)
+    if choice.get("finish_reason"):
+        call.finish_reasons[index] = choice["finish_reason"]
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        entries = logprobs.get("content") if shape.path == CHAT else logprobs.get("tokens")
+        call.logprob_entries += len(entries or [])
+
+
 def _error_type(body: bytes) -> str | None:
     try:
         err = json.loads(body).get("error")
@@ -217,11 +196,15 @@ def _read_event(shape: Shape, call: Call, data: str, clock: Callable[[], float])
         return
     call.response_id = call.response_id or event.get("id")
     for choice in event.get("choices") or []:
-        delta = ((choice.get("delta") or {}).get("content") if shape.path == CHAT else choice.get("text")) or ""
-        if delta:
+        chars = sum(len(t) for t in call.texts)
+        try:
+            _read_choice(shape, call, choice, (choice.get("delta") or {}) if shape.path == CHAT else choice)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            call.fail("malformed", f"unexpected stream event: {type(exc).__name__}")
+            continue
+        if sum(len(t) for t in call.texts) > chars:
             call.first_t = call.first_t or clock()
             call.num_chunks += 1
-            call.text += delta
     usage = event.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         call.output_tokens = usage["completion_tokens"]
@@ -241,10 +224,3 @@ class Mix:
             return stream, None
         return stream, float(rng.integers(1, 5)) if stream else float(rng.uniform(1.0, 3.0))
 
-
-@dataclass
-class References:
-    """Each shape's answer before the chaos (warm-up), and the problems of getting them."""
-
-    texts: dict[str, str] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)

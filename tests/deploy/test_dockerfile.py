@@ -236,3 +236,21 @@ def test_copy_sources_exist_are_not_ignored_and_cover_the_package():
 ])
 def test_dockerignore_matcher(path, ignored):
     assert _ignored(path, _dockerignore()) is ignored
+
+
+def test_the_image_serves_only_with_a_key_unless_told_otherwise(monkeypatch):
+    """The CMD listens on 0.0.0.0: the CLI's exposure check refuses it without a key (one line
+    naming the ways out), takes COSINE_RAY_API_KEY from `docker run -e`, and the documented
+    `docker run` passes that variable."""
+    from cosine_ray.cli import CliError
+    from cosine_ray.cli.serve import _ingress_args, check_exposure
+
+    _, parsed = resolve_entry_point(json.loads(_one("CMD")))
+    monkeypatch.delenv("COSINE_RAY_API_KEY", raising=False)
+    with pytest.raises(CliError, match=r"--host 0\.0\.0\.0 .*--api-key KEY \(or COSINE_RAY_API_KEY\), "
+                                       r"or --allow-unauthenticated"):
+        check_exposure(parsed.host, _ingress_args(parsed, None))
+    monkeypatch.setenv("COSINE_RAY_API_KEY", "from-docker-run")
+    assert check_exposure(parsed.host, _ingress_args(parsed, None))["api_key"] == "from-docker-run"
+    runs = [line for line in DOCKERFILE.read_text(encoding="utf-8").splitlines() if "docker run --" in line]
+    assert runs and all(re.search(r"-e COSINE_RAY_API_KEY\b", line) for line in runs), runs

@@ -257,7 +257,8 @@ def test_removing_serve_config_fails():
         k.serve_config_of(k.without(doc, "spec", "serveConfigV2"))
 
 
-def test_bad_serve_config_fails_through_the_app():
+def test_bad_serve_config_fails_through_the_app(monkeypatch):
+    monkeypatch.setenv("COSINE_RAY_API_KEY", "from-the-secret")
     config = _serve_config(SERVE_CONFIG_OF_VARIANT["rayservice"])
     unknown = copy.deepcopy(config)
     _app(unknown)["args"]["speculation"]["no_such_option"] = 1
@@ -292,8 +293,17 @@ def test_serve_config_is_the_deploy_config_plus_documented_overrides(relpath):
 
 
 @pytest.mark.parametrize("relpath", sorted(SERVE_OVERRIDES) + ["deploy/serve_config.yaml"])
-def test_serve_config_loads_through_the_app(relpath):
+def test_serve_config_loads_through_the_app(relpath, monkeypatch):
+    """With the key every Ray container gets from the required Secret; without it the builder
+    refuses (closed by default: these configs listen on 0.0.0.0), unless the args allow it."""
     config = _serve_config(relpath)
+    monkeypatch.delenv("COSINE_RAY_API_KEY", raising=False)
+    (refused,) = serve_config_errors(config)
+    assert refused.startswith("ValueError: no API key: set COSINE_RAY_API_KEY") and "allow_unauthenticated" in refused
+    opened = copy.deepcopy(config)
+    _app(opened)["args"]["allow_unauthenticated"] = True
+    assert serve_config_errors(opened) == []
+    monkeypatch.setenv("COSINE_RAY_API_KEY", "from-the-secret")
     assert serve_config_errors(config) == []
     engine = _engine_config(config)
     if relpath != "deploy/serve_config.yaml":
@@ -412,7 +422,7 @@ def test_gcs_fault_tolerance_uses_the_redis_of_the_variant(variant):
                              for a, b in service["spec"]["selector"].items()))
     redis = deployment["spec"]["template"]["spec"]["containers"][0]
     ref = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
-    assert ref["key"] in by_kind["Secret"][ref["name"]]["stringData"]
+    assert "Secret" not in by_kind and not ref.get("optional"), "the password is a Secret the operator creates"
     env_refs = [e["valueFrom"]["secretKeyRef"] for e in redis["env"] if "valueFrom" in e]
     assert {"name": ref["name"], "key": ref["key"]} in env_refs
     assert "--requirepass" in redis["args"]

@@ -106,9 +106,39 @@ def test_slopes_per_process_and_pooled_per_role():
     (["--stream-fraction", "1.5"], "--stream-fraction must be in [0, 1]"),
     (["--head-node", "GPU=1"], "give the node's CPU=N"),
     (["--url", "http://example.com:8000"], "not a local address"),
+    (["--features", "plain,telepathy"], "--features: unknown feature 'telepathy'"),
+    (["--max-failed-fraction", "1.5"], "--max-failed-fraction must be in [0, 1]"),
+    (["--reference-model", "/no/such/model"], "not a Hugging Face model directory"),
 ])
 def test_bad_flags_are_one_line(argv, message, capsys, tmp_path):
     rc = main(["chaos", *argv, "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc in (1, 2) and len(err) == 1 and message in err[0], err
     assert rc == (1 if "local address" in message else 2)
+
+
+def test_shapes_take_the_features_in_turn_and_say_what_they_send():
+    import numpy as np
+
+    from loadgen.chaos.shapes import CHAT, FEATURES, JSON_SCHEMA, STOP, build_shapes, parse_features
+    from loadgen.workload import DEFAULT_DATASET_DIR, load_rows
+
+    assert parse_features("all") == FEATURES and parse_features("n, stop,n") == ("n", "stop")
+    shapes = build_shapes(load_rows(DEFAULT_DATASET_DIR, "second-half"), 12, np.random.default_rng(0), max_tokens=8,
+                          seeded_fraction=0.0, completions_fraction=1.0, features=FEATURES)
+    assert [s.feature for s in shapes] == list(FEATURES) * 2
+    bodies = {s.feature: s.body("m", stream=True, request_id="r") for s in shapes}
+    assert bodies["n"]["n"] == 2 and "n" not in bodies["plain"] and bodies["stop"]["stop"] == STOP
+    assert bodies["logprobs"]["logprobs"] == 2  # completions: top-k as an integer
+    assert bodies["json"]["response_format"]["json_schema"]["schema"] == JSON_SCHEMA
+    assert bodies["tools"]["tool_choice"]["function"]["name"] == bodies["tools"]["tools"][0]["function"]["name"]
+    by_feature = {s.feature: s for s in shapes}
+    assert by_feature["json"].path == by_feature["tools"].path == CHAT  # grammars go to chat
+    assert [f for f, s in by_feature.items() if s.independent] == ["plain", "n", "stop", "logprobs"]
+
+
+def test_references_are_cut_at_the_stop_string_the_server_would_find():
+    from loadgen.chaos.references import cut
+
+    assert cut("It is red. It is big.", [".", "\n\n"]) == "It is red"
+    assert cut("no stop here", ["."]) == "no stop here"

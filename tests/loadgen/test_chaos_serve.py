@@ -8,10 +8,12 @@ clients), 2 pipeline stages, two drafters each in an actor of its own. The chaos
 it by URL, so the deployment it kills in is the session cluster's Serve application: a stage,
 a drafter, the engine replica, the HTTP proxy, any Ray worker (SIGKILL) and a paused process,
 each kind in turn, every 15 s for 150 s of load from 8 clients (streaming and not, greedy and
-seeded, chat and completions, some leaving early). It must end with every request accounted
-for exactly once, every answer equal to the server's own answer from before the chaos, no 5xx
-but 503, every fault recovered, the engine idle after. That the same verdict fails on a lost,
-duplicated, hung or wrong request is shown in test_chaos_audit.py.
+seeded, chat and completions, every API feature of the shapes, some leaving early). It must
+end with the client's and the server's record of the request ids agreeing (none lost, none
+answered twice), every greedy answer equal to the tiny model's own fp32 decoding in
+transformers and every other answer to the server's from before the chaos, no 5xx but 503, no
+failure outside a fault, every fault recovered, the engine idle after. That the same verdict
+fails on a lost, duplicated, hung or wrong request is shown in test_chaos_audit.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from loadgen.chaos import audit as audit_mod
 from loadgen.chaos.deploy import Deployment, DeploymentOptions
 from loadgen.chaos.faults import Injector
 from loadgen.chaos.run import ChaosConfig, ChaosRun
-from loadgen.chaos.traffic import Mix, build_shapes
+from loadgen.chaos.shapes import build_shapes
+from loadgen.chaos.traffic import Mix
 from loadgen.cli import main
 from loadgen.launcher import ServerProcess, free_port
 from loadgen.workload import DEFAULT_DATASET_DIR, load_rows
@@ -56,6 +59,7 @@ def server(ray_cluster, real_checkpoint, tmp_path_factory):
            "--drafters-in-engine", "none", "--max-batch-size", "8"]
     proc = ServerProcess("cosine-ray", cmd, f"http://127.0.0.1:{port}", root / "serve.log",
                          ready_timeout_s=READY_TIMEOUT_S, cwd=REPO)
+    proc.checkpoint = ckpt.path  # its fp32 greedy decoding is the independent reference
     with proc:
         proc.wait_ready()
         yield proc
@@ -71,7 +75,7 @@ def test_three_minutes_of_chaos_lose_nothing(server, tmp_path, capsys):
                "--kinds", ",".join(KINDS), "--order", "cycle", "--pause-seconds", "5", "--num-shapes", "12",
                "--max-tokens", "12", "--request-timeout", "120", "--recovery-timeout", "240", "--seed", "3",
                "--memory-interval", "5", "--memory-warmup", "30", "--memory-min-span", "60", "--slope-bound", "inf",
-               "--output-dir", str(out_dir)])
+               "--reference-model", str(server.checkpoint), "--output-dir", str(out_dir)])
     out, err = capsys.readouterr()
     print(out[-6000:])
     data = json.loads((out_dir / "chaos.json").read_text())
@@ -82,6 +86,9 @@ def test_three_minutes_of_chaos_lose_nothing(server, tmp_path, capsys):
         assert (audit["lost"], audit["duplicated"], audit["hung"]) == (0, 0, 0), audit
         assert (audit["wrong_text"], audit["server_errors"], audit["unclear_errors"]) == (0, 0, 0), audit["problems"]
         assert audit["ledger"]["is_consistent"] and audit["outcomes"].get("ok", 0) > 100
+        assert audit["server_ledger"]["error"] is None and audit["server_ledger"]["entries"] > 100
+        assert audit["failed_outside_faults"]["ok"], audit["failed_outside_faults"]
+        assert len(data["independent_references"]) > 0  # greedy shapes checked against HF, not the server
         assert audit["outcomes"].get("disconnected", 0) > 0  # callers that left early were in the mix
         assert {f["kind"] for f in faults} == set(KINDS), [f["kind"] for f in faults]  # each kind at least once
         assert all(f["recovery_s"] is not None for f in faults), faults
@@ -123,7 +130,8 @@ def test_a_killed_ingress_replica_is_a_clean_503_never_a_500(server):
         injector = IngressKiller(dep.processes, np.random.default_rng(5), log=print)
         result = asyncio.run(ChaosRun(cfg, server.url, shapes, find=dep.processes, injector=injector,
                                       log=print).main())
-    verdict = audit_mod.audit(result.calls, result.ledger, result.references, result.faults)
+    verdict = audit_mod.audit(result.calls, result.ledger, result.references, result.faults, result.server,
+                              shapes=shapes)
     lost_replica = [c for c in result.calls if c.error and "replica handling this request was lost" in c.error]
     print(f"[chaos] ingress killed {len(result.faults)} times: {verdict['outcomes']}, {verdict['errors_by_kind']}")
     # the next kill waits for the last recovery, which may outlast the run on a busy machine

@@ -149,7 +149,7 @@ from cosine_ray.runtime.cluster import connect
 from cosine_ray.serve.app import build_app
 connect(sys.argv[1])
 serve.start(http_options={"port": int(sys.argv[3])})
-serve.run(build_app(json.loads(sys.argv[2])), name="cosine_ray", route_prefix="/", blocking=False)
+serve.run(build_app({"allow_unauthenticated": True, **json.loads(sys.argv[2])}), name="cosine_ray", route_prefix="/", blocking=False)
 handle = serve.get_deployment_handle("cosine_ray_engine", app_name="cosine_ray")
 print(json.dumps(handle.describe.remote().result(timeout_s=60)), flush=True)
 serve.shutdown()

@@ -49,7 +49,7 @@ def deploy(args: dict[str, Any], *, timeout_s: float = 600.0, app_name: str = AP
     # module, which conftest's autouse fixture seeds identically for every test: two deploys in
     # one process would get the same version and Serve would keep the old engine.
     random.seed()
-    serve.run(build_app(args), name=app_name, route_prefix=None)
+    serve.run(build_app({"allow_unauthenticated": True, **args}), name=app_name, route_prefix=None)  # localhost
     deadline = time.monotonic() + timeout_s
     while True:
         info = engine_call("describe", timeout_s=60, app_name=app_name)
@@ -61,7 +61,7 @@ def deploy(args: dict[str, Any], *, timeout_s: float = 600.0, app_name: str = AP
 
 
 INGRESS_KEYS = ("api_key", "max_body_bytes", "max_ongoing_requests", "max_queued_requests", "return_spec_stats",
-                "metrics_require_key", "max_pending_requests", "request_timeout_s")
+                "metrics_require_key", "max_pending_requests", "request_timeout_s", "allow_unauthenticated")
 
 
 def engine_namespace(timeout_s: float = 30.0, app_name: str = APP_NAME) -> str:

@@ -36,7 +36,7 @@ Layers, from generic to ours:
 3. **Our rules** (``cosine_errors``): every container names an image, the two worker groups
    exist and advertise the custom resources the placement code asks for.
 
-Plain Kubernetes objects (Secret, Service, Deployment, PVC, ConfigMap) and the Prometheus
+Plain Kubernetes objects (Service, Deployment, PVC, ConfigMap, NetworkPolicy) and the Prometheus
 operator's PodMonitor have no CRD file here; ``basic_object_errors`` and
 ``podmonitor_errors`` validate them against small hand-written JSON Schemas of the fields we use.
 """
@@ -357,12 +357,47 @@ PODMONITOR_SCHEMA = {
 }
 
 
+_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {"matchLabels": _LABELS}}
+NETWORKPOLICY_SCHEMA = {
+    # The fields of networking.k8s.io/v1 NetworkPolicy that k8s/ uses (ingress only), from the
+    # Kubernetes API reference; unknown fields are errors.
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"enum": ["networking.k8s.io/v1"]},
+        "kind": {"enum": ["NetworkPolicy"]},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object", "required": ["podSelector"], "additionalProperties": False,
+            "properties": {
+                "podSelector": _SELECTOR,
+                "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}},
+                "ingress": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "from": {"type": "array", "items": {
+                            "type": "object", "additionalProperties": False, "minProperties": 1,
+                            "properties": {"podSelector": _SELECTOR, "namespaceSelector": _SELECTOR}}},
+                        "ports": {"type": "array", "items": {
+                            "type": "object", "required": ["port"], "additionalProperties": False,
+                            "properties": {"port": {"type": ["integer", "string"]},
+                                           "protocol": {"enum": ["TCP", "UDP", "SCTP"]}}}}}}},
+            },
+        },
+    },
+}
+
+
 def _schema_errors(schema: Doc, doc: Doc) -> list[str]:
     return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
             for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
 
 
 def basic_object_errors(doc: Doc) -> list[str]:
+    if doc.get("kind") == "NetworkPolicy":
+        return _schema_errors(NETWORKPOLICY_SCHEMA, doc)
     errors = _schema_errors(BASIC_OBJECT_SCHEMA, doc)
     if doc.get("kind") in ("Deployment",):
         pod = (((doc.get("spec") or {}).get("template") or {}).get("spec")) or {}

@@ -20,6 +20,12 @@ The prompt (last user message, or the completion prompt) may carry directives:
 ``forced`` holds directives applied to every request while set (the chaos tests' broken
 "recoveries"). A request with ``"stream": false`` gets one JSON completion with the same text.
 
+Like cosine_ray, it records each POST that carries ``X-Request-Id`` (status, ``ok``/``error``)
+and serves the record at ``GET /admin/completions``. ``plant(directive, count)`` applies a
+directive to the next ``count`` load requests of a chaos run (ids with ``-c``): faults of the
+server's own bookkeeping, ``[[unrecorded]]`` (answered, not recorded), ``[[undelivered]]``
+(recorded as answered, connection closed instead), ``[[twice]]`` (recorded as answered twice).
+
 The stats block also has fields loadgen does not know (``domain``, ``drafters_used``), to check
 they are tolerated. Received request ids (``X-Request-Id``) and bodies are kept for assertions.
 """
@@ -36,22 +42,32 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 DIRECTIVE = re.compile(r"\[\[(\w+)(?:=([^\]]*))?\]\]")
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 128  # a flood of connections waits in the backlog, as on a real server
 
 
 class StubServer:
     def __init__(self, *, ttft_s: float = 0.05, chunk_s: float = 0.02, num_chunks: int = 4,
                  tokens_per_chunk: int = 1, accept_default: tuple[int, int] = (3, 6), healthy: bool = True,
-                 port: int = 0, model: str = "stub-model") -> None:
+                 port: int = 0, model: str = "stub-model", api_key: str | None = None) -> None:
         self.ttft_s, self.chunk_s, self.num_chunks = ttft_s, chunk_s, num_chunks
         self.tokens_per_chunk, self.accept_default, self.healthy = tokens_per_chunk, accept_default, healthy
         self.model = model
+        self.api_key = api_key
+        """With a key, every route but /health answers 401 without ``Authorization: Bearer KEY``."""
         self.lock = threading.Lock()
         self.received: list[tuple[str, dict[str, Any]]] = []
         self.forced: dict[str, str] = {}
         self.num_active = self.max_active = 0
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.replica = f"stub-{id(self):x}"
+        self.completions: list[dict[str, Any]] = []
+        self.planted: list[str] = []
+        self.httpd = _HTTPServer(("127.0.0.1", port), _handler(self))
         self.httpd.daemon_threads = True
         self.thread: threading.Thread | None = None
 
@@ -77,6 +93,23 @@ class StubServer:
     def received_ids(self) -> list[str]:
         with self.lock:
             return [rid for rid, _ in self.received]
+
+    def plant(self, directive: str, count: int = 1) -> None:
+        """``directive`` (e.g. ``unrecorded``, ``status=503``) on the next ``count`` load requests."""
+        with self.lock:
+            self.planted += [f"[[{directive}]]"] * count
+
+    def record(self, request_id: str, status: int, outcome: str) -> None:
+        with self.lock:
+            self.completions.append({"seq": len(self.completions), "request_id": request_id, "status": status,
+                                     "outcome": outcome, "path": "", "t": time.time()})
+
+    def page(self, query: dict[str, list[str]]) -> dict[str, Any]:
+        ours = (query.get("replica") or [""])[0] == self.replica
+        after = int((query.get("after") or ["-1"])[0]) if ours else -1
+        with self.lock:
+            return {"replica": self.replica, "oldest": 0, "next": len(self.completions), "dropped": 0,
+                    "entries": [e for e in self.completions if e["seq"] > after]}
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
@@ -105,8 +138,22 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def send_response(self, code: int, message: str | None = None) -> None:
+            self.status = code
+            super().send_response(code, message)
+
+        def _refused(self) -> bool:
+            if stub.api_key is None or self.headers.get("Authorization") == f"Bearer {stub.api_key}":
+                return False
+            self._json(401, {"error": {"message": "missing or invalid API key", "type": "authentication_error"}})
+            return True
+
         def do_GET(self) -> None:
-            if self.path == "/health":
+            if self.path != "/health" and self._refused():
+                return
+            if self.path.startswith("/admin/completions"):
+                self._json(200, stub.page(parse_qs(urlparse(self.path).query)))
+            elif self.path == "/health":
                 self._json(200 if stub.healthy else 503, {"status": "ok" if stub.healthy else "starting"})
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]})
@@ -115,24 +162,40 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self._refused():
+                return
+            rid = self.headers.get("X-Request-Id", "")
             with stub.lock:
-                stub.received.append((self.headers.get("X-Request-Id", ""), body))
-            directives = {**dict(DIRECTIVE.findall(_prompt_text(body))), **stub.forced}
+                stub.received.append((rid, body))
+                planted = stub.planted.pop(0) if stub.planted and "-c" in rid else ""
+            directives = {**dict(DIRECTIVE.findall(_prompt_text(body) + planted)), **stub.forced}
             with stub.lock:
                 stub.num_active += 1
                 stub.max_active = max(stub.max_active, stub.num_active)
+            self.status, ended = None, False
             try:
+                if "undelivered" in directives:
+                    stub.record(rid, 200, "ok")
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 self._answer(body, directives)
+                ended = True
             finally:
                 with stub.lock:
                     stub.num_active -= 1
+                bad = body.get("stream") is not False and {"sse_error", "no_done", "drop", "malformed"} & set(directives)
+                outcome = "ok" if ended and self.status == 200 and not bad else "error" if ended else "incomplete"
+                for _ in range(0 if not rid or "undelivered" in directives or "unrecorded" in directives
+                               else 2 if "twice" in directives else 1):
+                    stub.record(rid, self.status, outcome)
 
         def _answer(self, body: dict[str, Any], directives: dict[str, str]) -> None:
             if "sleep" in directives:
                 time.sleep(float(directives["sleep"]))
             if "status" in directives:
                 status = int(directives["status"])
-                return self._json(status, {"error": {"message": f"injected status {status}", "type": "server_error",
+                kind = "service_unavailable_error" if status == 503 else "server_error"
+                return self._json(status, {"error": {"message": f"injected status {status}", "type": kind,
                                                      "param": None, "code": None}})
             if body.get("stream") is False:
                 return self._complete(body, directives)
