@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
-from cosine_ray.engine.config import EngineConfig, config_from_dict
+from cosine_ray.engine.config import SETTING_PATHS, EngineConfig, config_from_dict
 from cosine_ray.offline.outputs import CompletionOutput, RequestOutput, logprobs_list
 from cosine_ray.offline.params import SamplingParams
 
@@ -33,11 +33,15 @@ PROGRESS_DESC = "Processed prompts"
 
 def engine_config(model: str, engine_args: Mapping[str, Any]) -> EngineConfig:
     """The EngineConfig of ``LLM(model, **engine_args)``: the keys of a config file
-    (docs/configuration.md); an unknown key is a ValueError naming it."""
+    (docs/configuration.md), where a setting of a part may also be given by its own name, as
+    vLLM's engine arguments are (``max_model_len=2048`` for ``scheduler.max_model_len``); an
+    unknown key is a ValueError naming it."""
     if "model" in engine_args:
         raise ValueError("give the model once, as LLM's first argument")
+    flat = {k: v for k, v in engine_args.items() if k in SETTING_PATHS}
     try:
-        return config_from_dict({"model": model, **engine_args})
+        return config_from_dict({"model": model, **{k: v for k, v in engine_args.items()
+                                                    if k not in flat}}).replace(**flat)
     except ValueError as exc:
         raise ValueError(f"LLM(): {exc}") from None
 
@@ -71,7 +75,7 @@ class LLM:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.core.config.max_model_len
+        return self.engine.core.config.scheduler.max_model_len
 
     # ---- the two entry points -------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

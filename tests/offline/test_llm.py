@@ -91,7 +91,8 @@ def test_speculation_is_on_by_default(tiny_text_model):
     assert engine_config(str(tiny_text_model), {}).drafters == parse_drafters(DEFAULT_DRAFTERS)
     config = engine_config(str(tiny_text_model), {"drafters": "none", "num_speculative_tokens": 3,
                                                  "max_model_len": 512, "experiments": {"adaptive": False}})
-    assert config.drafters == () and config.num_speculative_tokens == 3 and config.max_model_len == 512
+    assert config.drafters == () and config.speculation.num_speculative_tokens == 3
+    assert config.scheduler.max_model_len == 512
     assert config.experiments.adaptive is False
 
 
