@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
                           "memory; one actor per stage when joining a cluster with --address or on CUDA)")
     add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
+    srv.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="require one of the keys in this file (or env COSINE_RAY_API_KEY_FILE): one a line, "
+                          "`KEY [name=NAME] [max_concurrent=N] [max_tokens_in_flight=N]`, # comments (docs/api.md)")
     srv.add_argument("--return-spec-stats", action="store_true",
                      help="add the `cosine_ray` speculation-stats block to every completion")
     srv.add_argument("--metrics-require-key", action="store_true",
@@ -219,6 +222,15 @@ def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str
     api_key = args.api_key or os.environ.get("COSINE_RAY_API_KEY")
     if api_key:
         out["api_key"] = api_key
+    key_file = getattr(args, "api_key_file", None) or os.environ.get("COSINE_RAY_API_KEY_FILE") \
+        or out.pop("api_key_file", None)
+    out.pop("api_key_file", None)
+    if key_file:  # read here: the replicas get its keys, not its path (they may run on another node)
+        from cosine_ray.serve.tenants import as_key_entries, read_key_file
+        try:
+            out["api_keys"] = as_key_entries(read_key_file(key_file))
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     if getattr(args, "return_spec_stats", False):
         out["return_spec_stats"] = True
     if getattr(args, "metrics_require_key", False):
@@ -240,6 +252,9 @@ def _is_int(value: Any) -> bool:
 
 INGRESS_ARG_CHECKS = {
     "api_key": ("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
+    "api_key_file": ("a path", lambda v: isinstance(v, str) and bool(v)),
+    "api_keys": ("a list of {key, name, max_concurrent, max_tokens_in_flight}", lambda v: isinstance(v, list)),
+    "body_timeout_s": ("> 0", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0),
     "max_body_bytes": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
     "max_ongoing_requests": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
     "max_queued_requests": ("an integer (-1 = no limit)", lambda v: _is_int(v) and v >= -1),
