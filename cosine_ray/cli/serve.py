@@ -231,6 +231,12 @@ def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str
             out["api_keys"] = as_key_entries(read_key_file(key_file))
         except ValueError as exc:
             raise CliError(str(exc)) from None
+    if "api_keys" in out:
+        from cosine_ray.serve.tenants import key_ring
+        try:
+            key_ring(out.get("api_key"), out["api_keys"])
+        except ValueError as exc:
+            raise CliError(f"api_keys: {exc}") from None
     if getattr(args, "return_spec_stats", False):
         out["return_spec_stats"] = True
     if getattr(args, "metrics_require_key", False):
@@ -252,7 +258,6 @@ def _is_int(value: Any) -> bool:
 
 INGRESS_ARG_CHECKS = {
     "api_key": ("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
-    "api_key_file": ("a path", lambda v: isinstance(v, str) and bool(v)),
     "api_keys": ("a list of {key, name, max_concurrent, max_tokens_in_flight}", lambda v: isinstance(v, list)),
     "body_timeout_s": ("> 0", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0),
     "max_body_bytes": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),

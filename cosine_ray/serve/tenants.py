@@ -120,12 +120,27 @@ def as_key_entries(keys: Iterable[ApiKey]) -> list[dict[str, Any]]:
              "max_tokens_in_flight": k.max_tokens_in_flight} for k in keys]
 
 
+def key_from_entry(entry: Any) -> ApiKey:
+    """An ``ApiKey`` from its plain-data form (``as_key_entries``, or ``api_keys`` in a config),
+    checked as a key file's line is; ValueError saying what is wrong."""
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("key"), str):
+        raise ValueError("each api_keys entry is a mapping with a string `key`")
+    unknown = set(entry) - {"key", "name", *LIMIT_NAMES}
+    if unknown:
+        raise ValueError(f"unknown setting {sorted(unknown)[0]!r} in an api_keys entry")
+    words = [entry["key"]] + [f"{k}={v}" for k, v in entry.items() if k != "key" and v is not None]
+    parsed = parse_key_line(" ".join(words)) if len(entry["key"].split()) == 1 else None
+    if parsed is None:
+        raise ValueError("an API key must be one word without spaces")
+    return parsed
+
+
 def key_ring(api_key: str | None = None, api_keys: Iterable[ApiKey | Mapping[str, Any]] = ()) -> list[ApiKey]:
     """The server's keys: ``api_key`` (tenant ``default``) and ``api_keys`` (``ApiKey``s or their
     plain-data form); ValueError for a key given twice or two keys of one name."""
     ring = [ApiKey(key=api_key, name="default")] if api_key else []
     for entry in api_keys:
-        ring.append(entry if isinstance(entry, ApiKey) else ApiKey(**dict(entry)))
+        ring.append(entry if isinstance(entry, ApiKey) else key_from_entry(entry))
     for kind, values in (("key", [k.key for k in ring]), ("name", [k.name for k in ring])):
         seen: set[str] = set()
         for value in values:

@@ -32,6 +32,12 @@ carol-0123456789
 """
 
 
+@pytest.fixture(autouse=True)
+def _no_env_keys(monkeypatch):
+    monkeypatch.delenv("COSINE_RAY_API_KEY", raising=False)
+    monkeypatch.delenv("COSINE_RAY_API_KEY_FILE", raising=False)
+
+
 def test_a_key_file_names_its_tenants_and_their_limits():
     alice, bob, carol = parse_key_file(KEY_FILE, "keys.txt")
     assert (alice.key, alice.name, alice.max_concurrent, alice.max_tokens_in_flight) == (
@@ -65,7 +71,6 @@ def test_a_malformed_line_is_an_error_naming_the_line(tmp_path, line, why):
 def test_the_cli_passes_the_keys_not_the_path_and_reads_the_env_var(tmp_path, monkeypatch):
     path = tmp_path / "keys.txt"
     path.write_text(KEY_FILE)
-    monkeypatch.delenv("COSINE_RAY_API_KEY", raising=False)
     monkeypatch.setenv("COSINE_RAY_API_KEY_FILE", str(path))
     out = serve_cli._ingress_args(argparse.Namespace(api_key="solo-key", api_key_file=None), None)
     assert out["api_key"] == "solo-key" and "api_key_file" not in out
@@ -75,6 +80,18 @@ def test_the_cli_passes_the_keys_not_the_path_and_reads_the_env_var(tmp_path, mo
         serve_cli._ingress_args(missing, None)
     with pytest.raises(ValueError, match="two API keys are named 'alice'"):
         tenants.key_ring(None, parse_key_file(KEY_FILE + "\nother-key name=alice\n", "f"))
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"key": "two words"}, "one word"),
+    ({"key": "k", "max_concurrent": 0}, "max_concurrent must be an integer >= 1"),
+    ({"key": "k", "limit": 3}, "unknown setting 'limit'"),
+    ("k", "a mapping with a string `key`"),
+])
+def test_keys_given_in_a_config_file_are_checked_before_anything_starts(entry, why):
+    config = serve_cli.ConfigFile(ingress={"api_keys": [entry]})
+    with pytest.raises(CliError, match=why):
+        serve_cli._ingress_args(argparse.Namespace(api_key=None, api_key_file=None), config)
 
 
 def keyed_app(engine: RecordingEngine, **kwargs: Any):
@@ -210,3 +227,20 @@ def test_per_key_series_are_exported_under_the_key_names():
     assert samples[("cosine_ray:tenant_tokens_in_flight", alice)] == 0
     assert samples[("cosine_ray:tenant_requests_in_flight", alice)] == 0
     assert "0123456789" not in during + after  # names, never keys
+
+
+def test_the_serve_application_reads_the_key_file_where_it_is_built(tmp_path):
+    """``serve deploy`` with ``api_key_file`` in the app's args: the file is read when the
+    application is built, and the ingress replicas get its keys (they may run on other nodes)."""
+    from cosine_ray.serve.app import CONTROL_HEADROOM, build_app
+
+    path = tmp_path / "keys.txt"
+    path.write_text(KEY_FILE)
+    app = build_app({"model": "smollm2-135m", "api_key_file": str(path), "max_pending_requests": 10})
+    ingress = app._bound_deployment
+    assert [k["name"] for k in ingress.init_kwargs["api_keys"]][:2] == ["alice", "bob"]
+    assert "api_key_file" not in ingress.init_kwargs
+    assert ingress.max_ongoing_requests == 2 * 10 + CONTROL_HEADROOM  # room for fair admission's overcommit
+    path.write_text("k1 max_concurrent=-1\n")
+    with pytest.raises(ValueError, match="line 1: max_concurrent"):
+        build_app({"model": "smollm2-135m", "api_key_file": str(path)})
