@@ -81,7 +81,7 @@ def parse_key_line(line: str) -> ApiKey | None:
                 raise ValueError(f"name must be 1-{MAX_NAME_CHARS} letters, digits, '-', '_' or '.'")
             values[name] = value
         elif name in LIMIT_NAMES:
-            if not value.isdigit() or int(value) < 1:
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
             values[name] = int(value)
         else:
