@@ -119,6 +119,17 @@ def overview() -> dict:
             (f"(sum({rate('http_requests_total', SERVER_ERRORS)}) or vector(0))"
              f" / sum({rate('http_requests_total')})", "5xx share"),
         ], unit="short", description="4xx/5xx responses per second, and the share of 5xx among all responses."),
+        panel("Requests / s by API key and status",
+              [(f"sum by (key, status) ({rate('tenant_requests_total')})", "{{key}} {{status}}")], unit="reqps",
+              width=8, description="Responses to requests that carried an API key, by the key's name."),
+        panel("In flight by API key", [(f"sum by (key) ({P}tenant_requests_in_flight)", "{{key}} requests"),
+                                       (f"sum by (key) ({P}tenant_tokens_in_flight)", "{{key}} tokens")],
+              width=8, description="Generation requests each key has admitted, and the tokens they claim "
+                                   "(n × (prompt + max_tokens) each)."),
+        panel("429s / s by API key and reason",
+              [(f"sum by (key, reason) ({rate('tenant_rate_limited_total')})", "{{key}} {{reason}}")],
+              unit="reqps", width=8, description="Requests refused for a key's own limits (concurrency, tokens) "
+                                                 "or beyond its fair share of a full server."),
     ])
 
 

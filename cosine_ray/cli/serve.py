@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
     srv.add_argument("--allow-unauthenticated", action="store_true",
                      help="serve without an API key on a host other than localhost (refused by default)")
+    srv.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="require one of the keys in this file (or env COSINE_RAY_API_KEY_FILE): one a line, "
+                          "`KEY [name=NAME] [max_concurrent=N] [max_tokens_in_flight=N]`, # comments (docs/api.md)")
     srv.add_argument("--return-spec-stats", action="store_true",
                      help="add the `cosine_ray` speculation-stats block to every completion")
     srv.add_argument("--metrics-require-key", action="store_true",
@@ -214,6 +217,21 @@ def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str
     api_key = args.api_key or os.environ.get("COSINE_RAY_API_KEY")
     if api_key:
         out["api_key"] = api_key
+    key_file = getattr(args, "api_key_file", None) or os.environ.get("COSINE_RAY_API_KEY_FILE") \
+        or out.pop("api_key_file", None)
+    out.pop("api_key_file", None)
+    if key_file:  # read here: the replicas get its keys, not its path (they may run on another node)
+        from cosine_ray.serve.tenants import as_key_entries, read_key_file
+        try:
+            out["api_keys"] = as_key_entries(read_key_file(key_file))
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    if "api_keys" in out:
+        from cosine_ray.serve.tenants import key_ring
+        try:
+            key_ring(out.get("api_key"), out["api_keys"])
+        except ValueError as exc:
+            raise CliError(f"api_keys: {exc}") from None
     if getattr(args, "return_spec_stats", False):
         out["return_spec_stats"] = True
     if getattr(args, "metrics_require_key", False):
@@ -237,6 +255,8 @@ def _is_int(value: Any) -> bool:
 
 INGRESS_ARG_CHECKS = {
     "api_key": ("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
+    "api_keys": ("a list of {key, name, max_concurrent, max_tokens_in_flight}", lambda v: isinstance(v, list)),
+    "body_timeout_s": ("> 0", lambda v: (_is_int(v) or isinstance(v, float)) and v > 0),
     "max_body_bytes": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
     "max_ongoing_requests": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
     "max_queued_requests": ("an integer (-1 = no limit)", lambda v: _is_int(v) and v >= -1),
@@ -296,7 +316,7 @@ def check_exposure(host: str, app_args: dict[str, Any]) -> dict[str, Any]:
     otherwise. Returns ``app_args`` as ``build_app`` must get them: the builder refuses to run
     without a key unless told the server may be open, and it cannot see the host (a Serve
     config's ``http_options`` are not its args), so a keyless server on localhost says so."""
-    if app_args.get("api_key") or app_args.get("allow_unauthenticated"):
+    if app_args.get("api_key") or app_args.get("api_keys") or app_args.get("allow_unauthenticated"):
         return app_args
     if not is_loopback(host):
         raise CliError(f"--host {host} serves beyond this machine and no API key is set: give --api-key KEY "

@@ -8,7 +8,7 @@ adds ``_total``. Labels: ``drafter`` is a drafter name (``ngram``, ``retrieval:c
 
 Who records what: the engine's exporter (``metrics/exporter.py``, fed one ``StepStats`` per step)
 the speculation, routing, fusion and scheduler series; the engine loop the serving series; the
-HTTP edge ``http_requests``; the engine deployment, at scrape time, ``stage_*_seconds``,
+HTTP edge ``http_requests`` and the ``tenant_*`` series; the engine deployment, at scrape time, ``stage_*_seconds``,
 ``drafter_restarts`` and the running/waiting gauges. One registry in the engine process holds
 them all; ``metrics/prometheus.py`` renders it. Derived figures (acceptance rate, mean accepted
 length, ...) are PromQL in docs/metrics.md and in the dashboards.
@@ -65,6 +65,17 @@ METRICS: dict[str, MetricSpec] = {
     "cosine_ray:kv_cache_used_blocks": MetricSpec("gauge", "KV blocks that requests hold."),
     "cosine_ray:http_requests": MetricSpec(
         "counter", "HTTP responses by route and status code.", ("route", "status")),
+    # ---- tenants: per API key, labelled by the key's name (never the key) ---------------------
+    "cosine_ray:tenant_requests": MetricSpec(
+        "counter", "HTTP responses to requests that carried an API key, by key name and status code.",
+        ("key", "status")),
+    "cosine_ray:tenant_requests_in_flight": MetricSpec(
+        "gauge", "Generation requests an API key has admitted and not finished (all ingress replicas).", ("key",)),
+    "cosine_ray:tenant_tokens_in_flight": MetricSpec(
+        "gauge", "Tokens those requests claim, n × (prompt + max_tokens) each (all ingress replicas).", ("key",)),
+    "cosine_ray:tenant_rate_limited": MetricSpec(
+        "counter", "Requests refused with 429, by key name and reason (concurrency, tokens, fair_share).",
+        ("key", "reason")),
     # ---- speculation (vLLM names) ----------------------------------------------------------
     "cosine_ray:spec_decode_num_drafts": MetricSpec(
         "counter", "Verify steps that carried at least one draft token.", ("domain",)),

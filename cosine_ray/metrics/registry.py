@@ -39,6 +39,8 @@ class MetricsRegistry:
         self._values: dict[str, dict[LabelKey, Any]] = {name: {} for name in METRICS}
         self._readings: dict[tuple[str, str, LabelKey], float] = {}
         """Last cumulative reading per (metric, source, labels): see ``add_cumulative``."""
+        self._levels: dict[tuple[str, LabelKey], dict[str, tuple[float, float]]] = {}
+        """Per gauge series, each source's (up, down) totals: see ``add_level``."""
 
     @staticmethod
     def _key(name: str, spec: MetricSpec, labels: dict[str, Any]) -> LabelKey:
@@ -80,12 +82,32 @@ class MetricsRegistry:
         self._readings[key] = float(reading)
         self.inc(name, reading - last if reading >= last else reading, **labels)
 
-    def add_http_totals(self, replica: str, totals: dict[tuple[str, int], int]) -> None:
-        """Cumulative HTTP response counts of one ingress replica ({(route, status): n}),
-        folded in order-insensitively: a late, older push changes nothing."""
-        for (route, status), n in totals.items():
-            self.add_cumulative("cosine_ray:http_requests", n, replica, lower_means_restart=False,
-                                route=route, status=status)
+    def add_http_totals(self, replica: str, totals: dict[tuple, Any]) -> None:
+        """Cumulative counts of one ingress replica, folded in order-insensitively (a late,
+        older push changes nothing). A key ``(route, status)`` counts HTTP responses; a key
+        ``(metric name, labels)`` is one of the ingress's own series: a counter's cumulative
+        total, or a gauge's cumulative (up, down) pair (``add_level``)."""
+        for key, value in totals.items():
+            name, labels = key
+            if isinstance(labels, tuple):
+                if METRICS[name].kind == "gauge":
+                    self.add_level(name, replica, *value, **dict(labels))
+                else:
+                    self.add_cumulative(name, value, replica, lower_means_restart=False, **dict(labels))
+            else:
+                self.add_cumulative("cosine_ray:http_requests", value, replica, lower_means_restart=False,
+                                    route=name, status=labels)
+
+    def add_level(self, name: str, source: str, up: float, down: float, **labels: Any) -> None:
+        """A gauge kept by other processes as two cumulative totals (what came in, what went out):
+        its value is the sum over sources of up - down, each total taken at its highest reading,
+        so readings that arrive late or out of order leave it right."""
+        spec = self._spec(name, "gauge")
+        key = self._key(name, spec, labels)
+        sources = self._levels.setdefault((name, key), {})
+        last_up, last_down = sources.get(source, (0.0, 0.0))
+        sources[source] = (max(last_up, float(up)), max(last_down, float(down)))
+        self._values[name][key] = sum(u - d for u, d in sources.values())
 
     def set(self, name: str, value: float, **labels: Any) -> None:
         spec = self._spec(name, "gauge")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -27,10 +28,12 @@ from cosine_ray.engine.request import SamplingParams, StructuredOutput
 from cosine_ray.serve import tools
 from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, error_payload
 from cosine_ray.serve.generation import Generation, sse, unless_disconnected
+from cosine_ray.serve.limits import check_prompt_logprobs
 from cosine_ray.serve.schemas import (ChatCompletionRequest, ChatDelta, ChatLogprobs, CompletionLogprobs,
                                       CompletionRequest, FunctionDelta, PromptTokensDetails, ToolCallDelta,
                                       TokenLogprobOut, TopLogprob, Usage)
 from cosine_ray.serve.state import ServerState
+from cosine_ray.serve.tenants import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,10 @@ NOT_STREAMED_EVERY_S = 0.1
 processes CPU time that a small machine takes from the forward. A stop string is then found up
 to 0.1 s late; the tokens generated meanwhile leave the text, the usage and the log-probabilities
 (``TextStream``)."""
+
+
+STEPS_AHEAD = 4
+"""Steps a streamed choice may run ahead of its client (``interleave``)."""
 
 
 @dataclass(slots=True)
@@ -52,11 +59,12 @@ class Choice:
 
 
 async def start_choices(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
-                        prompt_ids: list[int], prompt_param: str, request_id: str, *,
+                        prompt_ids: list[int], prompt_param: str, request_id: str, *, tenant: ApiKey,
                         structured: tuple[StructuredOutput, str] | None, num_choices: int,
                         num_logprobs: int | None) -> list[Choice]:
     """Check the request with the engine and start one generation per choice (each its own
-    engine request and sampling key: seed + i), each holding an admission slot until closed."""
+    engine request and sampling key: seed + i), each holding an admission slot of ``tenant``
+    until closed. Prompt log-probabilities are the same for every choice: only the first asks."""
     engine = state.engine
     requested, max_tokens_param = req.requested_max_tokens
     room = engine.max_model_len - len(prompt_ids)
@@ -67,18 +75,22 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
         raise InvalidRequest(f"{max_tokens_param}={requested} plus the prompt's {len(prompt_ids)} tokens "
                              f"exceeds the model's context of {engine.max_model_len}; use "
                              f"{max_tokens_param} <= {room}", param=max_tokens_param)
+    if req.prompt_logprobs is not None:
+        check_prompt_logprobs(len(prompt_ids), "echo" if getattr(req, "echo", False) else "prompt_logprobs")
     spec, spec_param = structured or (None, None)
-    params = sampling_params(req, requested or min(state.default_max_tokens, room), num_logprobs, spec)
-    releases = [state.admission.try_acquire()]  # before any await: the count is exact
+    max_tokens = requested or min(state.default_max_tokens, room)
+    params = sampling_params(req, max_tokens, num_logprobs, spec)
+    refusal = functools.partial(engine_refusal, num_prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
+                                max_tokens_param=max_tokens_param, prompt_param=prompt_param, grammar=structured)
+    # before any await: the counts are exact
+    releases = state.admission.admit(tenant, num_choices, len(prompt_ids) + max_tokens, param=max_tokens_param)
     try:
-        for _ in range(num_choices - 1):
-            releases.append(state.admission.try_acquire())
         await engine.check_request(prompt_ids, params)
     except ValueError as exc:
         for release in releases:
             release()
-        msg = str(exc)
-        raise InvalidRequest(msg, param=_param_of(msg, max_tokens_param, prompt_param, spec_param)) from None
+        log.info("engine refused %s: %s", request_id, exc)
+        raise refusal(str(exc)) from None
     except BaseException as exc:  # cancelled (client gone), overloaded, engine down
         for release in releases:
             release()
@@ -90,11 +102,12 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
     choices = []
     for i, release in enumerate(releases):
         seed = None if params.seed is None else (params.seed + i) % 2**64
-        choice_params = dataclasses.replace(params, seed=seed) if i else params
+        choice_params = dataclasses.replace(params, seed=seed, prompt_logprobs=None) if i else params
         rid = request_id if num_choices == 1 else f"{request_id}-{i}"
         choices.append(Choice(i, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
                                             on_close=release, deadline=deadline,
-                                            every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S)))
+                                            every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S,
+                                            refusal=refusal)))
     return choices
 
 
@@ -113,15 +126,34 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         raise InvalidRequest(str(exc), param=param) from None
 
 
-def _param_of(message: str, max_tokens_param: str, prompt_param: str, grammar_param: str | None) -> str:
-    """The request field an engine ValueError is about (by the message's first words)."""
+GRAMMAR_MESSAGES = ("the json schema", "the regex", "the choice", "the lark", "choice must", "unknown grammar")
+"""How the engine's grammar refusals begin (``engine.owners.constraints``)."""
+
+
+def engine_refusal(message: str, *, num_prompt_tokens: int, max_tokens: int, max_tokens_param: str,
+                   prompt_param: str, grammar: tuple[StructuredOutput, str] | None) -> InvalidRequest:
+    """The client's 400 for an engine ValueError: a stable message naming the field and the
+    bound, never the engine's own text (KV block counts, flag names, the grammar engine's words),
+    which the ingress logs instead."""
+    lowered = message.lower()
     for name in ("logit_bias", "stop_token_ids", "min_tokens"):
-        if message.startswith(name):
-            return name
-    if message.startswith(("the json schema", "the regex", "the choice", "the lark", "structured outputs",
-                           "choice must")) and grammar_param is not None:
-        return grammar_param
-    return max_tokens_param if message.startswith("max_tokens") else prompt_param
+        if lowered.startswith(name):
+            return InvalidRequest(f"{name} cannot be served by this model", param=name)
+    if grammar is not None and lowered.startswith("structured outputs"):
+        return InvalidRequest(f"{grammar[1]}: structured outputs are not available on this server", param=grammar[1])
+    if grammar is not None and lowered.startswith(GRAMMAR_MESSAGES):
+        spec, param = grammar
+        what = {"json_schema": "JSON schema", "lark": "grammar"}.get(spec.kind, spec.kind)
+        return InvalidRequest(f"{param}: the {what} cannot be compiled by the server's grammar engine "
+                              "(invalid, or a feature it does not support)", param=param)
+    if "kv" in lowered:
+        return InvalidRequest(f"the prompt ({num_prompt_tokens} tokens) and {max_tokens_param}={max_tokens} do not "
+                              f"fit the server's KV cache even alone; lower {max_tokens_param} or shorten the prompt",
+                              param=max_tokens_param)
+    if lowered.startswith(("max_tokens", "prompt (")):
+        return InvalidRequest(f"the prompt ({num_prompt_tokens} tokens) and {max_tokens_param}={max_tokens} exceed "
+                              "the model's context", param=max_tokens_param)
+    return InvalidRequest("the engine cannot serve this request", param=prompt_param)
 
 
 async def first_outputs(request: Request, choices: list[Choice]) -> None:
@@ -174,19 +206,24 @@ def usage(choices: list[Choice]) -> Usage:
 async def interleave(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob], bool]]:
     """(choice, text delta, new log-probabilities, whether it was the choice's last) for every
     step of every choice, as they come; the first step of each is its ``first``. Errors of any
-    choice are raised here."""
-    queue: asyncio.Queue = asyncio.Queue()
+    choice are raised here. Backpressure: a choice runs at most ``STEPS_AHEAD`` steps ahead of
+    the consumer (the client), so a slow reader leaves the engine's outputs unread instead of
+    piling them up here."""
+    queue: asyncio.Queue = asyncio.Queue()  # its data items are bounded by ``space``
+    space = asyncio.Semaphore(STEPS_AHEAD * len(choices))
 
     async def run(choice: Choice) -> None:
         try:
-            await queue.put((choice, choice.first, choice.gen.take_logprobs(), choice.gen.is_done))
+            await space.acquire()
+            queue.put_nowait((choice, choice.first, choice.gen.take_logprobs(), choice.gen.is_done))
             while not choice.gen.is_done:
                 delta = await choice.gen.step()
-                await queue.put((choice, delta, choice.gen.take_logprobs(), choice.gen.is_done))
+                await space.acquire()
+                queue.put_nowait((choice, delta, choice.gen.take_logprobs(), choice.gen.is_done))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((choice, exc, None, True))
+            queue.put_nowait((choice, exc, None, True))
         finally:
-            await queue.put((choice, None, None, True))
+            queue.put_nowait((choice, None, None, True))
 
     tasks = [asyncio.ensure_future(run(c)) for c in choices]
     remaining = len(tasks)
@@ -198,6 +235,7 @@ async def interleave(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, s
             elif isinstance(delta, BaseException):
                 raise delta
             else:
+                space.release()
                 yield choice, delta, logprobs, last
     finally:
         for t in tasks:
@@ -267,8 +305,10 @@ class ChatDeltas:
     has_calls: bool = field(default=False)
 
     def feed(self, delta: str) -> ChatDelta | None:
-        self.text += delta
         kind = tools.mode(self.req)
+        if kind == "none":  # plain content: nothing to look back at, so no text is kept
+            return ChatDelta(content=delta) if delta else None
+        self.text += delta
         if kind == "named":
             if not delta and self.calls:
                 return None
@@ -280,13 +320,11 @@ class ChatDeltas:
                 function=FunctionDelta(name=name if first else None, arguments=delta))])
         if kind == "required" or self.in_call:
             return None
-        if kind == "auto":
-            at = self.text.find(tools.OPEN_TAG, self.sent)
-            if at >= 0:
-                self.in_call = True
-                return self._content(at)
-            return self._content(len(self.text) - tools.held_back(self.text))
-        return self._content(len(self.text))
+        at = self.text.find(tools.OPEN_TAG, self.sent)  # auto
+        if at >= 0:
+            self.in_call = True
+            return self._content(at)
+        return self._content(len(self.text) - tools.held_back(self.text))
 
     def _content(self, end: int) -> ChatDelta | None:
         if end <= self.sent:

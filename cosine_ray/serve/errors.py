@@ -1,12 +1,14 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``, never a traceback.
 
 Status codes: 400 invalid request (FastAPI's 422, malformed JSON and non-object bodies
-remapped), 401 bad key, 404 unknown path or model, 405 wrong method, 413 body too large, 503 +
-Retry-After engine unavailable, 500 (logged, no internals) for anything unexpected.
+remapped), 401 bad key, 404 unknown path or model, 405 wrong method, 408 body not received in
+time or request past its timeout, 413 body too large, 429 + Retry-After a key over its limits,
+503 + Retry-After engine unavailable, 500 (logged, no internals) for anything unexpected.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from typing import Any, Sequence
@@ -21,6 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
+"""Longest wait for a request's whole body: a slower sender gets 408 and gives its slot back."""
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 """Request headers larger than this (names + values, all headers) get 431. uvicorn's
 httptools parser accepts megabytes of headers, so the app enforces its own bound."""
@@ -67,6 +71,16 @@ class RequestTimeout(OpenAIError):
     """The request ran past the server's ``request_timeout_s``; its engine work was cancelled."""
 
     status_code = 408
+
+
+class RateLimited(OpenAIError):
+    """The client's API key is over one of its limits or its fair share: 429 + Retry-After."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message, code="rate_limit_exceeded",
+                         headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
 
 class EngineUnavailable(OpenAIError):
@@ -165,16 +179,22 @@ def install_error_handlers(app: FastAPI) -> None:
 # ---- ASGI middlewares -------------------------------------------------------------------------
 
 class BodyLimitMiddleware:
-    """413 when Content-Length or the bytes actually received exceed ``max_body_bytes``.
+    """413 when Content-Length or the bytes actually received exceed ``max_body_bytes``; 408
+    when the whole body has not arrived within ``body_timeout_s`` (a slow sender would hold its
+    connection and a Serve slot for as long as it likes).
 
     The body is read up front (at most the limit) and replayed to the app; later ``receive``
     calls go to the server, so disconnect detection still works."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        if not body_timeout_s > 0:
+            raise ValueError("body_timeout_s must be > 0")
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     def _too_large(self) -> JSONResponse:
         return error_response(413, f"request body is larger than {self.max_body_bytes} bytes")
@@ -190,18 +210,17 @@ class BodyLimitMiddleware:
                 return await error_response(400, "invalid Content-Length header")(scope, receive, send)
             if declared > self.max_body_bytes:
                 return await self._too_large()(scope, receive, send)
-        chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_body_bytes:
-                return await self._too_large()(scope, receive, send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                if not await self._read(receive, chunks):
+                    return  # the client left
+        except TimeoutError:
+            response = error_response(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                                      code="body_timeout", headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        except _TooLarge:
+            return await self._too_large()(scope, receive, send)
         body = b"".join(chunks)
         is_replayed = False
 
@@ -213,6 +232,26 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+    async def _read(self, receive: Receive, chunks: list[bytes]) -> bool:
+        """The body's chunks into ``chunks``; False if the client left first."""
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return False
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body_bytes:
+                raise _TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return True
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class HeaderLimitMiddleware:

@@ -1,14 +1,13 @@
 """One generation request's lifecycle in the OpenAI layer, from admission to the last byte:
 
-* ``Admission``: the bound on generations in flight (503 + Retry-After past it);
 * ``Readiness``: what ``/health`` answers, at once, while the engine starts or recovers;
-* ``Generation``: one engine request seen as text (``TextStream``: incremental detokenization
-  and stop strings), with the server-side request timeout; closing it aborts the request in
-  the engine and frees its admission slot. A stop string ends it as a normal completion: the
-  engine is told (``EngineClient.finish``) before the stream is closed, so its metrics count
-  ``stop`` (with the request's latency), not ``abort``;
+* ``Generation``: one engine request seen as text (``serve.text.TextStream``: incremental
+  detokenization and stop strings), with the server-side request timeout; closing it aborts the
+  request in the engine and frees its admission slot (``serve.admission``). A stop string ends
+  it as a normal completion: the engine is told (``EngineClient.finish``) before the stream is
+  closed, so its metrics count ``stop`` (with the request's latency), not ``abort``;
 * ``unless_disconnected``, ``SSEResponse`` and ``sse``: cancelling the work or the event stream
-  when the client goes away, and formatting server-sent events.
+  when the client goes away (or cannot keep up), and formatting server-sent events.
 
 ``cosine_ray.serve.openai_app`` builds the routes on these.
 """
@@ -25,14 +24,14 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
 from cosine_ray.algo.logits_rules import TokenLogprob
 from cosine_ray.engine.request import RequestStats, SamplingParams
-from cosine_ray.serve.errors import (OVERLOADED_CODE, EngineUnavailable, InvalidRequest, OpenAIError,
-                                     RequestTimeout)
+from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, RequestTimeout
 from cosine_ray.serve.schemas import CosineRayStats, PromptTokensDetails, Usage
+from cosine_ray.serve.text import TextStream  # noqa: F401 - importable from here too
 
 log = logging.getLogger(__name__)
 
@@ -44,97 +43,9 @@ HEALTH_PROBE_TIMEOUT_S = 5.0
 FINISH_NOTICE_TIMEOUT_S = 1.0
 """Longest wait for the engine to take a stop-string finish; past it the stream is closed
 anyway (the request is freed all the same, and counted as an abort)."""
-
-
-class TextStream:
-    """Token ids → text deltas: decode everything, send the new suffix.
-
-    Holds back a trailing U+FFFD (an incomplete UTF-8 sequence) and, with stop strings, the
-    longest unsent suffix that could still begin a stop string; the text ends before the first
-    stop string. Assumes decode(ids[:n]) is a prefix of decode(ids) once it has no trailing
-    U+FFFD (true for byte-level BPE tokenizers with skip_special_tokens)."""
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.stop = list(stop)
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.num_sent_chars = 0
-        self.is_stopped = False
-
-    def add(self, new_token_ids: Sequence[int], *, is_final: bool) -> str:
-        num_before = len(self.token_ids)
-        self.token_ids.extend(new_token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if not is_final:
-            text = text.rstrip("\ufffd")
-        end = len(text)
-        stop_at = self._first_stop(text)
-        if stop_at is not None:
-            end, self.is_stopped = stop_at, True
-            del self.token_ids[self._num_tokens_to_stop(num_before):]
-        elif not is_final:
-            end -= self._num_held_back(text)
-        self.text = text[:end] if self.is_stopped else text
-        delta = text[self.num_sent_chars:end]
-        self.num_sent_chars = max(self.num_sent_chars, end)
-        return delta
-
-    def _num_tokens_to_stop(self, num_before: int) -> int:
-        """The fewest tokens whose text holds a stop string: the tokens an engine output (a
-        speculative step, or several merged) carried past it are not the completion's, in its
-        usage or its log-probabilities (vLLM counts up to the token that completed the stop)."""
-        for n in range(num_before + 1, len(self.token_ids)):
-            if self._first_stop(self.tokenizer.decode(self.token_ids[:n], skip_special_tokens=True)) is not None:
-                return n
-        return len(self.token_ids)
-
-    def _first_stop(self, text: str) -> int | None:
-        """Where the first stop string begins in the unsent part of ``text``, or None."""
-        hits = [i for i in (text.find(s, self.num_sent_chars) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
-
-    def _num_held_back(self, text: str) -> int:
-        longest = min(max((len(s) for s in self.stop), default=1) - 1, len(text) - self.num_sent_chars)
-        for k in range(longest, 0, -1):
-            if any(s.startswith(text[-k:]) for s in self.stop):
-                return k
-        return 0
-
-
-class Admission:
-    """Bounded admission: at most ``max_pending`` generation requests in this replica at once
-    (running in the engine or waiting in its queue); one more is rejected at once with 503 +
-    ``Retry-After`` instead of queueing without bound.
-
-    ``try_acquire`` is synchronous (no await between the check and the increment), so with
-    N + k concurrent requests exactly k are rejected while the first N are in flight. The
-    slot is released when the request's engine stream is closed (finish, error, disconnect,
-    timeout), via ``Generation.aclose``; ``release`` is idempotent per slot."""
-
-    def __init__(self, max_pending: int | None) -> None:
-        if max_pending is not None and max_pending < 1:
-            raise ValueError("max_pending_requests must be >= 1")
-        self.max_pending = max_pending
-        self.num_pending = 0
-        self.num_rejected = 0
-
-    def try_acquire(self) -> Callable[[], None]:
-        """A release callback, or EngineUnavailable (503) when the replica is full."""
-        if self.max_pending is not None and self.num_pending >= self.max_pending:
-            self.num_rejected += 1
-            raise EngineUnavailable(f"the server is at capacity ({self.max_pending} requests in flight); "
-                                    "retry later", retry_after=1.0, code=OVERLOADED_CODE)
-        self.num_pending += 1
-        is_released = False
-
-        def release() -> None:
-            nonlocal is_released
-            if not is_released:
-                is_released = True
-                self.num_pending -= 1
-
-        return release
+DEFAULT_SEND_TIMEOUT_S = 30.0
+"""Longest a streamed response waits for its client to take the next bytes: a client that
+cannot keep up is dropped and its work in the engine cancelled (``SSEResponse``)."""
 
 
 class Readiness:
@@ -179,7 +90,7 @@ class Generation:
     def __init__(self, engine: EngineClient, tokenizer: Any, prompt_token_ids: list[int],
                  params: SamplingParams, stop: Sequence[str], request_id: str,
                  on_close: Callable[[], None] | None = None, deadline: float | None = None,
-                 every_s: float = 0.0) -> None:
+                 every_s: float = 0.0, refusal: Callable[[str], OpenAIError] | None = None) -> None:
         self._on_close = on_close
         if on_close is not None:  # a Generation dropped without aclose() still frees its slot
             weakref.finalize(self, on_close)
@@ -200,6 +111,8 @@ class Generation:
         """The generated tokens' log-probabilities so far (when the request asked)."""
         self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self._num_taken = 0
+        self._refusal = refusal or (lambda message: InvalidRequest("the engine cannot serve this request"))
+        """The client's error for an engine ValueError at submission (its text is internal)."""
 
     async def _next_output(self) -> Any:
         if self.deadline is None:
@@ -225,7 +138,8 @@ class Generation:
             raise
         except Exception as exc:
             if isinstance(exc, ValueError) and self._num_outputs == 0:  # rejected at submission
-                raise InvalidRequest(str(exc)) from None
+                log.info("engine refused %s: %s", self.request_id, exc)
+                raise self._refusal(str(exc)) from None
             log.exception("engine error in %s", self.request_id)
             raise EngineUnavailable("the engine failed while generating; retry") from None
         self._num_outputs += 1
@@ -328,19 +242,32 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class SSEResponse(StreamingResponse):
-    """Server-sent events that stop on client disconnect and always run ``on_close``."""
+    """Server-sent events that stop on client disconnect and always run ``on_close``. A client
+    that takes no bytes for ``send_timeout_s`` (it stopped reading, or reads slower than tokens
+    come) is dropped the same way: what the response still holds is bounded (the events are
+    made one at a time, as the client takes them) and the engine work is cancelled. Behind Ray
+    Serve the app's sends never block (the proxy buffers), so there the proxy's guard drops such
+    a client (``serve.proxy_guard``)."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], *,
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            with anyio.fail_after(self.send_timeout_s):
+                await send(message)
+
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(timed_send)
+                    except TimeoutError:  # before OSError, its base class
+                        log.warning("dropped a client that took no bytes for %g s", self.send_timeout_s)
                     except OSError:  # the client went away (ASGI spec 2.4 servers)
                         pass
                     tg.cancel_scope.cancel()

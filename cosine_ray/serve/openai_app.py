@@ -6,9 +6,10 @@ the one ``ServerState`` (``serve.state``) through its ``State`` parameter, so ad
 adding one function here. ``build_openai_app`` makes the state and the app, adds the routes and
 installs the error handlers and middlewares. A generation request goes:
 
-    validate (schemas) → model + supported-feature checks → prompt token ids → max_tokens
-    → engine.check_request → engine.stream → TextStream (incremental detokenization, stop
-    strings) → JSON response or SSE chunks ... ``data: [DONE]``
+    key (``serve.tenants``) → validate (schemas, ``serve.limits``) → model, supported-feature and
+    vocabulary checks → prompt token ids (``serve.prompts``, off the event loop) → max_tokens →
+    admission (``serve.admission``, per key) → engine.check_request → engine.stream → TextStream
+    (``serve.text``) → JSON response or SSE chunks ... ``data: [DONE]``
 
 Every engine iterator is closed on every path (finish, stop string, error, client disconnect,
 cancellation): closing it is what aborts the request in the engine (``serve.choices``). Streaming
@@ -18,54 +19,38 @@ token (validation in the engine, overload, a recovering stage) still get a real 
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from jinja2 import TemplateError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
 from cosine_ray.serve import tools
+from cosine_ray.serve.admission import Admission
 from cosine_ray.serve.choices import (ChatDeltas, Choice, Logprobs, close_all, collect_all, first_outputs,
                                       guarded_events, interleave, start_choices, usage)
-from cosine_ray.serve.errors import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, CatchAllMiddleware,
-                                     HeaderLimitMiddleware, InvalidRequest, error_payload, error_response,
-                                     install_error_handlers)
-from cosine_ray.serve.generation import Admission, Readiness, SSEResponse, sse
-from cosine_ray.serve.metrics_http import METRICS_PATH, HttpCounts, HttpMetricsMiddleware, metrics_response
+from cosine_ray.serve.errors import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware,
+                                     CatchAllMiddleware, HeaderLimitMiddleware, error_payload, install_error_handlers)
+from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness, SSEResponse, sse
+from cosine_ray.serve.limits import check_duplicate_keys, check_vocabulary
+from cosine_ray.serve.metrics_http import (METRICS_PATH, PUSH_INTERVAL_S, HttpCounts, HttpMetricsMiddleware,
+                                          metrics_response)
+from cosine_ray.serve.prompts import chat_prompt, completion_prompt, longest_token_chars
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                       CompletionChoice, CompletionRequest, CompletionResponse,
                                       ErrorResponse, ModelCard, ModelList)
 from cosine_ray.serve.state import DEFAULT_MAX_TOKENS, ServerState, State
+from cosine_ray.serve.tenants import ApiKey, ApiKeyMiddleware, key_ring, tenant_of
 
 log = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health", METRICS_PATH})
 """Routes that need no API key (Prometheus scrapes carry none; ``metrics_require_key`` drops
 ``/metrics`` from this set)."""
-
-class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every path except PUBLIC_PATHS (constant-time compare)."""
-
-    def __init__(self, app: ASGIApp, *, api_key: str, public_paths: frozenset[str] = PUBLIC_PATHS) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.public_paths = public_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public_paths:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given.strip(), self.expected):
-                response = error_response(401, "missing or invalid API key: send `Authorization: Bearer KEY`",
-                                          headers={"WWW-Authenticate": "Bearer"})
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 ROUTES: list[tuple[str, str, Callable[..., Any], dict[str, Any]]] = []
@@ -85,34 +70,49 @@ def route(method: str, path: str, **options: Any) -> Callable[[Callable[..., Any
 
 def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+                     api_keys: Iterable[ApiKey | Mapping[str, Any]] = (),
                      default_max_tokens: int = DEFAULT_MAX_TOKENS, return_spec_stats: bool = False,
                      metrics_require_key: bool = False, max_pending_requests: int | None = None,
-                     request_timeout_s: float | None = None) -> FastAPI:
+                     request_timeout_s: float | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+                     metrics_push_interval_s: float = PUSH_INTERVAL_S) -> FastAPI:
     """The OpenAI-compatible app. ``tokenizer`` is the target's HF tokenizer (chat template).
-    ``return_spec_stats`` adds the ``cosine_ray`` stats block to every completion (otherwise
-    only when a request asks with ``cosine_ray_stats``); ``metrics_require_key`` makes
-    ``GET /metrics`` need the API key too (by default it is public, like ``/health``).
-    ``max_pending_requests`` bounds the generations in flight (``Admission``: one more gets
-    503 + Retry-After); ``request_timeout_s`` bounds one generation's wall time from its
-    admission: past it the engine request is cancelled and the client gets 408 (before the
-    first streamed byte) or an SSE error event with the 408 payload, then ``[DONE]``."""
+    ``api_key`` and ``api_keys`` (``serve.tenants``: each a tenant with its own limits) are the
+    keys a request may carry; none: the app is open. ``return_spec_stats`` adds the
+    ``cosine_ray`` stats block to every completion (otherwise only when a request asks with
+    ``cosine_ray_stats``); ``metrics_require_key`` makes ``GET /metrics`` need a key too (by
+    default it is public, like ``/health``). ``max_pending_requests`` bounds the generations in
+    flight, shared fairly between keys (``serve.admission``); ``request_timeout_s`` bounds one
+    generation's wall time from its admission: past it the engine request is cancelled and the
+    client gets 408 (before the first streamed byte) or an SSE error event with the 408 payload,
+    then ``[DONE]``. ``body_timeout_s`` bounds the wait for a request's body (408), and
+    ``send_timeout_s`` a stream's wait for its client to take bytes (dropped past it).
+    ``metrics_push_interval_s``: how often at most HTTP counts are pushed to the engine."""
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError("request_timeout_s must be > 0")
+    if not send_timeout_s > 0:
+        raise ValueError("send_timeout_s must be > 0")
+    keys = key_ring(api_key, api_keys)
+    admission = Admission(max_pending_requests)
+    counts = HttpCounts(engine, extra=admission.metrics_totals, push_interval_s=metrics_push_interval_s)
+    eos = getattr(tokenizer, "eos_token_id", None)
     state = ServerState(engine=engine, tokenizer=tokenizer, model_name=model_name,
-                        admission=Admission(max_pending_requests), readiness=Readiness(engine),
-                        http_counts=HttpCounts(engine), default_max_tokens=default_max_tokens,
-                        return_spec_stats=return_spec_stats, request_timeout_s=request_timeout_s)
+                        admission=admission, readiness=Readiness(engine),
+                        http_counts=counts, default_max_tokens=default_max_tokens,
+                        return_spec_stats=return_spec_stats, request_timeout_s=request_timeout_s,
+                        send_timeout_s=send_timeout_s, max_token_chars=longest_token_chars(tokenizer),
+                        eos_token_ids=(eos,) if isinstance(eos, int) else ())
     app = FastAPI(title="cosine_ray", summary="OpenAI-compatible lossless speculative decoding",
                   responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-                             503: {"model": ErrorResponse}})
+                             429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
     app.state.server = state
     for method, path, endpoint, options in ROUTES:
         app.add_api_route(path, endpoint, methods=[method], **options)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    if keys:  # outside the body limit: a request without a key is refused before its body is read
         public = PUBLIC_PATHS - {METRICS_PATH} if metrics_require_key else PUBLIC_PATHS
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_paths=public)
+        app.add_middleware(ApiKeyMiddleware, keys=keys, public_paths=public)
     app.add_middleware(HeaderLimitMiddleware)  # added after (outside) the key check: runs first
     app.add_middleware(CatchAllMiddleware)
     known_paths = frozenset(getattr(r, "path", "") for r in app.routes)
@@ -125,13 +125,13 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
 
 @route("POST", "/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
 async def chat_completions(req: ChatCompletionRequest, request: Request, state: State) -> Any:
-    state.check_model(req.model)
-    req.check_supported()
+    await check_request(state, req, request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     forced = tools.grammar(req)
     structured = req.structured or ((forced, "tools") if forced is not None else None)
-    choices = await start_choices(state, req, chat_prompt(state, req), "messages", rid, structured=structured,
-                                  num_choices=req.n, num_logprobs=req.num_logprobs)
+    prompt_ids = await chat_prompt(state, req)
+    choices = await start_choices(state, req, prompt_ids, "messages", rid, tenant=tenant_of(request.scope),
+                                  structured=structured, num_choices=req.n, num_logprobs=req.num_logprobs)
     await first_outputs(request, choices)
     now = int(time.time())
     logprobs = Logprobs(state.tokenizer)
@@ -181,23 +181,25 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
         if req.include_usage:
             yield sse(ChatCompletionChunk(id=rid, created=now, model=model_name, choices=[], usage=usage(choices)))
 
-    return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices))
+    return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices),
+                       send_timeout_s=state.send_timeout_s)
 
 
 @route("POST", "/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
 async def completions(req: CompletionRequest, request: Request, state: State) -> Any:
-    state.check_model(req.model)
-    req.check_supported()
+    await check_request(state, req, request)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    prompt_ids = completion_prompt(state, req)
+    prompt_ids = await completion_prompt(state, req)
     k = req.num_logprobs
     ranked = req.num_generated > req.n  # best_of: rank by the model's own log-probability
     num_logprobs = (k or 0) if ranked or k is not None else None
     if req.echo and k is not None and req.prompt_logprobs is None:
         req.prompt_logprobs = k
-    choices = await start_choices(state, req, prompt_ids, "prompt", rid, structured=req.structured,
-                                  num_choices=req.num_generated, num_logprobs=num_logprobs)
+    choices = await start_choices(state, req, prompt_ids, "prompt", rid, tenant=tenant_of(request.scope),
+                                  structured=req.structured, num_choices=req.num_generated,
+                                  num_logprobs=num_logprobs)
     await first_outputs(request, choices)
+    first = choices[0].gen  # only the first choice asks for the prompt's log-probabilities (start_choices)
     now = int(time.time())
     logprobs = Logprobs(state.tokenizer)
     model_name = state.model_name
@@ -208,7 +210,7 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
         if k is None:
             return None
         if with_prompt and req.echo:
-            prompt_lps = list(c.gen.prompt_logprobs or [None] * len(prompt_ids))
+            prompt_lps = list(first.prompt_logprobs or [None] * len(prompt_ids))
             return logprobs.completion(prompt_lps + lps, prompt_ids + token_ids, 0)
         return logprobs.completion(lps, token_ids, offset)
 
@@ -219,7 +221,7 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
         out = [CompletionChoice(index=i, text=prompt_text + c.gen.text.text, finish_reason=c.gen.finish_reason,
                                 logprobs=choice_logprobs(c, c.gen.logprobs, c.gen.text.token_ids,
                                                          len(prompt_text), True),
-                                prompt_logprobs=logprobs.vllm_prompt(c.gen.prompt_logprobs))
+                                prompt_logprobs=logprobs.vllm_prompt(first.prompt_logprobs))
                for i, c in enumerate(choices)]
         body = CompletionResponse(id=rid, created=now, model=model_name, usage=usage(choices), choices=out,
                                   cosine_ray=stats_block(state, req, choices))
@@ -236,8 +238,8 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
                 yield sse(chunk(CompletionChoice(
                     index=c.index, text=prompt_text,
                     logprobs=None if k is None else logprobs.completion(
-                        list(c.gen.prompt_logprobs or [None] * len(prompt_ids)), prompt_ids, 0),
-                    prompt_logprobs=logprobs.vllm_prompt(c.gen.prompt_logprobs))))
+                        list(first.prompt_logprobs or [None] * len(prompt_ids)), prompt_ids, 0),
+                    prompt_logprobs=logprobs.vllm_prompt(first.prompt_logprobs))))
         finished = set()
         async for c, delta, lps, last in interleave(choices):
             n = len(lps)
@@ -254,7 +256,8 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
         if req.include_usage:
             yield sse(CompletionResponse(id=rid, created=now, model=model_name, choices=[], usage=usage(choices)))
 
-    return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices))
+    return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices),
+                       send_timeout_s=state.send_timeout_s)
 
 
 @route("GET", "/v1/models", response_model=ModelList)
@@ -284,43 +287,17 @@ async def metrics(state: State) -> Any:
 
 # ---- what the routes share ----------------------------------------------------------------------
 
+async def check_request(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
+                        request: Request) -> None:
+    """What a generation request must pass before any work: the model, the supported fields and
+    their bounds, token ids in the vocabulary, and no key given twice in ``logit_bias``."""
+    state.check_model(req.model)
+    req.check_supported()
+    if req.logit_bias:  # the parsed body kept one value of a repeated key: look at the raw body
+        check_duplicate_keys(await request.body())
+    check_vocabulary(req, state.engine.vocab_size, state.eos_token_ids)
+
+
 def stats_block(state: ServerState, req: ChatCompletionRequest | CompletionRequest, choices: list[Choice]) -> Any:
     """The ``cosine_ray`` stats block, when the server or the request asks for it."""
     return choices[0].gen.stats_block() if state.wants_stats(req) else None
-
-
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The chat request's prompt token ids: its messages (and tools) through the chat template."""
-    tokenizer = state.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest(f"model {state.model_name} has no chat template; use /v1/completions",
-                             param="messages")
-    messages, tool_list = tools.render(req, tokenizer)
-    kwargs = {"tools": tool_list} if tool_list else {}
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    except TemplateError as exc:  # the template rejects the conversation (e.g. role order)
-        raise InvalidRequest(f"messages do not fit the model's chat template: {str(exc).splitlines()[0]}",
-                             param="messages") from None
-    except Exception:  # the tokenizer failed: say so without its internals
-        log.warning("chat template or tokenizer failed", exc_info=True)
-        raise InvalidRequest("messages could not be tokenized with the model's chat template",
-                             param="messages") from None
-    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
-def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
-    """The completion request's prompt token ids: its text tokenized, or its ids checked."""
-    if isinstance(req.prompt, str):
-        ids = [int(t) for t in state.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]]
-        if not ids:
-            raise InvalidRequest("prompt encodes to no tokens", param="prompt")
-        return ids
-    vocab_size = state.engine.vocab_size
-    bad = [t for t in req.prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                             param="prompt")
-    return list(req.prompt)

@@ -4,7 +4,8 @@ Validation here is structural (types, ranges, shapes); ``check_supported`` then 
 fields ``serve.fields`` refuses (and unknown ones) and inconsistent combinations.
 Numbers and booleans are strict: ``"16"`` is not a max_tokens and ``true`` is not a number.
 Union-typed fields (message content, prompt, stop) are checked by hand so an error names the
-field itself, never a pydantic union branch. The request's nested objects (response formats,
+field itself, never a pydantic union branch. Every field that costs work is bounded
+(``serve.limits``). The request's nested objects (response formats,
 vLLM's structured outputs, function tools, the ``logit_bias`` map) are here too; the response
 models live in ``serve.responses`` and are importable from here.
 """
@@ -19,13 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from cosine_ray.engine.request import StructuredOutput
 from cosine_ray.serve.errors import InvalidRequest
 from cosine_ray.serve.fields import check_extra_fields
+from cosine_ray.serve.limits import (MAX_CHOICE_STRINGS, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS,
+                                     MAX_USER_CHARS, check_grammar_text, check_schema,
+                                     check_schema_chars)
 from cosine_ray.serve.responses import (  # noqa: F401 - the response models, importable from here too
     AssistantMessage, CalledFunction, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse, CosineRayStats, ErrorBody,
     ErrorResponse, FinishReason, FunctionDelta, ModelCard, ModelList, PromptTokensDetails, TokenLogprobOut,
     ToolCall, ToolCallDelta, TopLogprob, Usage)
 
-MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16
 """Largest ``n`` / ``best_of``."""
 MAX_LOGPROBS = 20
@@ -41,8 +44,8 @@ _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEX
 _PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                             {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
-_STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"},
-                          {"type": "array", "items": {"type": "string", "minLength": 1},
+_STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}, {"type": "null"},
+                          {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                            "maxItems": MAX_STOP_STRINGS}]}
 
 
@@ -91,7 +94,7 @@ class StructuredOutputs(BaseModel):
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(None, max_length=MAX_CHOICE_STRINGS)
     grammar: str | None = None
     json_object: StrictBool | None = None
 
@@ -118,18 +121,25 @@ class NamedToolChoice(BaseModel):
 
 
 def token_id_map(value: Any) -> list[tuple[int, float]]:
-    """``logit_bias``: {"token id": bias in [-100, 100]} → [(id, bias)]."""
+    """``logit_bias``: {"token id": bias in [-100, 100]} → [(id, bias)]; one token given twice
+    (``"1"`` and ``"01"``) is refused, as is more than ``MAX_LOGIT_BIAS`` entries."""
     if value is None:
         return []
     if not isinstance(value, dict):
         raise ValueError("logit_bias must be an object mapping token ids to biases")
-    out = []
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    out, seen = [], {}
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise ValueError(f"logit_bias keys are token ids (strings of digits), got {key!r}")
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f"logit_bias keys are token ids (strings of digits), got {key[:32]!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise ValueError(f"logit_bias[{key}] must be a number in [-100, 100]")
-        out.append((int(key), float(bias)))
+            raise ValueError(f"logit_bias[{key[:32]}] must be a number in [-100, 100]")
+        token = int(key)
+        if token in seen:
+            raise ValueError(f"token {token} is given twice ({seen[token][:32]!r} and {key[:32]!r})")
+        seen[token] = key
+        out.append((token, float(bias)))
     return out
 
 
@@ -151,7 +161,7 @@ class _SamplingRequest(BaseModel):
     seed: Annotated[int, Field(strict=True, ge=-(2**63), lt=2**64)] | None = None
     stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = Field(
         None, validate_default=True, description="Up to 4 stop strings: the output ends before the first one.")
-    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
     min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
     presence_penalty: Penalty = 0.0
@@ -162,7 +172,7 @@ class _SamplingRequest(BaseModel):
     prompt_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     cosine_ray_stats: StrictBool = Field(
         False, description="Add a `cosine_ray` block with this request's speculation statistics.")
 
@@ -178,6 +188,8 @@ class _SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         for s in stops:
             check_unicode(s)
         return stops
@@ -211,6 +223,22 @@ class _SamplingRequest(BaseModel):
         if self.response_format is not None and self.response_format.type == "json_schema" \
                 and self.response_format.json_schema is None:
             raise InvalidRequest("response_format type json_schema needs json_schema", param="response_format")
+        self._check_grammar_size()
+
+    def _check_grammar_size(self) -> None:
+        """The bounds of ``serve.limits`` on schemas and grammars."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.json_schema is not None:
+            check_schema(rf.json_schema.schema_, "response_format")
+        if so is None:
+            return
+        if so.json_ is not None:
+            check_schema(so.json_, "structured_outputs")
+        for text, what in ((so.regex, "regex"), (so.grammar, "grammar")):
+            if text is not None:
+                check_grammar_text(text, "structured_outputs", what)
+        if so.choice is not None:
+            check_grammar_text("".join(so.choice), "structured_outputs", "choice list")
 
     @property
     def structured(self) -> tuple[StructuredOutput, str] | None:
@@ -262,12 +290,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     route: ClassVar[str] = "chat"
 
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = Field(
         None, description="Alias of max_tokens; wins when both are given.")
     logprobs: StrictBool | None = Field(None, description="Return each token's log-probability.")
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[ToolParam] | None = None
+    tools: list[ToolParam] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
 
@@ -294,6 +322,11 @@ class ChatCompletionRequest(_SamplingRequest):
                 self.tool_choice.function.name not in {t.function.name for t in self.tools}:
             raise InvalidRequest(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
                                  param="tool_choice")
+        if self.tools:
+            schemas = [t.function.parameters or {} for t in self.tools]
+            for schema in schemas:
+                check_schema(schema, "tools")
+            check_schema_chars(sum(len(json.dumps(p)) for p in schemas), "tools")  # all tools together
         if self.tools and self.tool_choice not in (None, "none") and self.structured is not None:
             raise InvalidRequest("tool_choice and a response format cannot both constrain the output",
                                  param="tool_choice")

@@ -15,7 +15,8 @@ from fastapi import Depends, Request
 
 from cosine_ray.engine.client import EngineClient
 from cosine_ray.serve.errors import NotFound
-from cosine_ray.serve.generation import Admission, Readiness
+from cosine_ray.serve.admission import Admission
+from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness
 from cosine_ray.serve.metrics_http import HttpCounts
 from cosine_ray.serve.schemas import ModelCard
 
@@ -35,7 +36,7 @@ class ServerState:
     model_name: str
     """The one model id this server serves (another is a 404)."""
     admission: Admission
-    """The bound on generations in flight (one more gets 503 + Retry-After)."""
+    """The bound on generations in flight, shared fairly between keys (429 or 503 + Retry-After)."""
     readiness: Readiness
     """What ``/health`` answers, at once."""
     http_counts: HttpCounts
@@ -46,6 +47,13 @@ class ServerState:
     """Add the ``cosine_ray`` stats block to every completion, not only when a request asks."""
     request_timeout_s: float | None = None
     """Longest wall time of one generation from its admission (408 past it); None: no limit."""
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    """Longest a streamed response waits for its client to take bytes (then it is dropped)."""
+    max_token_chars: int | None = None
+    """The most characters one token stands for (``serve.prompts``: a longer text than the
+    context times this is refused before tokenizing); None: no such bound."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The tokenizer's end-of-text ids (``serve.limits.check_vocabulary``)."""
     created: int = field(default_factory=lambda: int(time.time()))
     """The model card's ``created`` (when the app was built)."""
 

@@ -153,7 +153,8 @@ def test_server_flag_or_request_field_adds_the_stats_block():
 def test_lost_pushes_are_repaired_by_the_scrape_and_replicas_add_up():
     engine = MetricsEngine()
     engine.drop_pushes = True  # every fire-and-forget push is lost
-    first, second = app(engine), app(engine)  # two ingress replicas, one engine registry
+    # two ingress replicas, one engine registry; every response pushes (no interval)
+    first, second = app(engine, metrics_push_interval_s=0), app(engine, metrics_push_interval_s=0)
     for _ in range(2):
         assert first.post(COMP, json={"prompt": [1]}).status_code == 200
     assert second.post(COMP, json={"prompt": [1], "max_tokens": 0}).status_code == 400

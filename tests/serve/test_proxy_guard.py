@@ -94,11 +94,14 @@ async def model_not_found(scope, receive, send):
     await send({"type": "http.response.body", "body": b'{"error": {"code": "model_not_found"}}', "more_body": False})
 
 
-def test_a_proxy_without_routes_answers_503_and_a_ready_proxys_404_passes():
+def test_a_proxy_without_routes_answers_503_and_a_ready_proxys_404_is_openai_shaped():
     start, body = run_guarded(not_ready_proxy(routes_ready=False))
     assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"1"
     assert json.loads(body["body"])["error"]["code"] == "proxy_not_ready"
     start, body = run_guarded(not_ready_proxy(routes_ready=True))  # a path no route serves
-    assert start["status"] == 404 and b"for available routes" in body["body"]
+    err = json.loads(body["body"])["error"]
+    assert start["status"] == 404 and (err["type"], err["code"]) == ("not_found_error", "not_found")
+    assert b"for available routes" not in body["body"] and dict(start["headers"])[b"content-type"] == \
+        b"application/json"
     start, body = run_guarded(model_not_found)
     assert start["status"] == 404 and b"model_not_found" in body["body"]

@@ -26,7 +26,7 @@ from support.uvicorn_thread import serve_in_thread
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import RequestOutput
-from cosine_ray.serve import openai_app
+from cosine_ray.serve import tenants
 from cosine_ray.serve.errors import OVERLOADED_CODE
 from cosine_ray.serve.metrics_http import METRICS_PATH
 from cosine_ray.serve.openai_app import PUBLIC_PATHS, build_openai_app
@@ -100,13 +100,13 @@ def _routes(app) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("metrics_require_key", [False, True])
 def test_api_key_guards_every_route_except_the_allowlist(monkeypatch, metrics_require_key):
     calls = []
-    real_compare = openai_app.hmac.compare_digest
+    real_compare = tenants.hmac.compare_digest
 
     def counting_compare(a, b):
         calls.append((len(a), len(b)))
         return real_compare(a, b)
 
-    monkeypatch.setattr(openai_app.hmac, "compare_digest", counting_compare)
+    monkeypatch.setattr(tenants.hmac, "compare_digest", counting_compare)
     engine = GateEngine()
     app = build_openai_app(engine, _IdTokenizer(), model_name="gate", api_key=API_KEY,
                            metrics_require_key=metrics_require_key)

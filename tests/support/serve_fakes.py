@@ -1,0 +1,74 @@
+"""Fakes for the OpenAI app's in-process tests: an engine client that records what it is asked,
+and tokenizers that need no model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from cosine_ray.engine.request import RequestOutput
+from cosine_ray.metrics.registry import MetricsRegistry
+
+
+class IdTokenizer:
+    """Decodes token id i as ``<i>``; no chat template."""
+
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class RecordingEngine:
+    """EngineClient fake. Each request streams token 5, one per output, ``max_tokens`` of them
+    (or without end with ``endless``), after ``gate`` opens when one is set. Records the
+    parameters of ``check_request`` and of each stream, the streams opened and closed, the outputs taken and every
+    ``record_http`` push, which it folds into a real ``MetricsRegistry`` (what ``/metrics``
+    renders); ``refusal``: the ValueError text ``check_request`` raises."""
+
+    model_name, max_model_len, vocab_size = "fake", 4096, 64
+
+    def __init__(self, *, gate: bool = False, endless: bool = False, refusal: str | None = None) -> None:
+        self.gate = asyncio.Event() if gate else None
+        self.endless = endless
+        self.refusal = refusal
+        self.checked: list[Any] = []
+        self.streamed: list[Any] = []
+        self.num_open = self.num_closed = self.num_outputs = 0
+        self.pushes: list[tuple[str, dict]] = []
+        self.snapshots = 0
+        self.metrics = MetricsRegistry()
+
+    async def check_request(self, prompt_token_ids, params) -> None:
+        self.checked.append(params)
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
+
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+        self.num_open += 1
+        self.streamed.append(params)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            i = 0
+            while self.endless or i < params.max_tokens:
+                i += 1
+                self.num_outputs += 1
+                done = not self.endless and i == params.max_tokens
+                yield RequestOutput(request_id, [5], done, "length" if done else None)
+                await asyncio.sleep(0)
+        finally:
+            self.num_closed += 1
+
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok"}
+
+    async def metrics_snapshot(self, http=None) -> dict[str, Any]:
+        self.snapshots += 1
+        if http is not None:
+            self.metrics.add_http_totals(*http)
+        return self.metrics.snapshot()
+
+    def record_http(self, replica: str, totals: dict) -> None:
+        self.pushes.append((replica, totals))
+        self.metrics.add_http_totals(replica, totals)
