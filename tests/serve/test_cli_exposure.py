@@ -79,3 +79,16 @@ def test_serve_on_a_public_host_without_a_key_exits_2_before_ray_starts(tmp_path
     assert main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--allow-unauthenticated" in err[0], err
+
+
+def test_a_key_file_counts_as_a_key(tmp_path, monkeypatch):
+    """Several keys (``--api-key-file``, ``api_keys``) close the server as one key does."""
+    from cosine_ray.serve.app import build_app
+
+    keys = tmp_path / "keys"
+    keys.write_text("secret-one name=alice\nsecret-two name=bob\n")
+    served = check_exposure("0.0.0.0", ingress("--api-key-file", str(keys)))
+    assert [k["name"] for k in served["api_keys"]] == ["alice", "bob"] and "allow_unauthenticated" not in served
+    assert "api_keys" in ingress_kwargs(build_app({"num_stages": 1, "api_key_file": str(keys)}))
+    monkeypatch.setenv("COSINE_RAY_API_KEY_FILE", str(keys))
+    assert "allow_unauthenticated" not in ingress_kwargs(build_app({"num_stages": 1}))
