@@ -330,7 +330,6 @@ def _stop_reason(gen: Any, sampling: SamplingParams) -> int | str | None:
     if gen.finish_reason != "stop" or not gen.text.token_ids:
         return None
     if gen.text.is_stopped:
-        decoded = gen.text.tokenizer.decode(gen.text.token_ids, skip_special_tokens=True)
-        return next((s for s in sampling.stop_strings if decoded.startswith(s, len(gen.text.text))), None)
+        return gen.text.stop_string
     last = gen.text.token_ids[-1]
     return last if last in (sampling.stop_token_ids or ()) else None

@@ -79,6 +79,8 @@ class TextStream:
         self.pending = ""
         self.num_sent_chars = 0
         self.is_stopped = False
+        self.stop_string: str | None = None
+        """The stop string that ended the text (None while it goes on, or when no string did)."""
 
     @property
     def text(self) -> str:
@@ -100,6 +102,7 @@ class TextStream:
         stop_at, stop_end = self._first_stop()
         if stop_at is not None:
             self.is_stopped = True
+            self.stop_string = self.pending[stop_at:stop_end]
             num_kept = next((i for i, end in enumerate(ends) if end >= stop_end), len(ends) - 1) + 1
             del self.token_ids[len(self.token_ids) - len(ends) + num_kept:]
             self.pending = self.pending[:stop_at]

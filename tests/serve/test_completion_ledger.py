@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.testclient import TestClient
 
 from cosine_ray.serve.completion_ledger import ADMIN_PATH, CompletionLedger, with_completion_ledger
-from cosine_ray.serve.openai_app import ApiKeyMiddleware
+from cosine_ray.serve.tenants import ApiKeyMiddleware, key_ring
 
 KEY = {"Authorization": "Bearer k"}
 
@@ -40,7 +40,7 @@ def app_and_client() -> tuple[FastAPI, TestClient]:
     async def cancelled() -> dict:
         raise asyncio.CancelledError()  # what a client that leaves does to its handler
 
-    app.add_middleware(ApiKeyMiddleware, api_key="k")
+    app.add_middleware(ApiKeyMiddleware, keys=key_ring("k", ()), public_paths=frozenset())
     app = with_completion_ledger(app)
     return app, TestClient(app, raise_server_exceptions=False)
 
