@@ -11,8 +11,9 @@ sent it the route table, and answers every path 404 (``Path ... not found``) mea
 guard asks the proxy's own ``/-/healthz`` and, while that says not ready, answers such a 404 as
 a 503 with ``Retry-After`` (a 404 of a ready proxy, a path no route serves, passes).
 ``middlewares()`` is what Serve calls in every proxy (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``
-= ``PROXY_CALLBACK``; ``runtime.cluster.connect`` sets it for the job, whose Serve controller
-passes it to the proxies it starts). Standard library only: it is imported in the proxy process.
+= ``runtime.cluster.PROXY_CALLBACK``; ``runtime.cluster.connect`` sets it for the job, whose
+Serve controller passes it to the proxies it starts). Standard library only: it is imported in
+the proxy process.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import contextlib
 import json
 from typing import Any, Awaitable, Callable
 
-PROXY_CALLBACK = "cosine_ray.serve.proxy_guard.middlewares"
-PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 MESSAGE = "the server replica handling this request was lost; retry"
 ERROR = {"error": {"message": MESSAGE, "type": "service_unavailable_error", "param": None,
                    "code": "replica_unavailable"}}
