@@ -21,7 +21,11 @@ The prompt (last user message, or the completion prompt) may carry directives:
 "recoveries"). A request with ``"stream": false`` gets one JSON completion with the same text.
 
 The stats block also has fields loadgen does not know (``domain``, ``drafters_used``), to check
-they are tolerated. Received request ids (``X-Request-Id``) and bodies are kept for assertions.
+they are tolerated. Received request ids (``X-Request-Id``) and bodies are kept for assertions,
+and ``events`` logs each request's arrival and the end of its streamed answer (just before its
+``[DONE]``, so a client cannot act on an answer before its end is logged). Two ways to test timing
+by events rather than seconds: ``hold_until=N`` holds every answer until N requests have
+arrived, and ``lockstep=Lockstep()`` makes the stub and the client share a logical clock.
 """
 
 from __future__ import annotations
@@ -38,17 +42,52 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 DIRECTIVE = re.compile(r"\[\[(\w+)(?:=([^\]]*))?\]\]")
+PATIENCE_S = 10.0
+"""How long a held answer or a lockstep line waits for what it waits for; only a client that
+gets it wrong makes it wait that long."""
+
+
+class Lockstep:
+    """A logical clock shared by the stub and one client at a time: ``now()`` (the client's
+    clock) is the number of SSE data lines the stub has written, and the stub writes its next
+    line only once the client has read the clock since the last one. A client that stamps each
+    line as it arrives thus gets exact counts, whatever the machine's speed; one that stamps
+    lines late (at the end of the stream, say) makes each line wait ``PATIENCE_S`` and gets
+    other counts."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.written = 0
+        self.read = 0
+
+    def now(self) -> float:
+        with self.cond:
+            self.read = self.written
+            self.cond.notify_all()
+            return float(self.written)
+
+    def before_line(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.read == self.written, timeout=PATIENCE_S)
+
+    def after_line(self) -> None:
+        with self.cond:
+            self.written += 1
 
 
 class StubServer:
     def __init__(self, *, ttft_s: float = 0.05, chunk_s: float = 0.02, num_chunks: int = 4,
                  tokens_per_chunk: int = 1, accept_default: tuple[int, int] = (3, 6), healthy: bool = True,
-                 port: int = 0, model: str = "stub-model") -> None:
+                 port: int = 0, model: str = "stub-model", hold_until: int = 0,
+                 lockstep: Lockstep | None = None) -> None:
         self.ttft_s, self.chunk_s, self.num_chunks = ttft_s, chunk_s, num_chunks
         self.tokens_per_chunk, self.accept_default, self.healthy = tokens_per_chunk, accept_default, healthy
-        self.model = model
-        self.lock = threading.Lock()
+        self.model, self.hold_until, self.lockstep = model, hold_until, lockstep
+        self.lock = threading.Condition()
         self.received: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[tuple[str, str]] = []
+        """("start", request id) when a request arrives, ("end", request id) just before a streamed
+        answer's ``[DONE]``."""
         self.forced: dict[str, str] = {}
         self.num_active = self.max_active = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
@@ -115,8 +154,12 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            self.rid = self.headers.get("X-Request-Id", "")
             with stub.lock:
-                stub.received.append((self.headers.get("X-Request-Id", ""), body))
+                stub.received.append((self.rid, body))
+                stub.events.append(("start", self.rid))
+                stub.lock.notify_all()
+                stub.lock.wait_for(lambda: len(stub.received) >= stub.hold_until, timeout=PATIENCE_S)
             directives = {**dict(DIRECTIVE.findall(_prompt_text(body))), **stub.forced}
             with stub.lock:
                 stub.num_active += 1
@@ -158,8 +201,15 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
 
         def _send(self, obj: Any) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
+            if obj == "[DONE]":
+                with stub.lock:
+                    stub.events.append(("end", self.rid))
+            if stub.lockstep:
+                stub.lockstep.before_line()
             self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.flush()
+            if stub.lockstep:
+                stub.lockstep.after_line()
 
         def _stream(self, body: dict[str, Any], directives: dict[str, str]) -> None:
             is_chat = "messages" in body
