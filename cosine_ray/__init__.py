@@ -21,3 +21,18 @@ if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
 # is enough; a value the user set is kept.
 _os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 _os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+
+_OFFLINE_API = ("LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob")
+"""``from cosine_ray import LLM, SamplingParams``: loaded on first use, so that importing the
+package (every Ray actor and CLI command does) costs nothing more."""
+
+
+def __getattr__(name: str):
+    if name in _OFFLINE_API:
+        from cosine_ray import offline
+        return getattr(offline, name)
+    raise AttributeError(f"module 'cosine_ray' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_OFFLINE_API))

@@ -66,7 +66,7 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
                         "auto: native for GGUF models except fp32 on CUDA")
     p.add_argument("--kv-cache-memory", default=None,
                    help="bytes of each stage's paged KV pool, e.g. 2GiB (default: 90%% of free GPU memory "
-                        "on CUDA; on CPU the pool grows as needed)")
+                        "on CUDA; on CPU it grows as needed up to 20%% of the memory available at start)")
     p.add_argument("--enforce-eager", action="store_true", default=None if not defaults else False,
                    help="never capture CUDA graphs: every step runs eagerly (default: verify steps replay "
                         "CUDA graphs on CUDA)")

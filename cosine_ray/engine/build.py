@@ -69,7 +69,8 @@ def build_target(config: EngineConfig, checkpoint: Checkpoint,
     threads = torch.get_num_threads()
     governor = ThreadGovernor(threads) if config.device == "cpu" and threads > 1 else None
     worker = TargetWorker(stages, kv_cache_memory=config.kv_cache_memory, runner=config.runner,
-                          external_blocks=True, kv_token_budget=default_kv_tokens(config.step), governor=governor)
+                          external_blocks=True, kv_token_budget=default_kv_tokens(config.step, checkpoint.config, stages[0].dtype),
+                          governor=governor)
     return worker, features
 
 

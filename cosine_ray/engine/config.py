@@ -281,8 +281,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     """Bytes of each stage's paged KV pool (``models.kv_cache``), an integer or a size such as
     ``"2GiB"``, allocated at start and never grown. None: on CUDA 90 % of the device memory free
-    after the weights (shared by the stages of one process on one device); on CPU the pool
-    starts small and doubles as requests need it."""
+    after the weights (shared by the stages of one process on one device); on CPU the pools
+    grow as blocks are first used, up to 20 % of the memory available at start for the whole
+    model's KV (``engine.worker.target.CPU_KV_MEMORY_SHARE``); the prefix cache fills it."""
     num_threads: int | None = None
     """torch intra-op threads of the in-process engine; None leaves torch's default. Serve's
     engine replica runs 1, or with ``cluster.stages_in_engine`` this (None: the stage actors'

@@ -74,11 +74,10 @@ class EngineCore:
                  metrics: MetricsRegistry | None = None, unit_embeddings: torch.Tensor | None = None,
                  domain_classifier: "DomainClassifier | None" = None,
                  latency_model: "LatencyModel | None" = None, kv_bytes_per_token: int = 0,
-                 kv_num_blocks: int | None = None, kv_fill: bool = True, seed: int | None = 0,
+                 kv_num_blocks: int | None = None, seed: int | None = 0,
                  tokenizer: Any = None) -> None:
         """``kv_num_blocks``: KV blocks every stage can hold (``TargetClient.kv_capacity``);
-        None: the stages' pools grow as needed. ``kv_fill``: the prefix cache may fill them
-        (False: a pool that grows lazily stays at what the requests needed at once).
+        None: the stages' pools grow as needed.
         ``tokenizer``: the target's HF tokenizer, for grammars (None: requests with a grammar
         are refused)."""
         self.config = config
@@ -90,7 +89,7 @@ class EngineCore:
         self.pool = RequestPool(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                                 num_lanes=config.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                 max_restores=config.max_restores, clock=clock)
-        self.kv = KVBlocks(kv_num_blocks, DEFAULT_BLOCK_SIZE, caching=config.enable_prefix_caching, fill=kv_fill)
+        self.kv = KVBlocks(kv_num_blocks, DEFAULT_BLOCK_SIZE, caching=config.enable_prefix_caching)
         """Every request's block table and the prefix cache (the stages' pools, seen from here)."""
         self.target = RecoveringTarget(target, recovery_s=config.stage_recovery_s, on_lost=self._target_lost)
         costs = CostModel(latency_model)

@@ -17,7 +17,7 @@ from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
-from cosine_ray.engine.worker.target import LocalTargetClient, kv_cache_fills
+from cosine_ray.engine.worker.target import LocalTargetClient
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 
 
@@ -43,7 +43,6 @@ class LocalEngine:
                                vocab_size=self.checkpoint.config.vocab_size,
                                eos_token_ids=eos_token_ids(self.checkpoint, self.tokenizer),
                                kv_num_blocks=self.target.kv_capacity(), tokenizer=self.tokenizer,
-                               kv_fill=kv_cache_fills(config),
                                **cosine_components(config, self.checkpoint, as_dense(state[EMBEDDING_KEY])))
         self.loop = EngineLoop(self.core)
 

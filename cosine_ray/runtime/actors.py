@@ -71,7 +71,7 @@ class StageHost(_Hosted, StageWorker):
         stage, self.head = build_stage(config, stage_index)
         StageWorker.__init__(self, stage, kv_budget_bytes=kv_budgets([stage], config.kv_cache_memory)[0],
                              runner=config.runner, external_blocks=True,
-                             kv_token_budget=default_kv_tokens(config.step))
+                             kv_token_budget=default_kv_tokens(config.step, stage.config, stage.dtype))
         self.capture_graphs(config.step)  # CUDA: before the first request
         self.stage_index = stage_index
         memory.drop_file_pages()  # checkpoint pages read only to build fused copies (runtime/memory.py)

@@ -35,7 +35,7 @@ from cosine_ray.engine.components import cosine_components
 from cosine_ray.engine.config import DrafterSpec, EngineConfig, config_from_dict, step_config_for
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.worker.target import LocalTargetClient, kv_cache_fills
+from cosine_ray.engine.worker.target import LocalTargetClient
 from cosine_ray.engine.owners.constraints import TokenizerLoader
 from cosine_ray.engine.owners.drafting import LocalDrafterClient
 from cosine_ray.engine.loop import EngineLoop
@@ -189,7 +189,7 @@ class EngineServer:
         tokenizer = TokenizerLoader(checkpoint.load_tokenizer) if checkpoint.has_tokenizer else None
         self.core = EngineCore(step_config, self.target, drafters, vocab_size=self.vocab_size,
                                eos_token_ids=eos_token_ids(checkpoint, eos_source(checkpoint)),
-                               kv_num_blocks=await self.target.kv_capacity(), kv_fill=kv_cache_fills(config),
+                               kv_num_blocks=await self.target.kv_capacity(),
                                tokenizer=tokenizer, **components)
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)

@@ -1,23 +1,45 @@
-"""The choices of one API request: their engine generations, streamed together, and the
-OpenAI shapes of what they produced (text, log-probabilities, tool calls).
+"""The choices of one API request: started together, run together, and the OpenAI shapes of
+what they produced (text, log-probabilities, tool calls).
 
-``interleave`` runs every choice's generation at once and yields each step of any of them as it
-arrives (OpenAI interleaves streamed choices by ``index``). ``Logprobs`` turns the engine's
-``TokenLogprob``s into the chat, completions and vLLM ``prompt_logprobs`` shapes. ``ChatDeltas``
-is one streamed chat choice: content deltas, or tool-call deltas when tools decide the output.
+``start_choices`` checks a request with the engine and starts one generation per choice (each
+admitted, with its own sampling key); ``first_outputs``, ``collect_all``, ``guarded_events`` and
+``close_all`` run and end them as a group, and every engine iterator is closed on every path.
+``interleave`` yields each step of any choice as it arrives (OpenAI interleaves streamed choices
+by ``index``). ``Logprobs`` turns the engine's ``TokenLogprob``s into the chat, completions and
+vLLM ``prompt_logprobs`` shapes. ``ChatDeltas`` is one streamed chat choice: content deltas, or
+tool-call deltas when tools decide the output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
+from fastapi import Request
+
 from cosine_ray.algo.logits_rules import TokenLogprob
+from cosine_ray.engine.request import SamplingParams, StructuredOutput
 from cosine_ray.serve import tools
-from cosine_ray.serve.generation import Generation
+from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, error_payload
+from cosine_ray.serve.generation import Generation, sse, unless_disconnected
 from cosine_ray.serve.schemas import (ChatCompletionRequest, ChatDelta, ChatLogprobs, CompletionLogprobs,
-                                      FunctionDelta, ToolCallDelta, TokenLogprobOut, TopLogprob)
+                                      CompletionRequest, FunctionDelta, PromptTokensDetails, ToolCallDelta,
+                                      TokenLogprobOut, TopLogprob, Usage)
+from cosine_ray.serve.state import ServerState
+
+log = logging.getLogger(__name__)
+
+NOT_STREAMED_EVERY_S = 0.1
+"""A response that is not streamed gets the engine's outputs merged to one per 0.1 s at most
+(``EngineClient.stream``): each output crossing from the engine to the ingress costs both
+processes CPU time that a small machine takes from the forward. A stop string is then found up
+to 0.1 s late; the tokens generated meanwhile leave the text, the usage and the log-probabilities
+(``TextStream``)."""
 
 
 @dataclass(slots=True)
@@ -27,6 +49,127 @@ class Choice:
     first: str = ""
     """The text of its first engine output (awaited before the response starts)."""
 
+
+
+async def start_choices(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
+                        prompt_ids: list[int], prompt_param: str, request_id: str, *,
+                        structured: tuple[StructuredOutput, str] | None, num_choices: int,
+                        num_logprobs: int | None) -> list[Choice]:
+    """Check the request with the engine and start one generation per choice (each its own
+    engine request and sampling key: seed + i), each holding an admission slot until closed."""
+    engine = state.engine
+    requested, max_tokens_param = req.requested_max_tokens
+    room = engine.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                             f"{engine.max_model_len} tokens", param=prompt_param)
+    if requested is not None and requested > room:
+        raise InvalidRequest(f"{max_tokens_param}={requested} plus the prompt's {len(prompt_ids)} tokens "
+                             f"exceeds the model's context of {engine.max_model_len}; use "
+                             f"{max_tokens_param} <= {room}", param=max_tokens_param)
+    spec, spec_param = structured or (None, None)
+    params = sampling_params(req, requested or min(state.default_max_tokens, room), num_logprobs, spec)
+    releases = [state.admission.try_acquire()]  # before any await: the count is exact
+    try:
+        for _ in range(num_choices - 1):
+            releases.append(state.admission.try_acquire())
+        await engine.check_request(prompt_ids, params)
+    except ValueError as exc:
+        for release in releases:
+            release()
+        msg = str(exc)
+        raise InvalidRequest(msg, param=_param_of(msg, max_tokens_param, prompt_param, spec_param)) from None
+    except BaseException as exc:  # cancelled (client gone), overloaded, engine down
+        for release in releases:
+            release()
+        if isinstance(exc, (OpenAIError, asyncio.CancelledError)) or not isinstance(exc, Exception):
+            raise
+        log.exception("engine.check_request failed")
+        raise EngineUnavailable("the engine could not check the request; retry") from None
+    deadline = None if state.request_timeout_s is None else time.monotonic() + state.request_timeout_s
+    choices = []
+    for i, release in enumerate(releases):
+        seed = None if params.seed is None else (params.seed + i) % 2**64
+        choice_params = dataclasses.replace(params, seed=seed) if i else params
+        rid = request_id if num_choices == 1 else f"{request_id}-{i}"
+        choices.append(Choice(i, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
+                                            on_close=release, deadline=deadline,
+                                            every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S)))
+    return choices
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, num_logprobs: int | None,
+                    structured: StructuredOutput | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+            seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(req.logit_bias), logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
+            structured=structured)
+    except ValueError as exc:
+        param = "min_tokens" if "min_tokens" in str(exc) else None
+        raise InvalidRequest(str(exc), param=param) from None
+
+
+def _param_of(message: str, max_tokens_param: str, prompt_param: str, grammar_param: str | None) -> str:
+    """The request field an engine ValueError is about (by the message's first words)."""
+    for name in ("logit_bias", "stop_token_ids", "min_tokens"):
+        if message.startswith(name):
+            return name
+    if message.startswith(("the json schema", "the regex", "the choice", "the lark", "structured outputs",
+                           "choice must")) and grammar_param is not None:
+        return grammar_param
+    return max_tokens_param if message.startswith("max_tokens") else prompt_param
+
+
+async def first_outputs(request: Request, choices: list[Choice]) -> None:
+    """Each choice's first output before any header: errors before the first token get a
+    real status code."""
+    try:
+        firsts = await unless_disconnected(request, asyncio.gather(*(c.gen.step() for c in choices)))
+    except BaseException:
+        await close_all(choices)
+        raise
+    for c, first in zip(choices, firsts):
+        c.first = first
+
+
+async def close_all(choices: list[Choice]) -> None:
+    await asyncio.gather(*(c.gen.aclose() for c in choices), return_exceptions=True)
+
+
+async def collect_all(request: Request, choices: list[Choice]) -> None:
+    try:
+        async def run(c: Choice) -> None:
+            await c.gen.collect()
+        await unless_disconnected(request, asyncio.gather(*(run(c) for c in choices)))
+    finally:
+        await close_all(choices)
+
+
+async def guarded_events(choices: list[Choice], events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Errors after the headers become an SSE error event; ``[DONE]`` always ends the stream."""
+    try:
+        async for event in events:
+            yield event
+    except OpenAIError as exc:
+        yield sse(json.dumps(exc.payload()))
+    except Exception:
+        log.exception("stream %s failed", choices[0].gen.request_id)
+        yield sse(json.dumps(error_payload(500, "internal server error")))
+    finally:
+        await close_all(choices)
+    yield "data: [DONE]\n\n"
+
+
+def usage(choices: list[Choice]) -> Usage:
+    n = sum(c.gen.num_tokens for c in choices)
+    prompt = choices[0].gen.num_prompt_tokens
+    cached = max((c.gen.usage().prompt_tokens_details.cached_tokens for c in choices), default=0)
+    return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 async def interleave(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob], bool]]:
     """(choice, text delta, new log-probabilities, whether it was the choice's last) for every

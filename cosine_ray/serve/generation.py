@@ -105,7 +105,7 @@ class TextStream:
 class Admission:
     """Bounded admission: at most ``max_pending`` generation requests in this replica at once
     (running in the engine or waiting in its queue); one more is rejected at once with 503 +
-    ``Retry-After`` instead of queueing without bound (reliability guide R8).
+    ``Retry-After`` instead of queueing without bound.
 
     ``try_acquire`` is synchronous (no await between the check and the increment), so with
     N + k concurrent requests exactly k are rejected while the first N are in flight. The

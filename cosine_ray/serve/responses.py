@@ -1,5 +1,6 @@
 """OpenAI-compatible response models of /v1/chat/completions and /v1/completions (and the
-error body): what ``serve.openai_app`` sends, plain or as streamed chunks."""
+error body): what ``serve.openai_app`` sends, plain or as streamed chunks. A tool call
+(``ToolCall``) is one of them; a request's assistant messages carry it back."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from cosine_ray.serve.request_parts import ToolCall
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(..., description="The arguments as a JSON text.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0

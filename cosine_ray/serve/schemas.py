@@ -4,7 +4,9 @@ Validation here is structural (types, ranges, shapes); ``check_supported`` then 
 fields ``serve.fields`` refuses (and unknown ones) and inconsistent combinations.
 Numbers and booleans are strict: ``"16"`` is not a max_tokens and ``true`` is not a number.
 Union-typed fields (message content, prompt, stop) are checked by hand so an error names the
-field itself, never a pydantic union branch.
+field itself, never a pydantic union branch. The request's nested objects (response formats,
+vLLM's structured outputs, function tools, the ``logit_bias`` map) are here too; the response
+models live in ``serve.responses`` and are importable from here.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from cosine_ray.engine.request import StructuredOutput
 from cosine_ray.serve.errors import InvalidRequest
 from cosine_ray.serve.fields import check_extra_fields
-from cosine_ray.serve.request_parts import (CalledFunction, FunctionDefinition, JsonSchemaFormat,  # noqa: F401
-                                            NamedFunction, NamedToolChoice, ResponseFormat, StructuredOutputs,
-                                            ToolCall, ToolParam, token_id_map)
+from cosine_ray.serve.responses import (  # noqa: F401 - the response models, importable from here too
+    AssistantMessage, CalledFunction, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+    ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse, CosineRayStats, ErrorBody,
+    ErrorResponse, FinishReason, FunctionDelta, ModelCard, ModelList, PromptTokensDetails, TokenLogprobOut,
+    ToolCall, ToolCallDelta, TopLogprob, Usage)
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16
@@ -64,6 +68,69 @@ class StreamOptions(BaseModel):
     """Send one more chunk before [DONE] with ``usage`` and no choices."""
     continuous_usage_stats: StrictBool = False
     """vLLM: ``usage`` so far on every chunk too."""
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (one of its constraints)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolParam(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+def token_id_map(value: Any) -> list[tuple[int, float]]:
+    """``logit_bias``: {"token id": bias in [-100, 100]} → [(id, bias)]."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ValueError(f"logit_bias keys are token ids (strings of digits), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias[{key}] must be a number in [-100, 100]")
+        out.append((int(key), float(bias)))
+    return out
 
 
 class _SamplingRequest(BaseModel):
@@ -277,9 +344,3 @@ class CompletionRequest(_SamplingRequest):
             raise InvalidRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
         if self.best_of not in (None, self.n) and self.stream:
             raise InvalidRequest("best_of > n cannot be streamed", param="best_of")
-
-
-# ---- responses (``serve.responses``), importable from here too
-
-from cosine_ray.serve.responses import (  # noqa: E402,F401
-    PromptTokensDetails, Usage, CosineRayStats, TopLogprob, TokenLogprobOut, ChatLogprobs, CompletionLogprobs, AssistantMessage, ChatChoice, ChatCompletionResponse, FunctionDelta, ToolCallDelta, ChatDelta, ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, ModelCard, ModelList, ErrorBody, ErrorResponse, FinishReason)

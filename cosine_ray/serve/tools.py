@@ -6,23 +6,22 @@ Hermes format (``<tools>`` JSON, answers as ``<tool_call>{"name", "arguments"}</
 and earlier calls and results in the conversation are written the same way. *Parsing*:
 ``tool_choice`` named → the whole output is the function's arguments (JSON, constrained by its
 ``parameters`` schema); ``required`` → a JSON list of ``{"name", "arguments"}`` calls, each
-constrained by its function's schema; ``auto`` → ``<tool_call>`` blocks of the text that hold a
-known function and JSON arguments become calls, the rest stays content (a model that never
-writes them simply answers in text); ``none`` → the tools are not rendered at all.
+constrained by its function's schema; ``auto`` → the calls the tool-call parser finds in the
+text (``serve.tool_parsers``: Hermes ``<tool_call>`` blocks by default, Llama 3 JSON or Mistral
+``[TOOL_CALLS]``) that name a known function with JSON arguments, the rest stays content (a
+model that never writes them simply answers in text); ``none`` → the tools are not rendered.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from cosine_ray.engine.request import StructuredOutput
-from cosine_ray.serve.schemas import CalledFunction, ChatCompletionRequest, NamedToolChoice, ToolCall
+from cosine_ray.serve.schemas import CalledFunction, ChatCompletionRequest, NamedToolChoice, ToolCall, ToolParam
+from cosine_ray.serve.tool_parsers import DEFAULT_TOOL_CALL_PARSER, HERMES_OPEN, tool_call_parser
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-OPEN_TAG = "<tool_call>"
+OPEN_TAG = HERMES_OPEN
 
 
 def mode(req: ChatCompletionRequest) -> str:
@@ -105,12 +104,33 @@ def grammar(req: ChatCompletionRequest) -> StructuredOutput | None:
     return None
 
 
-def _call(name: str, arguments: Any) -> ToolCall:
+def _call(name: str, arguments: Any, call_id: str | None = None) -> ToolCall:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=CalledFunction(name=name, arguments=text))
+    return ToolCall(id=call_id or tool_call_parser(DEFAULT_TOOL_CALL_PARSER).new_call_id(),
+                    function=CalledFunction(name=name, arguments=text))
 
 
-def parse(req: ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall] | None]:
+def parse_tool_calls(text: str, parser: str = DEFAULT_TOOL_CALL_PARSER,
+                     tools: Iterable[str | Mapping[str, Any] | ToolParam] | None = None
+                     ) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished answer in ``parser``'s format (``serve.tool_parsers``).
+    ``tools``: the functions offered (names, OpenAI tool dicts or ``ToolParam``s); a call of
+    any other name is not a call. None: any name. No calls: (text, [])."""
+    chosen = tool_call_parser(parser)
+    content, calls = chosen.extract(text, None if tools is None else {_tool_name(t) for t in tools})
+    return content, [_call(c.name, c.arguments, c.call_id or chosen.new_call_id()) for c in calls]
+
+
+def _tool_name(tool: str | Mapping[str, Any] | ToolParam) -> str:
+    if isinstance(tool, str):
+        return tool
+    if isinstance(tool, ToolParam):
+        return tool.function.name
+    return tool["function"]["name"]
+
+
+def parse(req: ChatCompletionRequest, text: str,
+          parser: str = DEFAULT_TOOL_CALL_PARSER) -> tuple[str | None, list[ToolCall] | None]:
     """(content, tool calls) of a finished answer."""
     kind = mode(req)
     if kind == "named":
@@ -122,24 +142,17 @@ def parse(req: ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolC
         except (ValueError, TypeError, KeyError):  # cut by max_tokens: not a whole list
             return text, None
     if kind == "auto":
-        names = {t.function.name for t in req.tools}
-        calls = []
-        for block in TOOL_CALL.findall(text):
-            try:
-                call = json.loads(block)
-            except ValueError:
-                continue
-            if isinstance(call, dict) and call.get("name") in names:
-                calls.append(_call(call["name"], call.get("arguments", {})))
+        content, calls = parse_tool_calls(text, parser, req.tools)
         if calls:
-            content = TOOL_CALL.sub("", text).strip()
-            return content or None, calls
+            return content, calls
     return text, None
 
 
-def held_back(text: str) -> int:
-    """``auto`` streaming: characters at the end of ``text`` that may begin a ``<tool_call>``."""
-    for k in range(min(len(OPEN_TAG), len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-k:]):
-            return k
-    return 0
+def held_back(text: str, parser: str = DEFAULT_TOOL_CALL_PARSER) -> int:
+    """``auto`` streaming: characters at the end of ``text`` that may begin a tool call."""
+    return tool_call_parser(parser).held_back(text)
+
+
+def call_start(text: str, start: int = 0, parser: str = DEFAULT_TOOL_CALL_PARSER) -> int:
+    """``auto`` streaming: where tool calls begin in ``text`` at or after ``start``, or -1."""
+    return tool_call_parser(parser).call_start(text, start)

@@ -115,14 +115,49 @@ def test_without_caching_nothing_is_looked_up_and_reset_forgets_everything():
     assert on.take_cached_prefix(request("d", list(range(9)))) == 0
 
 
-def test_a_lazily_grown_pool_reuses_freed_blocks_before_it_grows():
-    kv = KVBlocks(8, BS, fill=False)
-    a = request("a", [1] * 8)
+def test_a_shared_prefix_survives_requests_with_other_prompts_in_between():
+    """Mixed traffic: a shared system prompt, then a request with another one, then the shared
+    one again. With room in the budget, the other request takes never-used blocks and the
+    shared prefix is still cached (a pool that reused freed blocks before growing forgot it)."""
+    kv = KVBlocks(64, BS)
+    system, other = list(range(100, 120)), list(range(200, 220))  # five full blocks each
+    first = request("s1", system + [1])
+    computed(kv, first)
+    kv.free(first)
+    distinct = request("d", other + [2])
+    assert kv.take_cached_prefix(distinct) == 0
+    computed(kv, distinct)
+    kv.free(distinct)
+    again = request("s2", system + [3])
+    assert kv.take_cached_prefix(again) == 20 and kv.stats.evictions == 0
+    assert kv.take_cached_prefix(request("d2", other + [4])) == 20
+
+
+def test_blocks_without_content_are_reused_before_never_used_ones():
+    kv = KVBlocks(8, BS)
+    a = request("a", [1, 2, 3])  # a partial block: nothing to cache
     computed(kv, a)
     kv.free(a)
-    b = request("b", [2] * 8)
-    assert kv.ensure(b, 8) and sorted(b.block_table) == [1, 2] and kv.stats.evictions == 2
-    assert kv.num_free_blocks == 6  # ids 3..8 never handed out: the stages' pools did not grow
+    b = request("b", [5, 6])
+    assert kv.ensure(b, 2) and b.block_table == [1]  # the stages' pools need not grow
+    assert kv.num_free_blocks == 7
+
+
+def test_eviction_follows_the_last_use_not_the_first_caching():
+    kv = KVBlocks(3, BS)
+    old, new = request("old", [1, 1, 1, 1, 0]), request("new", [2, 2, 2, 2, 0])
+    computed(kv, old)
+    kv.free(old)
+    computed(kv, new)
+    kv.free(new)
+    hit = request("hit", [1, 1, 1, 1, 5])  # "old" is used again, after "new" was freed
+    assert kv.take_cached_prefix(hit) == 4
+    computed(kv, hit)
+    kv.free(hit)
+    filler = request("f", [7] * 8)  # two blocks: the empty one, then the least recently used
+    assert kv.ensure(filler, 8) and kv.stats.evictions == 1
+    assert kv.take_cached_prefix(request("x", [2, 2, 2, 2, 9])) == 0  # "new" went
+    assert kv.take_cached_prefix(request("y", [1, 1, 1, 1, 9])) == 4  # "old", used last, stayed
 
 
 def test_an_unbounded_pool_reuses_freed_blocks_before_growing():
@@ -138,3 +173,21 @@ def test_an_unbounded_pool_reuses_freed_blocks_before_growing():
 def test_the_pool_needs_a_block():
     with pytest.raises(ValueError, match="at least one block"):
         KVBlocks(0, BS)
+
+
+def test_a_cpu_pool_without_a_budget_may_hold_a_share_of_the_available_memory(monkeypatch):
+    import torch
+
+    from cosine_ray.engine.worker import target
+    from cosine_ray.models.config import ModelConfig
+    from support.factories import step_config
+
+    assert 0 < target.available_memory_bytes() < 1 << 50
+    model = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0)
+    per_token = 4 * 2 * 2 * 8 * 4  # layers, keys and values, heads, dims, fp32 bytes
+    monkeypatch.setattr(target, "available_memory_bytes", lambda: 10 ** 9)
+    step = step_config(max_model_len=512, num_speculative_tokens=8)
+    assert target.default_kv_tokens(step, model, torch.float32) == int(target.CPU_KV_MEMORY_SHARE * 10 ** 9) // per_token
+    monkeypatch.setattr(target, "available_memory_bytes", lambda: 1000)
+    assert target.default_kv_tokens(step, model, torch.float32) == 512 + 8 + 1  # one whole request, at least

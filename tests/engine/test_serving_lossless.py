@@ -67,7 +67,6 @@ def run_waves(engine: LocalEngine, waves, params) -> dict[int, object]:
 @pytest.mark.parametrize("num_stages", [1, 2])
 def test_prefix_cache_hits_keep_the_hf_greedy_text(tiny_checkpoint, tiny_draft_checkpoint, prompts, reference,
                                                    num_stages):
-    # a KV budget the cache may fill (without one, a CPU pool keeps only what was freed last)
     engine = make(tiny_checkpoint, tiny_draft_checkpoint, num_stages=num_stages, kv_cache_memory="4MiB")
     indexed = list(enumerate(prompts))
     outs = run_waves(engine, [indexed[:1], indexed[1:]], SamplingParams(max_tokens=MAX_TOKENS))
@@ -79,6 +78,25 @@ def test_prefix_cache_hits_keep_the_hf_greedy_text(tiny_checkpoint, tiny_draft_c
     assert [again[i].new_token_ids for i in range(len(prompts))] == reference
     assert all(again[i].stats.num_cached_tokens >= 16 * ((len(p) - 1) // 16) for i, p in indexed)
     assert engine.target.num_cached_requests() == 0
+
+
+def test_a_cpu_pool_without_a_budget_keeps_shared_prefixes_under_mixed_traffic(tiny_checkpoint, tiny_draft_checkpoint,
+                                                                                hf):
+    """CPU defaults (no ``kv_cache_memory``): requests behind one shared prompt alternate with
+    requests behind prompts of their own, each alone. Every shared request after the first
+    finds the shared blocks cached; a pool that reused freed blocks before it grew gave them
+    to the distinct request in between."""
+    g = torch.Generator().manual_seed(91)
+    shared = torch.randint(0, 256, (48,), generator=g).tolist()  # three full blocks
+    rows = []
+    for i in range(4):
+        rows.append(shared + torch.randint(0, 256, (5,), generator=g).tolist())
+        rows.append(torch.randint(0, 256, (64,), generator=g).tolist())  # as many blocks as a shared one, and more
+    engine = make(tiny_checkpoint, tiny_draft_checkpoint)
+    outs = run_waves(engine, [[(i, p)] for i, p in enumerate(rows)], SamplingParams(max_tokens=MAX_TOKENS))
+    assert [outs[i].new_token_ids for i in range(len(rows))] == [hf_greedy(hf, p, MAX_TOKENS) for p in rows]
+    assert [outs[i].stats.num_cached_tokens for i in (2, 4, 6)] == [48, 48, 48]
+    assert [outs[i].stats.num_cached_tokens for i in (0, 1, 3, 5, 7)] == [0] * 5
 
 
 def test_chunked_prefill_keeps_the_hf_greedy_text(tiny_checkpoint, tiny_draft_checkpoint, prompts, reference):

@@ -45,24 +45,19 @@ class PrefixCacheStats:
 
 
 class KVBlocks:
-    def __init__(self, num_blocks: int | None, block_size: int, *, caching: bool = True,
-                 fill: bool = True) -> None:
+    def __init__(self, num_blocks: int | None, block_size: int, *, caching: bool = True) -> None:
         if num_blocks is not None and num_blocks < 1:
             raise ValueError("the KV pool needs at least one block besides the scratch block")
         self.capacity = num_blocks
-        """Blocks requests may use (ids 1..capacity; 0 is the stages' scratch block); None: the
-        pools grow as needed."""
-        self.fill = fill
-        """Hand out never-used blocks before evicting cached ones: the cache keeps what the
-        whole budget holds (a budget the user gave, or a GPU's). False: reuse freed blocks
-        first and grow only when none is free, so a pool that grows lazily (CPU) stays at
-        what the requests needed at once; the cache keeps what was freed last."""
+        """Blocks requests may use (ids 1..capacity; 0 is the stages' scratch block); None: no
+        budget, the pools grow as needed and a cached block is reused before they grow."""
         self.block_size = block_size
         self.caching = caching
         self._next_id = 1
         """Ids from here on were never handed out (the stages' pools grow into them)."""
         self._free: OrderedDict[int, None] = OrderedDict()
-        """Blocks no request references, least recently freed first (cached ones keep their key)."""
+        """Blocks no request references: those that cache nothing first, then the cached ones
+        least recently used first (a cached block keeps its key until it is evicted)."""
         self._refs: dict[int, int] = {}
         self._key_of: dict[int, BlockKey] = {}
         self._block_of: dict[BlockKey, int] = {}
@@ -188,13 +183,16 @@ class KVBlocks:
 
     # ---- blocks ---------------------------------------------------------------------------------
     def _allocate(self) -> int:
-        """A block for new content: a never-used one (see ``fill``) while the budget has some,
-        else the least recently freed (evicting its cached content)."""
-        if self.capacity is None:  # no budget: grow only when nothing is free
-            fresh = not self._free
-        else:
-            fresh = self._next_id <= self.capacity and (self.fill or not self._free)
-        if fresh:
+        """A block for new content, in this order: a free block that caches nothing; a
+        never-used id while the budget has one (the stages' pools grow into it); the least
+        recently used cached block, whose content is evicted. So the prefix cache keeps what
+        the whole budget holds, and forgets the blocks used longest ago first. Without a
+        budget the pools would grow forever: a cached block is reused before they grow."""
+        first = next(iter(self._free), None)
+        if first is not None and first not in self._key_of:
+            del self._free[first]
+            block = first
+        elif first is None or (self.capacity is not None and self._next_id <= self.capacity):
             block, self._next_id = self._next_id, self._next_id + 1
         else:
             block, _ = self._free.popitem(last=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from cosine_ray.models.llama import LlamaStage
 from cosine_ray.models.runner import StepRunner, startup_keys
 
 if TYPE_CHECKING:
-    from cosine_ray.engine.config import EngineConfig, StepConfig
+    from cosine_ray.engine.config import StepConfig
+    from cosine_ray.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +89,45 @@ class TargetClient(Protocol):
 
 CUDA_KV_MEMORY_SHARE = 0.9
 """Share of a GPU's free memory (after the weights) its stages' KV pools take by default."""
-CPU_KV_TOKENS_PER_SEQ = 2048
-"""On CPU without a byte budget, a stage's pool grows as needed up to this many tokens a
-running request (and at least the model length): the prefix cache keeps what fits in it."""
+CPU_KV_MEMORY_SHARE = 0.2
+"""On CPU without a byte budget: share of the memory available at start that the whole
+model's KV (all stages together) may grow to. The pools grow as requests need them, so
+memory is taken only as the prefix cache fills; vLLM's CPU backend reserves a fixed KV
+space the same way (``VLLM_CPU_KVCACHE_SPACE``), allocated up front."""
 
 
-def kv_cache_fills(config: "EngineConfig") -> bool:
-    """Whether the prefix cache may fill the whole KV budget: when the user gave one
-    (``kv_cache_memory``) or on CUDA (the pool is allocated whole anyway). On CPU without a
-    budget the pools grow lazily, and the cache keeps what the requests freed last."""
-    return config.kv_cache_memory is not None or str(config.device).startswith("cuda")
+def available_memory_bytes() -> int:
+    """Memory this process could still take: the kernel's ``MemAvailable``, and no more than a
+    cgroup (v2 or v1) memory limit leaves, as in a container."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f, open(usage_path) as g:
+                limit, usage = f.read().strip(), int(g.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max", or v1's huge "no limit"
+            found.append(max(int(limit) - usage, 0))
+        break
+    if not found:
+        found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return min(found)
 
 
-def default_kv_tokens(step: "StepConfig") -> int:
-    """Tokens a CPU stage's pool may grow to when no byte budget is given."""
-    return max(step.max_model_len + step.num_speculative_tokens + 1, step.max_num_seqs * CPU_KV_TOKENS_PER_SEQ)
+def default_kv_tokens(step: "StepConfig", model: "ModelConfig", dtype: torch.dtype) -> int:
+    """Tokens a CPU stage's pool may grow to when no byte budget is given: what
+    ``CPU_KV_MEMORY_SHARE`` of the available memory holds of the whole model's KV (so every
+    stage holds as many tokens), and at least one request of ``max_model_len`` with its tree."""
+    per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * dtype.itemsize
+    share = int(CPU_KV_MEMORY_SHARE * available_memory_bytes()) // per_token
+    return max(step.max_model_len + step.num_speculative_tokens + 1, share)
 
 
 def kv_budgets(stages: Sequence[LlamaStage], kv_cache_memory: int | None) -> list[int | None]:
