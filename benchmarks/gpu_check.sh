@@ -38,13 +38,13 @@ for dtype in float32 bfloat16; do
 done
 
 step "verify forward, bf16"
-timeout 300 python3 benchmarks/verify_forward.py --shapes smollm2-135m,llama-3.2-1b,llama-3.1-8b --batches 1,8,32 \
+timeout 300 python3 benchmarks/kernels/verify_forward.py --shapes smollm2-135m,llama-3.2-1b,llama-3.1-8b --batches 1,8,32 \
   --tokens 1,8 --device cuda --dtype bfloat16 --context 512 --reps 10 2>&1 | tee "$out/verify_forward.log"
 
 step "bf16 against our own bf16 decode"
-timeout 300 python3 benchmarks/bf16_divergence.py --device cuda --prompts-per-domain 3 --max-tokens 128 \
+timeout 300 python3 benchmarks/engine/bf16_divergence.py --device cuda --prompts-per-domain 3 --max-tokens 128 \
   --drafters "default;ngram" 2>&1 | tee "$out/bf16_divergence.log"
 step "profile, bf16, default drafters, c=8"
-timeout 200 python3 benchmarks/step_profile.py --device cuda --dtype bfloat16 --drafters default --concurrency 8 \
+timeout 200 python3 benchmarks/engine/step_profile.py --device cuda --dtype bfloat16 --drafters default --concurrency 8 \
   2>&1 | grep -v "^routing" | tee "$out/step_profile_bf16.log"
 step "done"

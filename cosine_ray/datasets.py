@@ -7,7 +7,7 @@ CoSine/PipeDec/PEARL mixed-domain workloads::
     code         humaneval.jsonl   164 rows
     math         gsm8k.jsonl     1,319 rows
     instruction  alpaca.jsonl      175 rows
-        chat         mtbench.jsonl      80 rows (``turns`` holds both MT-bench turns)
+    chat         mtbench.jsonl      80 rows (``turns`` holds both MT-bench turns)
 
 Each line is one JSON object with ``id``, ``domain`` and a non-empty string ``prompt``. **The
 fixed split.** The first half of each file (``(n + 1) // 2`` rows) builds the packaged
@@ -16,31 +16,34 @@ back for measurement (``cosine-ray bench``, ``cosine-loadgen``, the benchmarks),
 measured on prompts a datastore has seen.
 
 ``$COSINE_RAY_PROMPTS`` names another folder with the same four file names, used instead of
-the packaged one (``loadgen.workload`` finds it by the same rule without importing us).
+the packaged one. The files are read, and split, by ``loadgen.prompt_sets``, the one reader
+cosine_ray and loadgen share.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
+from loadgen.prompt_sets import PROMPTS_ENV, SPLITS, read_prompt_lines, split_point, split_rows
+from loadgen.prompt_sets import default_prompt_dir as _default_prompt_dir
+
+__all__ = ["PACKAGED_PROMPT_DIR", "PROMPTS_ENV", "DOMAIN_FILES", "SPLITS", "default_prompt_dir", "domain_file",
+           "split_point", "first_half", "second_half", "split_rows", "read_prompts", "domain_prompts",
+           "held_back_prompts"]
+
 PACKAGED_PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
 """``cosine_ray/data/prompts`` of this installation (package data, shipped by ``pip install``)."""
-PROMPTS_ENV = "COSINE_RAY_PROMPTS"
 DOMAIN_FILES = {"code": "humaneval.jsonl", "math": "gsm8k.jsonl",
                 "instruction": "alpaca.jsonl", "chat": "mtbench.jsonl"}
 """domain → file name, in the order benchmarks report the domains."""
-SPLITS = ("first-half", "second-half", "all")
 
 T = TypeVar("T")
 
 
 def default_prompt_dir() -> Path:
     """``$COSINE_RAY_PROMPTS`` if set, else the packaged ``cosine_ray/data/prompts``."""
-    env = os.environ.get(PROMPTS_ENV)
-    return Path(env) if env else PACKAGED_PROMPT_DIR
+    return _default_prompt_dir(PACKAGED_PROMPT_DIR)
 
 
 def domain_file(domain: str, prompt_dir: str | Path | None = None,
@@ -51,52 +54,19 @@ def domain_file(domain: str, prompt_dir: str | Path | None = None,
     return Path(prompt_dir if prompt_dir is not None else default_prompt_dir()) / DOMAIN_FILES[domain]
 
 
-def split_point(num_rows: int) -> int:
-    """Rows before this index are the first half (the odd row goes to the first half)."""
-    return (num_rows + 1) // 2
-
-
 def first_half(rows: Sequence[T]) -> list[T]:
     """The rows that build datastores and may be used to warm up or fit."""
-    return list(rows[: split_point(len(rows))])
+    return split_rows(rows, "first-half")
 
 
 def second_half(rows: Sequence[T]) -> list[T]:
     """The held-back rows: measure on these only."""
-    return list(rows[split_point(len(rows)):])
-
-
-def split_rows(rows: Sequence[T], split: str, error: type[Exception] = ValueError) -> list[T]:
-    """``first-half``, ``second-half`` or ``all`` of ``rows``."""
-    if split == "first-half":
-        return first_half(rows)
-    if split == "second-half":
-        return second_half(rows)
-    if split == "all":
-        return list(rows)
-    raise error(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return split_rows(rows, "second-half")
 
 
 def read_prompts(path: str | Path, error: type[Exception] = ValueError) -> list[dict[str, Any]]:
-    """JSON lines with a non-empty string ``prompt``; raises ``error`` with one line."""
-    path = Path(path)
-    if not path.is_file():
-        raise error(f"prompt file {path} does not exist")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise error(f"{path}:{n}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise error(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
-            rows.append(row)
-    if not rows:
-        raise error(f"prompt file {path} has no prompts")
-    return rows
+    """The rows of a prompt file, each with a non-empty string ``prompt``; raises ``error`` with one line."""
+    return [row for _, row in read_prompt_lines(path, error)]
 
 
 def domain_prompts(domain: str, split: str = "second-half", prompt_dir: str | Path | None = None,

@@ -31,30 +31,17 @@ Choices, and why:
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
-
-def default_dataset_dir() -> Path:
-    """``$COSINE_RAY_PROMPTS``, else the prompt sets packaged with cosine_ray
-    (``cosine_ray/data/prompts``: code, math, instruction, chat; sources and licences in the
-    README.md there). The same rule as ``cosine_ray.datasets.default_prompt_dir``, found without
-    importing cosine_ray (``find_spec`` of a top-level name locates the package, runs nothing)."""
-    env = os.environ.get("COSINE_RAY_PROMPTS")
-    if env:
-        return Path(env)
-    spec = importlib.util.find_spec("cosine_ray")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0]).resolve() / "data" / "prompts"
-    return Path(__file__).resolve().parents[1] / "cosine_ray" / "data" / "prompts"  # installed side by side
+from loadgen.prompt_sets import default_prompt_dir, read_prompt_lines, split_rows
 
 
+default_dataset_dir = default_prompt_dir
+"""``$COSINE_RAY_PROMPTS``, else the prompt sets packaged with cosine_ray (``loadgen.prompt_sets``)."""
 DEFAULT_DATASET_DIR = default_dataset_dir()
 SPLITS = ("second-half", "first-half", "all")
 
@@ -103,43 +90,23 @@ def load_rows(dataset_dir: Path, split: str = "second-half") -> dict[str, list[P
         raise WorkloadError(f"no *.jsonl prompt files in {dataset_dir} (set --dataset-dir)")
     by_domain: dict[str, list[PromptRow]] = {}
     for path in files:
-        rows = _read_file(path)
-        half = (len(rows) + 1) // 2
-        chosen = {"second-half": rows[half:], "first-half": rows[:half], "all": rows}[split]
-        for row in chosen:
+        for row in split_rows(_read_file(path), split, WorkloadError):
             by_domain.setdefault(row.domain, []).append(row)
     return by_domain
 
 
 def _read_file(path: Path) -> list[PromptRow]:
+    """A prompt file's rows (``loadgen.prompt_sets``), each also with a domain and its turns."""
     rows = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"cannot read {path}: {exc}") from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise WorkloadError(f"{where}: expected a JSON object with id, domain, prompt")
-        prompt, domain = obj.get("prompt"), obj.get("domain")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise WorkloadError(f"{where}: 'prompt' must be a non-empty string")
+    for lineno, obj in read_prompt_lines(path, WorkloadError):
+        domain = obj.get("domain")
         if not isinstance(domain, str) or not domain.split("/")[0]:
-            raise WorkloadError(f"{where}: 'domain' must be a non-empty string")
-        turns = obj.get("turns", [prompt])
+            raise WorkloadError(f"{path}:{lineno}: 'domain' must be a non-empty string")
+        turns = obj.get("turns", [obj["prompt"]])
         if (not isinstance(turns, list) or not turns
                 or not all(isinstance(t, str) and t.strip() for t in turns)):
-            raise WorkloadError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
-        rows.append(PromptRow(str(obj.get("id", f"{path.stem}/{lineno}")), domain.split("/")[0],
-                              tuple(turns)))
-    if not rows:
-        raise WorkloadError(f"{path}: no prompts")
+            raise WorkloadError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
+        rows.append(PromptRow(str(obj.get("id", f"{path.stem}/{lineno}")), domain.split("/")[0], tuple(turns)))
     return rows
 
 

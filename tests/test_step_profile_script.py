@@ -1,4 +1,4 @@
-"""``benchmarks/step_profile.py`` profiles the bench's measured window on the real model
+"""``benchmarks/engine/step_profile.py`` profiles the bench's measured window on the real model
 (here on CPU, 4 short conversations) and prints tok/s and the host-time table; a device it
 cannot use is one line and exit 2."""
 
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.full  # a benchmark script in a subprocess
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_profile.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine" / "step_profile.py"
 
 
 @pytest.mark.real_model

@@ -1,4 +1,4 @@
-"""``benchmarks/verify_forward.py --shapes`` runs end to end on a tiny random shape and prints
+"""``benchmarks/kernels/verify_forward.py --shapes`` runs end to end on a tiny random shape and prints
 one row per (requests, new tokens) with our time (eager and fixed-shape runner), HF eager's, the static step's and their
 ratios (its figures are its own benchmark; here only that it runs and says what it measured)."""
 
@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.full  # a benchmark script in a subprocess
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_forward.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels" / "verify_forward.py"
 
 
 def test_shapes_mode_prints_every_cell():

@@ -12,7 +12,8 @@ system × concurrency starts from a fresh engine, and every output is compared t
 with HF greedy (or, without it, the first system). ``--repeat-probe`` sends the first measured
 request again at the end. ``--rounds N`` interleaves N rounds in seeded shuffled orders and
 prints medians and the min–max of each ratio to the same round's ``none``: on a machine whose
-speed drifts, a ratio from one pair of runs is noise.
+speed drifts, a ratio from one pair of runs is noise. Conversations, rounds, the HF reference and
+the figures are ``cosine_ray.bench``'s, which the scripts in ``benchmarks/`` share.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import asyncio
 import gc
 import json
 import platform
-import random
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cosine_ray.bench.conversations import Turn, count_tokens, run_conversations, run_hf, same_output
+from cosine_ray.bench.figures import routing_shares, spec_figures
+from cosine_ray.bench.rounds import Spread, round_order
 from cosine_ray.cli.args import CliError, add_device_args, check_local_device, runner_from_args
 from cosine_ray.datasets import default_prompt_dir
 from cosine_ray.metrics.names import STEP_PHASES
@@ -125,97 +127,23 @@ def parse_systems(text: str) -> list[System]:
     return systems
 
 
-# ---- running conversations ----------------------------------------------------------------------
-
-@dataclass
-class Turn:
-    """One request of a conversation as a system answered it."""
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stats: Any = None
-
-
-def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
-async def run_conversations(engine, conversations: list[tuple[str, ...]], params, concurrency: int,
-                            tokenizer) -> list[list[Turn]]:
-    """Every conversation's turns in order (turn k+1 sent with turn k's answer), at most
-    ``concurrency`` conversations at once, through the engine's loop."""
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(turns: tuple[str, ...]) -> list[Turn]:
-        async with sem:
-            history: list[dict[str, str]] = []
-            out = []
-            for text in turns:
-                history.append({"role": "user", "content": text})
-                result = await engine.loop.generate_all(encode_messages(tokenizer, history), params)
-                out.append(Turn(list(result.new_token_ids), result.finish_reason, result.stats))
-                history.append({"role": "assistant",
-                                "content": tokenizer.decode(result.new_token_ids, skip_special_tokens=True)})
-            return out
-    try:
-        return list(await asyncio.gather(*(one(c) for c in conversations)))
-    finally:
-        await engine.loop.shutdown()
-
-
-def run_hf(model, tokenizer, conversations: list[tuple[str, ...]], max_tokens: int, **kwargs) -> list[list[Turn]]:
-    import torch
-    outs = []
-    for turns in conversations:
-        history: list[dict[str, str]] = []
-        conv = []
-        for text in turns:
-            history.append({"role": "user", "content": text})
-            ids = torch.tensor([encode_messages(tokenizer, history)], device=model.device)
-            with torch.inference_mode():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                     do_sample=False, **kwargs)
-            new = out[0, ids.shape[1]:].tolist()
-            conv.append(Turn(new))
-            history.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
-        outs.append(conv)
-    return outs
-
-
-def same_output(ours: Turn, ref: Turn) -> bool:
-    """Our tokens equal the reference's (which stops at end-of-text or max_tokens like ours)."""
-    n = len(ours.token_ids)
-    return ours.token_ids == ref.token_ids[:n] and (n == len(ref.token_ids) or ours.finish_reason == "stop")
-
-
 # ---- the run --------------------------------------------------------------------------------------
 
 def build_conversations(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     """(warm-up, measured) WorkItems: the first and second half of each prompt file."""
-    import numpy as np
-
-    from loadgen.workload import WORKLOADS, WorkloadError, build_workload, load_rows
-    if args.workload not in WORKLOADS:
-        raise CliError(f"--workload must be one of {', '.join(WORKLOADS)}, got {args.workload!r}")
+    from cosine_ray.bench.workloads import bench_workload
+    from loadgen.workload import WorkloadError
     try:
-        measured_rows = load_rows(Path(args.prompt_dir), "second-half")
-        warm_rows = load_rows(Path(args.prompt_dir), "first-half")
-        mix = {d: 1.0 / len(measured_rows) for d in sorted(measured_rows)}
-        measured = build_workload(args.workload, measured_rows, args.prompts_per_domain * len(mix), mix,
-                                  np.random.default_rng(args.seed), max_tokens=args.max_tokens)
-        warm = build_workload(args.workload, warm_rows, args.warmup_per_domain * len(mix), mix,
-                              np.random.default_rng(args.seed + 1), max_tokens=args.max_tokens) \
-            if args.warmup_per_domain else []
+        return bench_workload(args.workload, args.prompt_dir, args.prompts_per_domain, args.warmup_per_domain,
+                              args.max_tokens, args.seed)
     except WorkloadError as exc:
         raise CliError(str(exc)) from None
-    return warm, measured
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from cosine_ray.bench.engines import start_engine
     from cosine_ray.engine.config import config_from_dict
     from cosine_ray.engine.request import SamplingParams
     from cosine_ray.models.loader import resolve_checkpoint
@@ -257,21 +185,20 @@ def run(args: argparse.Namespace) -> int:
         outs = run_hf(hf, tokenizer, convs, args.max_tokens, **kwargs)
         secs = time.perf_counter() - start
         outputs[system.name] = outs
-        rows.append({"system": system.name, "concurrency": 1, "tokens": _count(outs), "seconds": secs})
+        rows.append({"system": system.name, "concurrency": 1, "tokens": count_tokens(outs), "seconds": secs})
         print(f"  {system.name}: {rows[-1]['tokens'] / secs:.2f} tok/s", flush=True)
 
     work = [(s, c) for s in systems if not s.is_hf for c in concurrencies]
-    for rnd, (system, c) in round_order(work, args.rounds, args.seed):
-        config = config_from_dict({"model": args.model, "drafters": system.drafters,
-                                   "device": args.device, "dtype": args.dtype, "weights": args.weights,
-                                   "kv_cache_memory": args.kv_cache_memory,
-                                   "runner": runner_from_args(args),
-                                   "step": {"max_num_seqs": max(c, 8),
-                                            "num_speculative_tokens": args.num_speculative_tokens,
-                                            **system.step}})
-        from cosine_ray.engine.local import LocalEngine
+    for rnd, (system, c) in round_order(work, args.rounds, "shuffle" if args.rounds > 1 else "fixed", args.seed):
         try:
-            engine = LocalEngine(config, checkpoint=checkpoint)
+            config = config_from_dict({"model": args.model, "drafters": system.drafters,
+                                       "device": args.device, "dtype": args.dtype, "weights": args.weights,
+                                       "kv_cache_memory": args.kv_cache_memory,
+                                       "runner": runner_from_args(args),
+                                       "step": {"max_num_seqs": max(c, 8),
+                                                "num_speculative_tokens": args.num_speculative_tokens,
+                                                **system.step}})
+            engine = start_engine(config, checkpoint=checkpoint)
         except (ValueError, OSError) as exc:
             raise CliError(str(exc).splitlines()[0]) from None
         row: dict[str, Any] = {"system": system.name, "concurrency": c}
@@ -282,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                                                   params if warm_convs else SamplingParams(max_tokens=4),
                                                   8, tokenizer))
         if warm_convs:
-            row["warmup"] = {"tokens": _count(warm_outs), "seconds": time.perf_counter() - start,
+            row["warmup"] = {"tokens": count_tokens(warm_outs), "seconds": time.perf_counter() - start,
                              **_spec_figures(warm_outs)}
         busy, steps = _gpu_busy_seconds(engine), dict(engine.target.stages[0].runner.stats)
         phases, priced = _phase_seconds(engine), _price_counts(engine)
@@ -294,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
             # steps the first stage ran eagerly / as graphs, and graphs captured, while measured
             row["runner_steps"] = {k: v - steps[k] for k, v in engine.target.stages[0].runner.stats.items()}
         outputs[_output_key(row)] = outs
-        row.update(tokens=_count(outs), seconds=secs, **_spec_figures(outs),
-                   routing_shares=_routing_shares(outs, domains),
+        routed = ((d, t.stats.routed_to, t.stats.num_routed_steps) for conv, d in zip(outs, domains) for t in conv)
+        row.update(tokens=count_tokens(outs), seconds=secs, **_spec_figures(outs),
+                   routing_shares=routing_shares(routed, sorted(set(domains))),
                    decision_ms=_decision_ms(engine), step_ms=_step_ms(engine, phases))
         if args.repeat_probe:
             first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer))
@@ -366,20 +294,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def round_order(work: list, rounds: int, seed: int) -> list[tuple[int, Any]]:
-    """(round, item) for every item of ``work`` in every round: one round in ``work``'s order,
-    several each in its own shuffled order (seeded), so no system always runs first or last."""
-    if rounds == 1:
-        return [(1, item) for item in work]
-    rng = random.Random(seed)
-    order = []
-    for r in range(1, rounds + 1):
-        items = list(work)
-        rng.shuffle(items)
-        order += [(r, item) for item in items]
-    return order
-
-
 def _output_key(row: dict[str, Any]) -> str:
     if row["system"] in HF_SYSTEMS:
         return row["system"]
@@ -396,11 +310,12 @@ def summarize_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summary = []
     for (system, c), members in groups.items():
         entry: dict[str, Any] = {"system": system, "concurrency": c, "rounds": len(members),
-                                 "tokens_per_s": statistics.median(m["tokens_per_s"] for m in members),
+                                 "tokens_per_s": Spread.of([m["tokens_per_s"] for m in members]).median,
                                  "identical_every_round": all(_all_same(m["lossless_identical"]) for m in members)}
         ratios = [m["ratio_vs_off"] for m in members if "ratio_vs_off" in m]
         if ratios:
-            entry.update(ratio_vs_off=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+            spread = Spread.of(ratios)
+            entry.update(ratio_vs_off=spread.median, ratio_min=spread.low, ratio_max=spread.high)
         summary.append(entry)
     return summary
 
@@ -410,17 +325,8 @@ def _all_same(identical: str) -> bool:
     return same == total
 
 
-def _count(outs: list[list[Turn]]) -> int:
-    return sum(len(t.token_ids) for conv in outs for t in conv)
-
-
 def _spec_figures(outs: list[list[Turn]]) -> dict[str, float]:
-    stats = [t.stats for conv in outs for t in conv if t.stats is not None]
-    steps = sum(s.num_verify_steps for s in stats)
-    accepted = sum(s.num_accepted_tokens for s in stats)
-    drafted = sum(s.num_draft_tokens for s in stats)
-    return {"mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0, "verify_steps": steps}
+    return spec_figures(t.stats for conv in outs for t in conv)
 
 
 def _by_repeat(outs: list[list[Turn]], prompts: list[tuple[str, ...]]) -> dict[str, Any] | None:
@@ -437,24 +343,6 @@ def _by_repeat(outs: list[list[Turn]], prompts: list[tuple[str, ...]]) -> dict[s
         return None
     return {"first": _spec_figures(first), "repeat": _spec_figures(again),
             "first_sends": len(first), "repeats": len(again)}
-
-
-def _routing_shares(outs: list[list[Turn]], domains: list[str]) -> dict[str, dict[str, float]]:
-    """Per domain: the share of routed steps that went to each drafter."""
-    shares: dict[str, dict[str, float]] = {}
-    for domain in sorted(set(domains)):
-        routed: dict[str, int] = {}
-        total = 0
-        for conv, d in zip(outs, domains):
-            if d != domain:
-                continue
-            for t in conv:
-                total += t.stats.num_routed_steps
-                for k, v in t.stats.routed_to.items():
-                    routed[k] = routed.get(k, 0) + v
-        if total:
-            shares[domain] = {k: round(v / total, 3) for k, v in sorted(routed.items())}
-    return shares
 
 
 def _phase_seconds(engine) -> dict[str, float]:

@@ -131,7 +131,7 @@ class SimTarget:
         self.decode_tokens = 0
         self.decode_seconds = 0.0
         """Forwards without a prefill in them: how many, their scored tokens and their stage time
-        (``benchmarks/sim_validation.py`` compares them with a real run's)."""
+        (``benchmarks/sim/sim_validation.py`` compares them with a real run's)."""
 
     async def score(self, items: Sequence[ScoreItem]) -> list[torch.Tensor]:
         if not items:
@@ -324,7 +324,7 @@ DRAFTER_CALLS = ("propose", "continue_drafts", "continue_chains")
 
 def call_size(method: str, queries: Sequence[DraftInput] | Sequence[ContinueQuery]) -> tuple[int, int, int]:
     """(requests, tokens asked, context tokens sent) of one drafter call: what its T_ssm and
-    its link are charged for (``benchmarks/sim_validation.py`` fits T_ssm to real calls sized
+    its link are charged for (``benchmarks/sim/sim_validation.py`` fits T_ssm to real calls sized
     the same way)."""
     if method == "propose":
         tokens = sum(q.max_draft_tokens for q in queries)

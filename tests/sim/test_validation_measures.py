@@ -1,4 +1,4 @@
-"""The measures ``benchmarks/sim_validation.py`` feeds the simulator, on hand-made records
+"""The measures ``benchmarks/sim/sim_validation.py`` feeds the simulator, on hand-made records
 (the script's real runs are its own benchmark; here only its arithmetic is checked)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_validation.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sim" / "sim_validation.py"
 _spec = importlib.util.spec_from_file_location("sim_validation", _PATH)
 sim_validation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sim_validation)
