@@ -66,12 +66,12 @@ class Lockstep:
             self.cond.notify_all()
             return float(self.written)
 
-    def before_line(self) -> None:
+    def next_line(self) -> None:
+        """Before the stub writes a line: wait for the client to have read the clock since the
+        last one, then count this one (before it is on the wire, so the client never reads a
+        line the clock does not count yet)."""
         with self.cond:
             self.cond.wait_for(lambda: self.read == self.written, timeout=PATIENCE_S)
-
-    def after_line(self) -> None:
-        with self.cond:
             self.written += 1
 
 
@@ -205,11 +205,9 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
                 with stub.lock:
                     stub.events.append(("end", self.rid))
             if stub.lockstep:
-                stub.lockstep.before_line()
+                stub.lockstep.next_line()
             self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.flush()
-            if stub.lockstep:
-                stub.lockstep.after_line()
 
         def _stream(self, body: dict[str, Any], directives: dict[str, str]) -> None:
             is_chat = "messages" in body
