@@ -11,7 +11,7 @@ import os as _os
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "30000"
 
-# oneDNN (the CPU projections, ``models.llama.projection_kernel``) keeps two caches keyed by
+# oneDNN (the CPU projections, ``models.linear.projection_kernel``) keeps two caches keyed by
 # input shape: ideep's (``LRU_CACHE_CAPACITY``) and oneDNN's primitive cache
 # (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), 1024 entries each by default. A server sees a new
 # shape with every prompt length and batch, so with the defaults its C heap grows with every

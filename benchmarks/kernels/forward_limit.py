@@ -34,11 +34,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from cosine_ray.bench.reference import hf_greedy_with_logits
 from cosine_ray.bench.rounds import Spread
-from cosine_ray.models import cpu_gemm
-from cosine_ray.models.llama import CPU_GEMM_ENV, FUSED_ENV, LlamaStage, StageBatch, _Linear
+from cosine_ray.models import kernels as cpu_gemm
+from cosine_ray.models.kernels import ENV as CPU_GEMM_ENV, FUSED_ENV
+from cosine_ray.models.linear import DenseLinear as _Linear, QuantLinear
+from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.models.native import load_weights
-from cosine_ray.models.quant import QuantLinear
 
 PATHS = {"dense": ("dense", torch.float32, {}), "dense-onednn": ("dense", torch.float32, {CPU_GEMM_ENV: "onednn"}),
          "dense-unfused": ("dense", torch.float32, {FUSED_ENV: "0"}),

@@ -24,7 +24,8 @@ import time
 import torch
 
 from cosine_ray.engine.profile import median_seconds
-from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch
+from cosine_ray.models.kernels import ENV as CPU_GEMM_ENV
+from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.loader import resolve_checkpoint
 
 

@@ -33,7 +33,7 @@ import torch
 
 from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels as cpu_gemm
 from cosine_ray.models.native import load_weights
 from cosine_ray.engine.build import build_drafter, build_target_stages
 from cosine_ray.engine.config import EngineConfig
@@ -42,7 +42,7 @@ from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
 from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models.loader import cache_root, resolve_checkpoint
 from cosine_ray.models.device import synchronize
-from cosine_ray.models.llama import projection_kernel
+from cosine_ray.models.linear import projection_kernel
 
 log = logging.getLogger(__name__)
 

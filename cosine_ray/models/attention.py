@@ -14,7 +14,7 @@ loop, and builds on the host (copied to the device once) what the layers need:
 - a *single* for each longer chain: a fresh prefill attends causally to itself, a continued
   one (a later chunk) gathers its slots and uses a causal-offset mask.
 
-A fused fp32 CPU stage sends every row, prefills included, to ``cpu_gemm.attend_rows`` instead
+A fused fp32 CPU stage sends every row, prefills included, to ``kernels.attend_rows`` instead
 (``RowKeys``): each row computed alone over its keys in logical order, so a request gives the same
 bits however its prompt was chunked, cached or batched (docs/performance-cpu.md).
 ``padded_plan`` builds the same masks inside a CUDA graph (``models.runner``).
@@ -29,17 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.models.kv_cache import KVCache
 
 EAGER_CUDA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 """Attention kernels an eager CUDA forward may use: all but cuDNN's. In half precision on Hopper
 PyTorch tries cuDNN attention first, and cuDNN builds an execution plan for every new shape on
-the host: an eager step's shapes change with every prompt length and context, and on an H200
-each bf16 prefill attention call took 1.35 ms of host time (``aten::_cudnn_attention_forward``,
-torch.profiler, 240 calls), 40 ms per 30-layer forward, where its kernel ran 6 µs. A captured
-graph (``models.runner``) builds its plans once, at capture, so the graph path keeps PyTorch's
-choice."""
+the host, which costs far more than the kernel: an eager step's shapes change with every prompt
+length and context. A captured graph (``models.runner``) builds its plans once, at capture, so
+the graph path keeps PyTorch's choice."""
 
 
 def eager_attention(device: torch.device) -> contextlib.AbstractContextManager:
@@ -92,7 +90,7 @@ class _Single:
 @dataclass(slots=True)
 class RowKeys:
     """A step's query rows as lists of the pool slots each attends to (CPU, for
-    ``cpu_gemm.attend_rows``): row ``rows[r]`` of the flat batch sees ``keys[start[r]:start[r] +
+    ``kernels.attend_rows``): row ``rows[r]`` of the flat batch sees ``keys[start[r]:start[r] +
     count[r]]``. The rows of a chain without a tree mask share one list (each sees a prefix of
     it), so a long prefill costs one list, not one per row."""
 
@@ -137,7 +135,7 @@ def plan_attention(request_ids, num_new_tokens, tree_masks, kv_cache: KVCache, *
                    device: torch.device, row_keys: bool = False) -> AttentionPlan:
     """Open every request's speculative level (``reserve``, or ``extend`` for a PipeDec layer)
     and build the step's attention inputs (see the module docstring); ``row_keys`` (CPU, fp32):
-    every row's keys for ``cpu_gemm.attend_rows`` instead of groups."""
+    every row's keys for ``kernels.attend_rows`` instead of groups."""
     slot_mapping: list[int] = []
     batched: list[tuple[int, int, int, torch.Tensor | None, list[int]]] = []  # offset, n, L, visible, slots
     rows: list[tuple[int, int, int, torch.Tensor | None, list[int]]] = []  # offset, n, slot, tree mask, slots
@@ -272,7 +270,7 @@ def attend(plan: AttentionPlan, kv_cache: KVCache, layer: int, q: torch.Tensor, 
         assert not wide and q.dtype == kv_cache.dtype == torch.float32, "row keys are for fp32 CPU stages"
         pools = kv_cache.span(layer, 0, kv_cache.pool.shape[2])
         out = q.new_empty(num_tokens, heads * head_dim)
-        cpu_gemm.attend_rows(q, plan.row_keys, *pools, scale, out, new=(k, v, plan.slot_mapping))
+        kernels.attend_rows(q, plan.row_keys, *pools, scale, out, new=(k, v, plan.slot_mapping))
         return out
     kv_cache.write_slots(layer, plan.slot_mapping, k, v)
     if len(plan.groups) == 1 and isinstance(plan.groups[0], _Batched) and plan.groups[0].query_rows is None \

@@ -11,8 +11,9 @@ attention is per request, over that request's KV cache (committed level + this s
 nodes). Each request's new tokens are either a chain (prefill / plain decode: causal) or
 a token tree (ancestor mask from ``TokenTree.attention_mask``, depth-based positions).
 
-NOTE(lead): numerics follow transformers' Llama (fp32 RMSNorm, rotate-half RoPE,
-``inv_freq`` computed in float32 with int64 arange) so logits match HF within 1e-4 fp32.
+Numerics follow transformers' Llama (fp32 RMSNorm, rotate-half RoPE, ``inv_freq`` computed in
+float32 with int64 arange), so logits match HF's within 1e-4 in fp32. The projections
+(``models.linear``) and, on CPU, the fused layers (``models.kernels``) are chosen at load time.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from cosine_ray.models import cpu_gemm
-from cosine_ray.models.config import ModelConfig
+from cosine_ray.models import kernels
 from cosine_ray.models.attention import (AttentionPlan, PaddedInputs, attend, attend_padded, eager_attention,
                                          padded_plan, plan_attention, query_bucket)
+from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.kv_cache import KVCache
-from cosine_ray.models.quant import QuantEmbedding, QuantLinear, QuantTensor, is_quantized
+from cosine_ray.models.linear import DenseLinear, Projection, QuantLinear, kernel_operand, projection
+from cosine_ray.models.quant import QuantEmbedding, as_dense, is_quantized
 
 
 @dataclass(slots=True)
@@ -68,9 +70,7 @@ def query_length_order(num_new_tokens: Sequence[int]) -> list[int] | None:
     """Request order that puts the requests of each attention group (``attention.query_bucket``)
     next to each other, or None when they already are. On CPU a group whose rows are one slice
     of the flat batch needs no per-layer gather and scatter of its queries and outputs: one
-    permutation of the hidden rows before the layers and one after replace 2 x layers of them
-    (measured: 3 requests with 3-token trees among 13 decodes, attention of 30 layers 42 ms in
-    batch order, see the CPU figures in ``attention``)."""
+    permutation of the hidden rows before the layers and one after replace 2 x layers of them."""
     keys = [query_bucket(n) for n in num_new_tokens]
     if all(a <= b for a, b in zip(keys, keys[1:])):
         return None
@@ -133,132 +133,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-CPU_GEMM_ENV = cpu_gemm.ENV
-"""``blocked`` (default on CPU: our own kernels, ``models.cpu_gemm``, where they build; oneDNN for
-half-precision weights), ``onednn`` or ``mkl``: the kernel of the CPU projections."""
-CPU_GEMM_KERNELS = cpu_gemm.KERNELS
-FUSED_ENV = cpu_gemm.FUSED_ENV
-
-
-def onednn_available() -> bool:
-    """This PyTorch build can pre-pack and run oneDNN linear layers on CPU."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def projection_kernel(device: torch.device | str) -> str:
-    """The kernel of the fp32 projections stages built now on ``device`` use: ``blocked``,
-    ``onednn`` or ``mkl`` on CPU (``COSINE_RAY_CPU_GEMM``; half-precision weights go to oneDNN
-    under ``blocked``, and a dtype oneDNN cannot pack on this CPU to MKL, per weight),
-    ``default`` elsewhere (``x @ w_t``)."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return "default"
-    if _use_blocked(device, torch.float32):
-        return "blocked"
-    return "onednn" if _use_onednn(device) else "mkl"
-
-
-def _native_half_gemm(dtype: torch.dtype) -> bool:
-    """This CPU has a native GEMM for ``dtype`` (bf16: AVX512-BF16 or AMX; fp16: AVX512-FP16 or AMX)."""
-    try:
-        if dtype == torch.bfloat16:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _use_blocked(device: torch.device, dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and cpu_gemm.used_on(device)
-
-
-def _use_onednn(device: torch.device) -> bool:
-    return cpu_gemm.choice() in ("blocked", "onednn") and device.type == "cpu" and onednn_available()
-
-
-class _Linear:
-    """One projection, ``y = x W^T + b``, with the kernel chosen once at load time.
-
-    An fp32 weight on CPU goes, by default, to our own kernel (``models.cpu_gemm``: 32-column
-    blocks, one contiguous stream each at one row, every output summed in one order whatever
-    the rows): on our 2-core AMD EPYC it applies the embedded model's layers at one row at
-    about the memory bandwidth, where oneDNN's packed linear took ~1.7x that; whole verify
-    forwards were faster with up to 5 new tokens per request and 2-8 % slower with 9-17 on
-    several requests (docs/performance-cpu.md). Where it cannot be built
-    (no C compiler), for half-precision weights, or with ``COSINE_RAY_CPU_GEMM=onednn``, the
-    weight is pre-packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``, the layout
-    PyTorch's own frozen CPU graphs use) and applied with ``_linear_pointwise``:
-    no re-packing per call, and a JIT kernel for the CPU at hand. For the 1-17 rows of a
-    verify step this is what makes extra draft tokens cheap: measured on our 2-core AMD EPYC
-    (AVX2) with SmolLM2's gate/up shape, 2 threads, MKL ``x @ W^T`` 0.15 / 0.33 / 0.56 /
-    0.73 ms at 1 / 2 / 5 / 9 rows vs oneDNN 0.12 / 0.12 / 0.25 / 0.35 ms (MKL picks slow code
-    paths on non-Intel CPUs). Elsewhere (CUDA, or a dtype oneDNN cannot pack on this CPU,
-    e.g. bf16 without AVX512-BF16/AVX-NE-CONVERT) the weight is stored transposed,
-    ``[in, out]``, and applied as ``x @ w_t`` (on MKL 1.3-1.7x faster than ``F.linear`` for
-    2-16 rows). ``COSINE_RAY_CPU_GEMM=mkl`` forces the second form (to compare).
-
-    A half-precision weight on a CPU that cannot pack it (no native bf16/fp16 GEMM) is kept
-    transposed *in fp32* and applied as ``(x.float() @ w_t).to(x.dtype)``: the exact fp32 values
-    of the bf16 weights, accumulated in fp32 and rounded once, what a bf16 GEMM with fp32
-    accumulation computes (up to summation order), at fp32 speed for twice bf16's weight memory. PyTorch's own bf16
-    ``x @ w_t`` on such a CPU is a slow fallback: measured on our 2-core AMD EPYC (AVX2, 1
-    thread), SmolLM2's 576 → 1536 shape, 1.6 / 12.3 / 93 / 403 ms at 1 / 8 / 64 / 256 rows
-    against 0.10 / 0.46 / 1.8 / 6.2 ms in fp32 (``F.linear`` in bf16: 0.24 / 2.6 / 13 / 54 ms;
-    the fp32 form: 0.41 / 0.57 / 4.8 / 8.0 ms): a bf16 test ran 25 minutes without finishing."""
-
-    __slots__ = ("blocked", "blocked_bias", "packed", "w_t", "bias", "out_features", "upcast")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """weight  # [out, in] (the checkpoint's layout)"""
-        self.bias = bias
-        self.out_features = int(weight.shape[0])
-        self.blocked: torch.Tensor | None = None
-        """fp32 on CPU: [out / 32, in, 32] for ``models.cpu_gemm`` (the default kernel there)."""
-        self.blocked_bias: torch.Tensor | None = None
-        self.packed: torch.Tensor | None = None
-        self.w_t: torch.Tensor | None = None
-        self.upcast = False
-        if _use_blocked(weight.device, weight.dtype):
-            self.blocked = cpu_gemm.pack(weight)
-            self.blocked_bias = None if bias is None else cpu_gemm.pad_bias(bias)
-            return
-        if _use_onednn(weight.device):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-            except RuntimeError:  # dtype this CPU cannot pack
-                self.packed = None
-        self.upcast = (self.packed is None and weight.device.type == "cpu"
-                       and weight.dtype in (torch.bfloat16, torch.float16) and not _native_half_gemm(weight.dtype))
-        if self.packed is None:
-            self.w_t = (weight.float() if self.upcast else weight).t().contiguous()
-
-    def weight(self) -> torch.Tensor:
-        """The weight as the checkpoint holds it, [out, in] (a copy where it is packed)."""
-        if self.blocked is not None:
-            return cpu_gemm.unpack(self.blocked, self.out_features)
-        if self.w_t is not None:
-            return self.w_t.t()
-        eye = torch.eye(int(self.packed.shape[1]), dtype=self.packed.dtype)
-        return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").t()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocked is not None:
-            return cpu_gemm.linear(x, self.blocked, self.out_features, self.blocked_bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if self.upcast:
-            y = x.float() @ self.w_t
-            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
-        if self.bias is None:
-            return x @ self.w_t
-        return torch.addmm(self.bias, x, self.w_t)
-
-
 @dataclass(slots=True)
 class _StepAttention:
     """``attend`` over one step's plan, as ``LlamaStage._layers`` calls it for each layer. A fused
     stage reads the plan itself and runs its layers and their attention in one C call
-    (``cpu_gemm.FusedStack``) where the plan lists every row's keys."""
+    (``kernels.FusedStack``) where the plan lists every row's keys."""
 
     plan: AttentionPlan
     kv_cache: KVCache
@@ -272,11 +151,11 @@ class _StepAttention:
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: "_Linear | QuantLinear"  # [hidden] -> [(num_heads + 2 * num_kv_heads) * head_dim]
-    o: "_Linear | QuantLinear"
+    qkv: Projection  # [hidden] -> [(num_heads + 2 * num_kv_heads) * head_dim]
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: "_Linear | QuantLinear"  # [hidden] -> [2 * intermediate]
-    down: "_Linear | QuantLinear"
+    gate_up: Projection  # [hidden] -> [2 * intermediate]
+    down: Projection
 
 
 class LlamaStage:
@@ -294,21 +173,11 @@ class LlamaStage:
         self.dtype, self.device = dtype, torch.device(device)
 
         def get(name: str) -> torch.Tensor:
-            value = state_dict[name]
-            if is_quantized(value):  # a norm or bias never is; a matrix asked for densely
-                value = value.dequantize()
-            return value.to(device=self.device, dtype=dtype).contiguous()
+            """A dense tensor (a GGUF matrix asked for densely is dequantized)."""
+            return as_dense(state_dict[name]).to(device=self.device, dtype=dtype).contiguous()
 
-        def get_optional(name: str) -> torch.Tensor | None:
-            return get(name) if name in state_dict else None
-
-        def linear(names: Sequence[str], bias: torch.Tensor | None = None) -> "_Linear | QuantLinear":
-            """One projection over the rows of ``names`` stacked: kept quantized where they all
-            are, in one GGUF format (``models.quant``), dense otherwise."""
-            parts = [state_dict[n] for n in names]
-            if all(is_quantized(p) for p in parts) and len({p.fmt for p in parts}) == 1:
-                return QuantLinear(QuantTensor.cat(parts), dtype=dtype, device=self.device, bias=bias)
-            return _Linear(torch.cat([get(n) for n in names]), bias)
+        def linear(names: Sequence[str], bias: torch.Tensor | None = None) -> Projection:
+            return projection([state_dict[n] for n in names], bias, dtype=dtype, device=self.device)
 
         embed_name = "model.embed_tokens.weight"
         self.embed_weight: torch.Tensor | None = None
@@ -337,9 +206,9 @@ class LlamaStage:
                 down=linear([f"{p}mlp.down_proj.weight"], down_bias),
             ))
         self.fused = self._fused_layers()
-        """``cpu_gemm.FusedLayer`` per layer where every projection runs on our CPU kernels (fp32
+        """``kernels.FusedLayer`` per layer where every projection runs on our CPU kernels (fp32
         activations), else None: ``_layers`` then runs each layer's small operations in C."""
-        self.fused_stack = None if self.fused is None else cpu_gemm.FusedStack(
+        self.fused_stack = None if self.fused is None else kernels.FusedStack(
             self.fused, config.num_heads, config.num_kv_heads, config.head_dim)
         """The same layers run by one C call a step, attention included (``forward``'s steps)."""
         self.wide_attention = self.device.type == "cpu" and any(
@@ -347,16 +216,16 @@ class LlamaStage:
             for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
         """Attention in float64 (``models.attention._sdpa``): on CPU where bf16 roundings follow it
         (PyTorch's int4 kernels' activations), so that a row's logits do not depend on its batch.
-        Our own kernel (``models.cpu_gemm``) rounds each row alone (8 bits a group of 32) and a
-        fused stage attends every row alone (``cpu_gemm.attend_rows``), so its rows are
+        Our own kernel (``kernels.qgemm``) rounds each row alone (8 bits a group of 32) and a
+        fused stage attends every row alone (``kernels.attend_rows``), so its rows are
         batch-invariant in fp32."""
         self.norm_weight = get("model.norm.weight") if self.is_last else None
-        self.lm_head: _Linear | QuantLinear | None = None
+        self.lm_head: Projection | None = None
         """[hidden] -> [vocab]; with tied embeddings over the embedding matrix."""
         if self.is_last:
             head = "lm_head.weight" if "lm_head.weight" in state_dict else embed_name  # tied embeddings
             if self.embed_weight is not None and head == embed_name:
-                self.lm_head = _Linear(self.embed_weight)
+                self.lm_head = DenseLinear(self.embed_weight)
             else:
                 self.lm_head = linear([head])
         self.inv_freq = _rope_inv_freq(config).to(self.device)
@@ -425,23 +294,16 @@ class LlamaStage:
         """Last stage: final norm and lm_head, fp32 logits  # [rows, vocab]"""
         return self.lm_head(_rms_norm(x, self.norm_weight, self.config.rms_norm_eps)).float()
 
-    def _fused_layers(self) -> "list[cpu_gemm.FusedLayer] | None":
+    def _fused_layers(self) -> "list[kernels.FusedLayer] | None":
         cfg = self.config
-        if not cpu_gemm.fused_on(self.device, self.dtype) or cfg.head_dim > cpu_gemm.MAX_HEAD_DIM or not self.layers:
+        if not kernels.fused_on(self.device, self.dtype) or cfg.head_dim > kernels.MAX_HEAD_DIM or not self.layers:
             return None
-
-        def projection(m: "_Linear | QuantLinear", n: int, k: int):
-            return None if m.blocked is None else (m.blocked, m.blocked_bias, n, k)
-
-        h, inter = cfg.hidden_size, cfg.intermediate_size
-        qkv_n = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         fused = []
         for layer in self.layers:
-            parts = {"qkv": projection(layer.qkv, qkv_n, h), "o": projection(layer.o, h, cfg.num_heads * cfg.head_dim),
-                     "gate_up": projection(layer.gate_up, 2 * inter, h), "down": projection(layer.down, h, inter)}
+            parts = {name: kernel_operand(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")}
             if any(p is None for p in parts.values()):
                 return None
-            fused.append(cpu_gemm.FusedLayer(layer.input_norm, layer.post_norm, cfg.rms_norm_eps, parts))
+            fused.append(kernels.FusedLayer(layer.input_norm, layer.post_norm, cfg.rms_norm_eps, parts))
         return fused
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -468,14 +330,14 @@ class LlamaStage:
     def _fused_forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                        attention) -> torch.Tensor:
         """``_layers`` with each layer's norms, RoPE, residuals and MLP activation in C
-        (``cpu_gemm.FusedLayer``): for a step's row-keys plan every layer and its attention in one
-        call (``cpu_gemm.FusedStack``), otherwise one call a layer around ``attention``."""
+        (``kernels.FusedLayer``): for a step's row-keys plan every layer and its attention in one
+        call (``kernels.FusedStack``), otherwise one call a layer around ``attention``."""
         cfg = self.config
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = x.to(torch.float32, copy=True).contiguous()  # updated in place: never the caller's tensor
         rows = x.shape[0]
         cos, signed_sin = cos.reshape(rows, hd).contiguous(), signed_sin.reshape(rows, hd).contiguous()
-        scratch = cpu_gemm.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size, nh * hd)
+        scratch = kernels.LayerScratch(rows, cfg.hidden_size, (nh + 2 * nkv) * hd, cfg.intermediate_size, nh * hd)
         if self.fused_stack is not None and isinstance(attention, _StepAttention) \
                 and attention.plan.row_keys is not None:  # every layer in one C call
             self.fused_stack(x, cos, signed_sin, attention.plan.row_keys, attention.plan.slot_mapping,

@@ -1,22 +1,16 @@
-"""GGUF weights kept quantized: the block formats, and projections that multiply with them.
+"""GGUF weights kept quantized: the block formats, reading a GGUF file, and embedding lookups.
 
 Terms. A GGUF *block* holds 32 consecutive weights of one row (along the input dimension K):
 ``Q4_0`` (fp16 scale d, 4-bit codes q: w = d (q - 8)), ``Q4_1`` (fp16 d and min m: w = d q + m),
 ``Q8_0`` (fp16 d, int8 codes: w = d q). A :class:`QuantTensor` is a matrix [N, K] of such blocks,
 rows in the order of our checkpoint names (``gguf_weights`` reads a file).
 
-:class:`QuantLinear` runs on CPU, by default, through our own kernel (``models.cpu_gemm``: the codes
-in 32-column blocks, activations rounded to 8 bits a group, ``s (d (sum xq q) + m (sum xq))`` per
-group, integer sums on VNNI). Elsewhere (CUDA,
-or ``COSINE_RAY_CPU_GEMM=onednn|mkl``) it runs every format through PyTorch's own int4
-weight-only kernel, groups of 32,
-affine per group, ``w = (u - 8) s + z`` with u in 0..15: ``_weight_int4pack_mm_for_cpu`` on CPU
-and ``_weight_int4pack_mm`` (tinygemm) on CUDA, with bf16 activations and group scales (the
-only fast form of either: the result is cast back to the stage's dtype). Q4_0 and
-Q4_1 map one to one (s = d, z = m + 8 d for Q4_1); a Q8_0 code q = 16 h + l splits into two 4-bit
-codes, so its matrix becomes [N, 2K] with groups (16 d, 0) over h + 8 and (d, 8 d) over l, and the
-input is fed twice: the products are exactly the file's weights (powers of two scale exactly).
-:class:`QuantEmbedding` dequantizes the rows it looks up.
+Its projections are ``models.linear.QuantLinear``. For PyTorch's int4 weight-only kernels (groups
+of 32, affine per group, ``w = (u - 8) s + z`` with u in 0..15) ``int4_affine`` gives the same
+weights: Q4_0 and Q4_1 map one to one (s = d, z = m + 8 d for Q4_1); a Q8_0 code q = 16 h + l
+splits into two 4-bit codes, so its matrix becomes [N, 2K] with groups (16 d, 0) over h + 8 and
+(d, 8 d) over l, and the input is fed twice: the products are exactly the file's weights (powers
+of two scale exactly). :class:`QuantEmbedding` dequantizes the rows it looks up.
 """
 
 from __future__ import annotations
@@ -25,8 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from cosine_ray.models import cpu_gemm
 
 GROUP = 32
 """Weights per GGUF block, and the group size of the int4 kernels."""
@@ -106,78 +98,6 @@ class QuantTensor:
         high, low = (codes >> 4) + 8, codes & 15  # q = 16 h + l, h in -8..7, l in 0..15
         u = torch.cat([high, low], dim=1).int()
         return u, torch.cat([16 * d, d], dim=1), torch.cat([torch.zeros_like(d), 8 * d], dim=1)
-
-
-def _cuda_inner_k_tiles(cols: int) -> int:
-    for tiles in (8, 4, 2):
-        if cols % (tiles * 16) == 0:
-            return tiles
-    raise ValueError(f"{cols} input columns: the CUDA int4 kernel needs a multiple of 32")
-
-
-def pack_int4_for_cuda(u: torch.Tensor) -> torch.Tensor:
-    """u  # [rows, K] codes 0..15 -> [rows, K / 2] uint8, two codes a byte (even column in the
-    high nibble): the input ``_convert_weight_to_int4pack`` takes."""
-    return ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8)
-
-
-class QuantLinear:
-    """``y = x W^T`` with W a :class:`QuantTensor`, kept quantized on the device.
-
-    On CPU, by default, through our own kernel (``models.cpu_gemm``: the file's codes in 32-column
-    blocks, activations rounded to 8 bits a group of 32, each row's result independent of its
-    batch); elsewhere, or with
-    ``COSINE_RAY_CPU_GEMM=onednn|mkl``, through PyTorch's int4 kernels (module docstring)."""
-
-    __slots__ = ("fmt", "out_features", "in_features", "packed", "scales_zeros", "device", "compute", "bias",
-                 "blocked", "blocked_bias")
-
-    def __init__(self, weight: QuantTensor, *, dtype: torch.dtype, device: torch.device,
-                 bias: torch.Tensor | None = None) -> None:
-        self.fmt = weight.fmt
-        self.out_features, self.in_features = weight.shape
-        self.device = torch.device(device)
-        self.bias = bias
-        self.blocked: cpu_gemm.BlockedQuant | None = None
-        self.blocked_bias: torch.Tensor | None = None
-        self.packed = self.scales_zeros = None
-        self.compute = torch.float32
-        if cpu_gemm.used_on(self.device):
-            self.blocked = cpu_gemm.pack_quant(weight.fmt, *weight._fields())
-            self.blocked_bias = None if bias is None else cpu_gemm.pad_bias(bias.float())
-            return
-        u, s, z = weight.int4_affine()
-        # bf16 activations: CUDA's tinygemm takes nothing else, and on CPU the fp32 and fp16 forms
-        # of the kernel are scalar loops (10-100x slower than bf16 at 1-9 rows)
-        self.compute = torch.bfloat16
-        self.scales_zeros = torch.stack([s.t(), z.t()], dim=-1).to(self.device, self.compute).contiguous()  # [K'/32, N, 2]
-        if self.device.type == "cuda":
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(
-                pack_int4_for_cuda(u).to(self.device), _cuda_inner_k_tiles(u.shape[1]))
-        else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(self.device), 1)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one multiplication reads: codes and group scales."""
-        if self.blocked is not None:
-            return self.blocked.nbytes
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x  # [M, in] -> [M, out] in x's dtype."""
-        if self.blocked is not None:
-            return cpu_gemm.linear_quant(x.float(), self.blocked, self.blocked_bias).to(x.dtype)
-        xin = x.to(self.compute)
-        if self.fmt == "Q8_0":
-            xin = torch.cat([xin, xin], dim=-1)  # [M, 2 in]: the high codes, then the low ones
-        xin = xin.contiguous()
-        if self.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(xin, self.packed, GROUP, self.scales_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, self.packed, GROUP, self.scales_zeros)
-        y = y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
 
 
 class QuantEmbedding:

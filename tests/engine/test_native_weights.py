@@ -1,8 +1,8 @@
 """Lossless on the native-weights path (``--weights native``: the embedded Q4_1/Q8_0 GGUF blocks
 kept quantized): speculative greedy output, batched, is exactly our own plain decode on that
 path, and requests decoded together give what each gives alone. On CPU the blocks go, by
-default, through our kernel (``models.cpu_gemm``: activations rounded to 8 bits a group,
-row-invariant), with every attention row computed alone in fp32 (``cpu_gemm.attend_rows``);
+default, through our kernel (``models.kernels``: activations rounded to 8 bits a group,
+row-invariant), with every attention row computed alone in fp32 (``kernels.attend_rows``);
 through PyTorch's int4 kernels (``COSINE_RAY_CPU_GEMM=onednn``: bf16 activations, also
 row-invariant) attention runs in float64 (``LlamaStage.wide_attention``), because in fp32 the CPU attention's sums depend on the
 call's shapes and the bf16 rounding after it turns last-bit differences into other tokens at
@@ -19,9 +19,9 @@ from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.worker.target import TargetWorker
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.models.native import load_weights
-from cosine_ray.models.quant import QuantLinear
+from cosine_ray.models.linear import QuantLinear
 from support.divergence import divergences
 
 pytestmark = pytest.mark.real_model
@@ -49,7 +49,7 @@ def test_native_engine_runs_on_quantized_projections(real_checkpoint):
 
 @pytest.mark.parametrize("drafters,kernel", [("default", "blocked"), ("ngram,self", "blocked"), ("default", "onednn")])
 def test_native_speculative_equals_our_native_decode(real_checkpoint, prompts, drafters, kernel, monkeypatch):
-    monkeypatch.setenv(cpu_gemm.ENV, kernel)  # our kernel, or PyTorch's int4 one (float64 attention)
+    monkeypatch.setenv(kernels.ENV, kernel)  # our kernel, or PyTorch's int4 one (float64 attention)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     plain = [o.new_token_ids for o in engine(real_checkpoint, "none").generate(prompts, params)]
     spec_outs = engine(real_checkpoint, drafters).generate(prompts, params)
@@ -75,11 +75,11 @@ def test_native_requests_decoded_together_equal_each_alone(real_checkpoint, prom
 def test_native_stage_attends_in_float64_where_its_activations_are_bf16(real_checkpoint, kernel, monkeypatch):
     """PyTorch's int4 kernel (``onednn``/``mkl``) rounds activations to bf16: attention in float64.
     Our kernel keeps them fp32, as the dense path does: fp32 attention."""
-    monkeypatch.setenv(cpu_gemm.ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     stage = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "native"), 1,
                                 dtype=torch.float32, device="cpu")[0]
     dense = build_target_stages(real_checkpoint, load_weights(real_checkpoint, "dense"), 1,
                                 dtype=torch.float32, device="cpu")[0]
-    ours = kernel == "blocked" and cpu_gemm.available()
+    ours = kernel == "blocked" and kernels.available()
     assert stage.wide_attention is not ours and not dense.wide_attention
     assert (stage.lm_head.blocked is not None) is ours

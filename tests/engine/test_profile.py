@@ -13,8 +13,8 @@ from cosine_ray.algo.latency_model import LatencyModel, llm_features
 from cosine_ray.cli import main
 from cosine_ray.engine import profile
 from cosine_ray.engine.config import EngineConfig, parse_drafters
-from cosine_ray.models import cpu_gemm
-from cosine_ray.models.llama import projection_kernel
+from cosine_ray.models import kernels
+from cosine_ray.models.linear import projection_kernel
 from support.factories import Clock
 
 
@@ -89,7 +89,7 @@ def test_profile_json_round_trips_through_the_default_path(tiny_profile, cache):
     assert path.parent == cache / "profiles" and path.name.startswith("tiny-llama-")
     kernel = projection_kernel("cpu")
     if kernel == "blocked":
-        kernel += ("-fused" if cpu_gemm.fused_on("cpu") else "") + f"-{cpu_gemm.source_digest()}"
+        kernel += ("-fused" if kernels.fused_on("cpu") else "") + f"-{kernels.source_digest()}"
     assert f"-cpu-float32-s1-t1-d{profile.drafter_set_digest(config)}-k{kernel}.json" in path.name
     again = LatencyModel.from_json(path.read_text())
     assert again == model
@@ -154,11 +154,11 @@ def test_profile_path_keys_the_cpu_projection_kernel(tiny_checkpoint, cache, mon
         names[kernel] = profile.profile_path(config).name
     assert names["mkl"].endswith("-kmkl.json")
     assert names["onednn"] != names["mkl"]
-    if cpu_gemm.available():  # our kernels, with and without the fused layers
+    if kernels.available():  # our kernels, with and without the fused layers
         monkeypatch.setenv("COSINE_RAY_CPU_GEMM", "blocked")
-        digest = cpu_gemm.source_digest()
+        digest = kernels.source_digest()
         assert profile.profile_path(config).name.endswith(f"-kblocked-fused-{digest}.json")
-        monkeypatch.setenv(cpu_gemm.FUSED_ENV, "0")
+        monkeypatch.setenv(kernels.FUSED_ENV, "0")
         assert profile.profile_path(config).name.endswith(f"-kblocked-{digest}.json")
 
 

@@ -1,7 +1,7 @@
-"""Our CPU projection kernels (``models.cpu_gemm``), fp32 and GGUF blocks: products equal to
-float64's within fp32 rounding, every row's result bit for bit the same whatever the other rows,
-the thread count or the tile that computed it, and a clean fallback to oneDNN (PyTorch's int4
-kernel for GGUF weights) where they cannot be built."""
+"""Our CPU projection kernels (``models.kernels``: ``gemm``, ``qgemm``), fp32 and GGUF blocks:
+products equal to float64's within fp32 rounding, every row's result bit for bit the same
+whatever the other rows, the thread count or the tile that computed it, and a clean fallback to
+oneDNN (PyTorch's int4 kernel for GGUF weights) where they cannot be built."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from cosine_ray.models import cpu_gemm, llama
-from cosine_ray.models.quant import FORMATS, QuantLinear, QuantTensor
+from cosine_ray.models import kernels, linear
+from cosine_ray.models.kernels import build
+from cosine_ray.models.linear import QuantLinear
+from cosine_ray.models.quant import FORMATS, QuantTensor
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the kernel is not built here")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built here")
 
 SHAPES = [(1, 576, 960), (3, 576, 49), (17, 1536, 576), (64, 40, 100), (9, 7, 33), (130, 64, 32)]
 """(rows, in, out): the model's shapes and ragged ones (out not a multiple of 32, odd in)."""
@@ -32,7 +34,7 @@ def product(rows: int, k: int, n: int, seed: int = 0):
 def test_products_equal_float64_within_fp32_rounding(rows, k, n, with_bias):
     x, w, b = product(rows, k, n)
     bias = b if with_bias else None
-    y = cpu_gemm.linear(x, cpu_gemm.pack(w), n, None if bias is None else cpu_gemm.pad_bias(bias))
+    y = kernels.linear(x, kernels.pack(w), n, None if bias is None else kernels.pad_bias(bias))
     exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     assert y.shape == (rows, n) and y.dtype == torch.float32
     # a sequential fp32 sum over k: |error| <= k * eps * sum |x w|, far below this bound
@@ -45,51 +47,51 @@ def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(rows, k, n
     """Row invariance: what a verify step or a batch computes for a row is bit for bit what a
     one-row decode step computes for it (the tiles of 8, 4, 2 and 1 rows sum alike)."""
     x, w, _ = product(rows, k, n, seed=1)
-    packed = cpu_gemm.pack(w)
-    whole = cpu_gemm.linear(x, packed, n)
+    packed = kernels.pack(w)
+    whole = kernels.linear(x, packed, n)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            assert torch.equal(cpu_gemm.linear(x, packed, n), whole)
+            assert torch.equal(kernels.linear(x, packed, n), whole)
     finally:
         torch.set_num_threads(threads)
     for i in {0, rows // 2, rows - 1}:
-        assert torch.equal(cpu_gemm.linear(x[i:i + 1], packed, n)[0], whole[i])
+        assert torch.equal(kernels.linear(x[i:i + 1], packed, n)[0], whole[i])
     for start, stop in ((0, min(rows, 5)), (rows // 3, rows)):
-        assert torch.equal(cpu_gemm.linear(x[start:stop], packed, n), whole[start:stop])
+        assert torch.equal(kernels.linear(x[start:stop], packed, n), whole[start:stop])
 
 
 def test_strided_rows_and_leading_dimensions():
     x, w, _ = product(12, 64, 96, seed=2)
-    packed = cpu_gemm.pack(w)
+    packed = kernels.pack(w)
     wide = torch.randn(12, 100)
     wide[:, 10:74] = x  # rows with a stride of 100
-    assert torch.equal(cpu_gemm.linear(wide[:, 10:74], packed, 96), cpu_gemm.linear(x, packed, 96))
-    assert cpu_gemm.linear(x.view(3, 4, 64), packed, 96).shape == (3, 4, 96)
-    assert cpu_gemm.linear(x[:0], packed, 96).shape == (0, 96)
+    assert torch.equal(kernels.linear(wide[:, 10:74], packed, 96), kernels.linear(x, packed, 96))
+    assert kernels.linear(x.view(3, 4, 64), packed, 96).shape == (3, 4, 96)
+    assert kernels.linear(x[:0], packed, 96).shape == (0, 96)
 
 
 def test_pack_round_trips():
     _, w, _ = product(1, 33, 70, seed=3)
-    packed = cpu_gemm.pack(w)
-    assert packed.shape == (3, 33, 32) and torch.equal(cpu_gemm.unpack(packed, 70), w)
+    packed = kernels.pack(w)
+    assert packed.shape == (3, 33, 32) and torch.equal(kernels.unpack(packed, 70), w)
 
 
-@pytest.mark.parametrize("kernel", llama.CPU_GEMM_KERNELS)
+@pytest.mark.parametrize("kernel", kernels.KERNELS)
 def test_projection_kernels_agree_and_report_their_weight(kernel, monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     x, w, b = product(5, 64, 80, seed=4)
-    proj = llama._Linear(w, b)
+    proj = linear.DenseLinear(w, b)
     assert (proj.blocked is not None) == (kernel == "blocked")
-    assert llama.projection_kernel("cpu") == kernel or (kernel == "onednn" and not llama.onednn_available())
+    assert linear.projection_kernel("cpu") == kernel or (kernel == "onednn" and not linear.onednn_available())
     torch.testing.assert_close(proj(x), x @ w.t() + b, atol=1e-5, rtol=0)
     torch.testing.assert_close(proj.weight(), w, atol=1e-6, rtol=0)
 
 
 def test_half_precision_weights_stay_off_the_fp32_kernel(monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, "blocked")
-    proj = llama._Linear(torch.randn(64, 32).to(torch.bfloat16))
+    monkeypatch.setenv(kernels.ENV, "blocked")
+    proj = linear.DenseLinear(torch.randn(64, 32).to(torch.bfloat16))
     assert proj.blocked is None
 
 
@@ -98,25 +100,25 @@ def test_without_a_compiler_projections_fall_back_to_onednn(monkeypatch, tmp_pat
     default, builds oneDNN (or MKL) projections instead of failing."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("COSINE_RAY_CACHE", str(tmp_path / "cache"))  # nothing built there yet
-    cpu_gemm._library.cache_clear()
+    build.library.cache_clear()
     try:
-        assert not cpu_gemm.available()
-        monkeypatch.setenv(llama.CPU_GEMM_ENV, "blocked")
-        assert llama.projection_kernel("cpu") in ("onednn", "mkl")
+        assert not kernels.available()
+        monkeypatch.setenv(kernels.ENV, "blocked")
+        assert linear.projection_kernel("cpu") in ("onednn", "mkl")
         x, w, _ = product(3, 32, 40, seed=5)
-        proj = llama._Linear(w)
+        proj = linear.DenseLinear(w)
         assert proj.blocked is None
         torch.testing.assert_close(proj(x), x @ w.t(), atol=1e-5, rtol=0)
     finally:
         monkeypatch.undo()
-        cpu_gemm._library.cache_clear()
-    assert cpu_gemm.available()
+        build.library.cache_clear()
+    assert kernels.available()
 
 
 def test_an_unknown_kernel_is_refused(monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, "fast")
+    monkeypatch.setenv(kernels.ENV, "fast")
     with pytest.raises(ValueError, match="COSINE_RAY_CPU_GEMM"):
-        llama.projection_kernel("cpu")
+        linear.projection_kernel("cpu")
 
 
 # ---- GGUF blocks ------------------------------------------------------------------------------
@@ -126,8 +128,8 @@ def quant_weight(fmt: str, n: int, k: int, seed: int) -> QuantTensor:
     return QuantTensor(fmt, torch.from_numpy(np.ascontiguousarray(quantize(w, GGMLQuantizationType[fmt]))), k)
 
 
-def pack(q: QuantTensor) -> cpu_gemm.BlockedQuant:
-    return cpu_gemm.pack_quant(q.fmt, *q._fields())
+def pack(q: QuantTensor) -> kernels.BlockedQuant:
+    return kernels.pack_quant(q.fmt, *q._fields())
 
 
 QUANT_SHAPES = [(1, 576, 960), (3, 64, 49), (9, 1536, 64), (17, 96, 100)]
@@ -138,23 +140,23 @@ QUANT_SHAPES = [(1, 576, 960), (3, 64, 49), (9, 1536, 64), (17, 96, 100)]
 def test_quant_products_are_the_files_weights_times_the_rounded_rows_within_fp32_rounding(fmt, rows, k, n):
     q = quant_weight(fmt, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
-    y = cpu_gemm.linear_quant(x, pack(q))
-    w, xr = q.dequantize().double(), cpu_gemm.round_rows(x).double()
+    y = kernels.linear_quant(x, pack(q))
+    w, xr = q.dequantize().double(), kernels.round_rows(x).double()
     exact = xr @ w.t()
     bound = 8 * k * torch.finfo(torch.float32).eps * (xr.abs() @ w.abs().t() + 1)
     assert y.shape == (rows, n) and ((y.double() - exact).abs() <= bound).all()
     # and the rounding is 8 bits a group, not more: the rows themselves are within 1/254 of a group's max
     groups = x.view(rows, -1, 32).abs().amax(-1, keepdim=True)
-    assert ((cpu_gemm.round_rows(x) - x).view(rows, -1, 32).abs() <= groups / 254 * 1.001).all()
+    assert ((kernels.round_rows(x) - x).view(rows, -1, 32).abs() <= groups / 254 * 1.001).all()
 
 
-def call_quant(x: torch.Tensor, packed: cpu_gemm.BlockedQuant) -> tuple[torch.Tensor, torch.Tensor]:
+def call_quant(x: torch.Tensor, packed: kernels.BlockedQuant) -> tuple[torch.Tensor, torch.Tensor]:
     """``cr_linear_q`` on x: the product and the scratch it left."""
     rows, k = x.shape
-    y, scratch = torch.empty(rows, packed.out_features), cpu_gemm.quant_scratch(rows, k)
-    cpu_gemm._library().cr_linear_q(x.data_ptr(), k, packed.codes.data_ptr(), packed.kind, packed.scales.data_ptr(),
-                                    None if packed.mins is None else packed.mins.data_ptr(), None, y.data_ptr(),
-                                    packed.out_features, rows, packed.out_features, k, scratch.data_ptr(), 2)
+    y, scratch = torch.empty(rows, packed.out_features), kernels.quant_scratch(rows, k)
+    build.library().cr_linear_q(x.data_ptr(), k, packed.codes.data_ptr(), packed.kind, packed.scales.data_ptr(),
+                                None if packed.mins is None else packed.mins.data_ptr(), None, y.data_ptr(),
+                                packed.out_features, rows, packed.out_features, k, scratch.data_ptr(), 2)
     return y, scratch
 
 
@@ -174,7 +176,7 @@ def test_the_kernel_rounds_rows_as_round_rows_says():
     assert torch.equal(sx, s)
     expected = torch.round(x.view(rows, -1, 32) * torch.where(s > 0, 1 / s, 0).unsqueeze(-1))
     assert torch.equal(xq.float(), expected.view(rows, k)) and torch.equal(sq, expected.sum(-1))
-    assert torch.equal(cpu_gemm.round_rows(x), (expected * s.unsqueeze(-1)).view(rows, k))
+    assert torch.equal(kernels.round_rows(x), (expected * s.unsqueeze(-1)).view(rows, k))
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)])
@@ -184,12 +186,12 @@ def test_the_fp32_products_do_not_depend_on_the_vector_width(flags, tmp_path):
     over k at any width. (Where the CPU lacks one, that build is the library in use.)"""
     from pathlib import Path
     lib = tmp_path / "narrow.so"
-    cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", flags)
+    build.compile_library(lib, "cc", Path(torch.__file__).parent / "lib", flags)
     for rows, k, n in SHAPES:
         x, w, b = product(rows, k, n, seed=5)
-        packed, bias = cpu_gemm.pack(w), cpu_gemm.pad_bias(b)
-        assert torch.equal(cpu_gemm._linear_on(cpu_gemm._load(lib), x, packed, n, bias),
-                           cpu_gemm.linear(x, packed, n, bias))
+        packed, bias = kernels.pack(w), kernels.pad_bias(b)
+        assert torch.equal(kernels.linear(x, packed, n, bias, lib=build.load(lib)),
+                           kernels.linear(x, packed, n, bias))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -200,10 +202,10 @@ def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_p
     fp16 by their bits), gives every product bit for bit."""
     from pathlib import Path
     lib = tmp_path / "plain.so"
-    cpu_gemm._build(lib, "cc", Path(torch.__file__).parent / "lib", flags)
+    build.compile_library(lib, "cc", Path(torch.__file__).parent / "lib", flags)
     packed = pack(quant_weight(fmt, 100, 576, seed=2))
     x = torch.randn(7, 576, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(cpu_gemm._linear_quant_on(cpu_gemm._load(lib), x, packed), cpu_gemm.linear_quant(x, packed))
+    assert torch.equal(kernels.linear_quant(x, packed, lib=build.load(lib)), kernels.linear_quant(x, packed))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -211,17 +213,17 @@ def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_p
 def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt, rows, k, n):
     packed = pack(quant_weight(fmt, n, k, seed=7))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8))
-    whole = cpu_gemm.linear_quant(x, packed)
+    whole = kernels.linear_quant(x, packed)
     threads = torch.get_num_threads()
     try:
         for t in (1, 3):
             torch.set_num_threads(t)
-            assert torch.equal(cpu_gemm.linear_quant(x, packed), whole)
+            assert torch.equal(kernels.linear_quant(x, packed), whole)
     finally:
         torch.set_num_threads(threads)
     for i in {0, rows // 2, rows - 1}:
-        assert torch.equal(cpu_gemm.linear_quant(x[i:i + 1], packed)[0], whole[i])
-    assert torch.equal(cpu_gemm.linear_quant(x[rows // 3:], packed), whole[rows // 3:])
+        assert torch.equal(kernels.linear_quant(x[i:i + 1], packed)[0], whole[i])
+    assert torch.equal(kernels.linear_quant(x[rows // 3:], packed), whole[rows // 3:])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -230,21 +232,21 @@ def test_every_split_of_rows_into_tiles_gives_a_row_its_bits(fmt):
     computed a row, its product is the one the row gets alone."""
     packed = pack(quant_weight(fmt, 64, 96, seed=5))
     x = torch.randn(13, 96, generator=torch.Generator().manual_seed(6))
-    alone = torch.cat([cpu_gemm.linear_quant(x[i:i + 1], packed) for i in range(13)])
+    alone = torch.cat([kernels.linear_quant(x[i:i + 1], packed) for i in range(13)])
     for rows in range(1, 14):
-        assert torch.equal(cpu_gemm.linear_quant(x[:rows], packed), alone[:rows]), rows
+        assert torch.equal(kernels.linear_quant(x[:rows], packed), alone[:rows]), rows
 
 
 def test_quant_layout_halves_the_4_bit_codes():
     q4, q8 = pack(quant_weight("Q4_1", 64, 96, 1)), pack(quant_weight("Q8_0", 64, 96, 1))
-    assert q4.kind == cpu_gemm.QUANT_KINDS["Q4_1"] and q4.codes.shape == (2, 48, 32) and q4.mins is not None
-    assert q8.kind == cpu_gemm.QUANT_KINDS["Q8_0"] and q8.codes.shape == (2, 96, 32) and q8.mins is None
+    assert q4.kind == kernels.QUANT_KINDS["Q4_1"] and q4.codes.shape == (2, 48, 32) and q4.mins is not None
+    assert q8.kind == kernels.QUANT_KINDS["Q8_0"] and q8.codes.shape == (2, 96, 32) and q8.mins is None
     assert q4.nbytes == 64 * 48 + 2 * 64 * 3 * 2  # fp16 scales and mins, as in the file
 
 
-@pytest.mark.parametrize("kernel", llama.CPU_GEMM_KERNELS)
+@pytest.mark.parametrize("kernel", kernels.KERNELS)
 def test_quant_linear_takes_the_kernel_chosen(kernel, monkeypatch):
-    monkeypatch.setenv(llama.CPU_GEMM_ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     layer = QuantLinear(quant_weight("Q4_0", 64, 64, 2), dtype=torch.float32, device=torch.device("cpu"))
     assert (layer.blocked is not None) == (kernel == "blocked")
     assert (layer.packed is not None) == (kernel != "blocked")

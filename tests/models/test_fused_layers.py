@@ -1,4 +1,4 @@
-"""A decoder layer's small operations in C (``cpu_gemm.FusedLayer``: RMS norms, RoPE, residual
+"""A decoder layer's small operations in C (``kernels.FusedLayer``: RMS norms, RoPE, residual
 adds, SiLU · up around the layer's projections): equal to the same layer in PyTorch operations
 within fp32 rounding, every row bit for bit the same alone, in any batch and on any thread count
 (what keeps speculative and batched decoding equal to plain decoding), and used by a CPU stage
@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from cosine_ray.models import cpu_gemm
-from cosine_ray.models.llama import FUSED_ENV, LlamaStage, StageBatch, _apply_rope, _rms_norm, _rope_tables
+from cosine_ray.models import kernels
+from cosine_ray.models.kernels import FUSED_ENV
+from cosine_ray.models.llama import LlamaStage, StageBatch, _apply_rope, _rms_norm, _rope_tables
 from cosine_ray.models.quant import QuantTensor
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the kernel is not built here")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built here")
 
 # heads x head_dim (160) wider than hidden and the MLP: the o projection has the widest input
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 64, 10, 2, 16, 96, 1e-5
@@ -42,28 +43,28 @@ def as_quant(w: torch.Tensor, fmt: str) -> QuantTensor:
     return q
 
 
-def fused_layer(w: dict[str, torch.Tensor], fmt: str | None) -> tuple[cpu_gemm.FusedLayer, dict[str, torch.Tensor], list]:
+def fused_layer(w: dict[str, torch.Tensor], fmt: str | None) -> tuple[kernels.FusedLayer, dict[str, torch.Tensor], list]:
     """The layer on our kernels (fp32 blocks, or GGUF blocks of ``fmt``), and the dense weights it
     multiplies with (the GGUF ones dequantized)."""
     dense, keep, parts = {}, [], {}
     for name, (n, k) in {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM), "gate_up": (2 * INTER, HIDDEN),
                          "down": (HIDDEN, INTER)}.items():
-        bias = cpu_gemm.pad_bias(w["qkv_bias"]) if name == "qkv" else None
+        bias = kernels.pad_bias(w["qkv_bias"]) if name == "qkv" else None
         if fmt is None:
-            packed, dense[name] = cpu_gemm.pack(w[name]), w[name]
+            packed, dense[name] = kernels.pack(w[name]), w[name]
         else:
             q = as_quant(w[name], fmt)
-            packed, dense[name] = cpu_gemm.pack_quant(q.fmt, *q._fields()), q.dequantize()
+            packed, dense[name] = kernels.pack_quant(q.fmt, *q._fields()), q.dequantize()
         keep += [packed, bias]
         parts[name] = (packed, bias, n, k)
-    return cpu_gemm.FusedLayer(w["input_norm"], w["post_norm"], EPS, parts), dense, keep
+    return kernels.FusedLayer(w["input_norm"], w["post_norm"], EPS, parts), dense, keep
 
 
 def torch_layer(x, w, dense, positions, attention, rounded=False):
     """The layer as ``LlamaStage._layers`` computes it without the fused calls, and its q, k, v.
     rounded: the projections' inputs rounded to 8 bits a group, as the GGUF kernel does."""
     def mm(a, name):
-        return (cpu_gemm.round_rows(a) if rounded else a) @ dense[name].t()
+        return (kernels.round_rows(a) if rounded else a) @ dense[name].t()
 
     cos, ssin = _rope_tables(positions, 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)), torch.float32)
     h = _rms_norm(x, w["input_norm"], EPS)
@@ -83,11 +84,11 @@ def row_attention(q, k, v):
         q.shape[0], HEADS * HEAD_DIM)
 
 
-def fused_run(layer: cpu_gemm.FusedLayer, x: torch.Tensor, positions: torch.Tensor):
+def fused_run(layer: kernels.FusedLayer, x: torch.Tensor, positions: torch.Tensor):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     cos, ssin = (t.reshape(len(positions), HEAD_DIM).contiguous() for t in _rope_tables(positions, inv_freq, torch.float32))
     x = x.clone()
-    scratch = cpu_gemm.LayerScratch(x.shape[0], HIDDEN, QKV, INTER, HEADS * HEAD_DIM)
+    scratch = kernels.LayerScratch(x.shape[0], HIDDEN, QKV, INTER, HEADS * HEAD_DIM)
     qkv = layer.pre(x, cos, ssin, HEADS + KV_HEADS, HEAD_DIM, scratch).clone()
     q = qkv[:, :HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
     k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
@@ -181,7 +182,7 @@ def test_a_fused_stage_gives_a_prompt_the_same_bits_however_it_is_prefilled(tiny
 
 
 def test_a_stages_layers_in_one_call_give_the_bits_of_one_call_a_layer(tiny_checkpoint, monkeypatch):
-    """``cpu_gemm.FusedStack`` (every layer and its attention in one ``cr_stage_layers`` call)
+    """``kernels.FusedStack`` (every layer and its attention in one ``cr_stage_layers`` call)
     against the same stage calling ``pre``, ``attend_rows`` and ``post`` a layer at a time, over
     two prefills, then a token tree beside a chain, then a decode row beside a chain (the rows
     reordered by query length): the same logits, bit for bit, and the same keys and values in
@@ -189,15 +190,15 @@ def test_a_stages_layers_in_one_call_give_the_bits_of_one_call_a_layer(tiny_chec
     stage = LlamaStage(tiny_checkpoint.config, tiny_checkpoint.load_state_dict())
     assert stage.fused_stack is not None
     calls = {"stack": 0, "attend_rows": 0}
-    stack_call, attend_rows = cpu_gemm.FusedStack.__call__, cpu_gemm.attend_rows
+    stack_call, attend_rows = kernels.FusedStack.__call__, kernels.attend_rows
 
     def counted(name, call):
         def run(*args, **kwargs):
             calls[name] += 1
             return call(*args, **kwargs)
         return run
-    monkeypatch.setattr(cpu_gemm.FusedStack, "__call__", counted("stack", stack_call))
-    monkeypatch.setattr(cpu_gemm, "attend_rows", counted("attend_rows", attend_rows))
+    monkeypatch.setattr(kernels.FusedStack, "__call__", counted("stack", stack_call))
+    monkeypatch.setattr(kernels, "attend_rows", counted("attend_rows", attend_rows))
     g = torch.Generator().manual_seed(12)
     a, b = torch.randint(0, 256, (23,), generator=g).tolist(), torch.randint(0, 256, (9,), generator=g).tolist()
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
@@ -230,7 +231,7 @@ def test_a_stages_layers_in_one_call_give_the_bits_of_one_call_a_layer(tiny_chec
     assert torch.equal(pool_one, pool_per_layer)
 
 
-# ---- the rows' attention (cpu_gemm.attend_rows) -------------------------------------------------
+# ---- the rows' attention (kernels.attend_rows) --------------------------------------------------
 
 def pool_and_rows(seed: int, slots: int = 80):
     """A KV pool, and 7 query rows over it with ragged, masked key lists (3 requests: a decode row,
@@ -267,26 +268,26 @@ def sdpa_rows(q, kpool, vpool, keys, scale):
 def test_the_rows_attention_is_pytorchs_within_fp32_rounding():
     q, kpool, vpool, rows, keys = pool_and_rows(seed=5)
     out = torch.full((7, HEADS * HEAD_DIM), float("nan"))
-    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, HEAD_DIM ** -0.5, out)
+    kernels.attend_rows(q, row_keys(rows, keys), kpool, vpool, HEAD_DIM ** -0.5, out)
     torch.testing.assert_close(out, sdpa_rows(q, kpool, vpool, keys, HEAD_DIM ** -0.5), atol=2e-6, rtol=2e-5)
 
 
 def test_an_attention_row_is_the_same_alone_in_any_batch_and_on_any_thread_count():
     q, kpool, vpool, rows, keys = pool_and_rows(seed=6)
     whole = torch.zeros(7, HEADS * HEAD_DIM)
-    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, whole)
+    kernels.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, whole)
     threads = torch.get_num_threads()
     try:
         for t in (1, 3):
             torch.set_num_threads(t)
             again = torch.zeros_like(whole)
-            cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, again)
+            kernels.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, again)
             assert torch.equal(again, whole)
     finally:
         torch.set_num_threads(threads)
     for i in range(7):  # each row alone (a decode step) writes exactly its row of the batch
         alone = torch.zeros_like(whole)
-        cpu_gemm.attend_rows(q, row_keys([i], [keys[i]]), kpool, vpool, 0.25, alone)
+        kernels.attend_rows(q, row_keys([i], [keys[i]]), kpool, vpool, 0.25, alone)
         assert torch.equal(alone[i], whole[i]) and not alone[[j for j in range(7) if j != i]].any()
 
 
@@ -316,10 +317,10 @@ def test_rows_that_share_keys_get_the_bits_they_get_alone(head_dim):
     n = len(keys)
     q = torch.randn(n, heads, head_dim, generator=g)
     whole = torch.zeros(n, heads * head_dim)
-    cpu_gemm.attend_rows(q, row_keys(list(range(n)), keys), kpool, vpool, head_dim ** -0.5, whole)
+    kernels.attend_rows(q, row_keys(list(range(n)), keys), kpool, vpool, head_dim ** -0.5, whole)
     for i in range(n):
         alone = torch.zeros(1, heads * head_dim)
-        cpu_gemm.attend_rows(q[i:i + 1], row_keys([0], [keys[i]]), kpool, vpool, head_dim ** -0.5, alone)
+        kernels.attend_rows(q[i:i + 1], row_keys([0], [keys[i]]), kpool, vpool, head_dim ** -0.5, alone)
         assert torch.equal(alone[0], whole[i]), i
     expected = torch.stack([F.scaled_dot_product_attention(
         q[i][:, None], kpool[ks].transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
@@ -336,12 +337,12 @@ def test_attend_rows_writes_the_steps_new_keys_before_it_reads_them():
     k_new, v_new = (torch.randn(3, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
     slots = torch.tensor([keys[0][-1], keys[5][-1], keys[6][-1]])
     before = torch.zeros(7, HEADS * HEAD_DIM)
-    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, before)
+    kernels.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, before)
     got = torch.zeros_like(before)
     written_k, written_v = kpool.clone(), vpool.clone()
-    cpu_gemm.attend_rows(q, row_keys(rows, keys), written_k, written_v, 0.25, got, new=(k_new, v_new, slots))
+    kernels.attend_rows(q, row_keys(rows, keys), written_k, written_v, 0.25, got, new=(k_new, v_new, slots))
     kpool[slots], vpool[slots] = k_new, v_new
     assert torch.equal(written_k, kpool) and torch.equal(written_v, vpool)
     expected = torch.zeros_like(got)
-    cpu_gemm.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, expected)
+    kernels.attend_rows(q, row_keys(rows, keys), kpool, vpool, 0.25, expected)
     assert torch.equal(got, expected) and not torch.equal(got, before)

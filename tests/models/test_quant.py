@@ -10,12 +10,12 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.models.config import ModelConfig
+from cosine_ray.models.linear import QuantLinear, _cuda_inner_k_tiles, pack_int4_for_cuda
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.native import NATIVE_FILE, _read_native_file, resolve_weights, write_native_file
-from cosine_ray.models.quant import (FORMATS, _cuda_inner_k_tiles, QuantLinear, QuantTensor, _unpermute_rows, as_dense, gguf_weights,
-                                     hf_name, pack_int4_for_cuda)
+from cosine_ray.models.quant import FORMATS, QuantTensor, _unpermute_rows, as_dense, gguf_weights, hf_name
 
 FMTS = sorted(FORMATS)
 
@@ -51,7 +51,7 @@ def test_int4_affine_form_holds_the_same_weights(fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_quant_linear_on_our_kernel_is_8_bit_activations_times_the_weights(fmt, rows):
-    if not cpu_gemm.available():
+    if not kernels.available():
         pytest.skip("no C compiler: our kernel is not built here")
     q = blocks_of(random_weight(64, 128, 3), fmt)
     layer = QuantLinear(q, dtype=torch.float32, device=torch.device("cpu"))
@@ -60,7 +60,7 @@ def test_quant_linear_on_our_kernel_is_8_bit_activations_times_the_weights(fmt, 
     y = layer(x)
     assert y.shape == (rows, 64) and y.dtype == torch.float32
     # the file's weights, exactly, times x rounded to 8 bits a group of 32 (llama.cpp's Q8 operand)
-    ref = cpu_gemm.round_rows(x).double() @ q.dequantize().double().t()
+    ref = kernels.round_rows(x).double() @ q.dequantize().double().t()
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=1e-5)
     assert (y.double() - x.double() @ q.dequantize().double().t()).abs().max() > 1e-5  # it did round
 
@@ -68,7 +68,7 @@ def test_quant_linear_on_our_kernel_is_8_bit_activations_times_the_weights(fmt, 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_quant_linear_matches_bf16_activations_times_the_weights(fmt, rows, monkeypatch):
-    monkeypatch.setenv(cpu_gemm.ENV, "onednn")  # PyTorch's int4 kernel
+    monkeypatch.setenv(kernels.ENV, "onednn")  # PyTorch's int4 kernel
     q = blocks_of(random_weight(64, 128, 3), fmt)
     layer = QuantLinear(q, dtype=torch.float32, device=torch.device("cpu"))
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
@@ -82,7 +82,7 @@ def test_quant_linear_matches_bf16_activations_times_the_weights(fmt, rows, monk
 
 @pytest.mark.parametrize("kernel", ["blocked", "onednn"])
 def test_quant_linear_bias_and_row_independence(kernel, monkeypatch):
-    monkeypatch.setenv(cpu_gemm.ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     q = blocks_of(random_weight(32, 64, 4), "Q4_1")
     bias = torch.randn(32)
     layer = QuantLinear(q, dtype=torch.float32, device=torch.device("cpu"), bias=bias)

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models import cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.models.config import stage_slices
-from cosine_ray.models.llama import CPU_GEMM_ENV, LlamaStage, StageBatch, onednn_available, query_length_order
+from cosine_ray.models.kernels import ENV as CPU_GEMM_ENV
+from cosine_ray.models.linear import onednn_available
+from cosine_ray.models.llama import LlamaStage, StageBatch, query_length_order
 
 ATOL = 1e-4
 HF_ATOL = {"mkl": 1e-4, "onednn": 3e-4, "blocked": 3e-4}
@@ -144,7 +146,7 @@ def test_real_logits_match_hf(kernel, monkeypatch, real_checkpoint, real_hf_mode
     monkeypatch.setenv(CPU_GEMM_ENV, kernel)
     stage = whole_model(real_checkpoint)
     assert (stage.lm_head.packed is not None) == (kernel == "onednn" and onednn_available())
-    assert (stage.lm_head.blocked is not None) == (kernel == "blocked" and cpu_gemm.available())
+    assert (stage.lm_head.blocked is not None) == (kernel == "blocked" and kernels.available())
     ours = fresh_logits(stage, real_prompt_ids)
     torch.testing.assert_close(ours, hf_logits(real_hf_model, real_prompt_ids), atol=HF_ATOL[kernel], rtol=0)
 
@@ -376,16 +378,16 @@ def test_half_projection_is_computed_in_fp32_where_the_cpu_has_no_half_gemm(monk
     """Without a native bf16/fp16 GEMM, PyTorch's half ``x @ w_t`` on CPU is a slow fallback
     (50x fp32 at 256 rows on our AVX2 CPU): the projection keeps the weight in fp32 and rounds its
     fp32 product once. With one, the weight stays in its dtype."""
-    from cosine_ray.models import llama
+    from cosine_ray.models import linear
 
     monkeypatch.setenv(CPU_GEMM_ENV, "mkl")  # no oneDNN packing: the ``w_t`` forms
-    monkeypatch.setattr(llama, "_native_half_gemm", lambda d: native)
+    monkeypatch.setattr(linear, "_native_half_gemm", lambda d: native)
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 32, generator=g).to(dtype)
     bias = torch.randn(48, generator=g).to(dtype)
     x = torch.randn(5, 32, generator=g).to(dtype)
     for b in (None, bias):
-        proj = llama._Linear(weight, b)
+        proj = linear.DenseLinear(weight, b)
         assert proj.upcast is not native and proj.packed is None
         assert proj.w_t.dtype == (dtype if native else torch.float32)
         y = proj(x)

@@ -41,7 +41,7 @@ def compare_runners(ckpt, runner: str, device: str = "cpu", *, steps: int = 14, 
     short; random trees of 1-17 nodes for the others; random accepted paths committed; one
     request leaving every 5th step) on an eager worker and one of ``runner`` (with a verify
     bucket of ``tree_size`` rows if given): the same ids, logits within ``atol`` (on CPU the eager
-    forward attends through ``cpu_gemm.attend_rows`` and the padded one through PyTorch's SDPA: two
+    forward attends through ``kernels.attend_rows`` and the padded one through PyTorch's SDPA: two
     fp32 summation orders, 1.2e-5 apart at most on these steps). Returns the
     ``runner`` worker (its stats say which path ran)."""
     eager, other = workers(ckpt, "eager", device), workers(ckpt, runner, device)
