@@ -1,7 +1,8 @@
 """Imports only go down: algo/, models/, engine/ and sim/ never pull in Ray, Ray Serve,
 FastAPI or the Prometheus client (checked in a fresh interpreter so nothing else in the test
-session has imported them already), and no module of the package imports itself back
-through others: the import graph of ``cosine_ray/`` has no cycle."""
+session has imported them already); every import of the package follows the floors that
+docs/architecture.md draws (a package imports only from lower floors); and no module of the
+package imports itself back through others: the import graph of ``cosine_ray/`` has no cycle."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cosine_ray"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+FLOORS_LINE = "Floors, top to bottom:"
 
 LAYERS = ("cosine_ray.algo", "cosine_ray.models", "cosine_ray.engine", "cosine_ray.sim")
 FORBIDDEN = ("ray", "ray.serve", "fastapi", "prometheus_client")
@@ -141,6 +144,83 @@ def test_cycle_finder_finds_a_planted_cycle(tmp_path):
     assert find_cycle(graph) in (["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"],)
     (root / "c.py").write_text("x = 1\n")
     assert find_cycle(import_graph(root)) is None
+
+
+# ---- the floors ---------------------------------------------------------------------------------
+
+def drawn_floors(page: Path = ARCHITECTURE) -> list[set[str]]:
+    """The floors the architecture page draws, bottom first: its line ``Floors, top to bottom:
+    `a` > `b`, `c` > ...`` (a floor's packages separated by commas)."""
+    line = next(ln for ln in page.read_text(encoding="utf-8").splitlines() if ln.startswith(FLOORS_LINE))
+    floors = [{name.strip(" `/") for name in floor.split(",")} for floor in line[len(FLOORS_LINE):].split(">")]
+    return floors[::-1]
+
+
+def floor_violations(graph: dict[str, set[str]], floors: list[set[str]]) -> list[str]:
+    """Every import that does not go down: module -> module of a package on the same or a
+    higher floor (another package), a package on no floor, and any module importing the root
+    package (which stands above the floors: it may import any of them)."""
+    floor_of = {package: level for level, floor in enumerate(floors) for package in floor}
+    problems = []
+    for module in sorted(graph):
+        parts = module.split(".")
+        if len(parts) == 1:
+            continue  # the root
+        if parts[1] not in floor_of:
+            problems.append(f"{module}: package {parts[1]} is on no floor")
+        for dep in sorted(graph[module]):
+            target = dep.split(".")[1] if "." in dep else None
+            if target is None:
+                problems.append(f"{module} imports {dep}, the root package")
+                continue
+            if target == parts[1] or target not in floor_of or parts[1] not in floor_of:
+                continue  # its own package, or a package reported as on no floor
+            if floor_of[target] >= floor_of[parts[1]]:
+                problems.append(f"{module} imports {dep}: {parts[1]} (floor {floor_of[parts[1]]}) may only "
+                                f"import packages below it, {target} is on floor {floor_of[target]}")
+    return problems
+
+
+def test_imports_follow_the_floors_the_architecture_page_draws():
+    floors = drawn_floors()
+    graph = import_graph()
+    packages = {m.split(".")[1] for m in graph if "." in m}
+    placed = [p for floor in floors for p in floor]
+    assert len(floors) >= 5 and len(placed) == len(set(placed)), floors  # premise: the line was read
+    assert set(placed) == packages, f"the page's floors name {sorted(set(placed) ^ packages)} wrongly"
+    assert floor_violations(graph, floors) == []
+
+
+def test_floor_check_catches_a_planted_violation(tmp_path):
+    """The check can fail: a lower floor importing a higher one (lazily), two packages of one
+    floor importing each other, a package on no floor, a module importing the root; and the
+    real package with the edge ``runtime -> serve`` put back."""
+    root = tmp_path / "pkg"
+    for package in ("low", "high", "side", "stray"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "low" / "a.py").write_text("def f():\n    from pkg.high import b\n")
+    (root / "high" / "b.py").write_text("from pkg.low import a\nfrom pkg import side\n")
+    (root / "side" / "c.py").write_text("from ..low.a import f\n")
+    floors = [{"low"}, {"high", "side"}]
+    graph = import_graph(root)
+    assert floor_violations(graph, floors) == [
+        "pkg.high.b imports pkg.side: high (floor 1) may only import packages below it, side is on floor 1",
+        "pkg.low.a imports pkg.high.b: low (floor 0) may only import packages below it, high is on floor 1",
+        "pkg.stray: package stray is on no floor"]
+    (root / "low" / "a.py").write_text("import pkg\n")
+    (root / "high" / "b.py").write_text("from pkg.low import a\n")
+    (root / "__init__.py").write_text("def f():\n    from pkg.high import b\n")  # the root may
+    assert floor_violations(import_graph(root), floors + [{"stray"}]) == [
+        "pkg.low.a imports pkg, the root package"]
+    (root / "low" / "a.py").write_text("x = 1\n")
+    assert floor_violations(import_graph(root), floors + [{"stray"}]) == []
+    real = import_graph()
+    real["cosine_ray.runtime.cluster"].add("cosine_ray.serve.proxy_guard")
+    assert floor_violations(real, drawn_floors()) == [
+        "cosine_ray.runtime.cluster imports cosine_ray.serve.proxy_guard: runtime (floor 3) may only import "
+        "packages below it, serve is on floor 4"]
 
 
 INGRESS_PROBE = """

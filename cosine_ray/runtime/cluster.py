@@ -6,9 +6,13 @@ import os
 
 import ray
 
-from cosine_ray.serve.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-
 NAMESPACE = "cosine_ray"
+
+PROXY_CALLBACK = "cosine_ray.serve.proxy_guard.middlewares"
+"""The import path Serve's HTTP proxies call for their middlewares (``serve/proxy_guard.py``).
+A string, not an import: Serve resolves it in each proxy process, and ``runtime/`` sits below
+``serve/`` (docs/architecture.md, Layering)."""
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 
 
 WORKER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
@@ -52,7 +56,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **WORKER_MALLOC_ENV,
-                                **SERVE_ENV, PROXY_CALLBACK_ENV: PROXY_CALLBACK}}  # serve/proxy_guard.py
+                                **SERVE_ENV, PROXY_CALLBACK_ENV: PROXY_CALLBACK}}
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True)
     else:

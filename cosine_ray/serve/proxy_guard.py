@@ -15,7 +15,8 @@ stops reading would pile up its tokens here. Each send to the client is bounded 
 ``slow_client_s``; past it the client is dropped: the proxy's next ``receive`` says it
 disconnected, which cancels the request in the replica and the engine. ``middlewares()`` is what
 Serve calls in every proxy (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` = ``PROXY_CALLBACK``,
-set by ``runtime.cluster.connect``). Standard library only: it is imported in the proxy process.
+set by ``runtime.cluster.connect``; the constant lives there). Standard library only: it is imported in
+the proxy process.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import contextlib
 import json
 from typing import Any, Awaitable, Callable
 
-PROXY_CALLBACK = "cosine_ray.serve.proxy_guard.middlewares"
-PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 MESSAGE = "the server replica handling this request was lost; retry"
 ERROR = {"error": {"message": MESSAGE, "type": "service_unavailable_error", "param": None,
                    "code": "replica_unavailable"}}

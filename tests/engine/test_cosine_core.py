@@ -229,13 +229,22 @@ def test_every_ablation_is_lossless(config):
     assert all(f.finish_reason == "length" for f in finals.values())
 
 
-class ExclusiveSlowTarget(TableTarget):
-    """Verifies one batch at a time (like a pipeline stage), taking ``seconds`` per call;
-    ``verifying`` is true while a call is in progress, ``num_started`` counts calls begun."""
+async def turns(n: int) -> None:
+    """Let the event loop run ``n`` times: a call that takes time, measured in what else can
+    happen meanwhile rather than in seconds, so the interleavings do not depend on the
+    machine's speed."""
+    for _ in range(n):
+        await asyncio.sleep(0)
 
-    def __init__(self, seconds: float) -> None:
+
+class ExclusiveSlowTarget(TableTarget):
+    """Verifies one batch at a time (like a pipeline stage), taking ``num_turns`` turns of the
+    event loop per call; ``verifying`` is true while a call is in progress, ``num_started``
+    counts calls begun."""
+
+    def __init__(self, num_turns: int) -> None:
         super().__init__()
-        self.seconds = seconds
+        self.num_turns = num_turns
         self._lock: asyncio.Lock | None = None
         self.verifying = False
         self.num_started = 0
@@ -246,24 +255,24 @@ class ExclusiveSlowTarget(TableTarget):
             self.verifying = True
             self.num_started += 1
             try:
-                await asyncio.sleep(self.seconds)
+                await turns(self.num_turns)
                 return await super().score(items)
             finally:
                 self.verifying = False
 
 
 class SlowOracle(OracleDrafter):
-    """Takes ``seconds`` per call; counts the calls during which the target verified (a
-    verification was in progress, or began, while the call ran)."""
+    """Takes ``num_turns`` turns of the event loop per call; counts the calls during which the
+    target verified (a verification was in progress, or began, while the call ran)."""
 
-    def __init__(self, name, target, seconds):
+    def __init__(self, name, target, num_turns):
         super().__init__(name, target, max_len=1)
-        self.seconds = seconds
+        self.num_turns = num_turns
         self.num_overlapping = 0
 
     async def propose(self, inputs):
         verifying, started = self.target.verifying, self.target.num_started
-        await asyncio.sleep(self.seconds)
+        await turns(self.num_turns)
         self.num_overlapping += verifying or self.target.verifying or self.target.num_started > started
         return await super().propose(inputs)
 
@@ -275,8 +284,8 @@ def test_drafting_of_one_lane_overlaps_verification_of_the_other(num_lanes):
     then verifies (the control that shows the count can be 0)."""
     from cosine_ray.engine.loop import EngineLoop
 
-    target = ExclusiveSlowTarget(0.02)
-    drafter = SlowOracle("slow", target, 0.02)
+    target = ExclusiveSlowTarget(20)
+    drafter = SlowOracle("slow", target, 20)
     router = EngineCore(engine_config(num_lanes=num_lanes, fusion="single", adaptive=False, scheduler="fcfs",
                                    num_speculative_tokens=1, drafters_per_request=1),
                         target, [drafter], vocab_size=VOCAB)
@@ -309,7 +318,7 @@ def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overla
     from cosine_ray.engine.loop import EngineLoop
 
     def run_once(overlap_mode, target_async):
-        target = ExclusiveSlowTarget(0.005)
+        target = ExclusiveSlowTarget(5)
         target.runs_async = target_async
         router = EngineCore(engine_config(fusion="single", adaptive=False, scheduler="fcfs", num_speculative_tokens=3,
                                        drafters_per_request=1, overlap_learning=overlap_mode),
@@ -366,7 +375,7 @@ def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without
     from cosine_ray.engine.worker.clients import LocalDrafterClient
     from cosine_ray.engine.loop import EngineLoop
 
-    target = ExclusiveSlowTarget(0.0005)
+    target = ExclusiveSlowTarget(1)
     drafters = [LocalDrafterClient(DrafterWorker(NgramDrafter(name=f"ngram{i}"))) for i in range(4)]
     router = EngineCore(engine_config(num_lanes=2, num_speculative_tokens=3, overlap_learning="on"), target, drafters,
                         vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)

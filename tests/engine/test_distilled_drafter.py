@@ -61,8 +61,14 @@ def test_vocabulary_mapping_and_calibration(compact_drafter_dir, layer_parallel)
     chains = drafter.continue_chains([ContinueQuery("r", context, ((), (p.paths[0][0],)), 2, 3)])[0]
     assert [len(chain) for chain in chains] == [1, 1]  # one level a prefix, whatever the depth asked
     assert chains[0][0][0][0] == p.paths[0][0]
-    # continuing the top token = the next level (layer-parallel drafted it from stale inputs)
-    assert len(p.paths[0]) < 2 or chains[1][0][0][0] == p.paths[0][1] or layer_parallel
+    # Continuing the top token is exact in either mode: the sequential drafter's second level.
+    # The proposal's own second level is that too, sequentially; layer-parallel drafted it from
+    # stale inputs (another function: test_layer_parallel_exact_mode_is_the_plain_forward).
+    exact = load_distilled(compact_drafter_dir, 256).propose([DraftInput("r", context, 6)])[0].paths[0]
+    assert len(p.paths[0]) == len(exact) == 6 and p.paths[0][0] == exact[0]
+    assert chains[1][0][0][0] == exact[1]
+    if not layer_parallel:
+        assert p.paths[0] == exact
     drafter.release("r")
     assert drafter.num_tracked_requests == 0
 

@@ -2,9 +2,9 @@
 
 Every rule is applied at each draft-tree node from that node's own path, so the text with the
 default drafters (and with the target drafting for itself: deep trees, mostly accepted) equals
-the text with none; log-probabilities equal HF transformers' ``log_softmax``; penalties and
-``min_tokens`` equal an independent reference loop over HF's logits (HF's own
-``repetition_penalty`` for that one)."""
+the text with none; log-probabilities equal HF transformers' ``log_softmax``; the penalties and
+bias equal an independent reference over HF's logits (``support/penalties.py``; HF's own
+``repetition_penalty`` for that one), and ``min_tokens`` a reference loop over HF's logits."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from cosine_ray.algo.logits_rules import RowRules, apply_rules, token_logprobs, 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
+from support.penalties import penalized_greedy
 
 MAX_TOKENS = 24
 DRAFTER_SETS = ("none", "ngram,suffix", "ngram,self")
@@ -92,16 +93,22 @@ def test_repetition_penalty_equals_hf_generate(engines, prompts, hf):
         assert [outs[d][i].new_token_ids for d in DRAFTER_SETS] == [want] * len(DRAFTER_SETS)
 
 
-def test_penalties_and_bias_equal_plain_decoding_with_them(engines, prompts, hf):
-    rules = RowRules(presence_penalty=0.8, frequency_penalty=0.6, logit_bias=((7, 4.0), (9, -100.0)))
-    params = SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.8, frequency_penalty=0.6,
-                            logit_bias=((7, 4.0), (9, -100.0)))
-    outs = run(engines, prompts, params)
+@pytest.mark.parametrize("rules", [{"presence_penalty": 2.0}, {"frequency_penalty": 1.5},
+                                   {"presence_penalty": 0.8, "frequency_penalty": 0.6, "logit_bias": ((7, 4.0), (9, -100.0))}],
+                         ids=["presence", "frequency", "both-and-bias"])
+def test_penalties_and_bias_equal_an_independent_reference(engines, prompts, hf, rules):
+    """Each penalty on its own, and both with a bias, against ``support.penalties`` (HF's logits,
+    the penalties counted by hand): a penalty the engine ignored, or applied as the reference
+    does not, fails here, since each one changes the text of the prompts that repeat a token."""
+    outs = run(engines, prompts, SamplingParams(max_tokens=MAX_TOKENS, **rules))
+    changed = 0
     for i, prompt in enumerate(prompts):
-        want = reference(hf, prompt, rules, MAX_TOKENS)
+        want = penalized_greedy(hf, prompt, MAX_TOKENS, presence=rules.get("presence_penalty", 0.0),
+                                frequency=rules.get("frequency_penalty", 0.0),
+                                logit_bias=dict(rules.get("logit_bias", ())))
         assert [outs[d][i].new_token_ids for d in DRAFTER_SETS] == [want] * len(DRAFTER_SETS)
-        plain = engines("none").generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0].new_token_ids
-        assert want != plain  # the rules changed the text
+        changed += want != engines("none").generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0].new_token_ids
+    assert changed >= 2, "premise: the rules change the text of most prompts"
 
 
 def test_min_tokens_and_ignore_eos(tmp_path, prompts, hf, tiny_checkpoint):

@@ -1,11 +1,11 @@
 """Measurement against the stub server: timings, tokens, stats block, concurrency, multi-turn.
 
-Timer tolerance: the stub sleeps at least the configured time (``time.sleep`` never returns
-early), so chunk k cannot arrive before ttft + k·gap after the send (minus 2 ms for clock and
-socket granularity). Above, a chunk only has to be seen before the next one is due: the gap is
-half a second, hundreds of times the usual delay, so a stalled machine does not matter, while
-a client that timed chunks at the end of the stream would still fail. ITL, TTFT, E2EL and TPOT
-are checked exactly against their definitions from the measured chunk times.
+Timings are checked by events, not seconds, so a slow or stalled machine changes nothing: the
+run's clock can be the stub's ``Lockstep`` (the number of lines the stub has written; it writes
+the next only once the client has read the clock), which makes every stamp an exact count; the
+stub's event log shows who arrived before which answer ended; and the client's own stamps are
+compared with one another. ITL, TTFT, E2EL and TPOT are checked exactly against their
+definitions from the measured chunk times.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.loadgen_fixtures import write_dataset
-from support.stub_server import StubServer
+from support.stub_server import Lockstep, StubServer
 
 from loadgen.runner import CHAT_PATH, COMPLETIONS_PATH, RunConfig, run_plan
 from loadgen.workload import WorkItem, dataset_workload, load_rows
@@ -34,10 +34,27 @@ def cfg(url: str, **kw) -> RunConfig:
 
 
 @pytest.mark.parametrize("endpoint", [CHAT_PATH, COMPLETIONS_PATH])
+def test_each_chunk_is_timed_as_it_arrives(endpoint):
+    """On the lockstep clock a stamp is the number of lines the stub had written: chunk k of a
+    completion is line k + 1 (a chat answer's role chunk comes first), the usage and [DONE]
+    lines end the answer. A client that timed chunks at the end of the stream would stamp every
+    one with the last line's number."""
+    lockstep = Lockstep()
+    with StubServer(ttft_s=0.0, chunk_s=0.0, num_chunks=4, tokens_per_chunk=3, lockstep=lockstep) as stub:
+        result = run_plan(plan_of(items_of(["a"])), cfg(stub.url, endpoint=endpoint), clock=lockstep.now)
+    (r,) = result.records
+    first = 2 if endpoint == CHAT_PATH else 1  # the line number of content chunk 0
+    assert r.status == "ok" and r.sent_s == 0.0, r.error
+    assert r.chunk_s == [first, first + 1, first + 2, first + 3]
+    assert (r.ttft_s, r.itl_s) == (first, [1.0, 1.0, 1.0])
+    assert r.e2el_s == r.end_s == first + 3 + 3  # then the final chunk, the usage chunk, [DONE]
+    assert r.tpot_s == pytest.approx((r.e2el_s - r.ttft_s) / 11)
+
+
+@pytest.mark.parametrize("endpoint", [CHAT_PATH, COMPLETIONS_PATH])
 def test_timings_tokens_and_stats_match_the_stub(endpoint):
-    ttft, gap, chunks, per_chunk = 0.1, 0.5, 4, 3
-    with StubServer(ttft_s=ttft, chunk_s=gap, num_chunks=chunks, tokens_per_chunk=per_chunk,
-                    accept_default=(5, 8)) as stub:
+    chunks = 4
+    with StubServer(ttft_s=0.01, chunk_s=0.01, num_chunks=chunks, tokens_per_chunk=3, accept_default=(5, 8)) as stub:
         result = run_plan(plan_of(items_of(["a", "b", "c"])), cfg(stub.url, endpoint=endpoint))
         bodies = [b for _, b in stub.received]
     assert result.model == "stub-model" and all(b["model"] == "stub-model" for b in bodies)
@@ -45,12 +62,9 @@ def test_timings_tokens_and_stats_match_the_stub(endpoint):
     assert len(result.records) == 3
     for r in result.records:
         assert r.status == "ok", r.error
-        assert len(r.chunk_s) == chunks
-        for k, t in enumerate(r.chunk_s):  # each chunk seen after it was sent, before the next was due
-            assert ttft + k * gap - LOW <= t - r.sent_s < ttft + (k + 1) * gap
+        assert len(r.chunk_s) == chunks and r.chunk_s == sorted(r.chunk_s) and r.chunk_s[0] > r.sent_s
         assert r.ttft_s == pytest.approx(r.chunk_s[0] - r.sent_s)
         assert r.itl_s == [b - a for a, b in zip(r.chunk_s, r.chunk_s[1:])]
-        assert ttft + (chunks - 1) * gap - LOW <= r.e2el_s < ttft + chunks * gap
         assert r.e2el_s >= r.chunk_s[-1] - r.sent_s
         assert (r.output_tokens, r.output_tokens_source, r.prompt_tokens) == (12, "usage", 7)
         assert r.tpot_s == pytest.approx((r.e2el_s - r.ttft_s) / 11)
@@ -66,25 +80,41 @@ def test_timings_tokens_and_stats_match_the_stub(endpoint):
 
 
 def test_open_loop_arrivals_are_kept():
-    """Each request leaves at its offset, not after the previous answer (which takes longer than the plan)."""
-    offsets, slack, ttft = [0.0, 0.5, 1.0], 0.5, 1.6
-    with StubServer(ttft_s=ttft, chunk_s=0.01, num_chunks=2) as stub:
+    """Each request leaves at its offset, not after the previous answer: the stub answers none
+    until all three have arrived, so a client that waited for an answer before sending the next
+    request would see an answer end first."""
+    offsets = [0.0, 0.1, 0.2]
+    with StubServer(ttft_s=0.0, chunk_s=0.0, num_chunks=2, hold_until=3) as stub:
         result = run_plan(plan_of(items_of(["a", "b", "c"]), offsets), cfg(stub.url))
+        events = list(stub.events)
+    assert [kind for kind, _ in events] == ["start"] * 3 + ["end"] * 3, events
     for r, planned in zip(result.records, offsets):
-        assert r.status == "ok" and r.scheduled_s == planned and planned - LOW <= r.sent_s < planned + slack
-    assert max(r.sent_s for r in result.records) < min(r.end_s for r in result.records)
-    assert result.duration_s >= offsets[-1] + ttft - LOW
+        assert r.status == "ok" and r.scheduled_s == planned and r.sent_s >= planned - LOW  # never early
+    sent = [r.sent_s for r in result.records]
+    assert sent == sorted(sent) and max(sent) < min(r.end_s for r in result.records)
 
 
 def test_max_concurrency_caps_in_flight_requests():
-    with StubServer(ttft_s=0.1, chunk_s=0.01, num_chunks=2) as stub:
+    """Two slots: the stub never has more than two answers open, the k-th request (k ≥ 3)
+    arrives only after k − 2 answers ended, and on the client's clock each request that waited
+    for a slot left after the answer that freed it."""
+    with StubServer(ttft_s=0.01, chunk_s=0.01, num_chunks=2) as stub:
         result = run_plan(plan_of(items_of(list("abcdef"))), cfg(stub.url, max_concurrency=2))
-        assert stub.max_active == 2
+        events = list(stub.events)
     assert all(r.status == "ok" for r in result.records)
-    # closed loop with 2 slots: the 5th and 6th requests waited about two service times
-    queued = sorted(r.queued_s for r in result.records)
-    assert queued[-1] >= 2 * 0.1 - LOW
-    assert result.duration_s >= 3 * 0.11 - LOW
+    open_answers, ended, starts = 0, 0, 0
+    for kind, _ in events:
+        if kind == "start":
+            assert open_answers < 2 and ended >= starts - 1, events  # this is request starts + 1
+            open_answers, starts = open_answers + 1, starts + 1
+        else:
+            open_answers, ended = open_answers - 1, ended + 1
+    assert (starts, ended) == (6, 6)
+    sent = sorted(r.sent_s for r in result.records)
+    ends = sorted(r.end_s for r in result.records)
+    assert all(sent[k] >= ends[k - 2] for k in range(2, 6)), (sent, ends)
+    assert all(0 <= r.queued_s <= r.sent_s - r.scheduled_s for r in result.records)
+    assert result.duration_s >= ends[-1]
 
 
 def test_multi_turn_sends_the_history_after_the_first_answer(tmp_path):

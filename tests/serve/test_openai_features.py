@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 from starlette.testclient import TestClient
+from support.penalties import penalized_greedy
 from support.tiny_checkpoint import write_tiny_checkpoint
 from support.uvicorn_thread import serve_in_thread
 
@@ -163,13 +164,34 @@ def test_best_of_returns_the_most_likely_choice(servers):
     assert best.choices[0].logprobs is None
 
 
+PENALTY_PROMPT = "The sea, the sea, the sea. Ships on the sea, and the ships"
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 1.5}, {"frequency_penalty": 1.0},
+                                     {"repetition_penalty": 1.5}], ids=["presence", "frequency", "repetition"])
+def test_penalties_equal_an_independent_reference(servers, ck, penalty):
+    """Each penalty over HTTP, with drafters and without, equals greedy decoding over HF's logits
+    with the penalty computed apart from the engine (``support/penalties.py``), and changes the
+    text: a penalty the server dropped, or one both engines ignored, fails here. The random model
+    never repeats itself, so a bias on " sea" (a prompt token) makes it repeat: " sea sea sea
+    ..." without a penalty."""
+    tok = servers["plain"][1].tokenizer
+    ids, sea = tok(PENALTY_PROMPT)["input_ids"], tok.convert_tokens_to_ids("\u0120sea")
+    kw = dict(prompt=ids, max_tokens=12, temperature=0, logit_bias={str(sea): 6.0})
+    spec, plain = both(servers, "completions", **kw, **{k: v for k, v in penalty.items() if k != "repetition_penalty"},
+                       extra_body={"ignore_eos": True, **{k: v for k, v in penalty.items() if k == "repetition_penalty"}})
+    want = penalized_greedy(ck.load_hf_model(), ids, 12, presence=penalty.get("presence_penalty", 0.0),
+                            frequency=penalty.get("frequency_penalty", 0.0),
+                            repetition=penalty.get("repetition_penalty", 1.0), logit_bias={sea: 6.0})
+    assert spec.choices[0].text == plain.choices[0].text == tok.decode(want)
+    unpenalized = both(servers, "completions", **kw, extra_body={"ignore_eos": True})[1].choices[0].text
+    assert unpenalized.startswith(" sea sea") and unpenalized != tok.decode(want)  # premise: the penalty tells
+
+
 def test_sampling_fields_are_honoured_and_lossless(servers):
     base = dict(messages=MSG, max_tokens=12, temperature=0)
-    for extra in ({"presence_penalty": 1.0, "frequency_penalty": 0.5}, {"repetition_penalty": 1.5},
-                  {"logit_bias": {"28": 100}}):
-        spec, plain = both(servers, "chat", **base, **{k: v for k, v in extra.items() if k != "repetition_penalty"},
-                           extra_body={k: v for k, v in extra.items() if k == "repetition_penalty"})
-        assert chat_text(spec) == chat_text(plain)
+    spec, plain = both(servers, "chat", **base, logit_bias={"28": 100})
+    assert chat_text(spec) == chat_text(plain)
     assert chat_text(spec) != chat_text(both(servers, "chat", **base)[1])  # the bias changed the text
     eos_first = {"logit_bias": {"2": 100}}  # EOS (id 2) first, unless held back
     spec, plain = both(servers, "completions", prompt="Hello", max_tokens=9, temperature=0, **eos_first)
@@ -202,9 +224,21 @@ def test_structured_outputs_parse_validate_and_are_lossless(servers):
                            response_format=rf)
         assert chat_text(spec) == chat_text(plain)
         jsonschema.validate(json.loads(spec.choices[0].message.content), SCHEMA)
-    obj = clients(servers)["spec"].chat.completions.create(model=MODEL, messages=MSG, max_tokens=40, temperature=0,
+    # json_object: the random model writes an endless key, so its answer is cut; what is there is
+    # the start of an object all the same.
+    cut = clients(servers)["spec"].chat.completions.create(model=MODEL, messages=MSG, max_tokens=20, temperature=0,
                                                            response_format={"type": "json_object"})
-    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
+    assert cut.choices[0].message.content.startswith("{")
+    # With quotes and braces made the model's first choice wherever the grammar allows them, the
+    # object closes within a few tokens, far below max_tokens: the whole answer must parse as an
+    # object. (Without the grammar the same bias writes '""""...', which is no object.)
+    tok = servers["plain"][1].tokenizer
+    close = {str(tok.convert_tokens_to_ids('"')): 100, str(tok.convert_tokens_to_ids("}")): 90}
+    spec, plain = both(servers, "chat", messages=MSG, max_tokens=40, temperature=0, logit_bias=close,
+                       response_format={"type": "json_object"})
+    assert chat_text(spec) == chat_text(plain)
+    assert spec.choices[0].finish_reason == "stop" and spec.usage.completion_tokens < 40
+    assert isinstance(json.loads(spec.choices[0].message.content), dict)
     for so, check in (({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
                       ({"regex": "[a-c]{4}"}, lambda t: len(t) == 4 and set(t) <= set("abc")),
                       ({"grammar": 'start: "x" ("y" | "z")'}, lambda t: t in ("xy", "xz"))):
@@ -227,12 +261,16 @@ def test_tools_named_required_none_and_streamed(servers):
     args = "".join(tc.function.arguments or "" for chunk in stream if chunk.choices
                    for tc in (chunk.choices[0].delta.tool_calls or []))
     assert args == call.function.arguments
-    required = clients(servers)["spec"].chat.completions.create(model=MODEL, messages=MSG, max_tokens=80,
+    # "required" with one call: the schemas bound the answer to under 200 characters (a list of
+    # one call, get_weather's city at most 10 characters, each at most a 6-character escape), so
+    # 200 tokens cannot cut it: it must end as a call.
+    required = clients(servers)["spec"].chat.completions.create(model=MODEL, messages=MSG, max_tokens=200,
                                                                 temperature=0, tools=[WEATHER, TIME],
                                                                 tool_choice="required", parallel_tool_calls=False)
     calls = required.choices[0].message.tool_calls
-    if required.choices[0].finish_reason != "length":
-        assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1, required.choices[0]
+    schema = {"get_weather": SCHEMA, "get_time": TIME["function"]["parameters"]}[calls[0].function.name]
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
     none = clients(servers)["spec"].chat.completions.create(model=MODEL, messages=MSG, max_tokens=8, temperature=0,
                                                             tools=[WEATHER], tool_choice="none")
     assert chat_text(none) == chat_text(both(servers, "chat", messages=MSG, max_tokens=8, temperature=0)[0])

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from cosine_ray.serve.proxy_guard import ERROR, PROXY_CALLBACK, ReplicaLossGuard, middlewares
+from cosine_ray.runtime.cluster import PROXY_CALLBACK
+from cosine_ray.serve.proxy_guard import ERROR, ReplicaLossGuard, middlewares
 
 
 def run_guarded(inner, *, disconnect: bool = False) -> list[dict]:

@@ -22,9 +22,9 @@ In file order:
   actor's C heap in use no higher idle after the soak than under load after warm-up (bound 8 MiB);
 * faults under concurrent load, each with a client-side ledger (lost = duplicated = hung = 0):
   a drafter killed (``ray.kill``, then SIGKILL of its process: a hard exit), a stage killed
-  (SIGKILL; Ray restarts it, the engine re-prefills), the engine replica killed (``ray.kill``,
-  then SIGKILL): in-flight requests end with an error within 10 s and new requests succeed
-  once Serve has started a new engine (with new stages and drafters).
+  while a stream is mid-answer (SIGKILL; Ray restarts it, the engine re-prefills), the engine
+  replica killed (``ray.kill``, then SIGKILL): in-flight requests end with an error within 10 s
+  and new requests succeed once Serve has started a new engine (with new stages and drafters).
 
 The server-side request timeout (408) is tested in-process against a real LocalEngine
 (test_reliability_app.py): a timeout short enough to test here would also cut the soak.
@@ -211,14 +211,19 @@ class Record:
     error: str | None = None
     start: float = 0.0
     end: float = 0.0
+    first_text: float = 0.0
+    """When the first streamed text arrived (0: none yet)."""
 
 
 @dataclass
 class Ledger:
     started: dict[str, float] = field(default_factory=dict)
     records: dict[str, list[Record]] = field(default_factory=dict)
+    open: dict[str, Record] = field(default_factory=dict)
+    """Requests in flight, as far as they have got."""
 
     def add(self, record: Record) -> None:
+        self.open.pop(record.cid, None)
         self.records.setdefault(record.cid, []).append(record)
 
     def all(self) -> list[Record]:
@@ -239,6 +244,7 @@ async def one_request(client: httpx.AsyncClient, ledger: Ledger, i: int, *, stre
     cid = uuid.uuid4().hex
     ledger.started[cid] = time.monotonic()
     rec = Record(cid, i % len(PROMPTS), stream, 0, start=time.monotonic())
+    ledger.open[cid] = rec
     try:
         async with asyncio.timeout(deadline_s):
             if not stream:
@@ -267,6 +273,7 @@ async def one_request(client: httpx.AsyncClient, ledger: Ledger, i: int, *, stre
                                 rec.error = json.dumps(event["error"])[:300]
                             else:
                                 rec.text += "".join(c["text"] for c in event["choices"])
+                                rec.first_text = rec.first_text or (time.monotonic() if rec.text else 0.0)
     except TimeoutError:
         rec.status, rec.error = -1, "hung: no terminal answer by the client deadline"
     except (httpx.HTTPError, OSError) as exc:
@@ -720,11 +727,25 @@ class FaultRun:
     in_flight_at_kill: list[str]
     first_ok_after_kill: float | None
     """Seconds from the kill to the first 200 of a request started after the kill."""
+    landed: float = 0.0
+    """When ``inject`` returned: the kill had landed."""
+
+    def mid_stream_at_kill(self) -> list[Record]:
+        """Streams that had received text before the kill and had not ended when it landed."""
+        return [r for r in self.ledger.all() if r.stream and 0 < r.first_text < self.kill_time and r.end > self.landed]
+
+
+def early_in_a_stream(server: Server) -> Callable[[Ledger], bool]:
+    """A stream in flight has received text, less than half of its answer."""
+    return lambda ledger: any(r.stream and r.text and len(r.text) < len(server.long_refs[r.prompt]) / 2
+                              for r in list(ledger.open.values()))
 
 
 def fault_under_load(server: Server, inject: Callable[[], None], *, clients: int = 6,
-                     min_after_s: float = 8.0, max_after_s: float = 240.0, settle_s: float = 3.0) -> FaultRun:
-    """Load from ``clients`` loops; ``inject`` after ``settle_s``; keep loading until
+                     min_after_s: float = 8.0, max_after_s: float = 240.0, settle_s: float = 3.0,
+                     ready: Callable[[Ledger], bool] | None = None) -> FaultRun:
+    """Load from ``clients`` loops; ``inject`` after ``settle_s`` and, with ``ready``, once
+    ``ready(ledger)`` holds (checked every few milliseconds, for at most 60 s); keep loading until
     ``min_after_s`` have passed and 3 requests started after the kill have succeeded."""
     ledger = Ledger()
 
@@ -733,9 +754,13 @@ def fault_under_load(server: Server, inject: Callable[[], None], *, clients: int
         load = asyncio.ensure_future(run_load(server.url, clients=clients, stop=stop, ledger=ledger,
                                               max_tokens=FAULT_TOKENS, deadline_s=120.0, pause_s=0.05))
         await asyncio.sleep(settle_s)
+        waited = time.monotonic()
+        while ready is not None and not ready(ledger) and time.monotonic() - waited < 60.0:
+            await asyncio.sleep(0.002)
         in_flight = [c for c in ledger.started if c not in ledger.records]
         kill_time = time.monotonic()
         await asyncio.to_thread(inject)
+        landed = time.monotonic()
         while True:
             after = [r for r in ledger.all() if r.start > kill_time and r.status == 200 and r.error is None]
             waited = time.monotonic() - kill_time
@@ -746,7 +771,7 @@ def fault_under_load(server: Server, inject: Callable[[], None], *, clients: int
         await load
         first = min((r.end - kill_time for r in ledger.all()
                      if r.start > kill_time and r.status == 200 and r.error is None), default=None)
-        return FaultRun(ledger, kill_time, in_flight, first)
+        return FaultRun(ledger, kill_time, in_flight, first, landed)
 
     return asyncio.run(asyncio.wait_for(main(), max_after_s + 200))
 
@@ -797,8 +822,13 @@ def test_stage_killed_under_load_recovers_or_fails_cleanly(server):
     def inject() -> None:
         os.kill(pid, signal.SIGKILL)  # hard exit; Ray restarts it and the engine re-prefills
 
-    run = fault_under_load(server, inject, min_after_s=5.0)
+    run = fault_under_load(server, inject, min_after_s=5.0, ready=early_in_a_stream(server))
     summary = check_ledger(run, server, f"stage {name} SIGKILL")
+    mid = run.mid_stream_at_kill()
+    assert mid, "no stream had received text and was still open when the kill landed"
+    note(f"stage SIGKILL: {len(mid)} streams mid-answer at the kill: "
+         f"{sum(r.status == 200 and r.error is None for r in mid)} completed, {sum(r.error is not None for r in mid)} "
+         "ended with a clean error")
     statuses = {r.status for r in run.ledger.all()}
     assert statuses <= {200, 503}, statuses  # recovered, or a clean 503 / SSE error: never 500
     assert ping_actor(name) not in (None, old), "the stage was not replaced"

@@ -27,7 +27,11 @@ server's own bookkeeping, ``[[unrecorded]]`` (answered, not recorded), ``[[undel
 (recorded as answered, connection closed instead), ``[[twice]]`` (recorded as answered twice).
 
 The stats block also has fields loadgen does not know (``domain``, ``drafters_used``), to check
-they are tolerated. Received request ids (``X-Request-Id``) and bodies are kept for assertions.
+they are tolerated. Received request ids (``X-Request-Id``) and bodies are kept for assertions,
+and ``events`` logs each request's arrival and the end of its streamed answer (just before its
+``[DONE]``, so a client cannot act on an answer before its end is logged). Two ways to test timing
+by events rather than seconds: ``hold_until=N`` holds every answer until N requests have
+arrived, and ``lockstep=Lockstep()`` makes the stub and the client share a logical clock.
 """
 
 from __future__ import annotations
@@ -45,6 +49,37 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 DIRECTIVE = re.compile(r"\[\[(\w+)(?:=([^\]]*))?\]\]")
+PATIENCE_S = 10.0
+"""How long a held answer or a lockstep line waits for what it waits for; only a client that
+gets it wrong makes it wait that long."""
+
+
+class Lockstep:
+    """A logical clock shared by the stub and one client at a time: ``now()`` (the client's
+    clock) is the number of SSE data lines the stub has written, and the stub writes its next
+    line only once the client has read the clock since the last one. A client that stamps each
+    line as it arrives thus gets exact counts, whatever the machine's speed; one that stamps
+    lines late (at the end of the stream, say) makes each line wait ``PATIENCE_S`` and gets
+    other counts."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.written = 0
+        self.read = 0
+
+    def now(self) -> float:
+        with self.cond:
+            self.read = self.written
+            self.cond.notify_all()
+            return float(self.written)
+
+    def next_line(self) -> None:
+        """Before the stub writes a line: wait for the client to have read the clock since the
+        last one, then count this one (before it is on the wire, so the client never reads a
+        line the clock does not count yet)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.read == self.written, timeout=PATIENCE_S)
+            self.written += 1
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -54,14 +89,18 @@ class _HTTPServer(ThreadingHTTPServer):
 class StubServer:
     def __init__(self, *, ttft_s: float = 0.05, chunk_s: float = 0.02, num_chunks: int = 4,
                  tokens_per_chunk: int = 1, accept_default: tuple[int, int] = (3, 6), healthy: bool = True,
-                 port: int = 0, model: str = "stub-model", api_key: str | None = None) -> None:
+                 port: int = 0, model: str = "stub-model", api_key: str | None = None, hold_until: int = 0,
+                 lockstep: Lockstep | None = None) -> None:
         self.ttft_s, self.chunk_s, self.num_chunks = ttft_s, chunk_s, num_chunks
         self.tokens_per_chunk, self.accept_default, self.healthy = tokens_per_chunk, accept_default, healthy
-        self.model = model
+        self.model, self.hold_until, self.lockstep = model, hold_until, lockstep
         self.api_key = api_key
         """With a key, every route but /health answers 401 without ``Authorization: Bearer KEY``."""
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.received: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[tuple[str, str]] = []
+        """("start", request id) when a request arrives, ("end", request id) just before a streamed
+        answer's ``[DONE]``."""
         self.forced: dict[str, str] = {}
         self.num_active = self.max_active = 0
         self.replica = f"stub-{id(self):x}"
@@ -164,10 +203,13 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if self._refused():
                 return
-            rid = self.headers.get("X-Request-Id", "")
+            self.rid = rid = self.headers.get("X-Request-Id", "")
             with stub.lock:
                 stub.received.append((rid, body))
+                stub.events.append(("start", rid))
                 planted = stub.planted.pop(0) if stub.planted and "-c" in rid else ""
+                stub.lock.notify_all()
+                stub.lock.wait_for(lambda: len(stub.received) >= stub.hold_until, timeout=PATIENCE_S)
             directives = {**dict(DIRECTIVE.findall(_prompt_text(body) + planted)), **stub.forced}
             with stub.lock:
                 stub.num_active += 1
@@ -221,6 +263,11 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
 
         def _send(self, obj: Any) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
+            if obj == "[DONE]":
+                with stub.lock:
+                    stub.events.append(("end", self.rid))
+            if stub.lockstep:
+                stub.lockstep.next_line()
             self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.flush()
 
