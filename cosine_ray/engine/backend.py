@@ -112,7 +112,7 @@ async def build_engine(config: EngineConfig, backend: Backend, *, checkpoint: Ch
     request first asks for a grammar. ``profile_if_missing``: measure the latency profile now
     when none is stored for this setup (a server), before any stage holds the device's memory;
     otherwise the cost model starts from a default without one."""
-    checkpoint = checkpoint or resolve_checkpoint(config.model)
+    checkpoint = checkpoint or resolve_checkpoint(config.model, **config.checkpoint_args)
     config = config.resolved(context_len=checkpoint.config.max_position_embeddings,
                              stages_in_process=backend.stages_in_process)
     if profile_if_missing:

@@ -140,8 +140,9 @@ def build_stage(config: EngineConfig, stage_index: int) -> tuple[LlamaStage, Dra
     actor), and the feature head that drafts beside it: the last stage of a config with a
     ``head`` drafter hands its features to the head's store (``FeatureStage``), every other
     stage has none."""
-    loaded = load_target(config.model, weights=config.weights, dtype=config.dtype, device=config.device,
-                         num_stages=config.num_stages, stage_index=stage_index)
+    loaded = load_target(resolve_checkpoint(config.model, **config.checkpoint_args), weights=config.weights,
+                         dtype=config.dtype, device=config.device, num_stages=config.num_stages,
+                         stage_index=stage_index)
     (stage,) = loaded.stages
     head = head_spec(config)
     if head is None or not stage.is_last:
@@ -182,4 +183,5 @@ def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str 
 def make_drafter_worker(spec: DrafterSpec, config: EngineConfig) -> DrafterWorker:
     """A drafter built where it will run (a drafter actor, or the engine for lookup drafters);
     it loads only what it needs."""
-    return DrafterWorker(build_drafter(spec, target=resolve_checkpoint(config.model), config=config))
+    return DrafterWorker(build_drafter(spec, target=resolve_checkpoint(config.model, **config.checkpoint_args),
+                                     config=config))

@@ -184,6 +184,10 @@ class RuntimeConfig:
     suffix_index_tokens: int = 1_000_000
     """Tokens each suffix drafter's global index keeps: past it, the oldest whole requests are
     evicted first (about 60 MB a drafter at the default)."""
+    log_stats_interval_s: float = 5.0
+    """The Serve engine replica logs one line of serving figures this often while it has work
+    (throughput, running and waiting requests, KV use, acceptance; ``cosine-ray serve
+    --disable-log-stats``: 0, none)."""
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNER_MODES:
@@ -195,6 +199,8 @@ class RuntimeConfig:
         if isinstance(self.suffix_index_tokens, bool) or not isinstance(self.suffix_index_tokens, int) \
                 or self.suffix_index_tokens < 1:
             raise ValueError(f"suffix_index_tokens must be an integer >= 1, got {self.suffix_index_tokens!r}")
+        if not self.log_stats_interval_s >= 0:
+            raise ValueError(f"log_stats_interval_s must be >= 0 (0: no stats line), got {self.log_stats_interval_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +302,20 @@ class EngineConfig:
     ``experiments``."""
 
     model: str = "smollm2-135m"
-    """Target model: embedded name, Hugging Face directory or .gguf file."""
+    """Target model: embedded name, Hugging Face directory, .gguf file, or Hugging Face Hub id
+    (``org/name``, or ``org/name/FILE.gguf``: one GGUF file of a repository), fetched into
+    huggingface_hub's cache (``HF_HOME``, ``HF_TOKEN``, ``HF_HUB_OFFLINE``)."""
+    revision: str | None = None
+    """Branch, tag or commit of a Hub model (None: ``main``); refused for other models."""
+    tokenizer: str | None = None
+    """Where the tokenizer comes from, when not from the model (any form ``model`` takes; a
+    Hub repository gives its tokenizer files alone)."""
+    download_dir: str | None = None
+    """Where Hub models are fetched to, instead of huggingface_hub's cache."""
+    seed: int | None = None
+    """Seed of the sampling keys of requests that give none: with it, the same requests in the
+    same order give the same texts (a request's own ``seed`` always does). None: each such
+    request draws a fresh random key."""
     drafters: tuple[DrafterSpec, ...] = field(default_factory=lambda: parse_drafters(DEFAULT_DRAFTERS))
     """Speculation sources; () = plain decoding."""
     num_stages: int = 1
@@ -348,6 +367,17 @@ class EngineConfig:
         check_dtype_name(self.dtype)
         check_device_name(self.device)
         check_weights_mode(self.weights)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("revision", "tokenizer", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+
+    @property
+    def checkpoint_args(self) -> dict[str, str | None]:
+        """What ``models.loader.resolve_checkpoint`` takes besides ``model``."""
+        return {"revision": self.revision, "tokenizer": self.tokenizer, "download_dir": self.download_dir}
 
     @property
     def is_resolved(self) -> bool:

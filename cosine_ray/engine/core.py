@@ -91,7 +91,7 @@ class EngineCore:
         self.drafters = list(drafters)
         self.pool = RequestPool(max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len,
                                 num_lanes=sched.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                                max_restores=run.max_restores, clock=clock)
+                                max_restores=run.max_restores, clock=clock, seed=config.seed)
         self.kv = KVBlocks(kv_num_blocks, DEFAULT_BLOCK_SIZE, caching=sched.enable_prefix_caching)
         """Every request's block table and the prefix cache (the stages' pools, seen from here)."""
         self.target = RecoveringTarget(target, recovery_s=run.stage_recovery_s, on_lost=self._target_lost)

@@ -20,7 +20,7 @@ class LocalEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), *, checkpoint: Checkpoint | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.checkpoint = checkpoint or resolve_checkpoint(config.model)
+        self.checkpoint = checkpoint or resolve_checkpoint(config.model, **config.checkpoint_args)
         self.tokenizer = self.checkpoint.load_tokenizer() if self.checkpoint.has_tokenizer else None
         self.core = build_local_engine(config, checkpoint=self.checkpoint, tokenizer=self.tokenizer)
         self.config = self.core.config

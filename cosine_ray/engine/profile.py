@@ -39,7 +39,7 @@ from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
 from cosine_ray.engine.worker.scoring import KVCommit, ScoreItem
 from cosine_ray.engine.worker.target import TargetWorker
-from cosine_ray.models.loader import cache_root, load_target
+from cosine_ray.models.loader import cache_root, load_target, resolve_checkpoint
 from cosine_ray.models.device import synchronize
 from cosine_ray.models.linear import projection_kernel
 
@@ -196,8 +196,8 @@ def run_profile(config: EngineConfig, *, quick: bool) -> LatencyModel:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     grid = ProfileGrid.for_mode(quick)
-    loaded = load_target(config.model, weights=config.weights, dtype=config.dtype, device=config.device,
-                         num_stages=config.num_stages)
+    loaded = load_target(resolve_checkpoint(config.model, **config.checkpoint_args), weights=config.weights,
+                         dtype=config.dtype, device=config.device, num_stages=config.num_stages)
     checkpoint = loaded.checkpoint
     worker = TargetWorker(loaded.stages, kv_cache_memory=config.kv_cache_memory, runner=config.runtime.runner)
     vocab = checkpoint.config.vocab_size

@@ -14,6 +14,7 @@ release; the step frees their state on the target and the drafters (``take_relea
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from typing import Callable, Iterable, Sequence
 
@@ -24,7 +25,9 @@ from cosine_ray.engine.types import Verified
 class RequestPool:
     def __init__(self, *, max_num_seqs: int, max_model_len: int, num_lanes: int, vocab_size: int,
                  eos_token_ids: Sequence[int] = (), max_restores: int = 3,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], seed: int | None = None) -> None:
+        """``seed``: the requests that give no sampling seed draw their keys, in the order they
+        arrive, from a generator seeded with it (``EngineConfig.seed``); None: each a random one."""
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.num_lanes = num_lanes
@@ -41,6 +44,7 @@ class RequestPool:
         self._pending_outputs: list[RequestOutput] = []
         self._preempted: list[str] = []
         """Outputs produced outside a step (requests failed by a lost target)."""
+        self._keys = None if seed is None else random.Random(seed)
 
     # ---- requests in ---------------------------------------------------------------------
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -57,8 +61,9 @@ class RequestPool:
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check(prompt_token_ids, params)
+        key = None if params.seed is not None or self._keys is None else self._keys.getrandbits(64)
         request = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_ids,
-                          arrival_time=self.clock())
+                          arrival_time=self.clock(), seed=key)
         self.waiting.append(request)
         return request
 
