@@ -5,7 +5,8 @@
 directly. ``args`` are the engine config as plain data (``engine.config``) plus the ingress
 settings (``INGRESS_ARGS``: ``api_key`` or env ``COSINE_RAY_API_KEY``; ``api_keys``, a key
 file's entries, or ``api_key_file``, read when the application is built, or env
-``COSINE_RAY_API_KEY_FILE``, read by the replica; ``return_spec_stats``, ...).
+``COSINE_RAY_API_KEY_FILE``, read by the replica; ``return_spec_stats``; ``tool_call_parser``
+and ``chat_template``, the text of a Jinja template, ...).
 
 Two deployments (the Ray Serve LLM pattern): ``cosine_ray_engine`` (``EngineServer``: the request
 pool and step loop, owner of the stage and drafter actors; one replica) and the ingress
@@ -30,7 +31,7 @@ from cosine_ray.engine.config import config_from_dict
 
 INGRESS_ARGS = ("api_key", "api_keys", "api_key_file", "max_body_bytes", "max_ongoing_requests",
                 "max_queued_requests", "return_spec_stats", "metrics_require_key", "max_pending_requests",
-                "request_timeout_s", "body_timeout_s", "allow_unauthenticated")
+                "request_timeout_s", "body_timeout_s", "allow_unauthenticated", "tool_call_parser", "chat_template")
 DEFAULT_MAX_PENDING_REQUESTS = 256
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 CONTROL_HEADROOM = 32
@@ -48,14 +49,16 @@ class OpenAIIngress:
                  max_body_bytes: int = 1 << 20, return_spec_stats: bool = False,
                  metrics_require_key: bool = False, max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 body_timeout_s: float | None = None) -> None:
+                 body_timeout_s: float | None = None, tool_call_parser: str | None = None,
+                 chat_template: str | None = None) -> None:
         from cosine_ray.models.loader import resolve_checkpoint
         from cosine_ray.runtime.engine_client import RayEngineClient
         from cosine_ray.serve.errors import DEFAULT_BODY_TIMEOUT_S
         from cosine_ray.serve.tenants import as_key_entries, read_key_file
+        from cosine_ray.serve.tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
         config = config_from_dict(config_data)
-        checkpoint = resolve_checkpoint(config.model)
+        checkpoint = resolve_checkpoint(config.model, **config.checkpoint_args)
         self.engine = RayEngineClient(engine, model_name=checkpoint.name,
                                       max_model_len=config.resolved(
                                           context_len=checkpoint.config.max_position_embeddings).scheduler.max_model_len,
@@ -71,6 +74,8 @@ class OpenAIIngress:
         self.metrics_require_key = bool(metrics_require_key)
         self.max_pending_requests = int(max_pending_requests)
         self.request_timeout_s = float(request_timeout_s)
+        self.tool_call_parser = tool_call_parser or DEFAULT_TOOL_CALL_PARSER
+        self.chat_template = chat_template
 
     def __serve_build_asgi_app__(self):
         from cosine_ray.serve.completion_ledger import with_completion_ledger
@@ -81,7 +86,8 @@ class OpenAIIngress:
                                 return_spec_stats=self.return_spec_stats,
                                 metrics_require_key=self.metrics_require_key,
                                 max_pending_requests=self.max_pending_requests,
-                                request_timeout_s=self.request_timeout_s)
+                                request_timeout_s=self.request_timeout_s, chat_template=self.chat_template,
+                                tool_call_parser=self.tool_call_parser)
         return with_completion_ledger(asgi)  # the client request ids it answered, for an audit
 
 
@@ -103,6 +109,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         ingress["api_keys"] = list(ingress.get("api_keys") or []) + as_key_entries(
             read_key_file(ingress.pop("api_key_file")))
     key_ring(ingress.get("api_key"), ingress.get("api_keys") or ())  # a key or a name given twice: refused now
+    if ingress.get("tool_call_parser") is not None:
+        from cosine_ray.serve.tool_parsers import tool_call_parser
+        tool_call_parser(ingress["tool_call_parser"])  # an unknown parser: refused now, not in the replica
+    if ingress.get("chat_template") is not None:  # a file is read here, where it is given; a bad template refused
+        from cosine_ray.serve.prompts import read_chat_template
+        ingress["chat_template"] = read_chat_template(ingress["chat_template"])
     config = config_from_dict(args)  # validate before anything starts
     # Closed by default: the builder cannot see the HTTP host (a Serve config's http_options
     # are not its args), so without a key the server may only be open when the args say so

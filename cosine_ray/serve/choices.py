@@ -296,6 +296,8 @@ class ChatDeltas:
     """One streamed chat choice's deltas under its tool mode (``serve.tools``)."""
 
     req: ChatCompletionRequest
+    parser: str = tools.DEFAULT_TOOL_CALL_PARSER
+    """The tool-call format ``auto`` looks for (``ServerState.tool_call_parser``)."""
     text: str = ""
     sent: int = 0
     """Characters of ``text`` sent as content."""
@@ -320,11 +322,11 @@ class ChatDeltas:
                 function=FunctionDelta(name=name if first else None, arguments=delta))])
         if kind == "required" or self.in_call:
             return None
-        at = self.text.find(tools.OPEN_TAG, self.sent)  # auto
+        at = tools.call_start(self.text, self.sent, self.parser)  # auto
         if at >= 0:
             self.in_call = True
             return self._content(at)
-        return self._content(len(self.text) - tools.held_back(self.text))
+        return self._content(len(self.text) - tools.held_back(self.text, self.parser))
 
     def _content(self, end: int) -> ChatDelta | None:
         if end <= self.sent:
@@ -337,7 +339,7 @@ class ChatDeltas:
         kind = tools.mode(self.req)
         if kind in ("none", "named"):
             return []
-        content, calls = tools.parse(self.req, self.text)
+        content, calls = tools.parse(self.req, self.text, self.parser)
         if not calls:
             rest = self._content(len(self.text))
             return [rest] if rest else []

@@ -81,6 +81,8 @@ FIELDS: tuple[Field, ...] = (
     _h("tools", CHAT, OV, "function tools, rendered into the prompt"),
     _h("tool_choice", CHAT, OV, "none, auto, required, or a named function"),
     _h("parallel_tool_calls", CHAT, OV, "false: at most one call with tool_choice required"),
+    _h("chat_template_kwargs", CHAT, V, "variables for the chat template (at most 32; not the names of "
+       "apply_chat_template's own arguments)"),
     _h("cosine_ray_stats", BOTH, C, "add this request's speculation statistics"),
     _a("user", BOTH, OV), _a("metadata", CHAT, O), _a("store", CHAT, O),
     _a("safety_identifier", CHAT, O), _a("prompt_cache_key", CHAT, O),
@@ -101,7 +103,7 @@ FIELDS: tuple[Field, ...] = (
     _r("logprob_token_ids", BOTH, V), _r("allowed_token_ids", BOTH, V), _r("bad_words", BOTH, V, []),
     _r("add_generation_prompt", CHAT, V, True), _r("continue_final_message", CHAT, V, False),
     _r("add_special_tokens", CHAT, V, False), _r("add_special_tokens", COMPLETIONS, V, True),
-    _r("documents", CHAT, V), _r("chat_template", CHAT, V), _r("chat_template_kwargs", CHAT, V, {}),
+    _r("documents", CHAT, V), _r("chat_template", CHAT, V), 
     _r("media_io_kwargs", CHAT, V), _r("mm_processor_kwargs", CHAT, V), _r("prompt_embeds", COMPLETIONS, V),
     _r("priority", BOTH, V, 0, note="no priority scheduling"),
     _r("return_tokens_as_token_ids", BOTH, V, False), _r("return_token_ids", BOTH, V, False),

@@ -75,7 +75,9 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
                      metrics_require_key: bool = False, max_pending_requests: int | None = None,
                      request_timeout_s: float | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                      send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
-                     metrics_push_interval_s: float = PUSH_INTERVAL_S) -> FastAPI:
+                     metrics_push_interval_s: float = PUSH_INTERVAL_S,
+                     tool_call_parser: str = tools.DEFAULT_TOOL_CALL_PARSER,
+                     chat_template: str | None = None) -> FastAPI:
     """The OpenAI-compatible app. ``tokenizer`` is the target's HF tokenizer (chat template).
     ``api_key`` and ``api_keys`` (``serve.tenants``: each a tenant with its own limits) are the
     keys a request may carry; none: the app is open. ``return_spec_stats`` adds the
@@ -87,11 +89,14 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
     client gets 408 (before the first streamed byte) or an SSE error event with the 408 payload,
     then ``[DONE]``. ``body_timeout_s`` bounds the wait for a request's body (408), and
     ``send_timeout_s`` a stream's wait for its client to take bytes (dropped past it).
-    ``metrics_push_interval_s``: how often at most HTTP counts are pushed to the engine."""
+    ``metrics_push_interval_s``: how often at most HTTP counts are pushed to the engine.
+    ``tool_call_parser``: the format of ``auto`` tool calls (``serve.tool_parsers``);
+    ``chat_template``: a Jinja chat template used instead of the tokenizer's."""
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError("request_timeout_s must be > 0")
     if not send_timeout_s > 0:
         raise ValueError("send_timeout_s must be > 0")
+    tool_call_parser = tools.tool_call_parser(tool_call_parser).name  # an unknown name: ValueError
     keys = key_ring(api_key, api_keys)
     admission = Admission(max_pending_requests)
     counts = HttpCounts(engine, extra=admission.metrics_totals, push_interval_s=metrics_push_interval_s)
@@ -101,7 +106,8 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
                         http_counts=counts, default_max_tokens=default_max_tokens,
                         return_spec_stats=return_spec_stats, request_timeout_s=request_timeout_s,
                         send_timeout_s=send_timeout_s, max_token_chars=longest_token_chars(tokenizer),
-                        eos_token_ids=(eos,) if isinstance(eos, int) else ())
+                        eos_token_ids=(eos,) if isinstance(eos, int) else (),
+                        tool_call_parser=tool_call_parser, chat_template=chat_template)
     app = FastAPI(title="cosine_ray", summary="OpenAI-compatible lossless speculative decoding",
                   responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                              429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
@@ -145,7 +151,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
         await collect_all(request, choices)
         out = []
         for c in choices:
-            content, calls = tools.parse(req, c.gen.text.text)
+            content, calls = tools.parse(req, c.gen.text.text, state.tool_call_parser)
             out.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
                                   finish_reason=finish_reason(c, bool(calls)),
                                   logprobs=logprobs.chat(c.gen.logprobs) if req.logprobs else None))
@@ -159,7 +165,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
                                    usage=usage(choices) if req.continuous_usage else None)
 
     async def events() -> AsyncIterator[str]:
-        streams = {c.index: ChatDeltas(req) for c in choices}
+        streams = {c.index: ChatDeltas(req, state.tool_call_parser) for c in choices}
         for c in choices:
             yield sse(chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))))
         finished = set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -61,17 +62,21 @@ def check_length(state: ServerState, num_chars: int, param: str) -> None:
 async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     """The chat request's prompt token ids: its messages (and tools) through the chat template."""
     tokenizer = state.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    template = state.template
+    if not template:
         raise InvalidRequest(f"model {state.model_name} has no chat template; use /v1/completions",
                              param="messages")
     check_length(state, sum(len(m.content or "") for m in req.messages), "messages")
-    messages, tool_list = tools.render(req, tokenizer)
-    kwargs = {"tools": tool_list} if tool_list else {}
+    messages, tool_list = tools.render(req, tokenizer, state.chat_template)
+    kwargs: dict[str, Any] = {"tools": tool_list} if tool_list else {}
+    if state.chat_template:
+        kwargs["chat_template"] = state.chat_template
+    variables = template_variables(tokenizer, req.chat_template_kwargs)
     try:
         ids = await off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True,
-                             **kwargs)
+                             **kwargs, **variables)
     except TemplateError as exc:  # the template's own message for its users (e.g. role order)
-        raise InvalidRequest(f"messages do not fit the model's chat template: {str(exc).splitlines()[0]}",
+        raise InvalidRequest(f"messages do not fit the model's chat template: {(str(exc).splitlines() or [''])[0]}",
                              param="messages") from None
     except Exception:  # the tokenizer failed: say so without its internals
         log.warning("chat template or tokenizer failed", exc_info=True)
@@ -80,6 +85,56 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[in
     if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+MAX_CHAT_TEMPLATE_CHARS = 1 << 20
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file (its text) or as the template itself; ValueError (one
+    line) for a missing file or a template Jinja cannot parse."""
+    from pathlib import Path
+
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    text = value
+    if "{" not in value:  # a template has tags; a path has none
+        path = Path(value).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the template file {value}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not text.strip() or len(text) > MAX_CHAT_TEMPLATE_CHARS:
+        raise ValueError(f"a chat template must be 1 to {MAX_CHAT_TEMPLATE_CHARS} characters, got {len(text)}")
+    try:  # as transformers compiles it
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})") from None
+    return text
+
+
+def template_variables(tokenizer: Any, given: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as keywords of ``apply_chat_template``: 400 for a name that is one
+    of its own arguments (``tokenize``, ``chat_template``, ...) or the conversation's."""
+    if not given:
+        return {}
+    try:
+        own = {name for name, param in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+               if param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)}
+    except (TypeError, ValueError):  # no signature to read
+        own = set()
+    clash = sorted((own | RESERVED_TEMPLATE_VARIABLES) & set(given))
+    if clash:
+        raise InvalidRequest(f"chat_template_kwargs may not set {clash[0]!r}: the server sets it",
+                             param="chat_template_kwargs")
+    return dict(given)
+
+
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "chat_template",
+                                         "add_generation_prompt", "tokenize", "continue_final_message"})
+"""What the server itself passes to the template (``apply_chat_template`` may name more)."""
 
 
 async def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:

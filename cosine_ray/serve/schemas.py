@@ -13,6 +13,7 @@ models live in ``serve.responses`` and are importable from here.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
@@ -22,7 +23,7 @@ from cosine_ray.serve.errors import InvalidRequest
 from cosine_ray.serve.fields import check_extra_fields
 from cosine_ray.serve.limits import (MAX_CHOICE_STRINGS, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS,
                                      MAX_USER_CHARS, check_grammar_text, check_schema,
-                                     check_schema_chars)
+                                     check_schema_chars, json_depth)
 from cosine_ray.serve.responses import (  # noqa: F401 - the response models, importable from here too
     AssistantMessage, CalledFunction, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse, CosineRayStats, ErrorBody,
@@ -33,6 +34,11 @@ MAX_CHOICES = 16
 """Largest ``n`` / ``best_of``."""
 MAX_LOGPROBS = 20
 """Most alternatives per token (OpenAI's limit for top_logprobs)."""
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_DEPTH = 8
+MAX_TEMPLATE_KWARGS_CHARS = 16 << 10
+"""Bounds of ``chat_template_kwargs``: variables, nesting, and size as JSON."""
+TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 StrictInt = Annotated[int, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
@@ -298,6 +304,24 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolParam] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Variables for the chat template (e.g. enable_thinking), as vLLM's.")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not value:
+            return value
+        if len(value) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} template variables, got {len(value)}")
+        bad = next((k for k in value if not TEMPLATE_VARIABLE.fullmatch(k)), None)
+        if bad is not None:
+            raise ValueError(f"{bad[:32]!r} is not a template variable name (letters, digits, _)")
+        if json_depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise ValueError(f"nested more than {MAX_TEMPLATE_KWARGS_DEPTH} deep")
+        if len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_CHARS:
+            raise ValueError(f"more than {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON")
+        return value
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:

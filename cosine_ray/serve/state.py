@@ -19,6 +19,7 @@ from cosine_ray.serve.admission import Admission
 from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness
 from cosine_ray.serve.metrics_http import HttpCounts
 from cosine_ray.serve.schemas import ModelCard
+from cosine_ray.serve.tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: min(this, context left after the prompt)."""
@@ -54,6 +55,12 @@ class ServerState:
     context times this is refused before tokenizing); None: no such bound."""
     eos_token_ids: tuple[int, ...] = ()
     """The tokenizer's end-of-text ids (``serve.limits.check_vocabulary``)."""
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER
+    """The format ``auto`` tool calls are read in (``serve.tool_parsers``: hermes, llama3_json,
+    mistral; ``--tool-call-parser``)."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the tokenizer's (``--chat-template``); None: the
+    tokenizer's."""
     created: int = field(default_factory=lambda: int(time.time()))
     """The model card's ``created`` (when the app was built)."""
 
@@ -62,6 +69,11 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise NotFound(f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    @property
+    def template(self) -> str | None:
+        """The chat template prompts are rendered with."""
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None)
 
     def wants_stats(self, req: Any) -> bool:
         return self.return_spec_stats or req.cosine_ray_stats

@@ -33,13 +33,15 @@ def mode(req: ChatCompletionRequest) -> str:
     return req.tool_choice or "auto"
 
 
-def template_knows_tools(tokenizer: Any) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+def template_knows_tools(tokenizer: Any, template: str | None = None) -> bool:
+    return "tools" in (template or getattr(tokenizer, "chat_template", None) or "")
 
 
-def render(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages for the chat template, ``tools`` for it or None)."""
-    native = template_knows_tools(tokenizer)
+def render(req: ChatCompletionRequest, tokenizer: Any,
+           template: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages for the chat template, ``tools`` for it or None); ``template``: the one used
+    instead of the tokenizer's."""
+    native = template_knows_tools(tokenizer, template)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and mode(req) != "none" else None
     messages = []
     for m in req.messages:
