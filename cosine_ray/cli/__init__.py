@@ -19,9 +19,21 @@ COMMANDS = {"generate": generate, "datastore": datastore, "serve": serve, "bench
             "simulate": simulate, "distill": distill}
 
 
+def package_version() -> str:
+    """The installed package's version (its metadata; ``unknown`` for a tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("cosine_ray")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="cosine-ray", description="Collaborative speculative inference on a Ray cluster.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser.add_argument("--version", action="version", version=f"cosine-ray {package_version()}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND",
+                                help="the command to run (COMMAND --help for its options)")
     for module in COMMANDS.values():
         module.add_parser(sub)
     return parser

@@ -17,8 +17,27 @@ class Parser(argparse.ArgumentParser):
         raise CliError(f"{message} (see `{self.prog} --help`)")
 
 
-DRAFTERS_HELP = "none, or a comma list of ngram, retrieval[:DOMAIN|:FILE.parquet], model:MODEL, self"
-MODEL_HELP = "target model: embedded name, Hugging Face directory or .gguf file"
+DRAFTERS_HELP = ("speculation sources: default, none, learning, or a comma list of ngram, "
+                 "retrieval[:DOMAIN|:FILE.parquet], suffix[:DOMAIN|:FILE.parquet], model:MODEL, self (docs/cli.md)")
+MODEL_HELP = ("target model: embedded name (smollm2-135m), Hugging Face directory, .gguf file, or Hugging Face "
+              "Hub id org/name (org/name/FILE.gguf: one GGUF file of a repository)")
+SPEC_TOKENS_HELP = "draft-token budget of each request's tree per step (0 = plain decoding)"
+STAGES_HELP = "pipeline stages (contiguous layer slices) of the target; vLLM's --pipeline-parallel-size"
+
+
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """Where a Hub model comes from: ``--revision``, ``--tokenizer``, ``--download-dir``."""
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face Hub model (default: main)")
+    p.add_argument("--tokenizer", default=None,
+                   help="take the tokenizer from here instead of the model: embedded name, directory or Hub id")
+    p.add_argument("--download-dir", default=None,
+                   help="fetch Hub models into this folder instead of huggingface_hub's cache (HF_HOME)")
+
+
+def model_source_settings(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields the model-source flags gave (absent flags are left out)."""
+    return {n: getattr(args, n) for n in ("revision", "tokenizer", "download_dir") if getattr(args, n, None) is not None}
 
 
 def add_cosine_args(p: argparse.ArgumentParser) -> None:
@@ -83,13 +102,18 @@ def add_batching_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step computes at most; longer prompts are prefilled in chunks "
                         "(default 512 on CPU, 2048 on CUDA)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens a request may reach (default 8192, capped at the model's context)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of prompt prefixes already computed (default: on); --no-enable-prefix-caching "
+                        "recomputes every prompt")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                   help="recompute every prompt instead of reusing the KV of cached prefixes")
+                   help="the same as --no-enable-prefix-caching")
 
 
 def batching_overrides(args: argparse.Namespace) -> dict:
     """The ``scheduler`` settings the batching flags gave, by name (absent flags are left out)."""
-    names = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+    names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -114,10 +138,10 @@ def check_local_device(device: str) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = DEFAULT_DRAFTERS) -> None:
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    add_model_source_args(p)
     p.add_argument("--drafters", default=drafters_default, help=DRAFTERS_HELP)
-    p.add_argument("--num-speculative-tokens", type=int, default=8,
-                   help="draft-token budget of each request's tree per step (0 = plain decoding)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages (layer slices) of the target")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help=SPEC_TOKENS_HELP)
+    p.add_argument("--stages", "--pipeline-parallel-size", "-pp", dest="stages", type=int, default=1, help=STAGES_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_device_args(p)
     add_batching_args(p)
@@ -125,10 +149,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, drafters_default: str = DEFAU
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                            "whose probability reaches this (default 1.0: all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: all)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed: the same seed gives the same text, with or without speculation")
 
@@ -140,7 +165,7 @@ def engine_config_from_args(args: argparse.Namespace, *, batch_size: int | None 
     try:
         config = EngineConfig(model=args.model, drafters=parse_drafters(args.drafters), num_stages=args.stages,
                               num_threads=args.threads, device=args.device, dtype=args.dtype, weights=args.weights,
-                              kv_cache_memory=args.kv_cache_memory)
+                              kv_cache_memory=args.kv_cache_memory, **model_source_settings(args))
         return config.replace(**{"max_num_seqs": batch_size, **batching_overrides(args)},  # flags win
                               **({"runner": runner} if runner else {}), **cosine_overrides(args))
     except ValueError as exc:

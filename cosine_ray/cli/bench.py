@@ -33,7 +33,8 @@ from typing import Any
 from cosine_ray.bench.conversations import Turn, count_tokens, run_conversations, run_hf, same_output
 from cosine_ray.bench.figures import routing_shares, spec_figures
 from cosine_ray.bench.rounds import Spread, round_order
-from cosine_ray.cli.args import CliError, add_device_args, check_local_device, runner_from_args
+from cosine_ray.cli.args import (MODEL_HELP, SPEC_TOKENS_HELP, CliError, add_device_args, check_local_device,
+                                 runner_from_args)
 from cosine_ray.datasets import default_prompt_dir
 from cosine_ray.metrics.names import STEP_PHASES
 
@@ -48,7 +49,7 @@ ABLATIONS = ("routing=random", "fusion=single", "scheduler=fcfs", "adaptive=fals
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="tokens/s on a workload: HF vs cosine_ray systems")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     p.add_argument("--prompt-dir", default=str(DEFAULT_PROMPT_DIR),
                    help="folder with humaneval/gsm8k/alpaca/mtbench .jsonl")
     p.add_argument("--workload", default="mixed", help="mixed | multi-turn | code-edit | template")
@@ -56,7 +57,7 @@ def add_parser(sub) -> None:
                    help="measured conversations per domain (× 4 domains; second half of each file)")
     p.add_argument("--warmup-per-domain", type=int, default=0,
                    help="warm-up conversations per domain before the measured ones (first half of each file)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per turn at most (default 64)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help="';'-separated: hf-greedy, hf-prompt-lookup, or DRAFTERS[@key=value,...] "
                         "(engine settings by name, e.g. learning@routing=random); 'ablations' after a "
@@ -64,7 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter-sets", default=None, help="(old flag) ';'-separated --drafters values; "
                    "the same as --systems with hf-greedy;hf-prompt-lookup in front")
     p.add_argument("--concurrency", default="1", help="comma list of concurrent conversations, e.g. 1,8")
-    p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help=SPEC_TOKENS_HELP)
     p.add_argument("--prompt-lookup-tokens", type=int, default=8, help="HF prompt_lookup_num_tokens")
     p.add_argument("--repeat-probe", action="store_true",
                    help="send the first measured request again at the end and report its acceptance")
@@ -72,9 +73,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every cosine_ray system x concurrency this many times, interleaved in a "
                         "shuffled order per round; prints medians and min-max of each ratio to none")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_device_args(p)
-    p.add_argument("--out", default="bench-results/bench.json")
+    p.add_argument("--out", default="bench-results/bench.json", help="where the results are written as JSON")
 
 
 # ---- systems --------------------------------------------------------------------------------------

@@ -7,12 +7,13 @@ import argparse
 import os
 import time
 
-from cosine_ray.cli.args import CliError, Parser, load_engine
+from cosine_ray.cli.args import MODEL_HELP, CliError, Parser, load_engine
 
 
 def add_parser(sub) -> None:
     ds = sub.add_parser("datastore", help="retrieval datastores")
-    ds_sub = ds.add_subparsers(dest="datastore_command", required=True, parser_class=Parser)
+    ds_sub = ds.add_subparsers(dest="datastore_command", required=True, parser_class=Parser,
+                               help="build: a datastore from the target's outputs")
     build = ds_sub.add_parser("build", help="run the target on prompts and store its outputs")
     build.add_argument("--domain", required=True,
                        help="code, math, instruction, chat (packaged prompt sets) or a name of yours")
@@ -23,9 +24,9 @@ def add_parser(sub) -> None:
     build.add_argument("--split", choices=("first-half", "all"), default="first-half",
                        help="which prompts to use; the second half is held back for benchmarks")
     build.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
-    build.add_argument("--max-tokens", type=int, default=96)
-    build.add_argument("--batch-size", type=int, default=8)
-    build.add_argument("--model", default="smollm2-135m")
+    build.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt at most")
+    build.add_argument("--batch-size", type=int, default=8, help="prompts generated at once")
+    build.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
 
 
 def _datastore_rows(args: argparse.Namespace) -> list[dict]:

@@ -46,19 +46,21 @@ def add_parser(sub) -> None:
     p.add_argument("--shared-epochs", type=int, default=0,
                    help="first train one drafter on every domain's answers for this many epochs; each domain "
                         "drafter then starts from it (0: from the target's layers)")
-    p.add_argument("--shared-lr", type=float, default=1e-3)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--head-epochs", type=int, default=10)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--head-lr", type=float, default=2e-3)
+    p.add_argument("--shared-lr", type=float, default=1e-3, help="learning rate of the shared drafter")
+    p.add_argument("--epochs", type=int, default=8, help="epochs of each domain drafter")
+    p.add_argument("--head-epochs", type=int, default=10, help="epochs of the feature head")
+    p.add_argument("--lr", type=float, default=2e-3, help="learning rate of the domain drafters")
+    p.add_argument("--head-lr", type=float, default=2e-3, help="learning rate of the feature head")
     p.add_argument("--batch-tokens", type=int, default=256,
                    help="padded tokens in one optimizer step of a domain drafter")
     p.add_argument("--head-batch-tokens", type=int, default=256, help="positions in one optimizer step of the head")
     p.add_argument("--top-k", type=int, default=16, help="target log-probabilities kept per position")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the drafters' training (initialisation, batch order, validation split)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--stop-after", choices=("answers", "teacher"), default=None)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--stop-after", choices=("answers", "teacher"), default=None,
+                   help="stop once the answers (or the teacher's log-probabilities) are written")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
 def _prompts(args: argparse.Namespace) -> tuple[dict, dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import signal
 import socket
@@ -23,8 +24,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cosine_ray.cli.args import (CliError, add_batching_args, add_cosine_args, add_device_args, batching_overrides,
-                                 check_local_device, cosine_overrides, runner_from_args)
+from cosine_ray.cli import vllm_flags
+from cosine_ray.cli.args import (DRAFTERS_HELP, MODEL_HELP, SPEC_TOKENS_HELP, STAGES_HELP, CliError, add_batching_args,
+                                 add_cosine_args, add_device_args, add_model_source_args, batching_overrides,
+                                 check_local_device, cosine_overrides, model_source_settings, runner_from_args)
 
 DEFAULT_NUM_STAGES = 2
 DEFAULT_HOST = "127.0.0.1"
@@ -47,12 +50,14 @@ def add_parser(sub) -> None:
     srv.add_argument("--address", default=None,
                      help="join this Ray cluster instead of starting one (without it a new local cluster is "
                           "started, whatever RAY_ADDRESS or a previous `ray start` recorded)")
-    srv.add_argument("--model", default=None)
-    srv.add_argument("--drafters", default=None)
-    srv.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
+    srv.add_argument("--model", default=None, help=MODEL_HELP + " (default smollm2-135m)")
+    add_model_source_args(srv)
+    srv.add_argument("--drafters", default=None, help=DRAFTERS_HELP + " (default: default)")
+    srv.add_argument("--stages", "--pipeline-parallel-size", "-pp", dest="stages", type=int, default=None,
+                     help=STAGES_HELP + f" (default {DEFAULT_NUM_STAGES})")
     add_device_args(srv, defaults=False)
     add_batching_args(srv)
-    srv.add_argument("--num-speculative-tokens", type=int, default=None)
+    srv.add_argument("--num-speculative-tokens", type=int, default=None, help=SPEC_TOKENS_HELP + " (default 8)")
     srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
                      metavar="KINDS",
                      help="drafter kinds run inside the engine process (default: ngram,retrieval,suffix, "
@@ -77,6 +82,7 @@ def add_parser(sub) -> None:
                      help="generations one replica holds at once; one more gets 503 + Retry-After (default 256)")
     srv.add_argument("--request-timeout-s", type=float, default=None,
                      help="a generation running longer is cancelled and answered 408 (default 600)")
+    vllm_flags.add_vllm_args(srv)
 
 
 # ---- the config file ------------------------------------------------------------------------
@@ -122,8 +128,8 @@ def read_config_file(path: str) -> ConfigFile:
 def _split_app_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(engine config data, ingress args) of the application builder's ``args``."""
     from cosine_ray.serve.app import INGRESS_ARGS
-    return ({k: v for k, v in args.items() if k not in INGRESS_ARGS},
-            {k: v for k, v in args.items() if k in INGRESS_ARGS})
+    ingress = {*INGRESS_ARGS, "served_model_names"}
+    return ({k: v for k, v in args.items() if k not in ingress}, {k: v for k, v in args.items() if k in ingress})
 
 
 def _read_serve_config(path: str, data: dict[str, Any]) -> ConfigFile:
@@ -169,6 +175,8 @@ class ServePlan:
     app_name: str
     route_prefix: str
     ignored: list[str]
+    console: vllm_flags.Console = field(default_factory=vllm_flags.Console)
+    """How much the cluster prints, and whether it runs Ray's dashboard."""
 
 
 def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str, Any]:
@@ -176,14 +184,16 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
     from cosine_ray.engine.config import config_from_dict, config_to_dict
 
     data = dict(file.engine) if file is not None else {"num_stages": DEFAULT_NUM_STAGES}
-    for key, flag in (("model", args.model), ("drafters", args.drafters), ("num_stages", args.stages),
+    vllm_data, vllm_settings = vllm_flags.engine_settings(args)
+    data.update(model_source_settings(args), **vllm_data)
+    for key, flag in (("model", vllm_flags.model_flag(args)), ("drafters", args.drafters), ("num_stages", args.stages),
                       ("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)),
                       ("weights", getattr(args, "weights", None)),
                       ("kv_cache_memory", getattr(args, "kv_cache_memory", None))):
         if flag is not None:
             data[key] = flag
     config = config_from_dict(data)
-    settings = {**batching_overrides(args), **cosine_overrides(args)}
+    settings = {**batching_overrides(args), **cosine_overrides(args), **vllm_settings}
     if args.address:
         settings["address"] = args.address
     if getattr(args, "drafters_in_engine", None) is not None:
@@ -214,6 +224,7 @@ def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str
     key). The env var is read here, in the CLI process: Serve replicas are Ray workers started
     by the raylet and do not inherit this process's environment."""
     out = dict(file.ingress) if file is not None else {}
+    out = vllm_flags.check_ingress_settings({**out, **vllm_flags.ingress_settings(args)})
     api_key = args.api_key or os.environ.get("COSINE_RAY_API_KEY")
     if api_key:
         out["api_key"] = api_key
@@ -273,13 +284,13 @@ would otherwise fail in the replica, which Serve restarts forever."""
 def serve_plan(args: argparse.Namespace) -> ServePlan:
     """Everything ``run`` needs, validated; CliError (one line, exit 2) on any user error."""
     file = read_config_file(args.config) if args.config else None
+    where = f"--config {args.config}: " if args.config else ""
     try:
         engine = _engine_data(args, file)
-        from cosine_ray.models.loader import resolve_checkpoint
-        resolve_checkpoint(engine["model"])  # fail fast with a clear message (and fetch it once)
     except (ValueError, OSError) as exc:
-        where = f"--config {args.config}: " if args.config else ""
         raise CliError(where + str(exc).splitlines()[0]) from None
+    from cosine_ray.cli.serve_start import fetch_model
+    fetch_model(engine, where)  # fail fast with a clear message (and fetch and convert it once)
     if not engine["cluster"].get("address"):
         check_local_device(engine["device"])  # a local cluster runs on this machine's devices
     http = dict(file.http_options) if file is not None else {}
@@ -287,6 +298,8 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise CliError(f"--port must be in 1..65535, got {port}")
+    if args.dashboard and engine["cluster"].get("address"):
+        raise CliError("--dashboard starts Ray's dashboard with a local cluster; a joined cluster has its own")
     if args.num_cpus is not None and args.num_cpus < 1:
         raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
     http.update(host=host, port=port)
@@ -294,7 +307,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     return ServePlan(engine=engine, app_args={**engine, **ingress}, host=host, port=port, http_options=http,
                      proxy_location=file.proxy_location if file else None,
                      app_name=file.app_name if file else APP_NAME, route_prefix=file.route_prefix if file else "/",
-                     ignored=list(file.ignored) if file else [])
+                     ignored=list(file.ignored) if file else [], console=vllm_flags.Console.of(args))
 
 
 LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
@@ -392,13 +405,16 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     from cosine_ray.cli.serve_start import ServeStart, deploy_in_child, place_actors, serve_start_error
     from cosine_ray.runtime.cluster import connect
 
+    logging.getLogger("ray.serve").setLevel(plan.console.system_level)  # Serve's lines in this process
+
     address = plan.engine["cluster"].get("address")
     if address:
         check_address_reachable(address)
     else:
         check_port_free(plan.host, plan.port)
     try:
-        connect(address, num_cpus=args.num_cpus or local_cluster_cpus(plan.engine))
+        connect(address, num_cpus=args.num_cpus or local_cluster_cpus(plan.engine),
+                include_dashboard=plan.console.dashboard, logging_level=plan.console.system_level)
     except (ConnectionError, ValueError, TimeoutError) as exc:
         if not address:
             raise
@@ -411,7 +427,7 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     except CliError:
         ray.shutdown()
         raise
-    start = {"http_options": plan.http_options}
+    start = {"http_options": plan.http_options, "logging_config": plan.console.serve_logging()}
     if plan.proxy_location is not None:
         start["proxy_location"] = plan.proxy_location
     starting = ServeStart(**start)  # the deploy needs only Serve's controller, not its HTTP proxy
@@ -441,6 +457,8 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.log_level:
+        logging.getLogger().setLevel(args.log_level.upper())
     plan = serve_plan(args)
     plan.app_args = check_exposure(plan.host, plan.app_args)
     for what in plan.ignored:

@@ -1,27 +1,27 @@
-"""Starting the application for ``cosine-ray serve``: placement checked first, then the
-deploy from a short-lived child process.
+"""Starting the application for ``cosine-ray serve``: the model, placement, Serve, the deploy.
 
+``fetch_model``: the model resolved; what must be fetched or converted is, in a child process of
+its own (``python -m cosine_ray.models.loader``), so this long-lived process never holds torch.
+``place_actors``: a stage no node can host is a CliError naming it, what it asks and what the
+nodes offer; a drafter that cannot be placed is left out of the plan, with a note.
 ``ServeStart``: Serve's start in a thread, so that the application deploys while Serve's HTTP
 proxy starts.
-
-``place_actors``: the cluster must be able to host every stage and drafter actor
-(``runtime.placement``): a stage that cannot be placed is a CliError naming it, what it asks
-and what the nodes offer; a drafter that cannot is left out of the plan, with a note.
 
 ``deploy_in_child`` runs this module as a child (``main``), which imports Serve's client and
 joins the cluster while the CLI process (the Ray driver that waits for Ctrl-C) starts it and
 Serve (``Deployer``: started first). The child reads ``{"address", "app_args", "name",
-"route_prefix", "error_file"}`` as JSON on stdin (nothing: it exits 0), joins the cluster, runs
-``serve.run`` and exits 0 once the application answers; on failure it writes one line
-(``failure_reason``) to ``error_file`` and exits 1. The application outlives it: Serve's
-controller owns the replicas. Neither process imports torch or the engine: ``build_app`` names
-the engine's class by import path, and only the engine replica imports it.
+"route_prefix", "error_file", "env", "logging_config", "log_level"}`` as JSON on stdin
+(nothing: it exits 0), joins the cluster, runs ``serve.run`` and exits 0 once the application
+answers; on failure it writes one line (``failure_reason``) to ``error_file`` and exits 1. The
+application outlives it. Neither process imports torch or the engine: ``build_app`` names the
+engine's class by import path, and only the engine replica imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -34,6 +34,33 @@ from cosine_ray.cli.args import CliError
 
 ServePlan = Any
 """``cli.serve.ServePlan`` (not imported: ``cli.serve`` imports this module)."""
+
+
+def fetch_model(engine: dict[str, Any], where: str = "") -> None:
+    """The model (and its tokenizer) resolved; what must be fetched or converted first is, once,
+    in a child process (``python -m cosine_ray.models.loader``: its download and conversion
+    progress bars go to this terminal), so that this process, which runs for as long as the
+    server, never imports torch, transformers or huggingface_hub. CliError (one line) when it
+    cannot be."""
+    from cosine_ray.models.loader import cached_checkpoint
+    source = {k: engine.get(k) for k in ("revision", "tokenizer", "download_dir")}
+    try:
+        if cached_checkpoint(engine["model"], **source) is not None:
+            return  # nothing to fetch or convert: resolved here, without torch
+    except (ValueError, OSError) as exc:  # ModelLoadError is a ValueError
+        raise CliError(where + str(exc).splitlines()[0]) from None
+    cmd = [sys.executable, "-m", "cosine_ray.models.loader", str(engine["model"])]
+    for key in ("revision", "tokenizer", "download_dir"):
+        if engine.get(key) is not None:
+            cmd += [f"--{key.replace('_', '-')}", str(engine[key])]
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    lines = proc.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if proc.returncode != 0 or "error" in answer:
+        raise CliError(where + str(answer.get("error") or f"resolving the model failed (exit {proc.returncode})"))
 
 
 def place_actors(plan: ServePlan) -> ServePlan:
@@ -150,7 +177,8 @@ def deploy_in_child(plan: ServePlan, deployer: Deployer) -> None:
         # for the cluster's token authentication), which a child started now would inherit
         ray_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
         spec = {"address": address, "app_args": plan.app_args, "name": plan.app_name,
-                "route_prefix": plan.route_prefix, "error_file": err.name, "env": ray_env}
+                "route_prefix": plan.route_prefix, "error_file": err.name, "env": ray_env,
+                "logging_config": plan.console.app_logging(), "log_level": plan.console.system_level}
         returncode = deployer.deploy(spec)
         if returncode != 0:
             reason = err.read().strip() or f"the deploying process exited with {returncode}"
@@ -174,9 +202,12 @@ def main() -> int:
             from ray._raylet import Config
 
             Config.initialize("")
-        connect(spec["address"])
+        # the CLI prints the workers' lines; this process printing them too doubled each one
+        connect(spec["address"], logging_level=spec.get("log_level"), log_to_driver=False)
+        if spec.get("log_level"):  # Serve's own lines in this process ("Connecting to existing Serve app")
+            logging.getLogger("ray.serve").setLevel(spec["log_level"])
         serve.run(build_app(spec["app_args"]), name=spec["name"], route_prefix=spec["route_prefix"],
-                  blocking=False)
+                  logging_config=spec.get("logging_config"), blocking=False)
     except Exception as exc:  # a replica that cannot start, a bad setting: one line for the CLI
         with open(spec["error_file"], "w", encoding="utf-8") as f:
             f.write(failure_reason(serve, spec["name"], exc)[:1000])

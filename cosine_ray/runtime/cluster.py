@@ -38,7 +38,8 @@ def actor_name(role: str, index: int) -> str:
     return f"{NAMESPACE}:{role}:{index}"
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
+def connect(address: str | None = None, *, num_cpus: int | None = None, include_dashboard: bool = False,
+            logging_level: str | None = None, log_to_driver: bool = True) -> None:
     """Join ``address`` (``auto`` or ``ray://...`` or ``HOST:PORT``), or start a local cluster.
 
     A local cluster gets a fixed ``num_cpus`` (default: the machine's cores) so scheduling
@@ -51,15 +52,20 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
 
     Every worker of the job gets ``runtime_env`` env vars: one torch thread, fewer malloc arenas,
     Serve's proxy health-check period (``SERVE_ENV``) and the proxy's callback
-    (``serve.proxy_guard``); a local cluster also gets ``LOCAL_SYSTEM_CONFIG``.
+    (``serve.proxy_guard``); a local cluster also gets ``LOCAL_SYSTEM_CONFIG``, and Ray's
+    dashboard only with ``include_dashboard`` (without it Ray still runs its small API server).
+    ``logging_level``: what Ray prints in this process (Ray's default: INFO). ``log_to_driver``:
+    this process prints what the workers print; a second process of the same job on the same
+    terminal (``cosine-ray serve``'s deploying child) must not, or every line shows twice.
     """
     if ray.is_initialized():
         return
     runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **WORKER_MALLOC_ENV,
                                 **SERVE_ENV, PROXY_CALLBACK_ENV: PROXY_CALLBACK}}
+    level = {} if logging_level is None else {"logging_level": logging_level}
     if address:
-        ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, namespace=NAMESPACE, runtime_env=runtime_env, log_to_driver=log_to_driver, **level)
     else:
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, namespace=NAMESPACE,
-                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
-                 _system_config=LOCAL_SYSTEM_CONFIG)
+                 include_dashboard=include_dashboard, runtime_env=runtime_env, log_to_driver=log_to_driver,
+                 _system_config=LOCAL_SYSTEM_CONFIG, **level)

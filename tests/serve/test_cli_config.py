@@ -262,7 +262,7 @@ def fake_ray(monkeypatch, calls: dict) -> None:
 
     import cosine_ray.runtime.cluster as cluster
 
-    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus=None: calls.setdefault("connect", address))
+    monkeypatch.setattr(cluster, "connect", lambda address, num_cpus=None, **console: calls.setdefault("connect", address))
     monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: calls.setdefault("port", (host, port)))
     monkeypatch.setattr(serve_start, "place_actors", lambda plan: plan)  # no cluster to ask here
     monkeypatch.setattr(serve_start, "Deployer", lambda: types.SimpleNamespace(cancel=lambda: None, cancelled=False))
@@ -337,7 +337,8 @@ def test_run_passes_the_serve_config_to_ray_serve(tmp_path, monkeypatch, capsys)
     assert main(["serve", "--config", path]) == 0
     assert calls["connect"] is None and calls["port"] == ("0.0.0.0", 8123)
     assert calls["start"] == {"http_options": {"host": "0.0.0.0", "port": 8123, "request_timeout_s": 30},
-                              "proxy_location": "HeadOnly"}
+                              "proxy_location": "HeadOnly",
+                              "logging_config": {"log_level": "WARNING", "enable_access_log": False}}
     (tag, app_args), kw = calls["run"]
     assert tag == "APP" and kw == {"name": "mine", "route_prefix": "/llm", "blocking": False}
     assert app_args["api_key"] == "k" and app_args["drafters"] == "ngram"
