@@ -22,6 +22,7 @@ import contextlib
 import gc
 import logging
 import os
+import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
@@ -32,6 +33,7 @@ from cosine_ray.engine.config import config_from_dict
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.engine.worker.clients import LocalDrafterClient, LocalTargetClient
+from cosine_ray.metrics.console import StatsLine
 from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.runtime.backend import READY_TIMEOUT_S, ActorBackend
 from cosine_ray.runtime.clients import RayDrafterClient, await_ref
@@ -42,6 +44,8 @@ from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_dr
 from cosine_ray.runtime.placement import check_placement, cluster_nodes, without_drafters
 
 log = logging.getLogger(__name__)
+STATS_LOG = logging.getLogger("ray.serve")
+"""Serve's logger in a replica: its format, level (``logging_config``) and files."""
 
 DRAFTER_READY_S = 60.0
 """Longest wait for the drafter actors once the stages are up: a drafter never blocks serving
@@ -60,7 +64,7 @@ class EngineServer:
         config = without_drafters(config, [ask.drafter_index for ask, _ in unplaceable])
         self.engine_id = uuid.uuid4().hex[:8]
         self.namespace = f"{NAMESPACE}.{self.engine_id}"
-        checkpoint = resolve_checkpoint(config.model)
+        checkpoint = resolve_checkpoint(config.model, **config.checkpoint_args)
         if config.cluster.stages_in_engine:
             # the threads the stage actors would have had together; set on this loop's thread,
             # which runs the forwards (a thread's OpenMP setting is its own)
@@ -83,7 +87,23 @@ class EngineServer:
         self.loop = EngineLoop(self.core)
         self._stage_reader = StageUtilisationReader(self.core.exporter, self.stage_slots)
         self._heap_trimmer = start_heap_trimmer()  # runtime/memory.py: RSS that tracks what is held
+        interval = self.config.runtime.log_stats_interval_s
+        self._stats_logger = asyncio.create_task(self._log_stats(interval)) if interval > 0 else None
         await self.backend.await_drafters(min(ready_timeout_s, DRAFTER_READY_S))
+
+    async def _log_stats(self, every_s: float) -> None:
+        """One console line every ``every_s`` seconds while there is work (``metrics.console``),
+        through Serve's logger: the replica's log file, and the console of ``cosine-ray serve``."""
+        line = StatsLine.start(self.loop.metrics_snapshot(), time.monotonic())
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                text = line.update(self.loop.metrics_snapshot(), time.monotonic())
+            except Exception:  # a figure that cannot be read must not end the logging
+                log.warning("the stats line failed", exc_info=True)
+                continue
+            if text:
+                STATS_LOG.info(text)
 
     # ---- Serve hooks --------------------------------------------------------------------------
     async def check_health(self) -> None:
