@@ -456,6 +456,17 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     return plan
 
 
+def release_start_memory() -> None:
+    """What the start allocated and no longer uses (the config files, the plan, Serve's start),
+    handed back to the system: this process only waits from now on."""
+    import gc
+
+    from cosine_ray.runtime.memory import release_free_heap
+
+    gc.collect()
+    release_free_heap()
+
+
 def run(args: argparse.Namespace) -> int:
     if args.log_level:
         logging.getLogger().setLevel(args.log_level.upper())
@@ -496,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
     if not stop.is_set():
+        release_start_memory()
         url = f"http://{plan.host}:{plan.port}{plan.route_prefix.rstrip('/')}"
         print(f"cosine_ray: serving OpenAI API at {url}/v1 (health: {url}/health, "
               f"Prometheus: {url}/metrics). Ctrl-C stops.", flush=True)
