@@ -298,7 +298,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise CliError(f"--port must be in 1..65535, got {port}")
-    if args.dashboard and engine["cluster"].get("address"):
+    if getattr(args, "dashboard", False) and engine["cluster"].get("address"):
         raise CliError("--dashboard starts Ray's dashboard with a local cluster; a joined cluster has its own")
     if args.num_cpus is not None and args.num_cpus < 1:
         raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
@@ -468,7 +468,7 @@ def release_start_memory() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.log_level:
+    if getattr(args, "log_level", None):
         logging.getLogger().setLevel(args.log_level.upper())
     plan = serve_plan(args)
     plan.app_args = check_exposure(plan.host, plan.app_args)

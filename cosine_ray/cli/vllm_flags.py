@@ -58,9 +58,10 @@ def add_vllm_args(srv: argparse.ArgumentParser) -> None:
 
 def model_flag(args: argparse.Namespace) -> str | None:
     """The model the positional argument or ``--model`` gives (CliError when they differ)."""
-    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
-        raise CliError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give it once")
-    return args.model_tag if args.model_tag is not None else args.model
+    tag, model = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if tag is not None and model is not None and tag != model:
+        raise CliError(f"the model is given twice ({tag!r} and --model {model!r}); give it once")
+    return tag if tag is not None else model
 
 
 def engine_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -68,15 +69,15 @@ def engine_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str,
     ``EngineConfig.replace``); absent flags are left out."""
     data: dict[str, Any] = {}
     settings: dict[str, Any] = {}
-    if args.seed is not None:
+    if getattr(args, "seed", None) is not None:
         data["seed"] = args.seed
-    if args.speculative_config is not None:
-        if args.drafters is not None or args.num_speculative_tokens is not None:
+    if getattr(args, "speculative_config", None) is not None:
+        if getattr(args, "drafters", None) is not None or getattr(args, "num_speculative_tokens", None) is not None:
             raise CliError("give --speculative-config or --drafters / --num-speculative-tokens, not both")
         spec = speculative_settings(args.speculative_config)
         data["drafters"] = spec.pop("drafters")
         settings.update(spec)
-    if args.disable_log_stats:
+    if getattr(args, "disable_log_stats", False):
         settings["log_stats_interval_s"] = 0.0
     return data, settings
 
@@ -121,12 +122,10 @@ def speculative_settings(text: str) -> dict[str, Any]:
 def ingress_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The ingress args vLLM's flags give (absent flags are left out)."""
     out: dict[str, Any] = {}
-    if args.served_model_name is not None:
-        out["served_model_names"] = list(args.served_model_name)
-    if args.chat_template is not None:
-        out["chat_template"] = args.chat_template
-    if args.tool_call_parser is not None:
-        out["tool_call_parser"] = args.tool_call_parser
+    for flag, key in (("served_model_name", "served_model_names"), ("chat_template", "chat_template"),
+                      ("tool_call_parser", "tool_call_parser")):
+        if getattr(args, flag, None) is not None:
+            out[key] = getattr(args, flag)
     return out
 
 
@@ -169,7 +168,8 @@ class Console:
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> "Console":
-        return cls(log_level=args.log_level, access_log=bool(args.access_log), dashboard=bool(args.dashboard))
+        return cls(log_level=getattr(args, "log_level", None), access_log=bool(getattr(args, "access_log", False)),
+                   dashboard=bool(getattr(args, "dashboard", False)))
 
     @property
     def system_level(self) -> str:
