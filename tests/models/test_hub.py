@@ -138,6 +138,19 @@ def test_the_tokenizer_comes_from_another_repository(tmp_path, tiny_checkpoint, 
     assert "'cosine-test/nowhere' is not in the Hugging Face cache" in one_line(exc)
 
 
+def test_the_python_api_takes_a_hub_id_and_says_a_failure_in_one_line(hub, tiny_checkpoint):
+    from cosine_ray import LLM, SamplingParams
+
+    llm = LLM(REPO, download_dir=str(hub), drafters="none")
+    plain = LLM(str(tiny_checkpoint.path), drafters="none")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    assert llm.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids == \
+        plain.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError) as exc:
+        LLM("cosine-test/absent", download_dir=str(hub))
+    assert "'cosine-test/absent' is not in the Hugging Face cache" in one_line(exc)
+
+
 def test_only_what_needs_no_fetch_resolves_without_huggingface_hub(hub, tiny_checkpoint):
     assert cached_checkpoint(tiny_checkpoint.path).path == tiny_checkpoint.path
     assert cached_checkpoint(REPO, download_dir=hub) is None  # the cache of a Hub id is huggingface_hub's to read
