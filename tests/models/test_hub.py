@@ -110,6 +110,28 @@ def test_a_gguf_file_not_cached_is_one_line_naming_it(hub):
     assert f"'{REPO}/model.Q4_0.gguf' is not in the Hugging Face cache" in one_line(exc)
 
 
+@pytest.mark.parametrize("kind, status, expected", [
+    ("GatedRepoError", 403, "model 'org/name' at revision 'v9' is gated on the Hugging Face Hub: accept its terms at "
+                            "https://huggingface.co/org/name and set HF_TOKEN"),
+    ("RepositoryNotFoundError", 404, "model 'org/name': no such repository on the Hugging Face Hub, or a private "
+                                     "one this HF_TOKEN cannot read"),
+    ("RevisionNotFoundError", 404, "model 'org/name' has no revision 'v9' on the Hugging Face Hub"),
+    ("HfHubHTTPError", 401, "model 'org/name' at revision 'v9': the Hugging Face Hub refused access (401); set HF_TOKEN"),
+])
+def test_the_hubs_refusals_are_one_line_each(kind, status, expected):
+    """What huggingface_hub raises when the Hub answers (its own exception types, with the
+    Hub's answer), as the one line each becomes."""
+    import httpx2
+    from huggingface_hub import errors
+
+    from cosine_ray.models.hub import _hub_errors
+
+    answer = httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/models/org/name"))
+    with pytest.raises(ModelLoadError) as exc, _hub_errors("org/name", "v9", None):
+        raise getattr(errors, kind)("the Hub's own words\nover two lines", response=answer)
+    assert one_line(exc).startswith(expected)
+
+
 def test_a_revision_for_a_model_that_has_none_is_refused(tiny_checkpoint):
     with pytest.raises(ModelLoadError) as exc:
         resolve_checkpoint(tiny_checkpoint.path, revision="v1")
