@@ -103,7 +103,7 @@ FIELDS: tuple[Field, ...] = (
     _r("logprob_token_ids", BOTH, V), _r("allowed_token_ids", BOTH, V), _r("bad_words", BOTH, V, []),
     _r("add_generation_prompt", CHAT, V, True), _r("continue_final_message", CHAT, V, False),
     _r("add_special_tokens", CHAT, V, False), _r("add_special_tokens", COMPLETIONS, V, True),
-    _r("documents", CHAT, V), _r("chat_template", CHAT, V), 
+    _r("documents", CHAT, V), _r("chat_template", CHAT, V, note="the server's template (--chat-template) only"), 
     _r("media_io_kwargs", CHAT, V), _r("mm_processor_kwargs", CHAT, V), _r("prompt_embeds", COMPLETIONS, V),
     _r("priority", BOTH, V, 0, note="no priority scheduling"),
     _r("return_tokens_as_token_ids", BOTH, V, False), _r("return_token_ids", BOTH, V, False),
