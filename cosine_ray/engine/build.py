@@ -26,6 +26,7 @@ from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
 from cosine_ray.models.llama import LlamaStage
+from cosine_ray.models.embedded import packaged_name
 from cosine_ray.models.loader import Checkpoint, build_stages, load_target, resolve_checkpoint
 
 PACKAGED_DATASTORES = Path(__file__).resolve().parent.parent / "data" / "datastores"
@@ -33,7 +34,7 @@ PACKAGED_DRAFTERS = Path(__file__).resolve().parent.parent / "data" / "drafters"
 
 
 def datastore_path(model_name: str, domain: str, root: str | Path | None = None) -> Path:
-    return Path(root or PACKAGED_DATASTORES) / model_name / f"{domain}.parquet"
+    return Path(root or PACKAGED_DATASTORES) / packaged_name(model_name) / f"{domain}.parquet"
 
 
 def load_datastore(spec: DrafterSpec, model_name: str, root: str | Path | None = None) -> Datastore:
@@ -60,6 +61,7 @@ def drafter_folder(spec: DrafterSpec, model_name: str) -> Path:
     if (spec.kind == "head" and not spec.source) or (spec.kind == "distilled" and spec.source in DOMAINS):
         sub = spec.source or "head"
         from cosine_ray.models.loader import cache_root
+        model_name = packaged_name(model_name)
         path = next((root / model_name / sub for root in (PACKAGED_DRAFTERS, cache_root() / "drafters")
                      if (root / model_name / sub / DRAFTER_METADATA).is_file()), PACKAGED_DRAFTERS / model_name / sub)
     else:

