@@ -6,8 +6,9 @@ the one ``ServerState`` (``serve.state``) through its ``State`` parameter, so ad
 adding one function here. ``build_openai_app`` makes the state and the app, adds the routes and
 installs the error handlers and middlewares. A generation request goes:
 
-    key (``serve.tenants``) → validate (schemas, ``serve.limits``) → model, supported-feature and
-    vocabulary checks → prompt token ids (``serve.prompts``, off the event loop) → max_tokens →
+    key (``serve.tenants``) → validate (schemas, ``serve.limits``) → the request's model (its
+    engine and tokenizer: ``ServerState.for_model``) → supported-feature and vocabulary checks →
+    prompt token ids (``serve.prompts``, off the event loop; a batch's each) → max_tokens →
     admission (``serve.admission``, per key) → engine.check_request → engine.stream → TextStream
     (``serve.text``) → JSON response or SSE chunks ... ``data: [DONE]``
 
