@@ -97,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="measure one server")
     run.add_argument("--base-url", default="http://127.0.0.1:8000")
     add_common_args(run)
+    v = run.add_argument_group("vllm bench serve's result file")
+    v.add_argument("--save-result", action="store_true",
+                   help="also write vllm bench serve's result JSON (its keys; loadgen/vllm_result.py)")
+    v.add_argument("--result-dir", type=Path, default=None, help="where it goes (default: the output dir)")
+    v.add_argument("--result-filename", default=None,
+                   help="its name (default vllm's: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json)")
+    v.add_argument("--label", default=None, help="vllm's label (default: the backend, openai-chat or openai)")
+    v.add_argument("--save-detailed", action="store_true",
+                   help="add the per-request lists (ttfts, itls, generated_texts, ...) as vllm does")
     cmp_ = sub.add_parser("compare", help="the same workload against several servers, one table")
     cmp_.add_argument("--target", action="append", default=None, metavar="NAME=URL",
                       help="a running server (repeat); or use --launch")
@@ -206,12 +215,36 @@ def _run(args: argparse.Namespace) -> int:
     data = write_run(result, out_dir, opts, title=f"Serving benchmark: {cfg.base_url}")
     s, ledger = data["summary"], data["ledger"]
     print(f"results: {out_dir}")
+    if args.save_result:
+        print(f"vllm result: {save_vllm_result(args, result, s, out_dir)}")
     if result.abort_reason or s["failed"] or not ledger["is_consistent"]:
         cause = (f"aborted: {result.abort_reason}" if result.abort_reason else
                  f"{s['failed']} failed (first: {s['first_error']})" if s["failed"] else "ledger inconsistent")
         _fail(f"{s['completed']} of {s['num_requests']} requests completed; {cause}; partial results in {out_dir}")
         return 1
     return 0
+
+
+def save_vllm_result(args: argparse.Namespace, result: Any, summary: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``vllm bench serve``'s result JSON of the run (``--save-result``); its path."""
+    from loadgen.report import write_json
+    from loadgen.vllm_result import backend_name, result_filename, vllm_result
+
+    date = time.strftime("%Y%m%d-%H%M%S")
+    model_id = result.model or args.model or "unknown"
+    label = args.label or backend_name(args.endpoint)
+    data = vllm_result(result.records, summary, duration_s=result.duration_s, model_id=model_id,
+                       endpoint=args.endpoint, label=args.label, num_prompts=args.num_prompts,
+                       request_rate=args.request_rate, burstiness=args.burstiness,
+                       max_concurrency=args.max_concurrency, percentile_metrics=parse_percentile_metrics(
+                           args.percentile_metrics), percentiles=parse_percentiles(args.metric_percentiles),
+                       goodput=bool(args.goodput), detailed=args.save_detailed, date=date)
+    folder = args.result_dir or out_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (args.result_filename or result_filename(label, args.request_rate, args.max_concurrency,
+                                                             model_id, date))
+    write_json(data, path)
+    return path
 
 
 def _compare(args: argparse.Namespace) -> int:

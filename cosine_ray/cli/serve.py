@@ -8,7 +8,9 @@ application builder ``cosine_ray.serve.app:build_app``) or a Ray Serve config (t
 ``cosine_ray.serve.app:build_app`` gives the engine config and the ingress args (``api_key``,
 ...), its ``name`` and ``route_prefix``, and the file's ``http_options`` / ``proxy_location``
 give the HTTP settings. Flags override the file; any other Serve setting is reported as
-ignored (``serve run FILE`` applies them). Every user error is one line and exit status 2.
+ignored (``serve run FILE`` applies them). Args in Ray Serve LLM's shape (``llm_configs``:
+several models, ``cli.serve_llm``) are served as they are. Every user error is one line and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from cosine_ray.cli import vllm_flags
 from cosine_ray.cli.args import (DRAFTERS_HELP, MODEL_HELP, SPEC_TOKENS_HELP, STAGES_HELP, CliError, add_batching_args,
                                  add_cosine_args, add_device_args, add_model_source_args, batching_overrides,
                                  check_local_device, cosine_overrides, model_source_settings, runner_from_args)
+from cosine_ray.cli.serve_llm import LLM_APP_IMPORT_PATHS
 
 DEFAULT_NUM_STAGES = 2
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-APP_IMPORT_PATHS = ("cosine_ray.serve.app:build_app", "cosine_ray.serve.app.build_app")
-"""How a Serve config names our application builder (Serve accepts both spellings)."""
+APP_IMPORT_PATHS = ("cosine_ray.serve.app:build_app", "cosine_ray.serve.app.build_app", *LLM_APP_IMPORT_PATHS)
+"""How a Serve config names our application builders (Serve accepts both spellings)."""
 APP_NAME = "cosine_ray"
 SERVE_KEYS_APPLIED = ("applications", "http_options", "proxy_location")
 APP_KEYS_APPLIED = ("name", "route_prefix", "import_path", "args")
@@ -103,6 +106,9 @@ class ConfigFile:
     serve_config: bool = False
     """A Ray Serve config (``applications:``): what ``serve run`` of it runs, so the CLI adds no
     default of its own for the stages (``local_cpu``)."""
+    llm_builder: dict[str, Any] | None = None
+    """Args in Ray Serve LLM's shape: their ``llm_configs`` (and ingress deployment settings);
+    ``ingress`` holds the rest (``cli.serve_llm``)."""
 
 
 def read_config_file(path: str) -> ConfigFile:
@@ -120,9 +126,19 @@ def read_config_file(path: str) -> ConfigFile:
     if not isinstance(data, dict):
         raise CliError(f"--config {path} must be a mapping of settings")
     if "applications" not in data:  # the args of build_app: engine config + ingress args
-        engine, ingress = _split_app_args(data)
-        return ConfigFile(engine=engine, ingress=ingress)
+        return _app_args_file(data)
     return _read_serve_config(path, data)
+
+
+def _app_args_file(args: dict[str, Any], **serve: Any) -> ConfigFile:
+    """The ``ConfigFile`` of an application builder's ``args``: engine config + ingress args, or
+    Ray Serve LLM's ``llm_configs`` + ingress args."""
+    if "llm_configs" in args:
+        from cosine_ray.cli.serve_llm import split_llm_args
+        builder, ingress = split_llm_args(args)
+        return ConfigFile(ingress=ingress, llm_builder=builder, **serve)
+    engine, ingress = _split_app_args(args)
+    return ConfigFile(engine=engine, ingress=ingress, **serve)
 
 
 def _split_app_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -150,13 +166,14 @@ def _read_serve_config(path: str, data: dict[str, Any]) -> ConfigFile:
     http = data.get("http_options") or {}
     if not isinstance(args, dict) or not isinstance(http, dict):
         raise CliError(f"--config {path}: the application's `args` and `http_options` must be mappings")
-    engine, ingress = _split_app_args(args)
     ignored = [k for k in data if k not in SERVE_KEYS_APPLIED]
     ignored += [f"applications[{app.get('name', APP_NAME)}].{k}" for k in app if k not in APP_KEYS_APPLIED]
     ignored += [f"{a.get('name', '?')} (another application)" for a in apps if a is not app]
-    return ConfigFile(engine=engine, ingress=ingress, http_options=dict(http), proxy_location=data.get("proxy_location"),
-                      app_name=str(app.get("name", APP_NAME)), route_prefix=str(app.get("route_prefix", "/")),
-                      ignored=ignored, serve_config=True)
+    if app.get("import_path") in LLM_APP_IMPORT_PATHS and "llm_configs" not in args:
+        raise CliError(f"--config {path}: the application {app['import_path']} needs llm_configs in its args")
+    return _app_args_file(args, http_options=dict(http), proxy_location=data.get("proxy_location"),
+                          app_name=str(app.get("name", APP_NAME)), route_prefix=str(app.get("route_prefix", "/")),
+                          ignored=ignored, serve_config=True)
 
 
 # ---- what to run ----------------------------------------------------------------------------
@@ -177,6 +194,8 @@ class ServePlan:
     ignored: list[str]
     console: vllm_flags.Console = field(default_factory=vllm_flags.Console)
     """How much the cluster prints, and whether it runs Ray's dashboard."""
+    models: list[Any] | None = None
+    """Ray Serve LLM's models (``serve.llm_configs.EngineDeployment``); ``engine`` is the first's."""
 
 
 def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str, Any]:
@@ -285,6 +304,10 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     """Everything ``run`` needs, validated; CliError (one line, exit 2) on any user error."""
     file = read_config_file(args.config) if args.config else None
     where = f"--config {args.config}: " if args.config else ""
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
+    if file is not None and file.llm_builder is not None:
+        return _llm_plan(args, file)
     try:
         engine = _engine_data(args, file)
     except (ValueError, OSError) as exc:
@@ -293,21 +316,41 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     fetch_model(engine, where)  # fail fast with a clear message (and fetch and convert it once)
     if not engine["cluster"].get("address"):
         check_local_device(engine["device"])  # a local cluster runs on this machine's devices
-    http = dict(file.http_options) if file is not None else {}
-    host = args.host if args.host is not None else str(http.get("host", DEFAULT_HOST))
-    port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise CliError(f"--port must be in 1..65535, got {port}")
     if getattr(args, "dashboard", False) and engine["cluster"].get("address"):
         raise CliError("--dashboard starts Ray's dashboard with a local cluster; a joined cluster has its own")
-    if args.num_cpus is not None and args.num_cpus < 1:
-        raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
-    http.update(host=host, port=port)
+    host, port, http = _http_settings(args, file)
     ingress = _ingress_args(args, file)
     return ServePlan(engine=engine, app_args={**engine, **ingress}, host=host, port=port, http_options=http,
                      proxy_location=file.proxy_location if file else None,
                      app_name=file.app_name if file else APP_NAME, route_prefix=file.route_prefix if file else "/",
                      ignored=list(file.ignored) if file else [], console=vllm_flags.Console.of(args))
+
+
+def _llm_plan(args: argparse.Namespace, file: ConfigFile) -> ServePlan:
+    """The plan of Ray Serve LLM-shaped args: the file's models as they are, the flags'
+    ingress and HTTP settings (``cli.serve_llm``)."""
+    from cosine_ray.cli.serve_llm import check_no_engine_flags, first_engine, llm_models
+
+    check_no_engine_flags(args, _engine_data, ConfigFile(serve_config=True))
+    host, port, http = _http_settings(args, file)
+    ingress = _ingress_args(args, file)
+    models = llm_models(args.config, file.llm_builder, ingress, args.address)
+    engine = first_engine(models, args.address)
+    return ServePlan(engine=engine, app_args={**file.llm_builder, **ingress}, host=host, port=port,
+                     http_options=http, proxy_location=file.proxy_location, app_name=file.app_name,
+                     route_prefix=file.route_prefix, ignored=list(file.ignored), models=models,
+                     console=vllm_flags.Console.of(args))
+
+
+def _http_settings(args: argparse.Namespace, file: ConfigFile | None) -> tuple[str, int, dict[str, Any]]:
+    """(host, port, Serve's http_options) from the flags over the file's."""
+    http = dict(file.http_options) if file is not None else {}
+    host = args.host if args.host is not None else str(http.get("host", DEFAULT_HOST))
+    port = args.port if args.port is not None else http.get("port", DEFAULT_PORT)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {port}")
+    http.update(host=host, port=port)
+    return host, port, http
 
 
 LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
@@ -337,19 +380,23 @@ def check_exposure(host: str, app_args: dict[str, Any]) -> dict[str, Any]:
     return {**app_args, "allow_unauthenticated": True}
 
 
-def local_cluster_cpus(data: dict[str, Any]) -> int:
-    """Logical CPUs for a locally started cluster: every stage and drafter actor reserves
-    ``num_cpus_per_actor`` and Serve's controller, proxy and replica need room too, so the
-    default set of 2 stages + 5 drafters does not fit a 2-core machine's 2 logical CPUs (the
-    actors would wait forever). Actors run 1 torch thread each, so over-subscribing logical
-    CPUs is what we want; at least the machine's cores."""
+def local_cluster_cpus(*engines: dict[str, Any]) -> int:
+    """Logical CPUs for a locally started cluster of these engines (one, or Ray Serve LLM's
+    models): every stage and drafter actor reserves ``num_cpus_per_actor`` and Serve's
+    controller, proxy and replica need room too, so the default set of 2 stages + 5 drafters
+    does not fit a 2-core machine's 2 logical CPUs (the actors would wait forever). Actors run 1
+    torch thread each, so over-subscribing logical CPUs is what we want; at least the machine's
+    cores."""
     import math
 
     from cosine_ray.engine.config import parse_drafters
 
-    per_actor = float((data.get("cluster") or {}).get("num_cpus_per_actor", 0.5))
-    num_actors = int(data.get("num_stages", DEFAULT_NUM_STAGES)) + len(parse_drafters(str(data.get("drafters") or "none")))
-    needed = math.ceil(num_actors * per_actor) + 2
+    needed = 2
+    for data in engines:
+        per_actor = float((data.get("cluster") or {}).get("num_cpus_per_actor", 0.5))
+        num_actors = int(data.get("num_stages", DEFAULT_NUM_STAGES)) + len(
+            parse_drafters(str(data.get("drafters") or "none")))
+        needed += math.ceil(num_actors * per_actor)
     return max(needed, os.cpu_count() or 2)
 
 
@@ -413,7 +460,8 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     else:
         check_port_free(plan.host, plan.port)
     try:
-        connect(address, num_cpus=args.num_cpus or local_cluster_cpus(plan.engine),
+        engines = [m.config_data for m in plan.models] if plan.models else [plan.engine]
+        connect(address, num_cpus=args.num_cpus or local_cluster_cpus(*engines),
                 include_dashboard=plan.console.dashboard, logging_level=plan.console.system_level)
     except (ConnectionError, ValueError, TimeoutError) as exc:
         if not address:
@@ -423,7 +471,11 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     if address:
         check_cluster_gpus(plan.engine, ray.cluster_resources())
     try:
-        plan = place_actors(plan)
+        if plan.models:
+            from cosine_ray.cli.serve_llm import place_models
+            place_models(plan.models)
+        else:
+            plan = place_actors(plan)
     except CliError:
         ray.shutdown()
         raise
@@ -435,9 +487,13 @@ def start_cluster_and_deploy(args: argparse.Namespace, plan: ServePlan, deployer
     if starting.done.is_set() and starting.error is not None:  # failed before any controller
         ray.shutdown()
         raise serve_start_error(args.config, starting.error)
-    where = " in the engine" if plan.engine["cluster"].get("stages_in_engine") else ""
-    print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s){where} and drafters "
-          f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
+    if plan.models:
+        print(f"cosine_ray: starting {len(plan.models)} models ({', '.join(m.names[0] for m in plan.models)}), "
+              "an engine each (first start loads the models)...", flush=True)
+    else:
+        where = " in the engine" if plan.engine["cluster"].get("stages_in_engine") else ""
+        print(f"cosine_ray: starting {plan.engine['num_stages']} stage(s){where} and drafters "
+              f"[{plan.engine['drafters']}] for {plan.engine['model']} (first start loads the model)...", flush=True)
     try:
         deploy_in_child(plan, deployer)
         try:

@@ -1,7 +1,8 @@
 """Admission: which generation requests this ingress replica takes now, shared fairly between keys.
 
-A request of n choices claims n *slots* (``max_pending_requests`` of them per replica) and
-``n × (prompt + max_tokens)`` tokens, each choice's until its engine stream is closed. ``admit``
+A request of n choices claims n *slots* (``max_pending_requests`` of them per replica) and each
+choice's ``prompt + max_tokens`` tokens (``n × (prompt + max_tokens)`` for one prompt; a batch of
+prompts claims every prompt's choices), each choice's until its engine stream is closed. ``admit``
 decides at once (a refusal carries ``Retry-After``), in this order:
 
 1. the key's own limits (``ApiKey``): past ``max_concurrent`` requests or ``max_tokens_in_flight``
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from cosine_ray.serve.errors import OVERLOADED_CODE, EngineUnavailable, InvalidRequest, RateLimited
 from cosine_ray.serve.tenants import ApiKey
@@ -75,11 +76,13 @@ class Admission:
         """Slots a key may hold while the server is full: capacity / keys holding slots (it too)."""
         return max(1, (self.max_pending or 0) // self.num_active(name))
 
-    def admit(self, tenant: ApiKey, num_choices: int, tokens_per_choice: int, *,
+    def admit(self, tenant: ApiKey, choice_tokens: Sequence[int], *,
               param: str = "max_tokens") -> list[Callable[[], None]]:
-        """One release callback per choice (each idempotent), or the refusal as an OpenAIError."""
+        """``choice_tokens``: the tokens each choice claims (its prompt + max_tokens). One release
+        callback per choice (each idempotent), or the refusal as an OpenAIError."""
         load = self._load(tenant.name)
-        cost = num_choices * tokens_per_choice
+        num_choices = len(choice_tokens)
+        cost = sum(choice_tokens)
         self._check_limits(tenant, load, cost, param)
         total = self.num_pending + num_choices
         if self.max_pending is not None and total > self.max_pending:
@@ -95,7 +98,7 @@ class Admission:
                 self.num_rejected += 1
                 raise EngineUnavailable(f"the server is at capacity ({self.max_pending} requests in flight); "
                                         "retry later", retry_after=RETRY_AFTER_S, code=OVERLOADED_CODE)
-        return self._take(load, num_choices, tokens_per_choice)
+        return self._take(load, choice_tokens)
 
     def _check_limits(self, tenant: ApiKey, load: TenantLoad, cost: int, param: str) -> None:
         if tenant.max_concurrent is not None and load.num_requests >= tenant.max_concurrent:
@@ -105,7 +108,7 @@ class Admission:
                               retry_after=RETRY_AFTER_S)
         limit = tenant.max_tokens_in_flight
         if limit is not None and cost > limit:
-            raise InvalidRequest(f"this request claims {cost} tokens (n × (prompt + {param})), more than API key "
+            raise InvalidRequest(f"this request claims {cost} tokens (its choices' prompt + {param}), more than API key "
                                  f"'{tenant.name}' may have in flight ({limit}); lower {param} or n", param=param)
         if limit is not None and load.num_tokens + cost > limit:
             self._limit(load, "tokens")
@@ -117,16 +120,17 @@ class Admission:
     def _limit(load: TenantLoad, reason: str) -> None:
         load.rate_limited[reason] += 1
 
-    def _take(self, load: TenantLoad, num_choices: int, tokens_per_choice: int) -> list[Callable[[], None]]:
+    def _take(self, load: TenantLoad, choice_tokens: Sequence[int]) -> list[Callable[[], None]]:
+        num_choices, cost = len(choice_tokens), sum(choice_tokens)
         self.num_pending += num_choices
         load.num_slots += num_choices
         load.num_requests += 1
         load.requests_admitted += 1
-        load.num_tokens += num_choices * tokens_per_choice
-        load.tokens_admitted += num_choices * tokens_per_choice
+        load.num_tokens += cost
+        load.tokens_admitted += cost
         num_left = num_choices
 
-        def release_factory() -> Callable[[], None]:
+        def release_factory(tokens: int) -> Callable[[], None]:
             is_released = False
 
             def release() -> None:
@@ -137,14 +141,14 @@ class Admission:
                 num_left -= 1
                 self.num_pending -= 1
                 load.num_slots -= 1
-                load.num_tokens -= tokens_per_choice
-                load.tokens_released += tokens_per_choice
+                load.num_tokens -= tokens
+                load.tokens_released += tokens
                 if num_left == 0:
                     load.num_requests -= 1
                     load.requests_done += 1
             return release
 
-        return [release_factory() for _ in range(num_choices)]
+        return [release_factory(tokens) for tokens in choice_tokens]
 
     def metrics_totals(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], Any]:
         """Per-key series for the engine's registry (``MetricsRegistry.add_http_totals``):

@@ -52,19 +52,28 @@ STEPS_AHEAD = 4
 @dataclass(slots=True)
 class Choice:
     index: int
+    """Its place in the response: ``prompt × choices per prompt + its number within the prompt``."""
     gen: Generation
     first: str = ""
     """The text of its first engine output (awaited before the response starts)."""
+    prompt: int = 0
+    """Which of the request's prompts it continues (a batch has several)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One prompt of a request, checked: its tokens, engine parameters and refusal."""
 
-async def start_choices(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
-                        prompt_ids: list[int], prompt_param: str, request_id: str, *, tenant: ApiKey,
-                        structured: tuple[StructuredOutput, str] | None, num_choices: int,
-                        num_logprobs: int | None) -> list[Choice]:
-    """Check the request with the engine and start one generation per choice (each its own
-    engine request and sampling key: seed + i), each holding an admission slot of ``tenant``
-    until closed. Prompt log-probabilities are the same for every choice: only the first asks."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    refusal: Any
+
+
+def _plan(state: ServerState, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
+          prompt_param: str, structured: tuple[StructuredOutput, str] | None,
+          num_logprobs: int | None) -> _Planned:
+    """The context, max_tokens and prompt log-probability bounds of one prompt (400s), and its
+    engine parameters."""
     engine = state.engine
     requested, max_tokens_param = req.requested_max_tokens
     room = engine.max_model_len - len(prompt_ids)
@@ -82,33 +91,63 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
     params = sampling_params(req, max_tokens, num_logprobs, spec)
     refusal = functools.partial(engine_refusal, num_prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
                                 max_tokens_param=max_tokens_param, prompt_param=prompt_param, grammar=structured)
+    return _Planned(prompt_ids, params, refusal)
+
+
+async def start_choices(state: ServerState, req: ChatCompletionRequest | CompletionRequest,
+                        prompts: Sequence[list[int]], prompt_param: str, request_id: str, *, tenant: ApiKey,
+                        structured: tuple[StructuredOutput, str] | None, num_choices: int,
+                        num_logprobs: int | None) -> list[Choice]:
+    """Check the request with the engine and start ``num_choices`` generations per prompt (each its
+    own engine request; choice j of a prompt samples with seed + j, as the same prompt alone
+    would), all admitted together (every choice of every prompt holds a slot of ``tenant`` until
+    closed). Prompt log-probabilities are the same for every choice of a prompt: only its first
+    asks. Choice j of prompt i has index i·num_choices + j (OpenAI's order)."""
+    engine = state.engine
+    planned = [_plan(state, req, ids, prompt_param, structured, num_logprobs) for ids in prompts]
+    max_tokens_param = req.requested_max_tokens[1]
     # before any await: the counts are exact
-    releases = state.admission.admit(tenant, num_choices, len(prompt_ids) + max_tokens, param=max_tokens_param)
+    releases = state.admission.admit(
+        tenant, [len(p.prompt_ids) + p.params.max_tokens for p in planned for _ in range(num_choices)],
+        param=max_tokens_param)
     try:
-        await engine.check_request(prompt_ids, params)
+        checked = await asyncio.gather(*(_check_with_engine(engine, p, request_id) for p in planned),
+                                       return_exceptions=True)
+        refused = next((r for r in checked if isinstance(r, BaseException)), None)
+        if refused is not None:
+            raise refused
+    except BaseException:
+        for release in releases:
+            release()
+        raise
+    deadline = None if state.request_timeout_s is None else time.monotonic() + state.request_timeout_s
+    choices = []
+    for index, release in enumerate(releases):
+        i, j = divmod(index, num_choices)
+        prompt_ids, params, refusal = planned[i].prompt_ids, planned[i].params, planned[i].refusal
+        seed = None if params.seed is None else (params.seed + j) % 2**64
+        choice_params = dataclasses.replace(params, seed=seed, prompt_logprobs=None) if j else params
+        rid = request_id if len(releases) == 1 else f"{request_id}-{index}"
+        choices.append(Choice(index, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
+                                                on_close=release, deadline=deadline,
+                                                every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S,
+                                                refusal=refusal), prompt=i))
+    return choices
+
+
+async def _check_with_engine(engine: Any, planned: _Planned, request_id: str) -> None:
+    """The engine's own check of one prompt's request: its refusal as the client's 400, an
+    engine that cannot answer as a 503."""
+    try:
+        await engine.check_request(planned.prompt_ids, planned.params)
     except ValueError as exc:
-        for release in releases:
-            release()
         log.info("engine refused %s: %s", request_id, exc)
-        raise refusal(str(exc)) from None
-    except BaseException as exc:  # cancelled (client gone), overloaded, engine down
-        for release in releases:
-            release()
-        if isinstance(exc, (OpenAIError, asyncio.CancelledError)) or not isinstance(exc, Exception):
+        raise planned.refusal(str(exc)) from None
+    except Exception as exc:  # overloaded, engine down (a cancellation is no Exception: it passes)
+        if isinstance(exc, OpenAIError):
             raise
         log.exception("engine.check_request failed")
         raise EngineUnavailable("the engine could not check the request; retry") from None
-    deadline = None if state.request_timeout_s is None else time.monotonic() + state.request_timeout_s
-    choices = []
-    for i, release in enumerate(releases):
-        seed = None if params.seed is None else (params.seed + i) % 2**64
-        choice_params = dataclasses.replace(params, seed=seed, prompt_logprobs=None) if i else params
-        rid = request_id if num_choices == 1 else f"{request_id}-{i}"
-        choices.append(Choice(i, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
-                                            on_close=release, deadline=deadline,
-                                            every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S,
-                                            refusal=refusal)))
-    return choices
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, num_logprobs: int | None,
@@ -197,11 +236,18 @@ async def guarded_events(choices: list[Choice], events: AsyncIterator[str]) -> A
 
 
 def usage(choices: list[Choice]) -> Usage:
+    """Summed over the choices; each prompt's tokens (and the most of them any of its choices
+    found in the prefix cache) counted once."""
     n = sum(c.gen.num_tokens for c in choices)
-    prompt = choices[0].gen.num_prompt_tokens
-    cached = max((c.gen.usage().prompt_tokens_details.cached_tokens for c in choices), default=0)
+    prompt_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    for c in choices:
+        prompt_tokens[c.prompt] = c.gen.num_prompt_tokens
+        cached[c.prompt] = max(cached.get(c.prompt, 0), c.gen.usage().prompt_tokens_details.cached_tokens)
+    prompt = sum(prompt_tokens.values())
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
+
 
 async def interleave(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob], bool]]:
     """(choice, text delta, new log-probabilities, whether it was the choice's last) for every

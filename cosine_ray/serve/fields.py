@@ -50,9 +50,9 @@ def _r(name: str, routes: str, source: str, *defaults: Any, note: str = "not imp
 
 O, V, OV, C = "OpenAI", "vLLM", "OpenAI, vLLM", "cosine_ray"
 FIELDS: tuple[Field, ...] = (
-    _h("model", BOTH, OV, "the served model's id (another is a 404)"),
+    _h("model", BOTH, OV, "a served model's name (another is a 404); omitted: the first"),
     _h("messages", CHAT, OV, "roles system, developer (as system), user, assistant (with tool_calls), tool"),
-    _h("prompt", COMPLETIONS, OV, "a string, a list of one string, or token ids"),
+    _h("prompt", COMPLETIONS, OV, "a string or token ids, or a batch of either (choice i·n + j is prompt i's j-th)"),
     _h("max_tokens", BOTH, OV, "tokens to generate"),
     _h("max_completion_tokens", CHAT, OV, "alias of max_tokens; wins when both are given"),
     _h("temperature", BOTH, OV, "0 = greedy"),

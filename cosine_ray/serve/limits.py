@@ -22,6 +22,10 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
 """Most ``logit_bias`` entries (each is applied to every scored row)."""
 MAX_MESSAGES = 2048
+MAX_PROMPT_GENERATIONS = 256
+"""Most generations one completions request may ask for: prompts × max(n, best_of). A batch of
+prompts (``prompt`` as several strings or token-id lists) is one request whose choices are all
+admitted together, so this also bounds the prompts of a batch."""
 MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 64 << 10
 """Largest JSON schema, as JSON text: a response format's, or all tools' parameters together."""

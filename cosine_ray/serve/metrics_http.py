@@ -71,8 +71,9 @@ class HttpCounts:
         self._push = getattr(engine, "record_http", None)  # absent on test fakes
         self._last_push = -float("inf")
         self._pending: asyncio.TimerHandle | None = None
-        self.scraping: asyncio.Future | None = None
-        """The engine snapshot a ``/metrics`` call is reading (shared by the calls meanwhile)."""
+        self.scraping: dict[int, asyncio.Future] = {}
+        """The engine snapshot a ``/metrics`` call is reading, per engine (``id``), shared by the
+        calls meanwhile."""
 
     def count(self, route: str, status: int, tenant: str | None = None) -> None:
         """Count one response; ``tenant``: the key name it was authenticated with."""
@@ -153,16 +154,17 @@ class HttpMetricsMiddleware:
             raise
 
 
-async def metrics_response(engine: Any, counts: HttpCounts) -> Response:
-    """Prometheus text exposition of the engine's registry (503 if it cannot be read). Scrapes
-    that arrive while one is reading the engine share its snapshot: ``/metrics`` is public by
-    default, and a flood of it costs the engine one call at a time."""
+async def metrics_response(engine: Any, counts: HttpCounts, *, with_http: bool = True) -> Response:
+    """Prometheus text exposition of the engine's registry (503 if it cannot be read); with
+    ``with_http`` the replica's HTTP counts are folded into it. Scrapes that arrive while one is
+    reading the engine share its snapshot: ``/metrics`` is public by default, and a flood of it
+    costs the engine one call at a time."""
     try:
-        scraping = counts.scraping
+        scraping = counts.scraping.get(id(engine))
         if scraping is None or scraping.done() or scraping.get_loop() is not asyncio.get_running_loop():
-            counts.scraping = asyncio.ensure_future(asyncio.wait_for(
-                engine.metrics_snapshot(http=counts.snapshot()), timeout=SNAPSHOT_TIMEOUT_S))
-        snapshot = await asyncio.shield(counts.scraping)
+            scraping = counts.scraping[id(engine)] = asyncio.ensure_future(asyncio.wait_for(
+                engine.metrics_snapshot(http=counts.snapshot() if with_http else None), timeout=SNAPSHOT_TIMEOUT_S))
+        snapshot = await asyncio.shield(scraping)
     except Exception as exc:
         log.warning("metrics snapshot failed: %s: %s", type(exc).__name__, exc)
         return error_response(503, "the engine's metrics could not be read; retry", headers={"Retry-After": "1"})

@@ -45,7 +45,7 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     try:
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         longest = max(len(p) for p in pieces if isinstance(p, str))
-        return max(longest, *(len(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ()))
+        return max([longest, *(len(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ())])
     except Exception:  # a tokenizer without that API (test fakes): no early bound
         return None
 
@@ -59,8 +59,11 @@ def check_length(state: ServerState, num_chars: int, param: str) -> None:
                              f"more than the model's context of {context}", param=param)
 
 
-async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The chat request's prompt token ids: its messages (and tools) through the chat template."""
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest, *, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+    """The chat request's prompt token ids: its messages (and tools) through the chat template.
+    The flags are vLLM's ``/tokenize`` fields: the assistant's turn opened (the default) or the
+    last message left open, and the tokenizer's special tokens added on top of the template's."""
     tokenizer = state.tokenizer
     template = state.template
     if not template:
@@ -71,10 +74,11 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[in
     kwargs: dict[str, Any] = {"tools": tool_list} if tool_list else {}
     if state.chat_template:
         kwargs["chat_template"] = state.chat_template
-    variables = template_variables(tokenizer, req.chat_template_kwargs)
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    kwargs.update(template_variables(tokenizer, req.chat_template_kwargs))
     try:
-        ids = await off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True,
-                             **kwargs, **variables)
+        ids = await off_loop(_apply_template, tokenizer, messages, add_generation_prompt, add_special_tokens, kwargs)
     except TemplateError as exc:  # the template's own message for its users (e.g. role order)
         raise InvalidRequest(f"messages do not fit the model's chat template: {(str(exc).splitlines() or [''])[0]}",
                              param="messages") from None
@@ -85,6 +89,18 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[in
     if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    add_special_tokens: bool, kwargs: dict[str, Any]) -> Any:
+    """The template's token ids; with ``add_special_tokens`` its text tokenized with them (HF's
+    ``tokenize=True`` is the text tokenized without)."""
+    if not add_special_tokens:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                             **kwargs)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **kwargs)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
 MAX_CHAT_TEMPLATE_CHARS = 1 << 20
@@ -137,22 +153,35 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "d
 """What the server itself passes to the template (``apply_chat_template`` may name more)."""
 
 
-async def completion_prompt(state: ServerState, req: CompletionRequest) -> list[int]:
-    """The completion request's prompt token ids: its text tokenized, or its ids checked."""
-    if isinstance(req.prompt, str):
-        check_length(state, len(req.prompt), "prompt")
-        encoded = await off_loop(state.tokenizer, req.prompt, add_special_tokens=True)
-        ids = [int(t) for t in encoded["input_ids"]]
+async def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    """The completion request's prompts as token ids, in order: texts tokenized (a batch of texts
+    in one call), token ids checked against the context and the vocabulary."""
+    prompts = req.prompts
+    texts = [p for p in prompts if isinstance(p, str)]
+    for text in texts:
+        check_length(state, len(text), "prompt")
+    encoded = iter([])
+    if texts:
+        batch = await off_loop(state.tokenizer, texts if len(texts) > 1 else texts[0], add_special_tokens=True)
+        ids = batch["input_ids"]
+        encoded = iter(ids if len(texts) > 1 else [ids])
+    out = []
+    for prompt in prompts:
+        ids = [int(t) for t in next(encoded)] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequest("prompt encodes to no tokens", param="prompt")
-        return ids
+        check_prompt_ids(state, ids)
+        out.append(ids)
+    return out
+
+
+def check_prompt_ids(state: ServerState, ids: list[int]) -> None:
+    """400 unless the prompt fits the context and its ids are in the vocabulary."""
     context = state.engine.max_model_len
-    if len(req.prompt) >= context:
-        raise InvalidRequest(f"the prompt is {len(req.prompt)} tokens; the model's context is {context} tokens",
+    if len(ids) >= context:
+        raise InvalidRequest(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens",
                              param="prompt")
     vocab_size = state.engine.vocab_size
-    bad = [t for t in req.prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                             param="prompt")
-    return list(req.prompt)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")

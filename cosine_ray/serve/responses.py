@@ -168,6 +168,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "cosine_ray"
     max_model_len: int
+    root: str | None = None
+    """vLLM's field: the checkpoint the name stands for (``vllm bench serve`` reads it)."""
 
 
 class ModelList(BaseModel):

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from cosine_ray.engine.request import StructuredOutput
 from cosine_ray.serve.errors import InvalidRequest
 from cosine_ray.serve.fields import check_extra_fields
-from cosine_ray.serve.limits import (MAX_CHOICE_STRINGS, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS,
+from cosine_ray.serve.limits import (MAX_CHOICE_STRINGS, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_PROMPT_GENERATIONS,
+                                     MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS,
                                      MAX_USER_CHARS, check_grammar_text, check_schema,
                                      check_schema_chars, json_depth)
 from cosine_ray.serve.responses import (  # noqa: F401 - the response models, importable from here too
@@ -47,9 +48,13 @@ Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-2.0, le=2
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
-                            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-                            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
+                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                             "maxItems": MAX_PROMPT_GENERATIONS},
+                            _TOKEN_IDS_SCHEMA,
+                            {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1,
+                             "maxItems": MAX_PROMPT_GENERATIONS}]}
 _STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}, {"type": "null"},
                           {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                            "maxItems": MAX_STOP_STRINGS}]}
@@ -360,7 +365,8 @@ class CompletionRequest(_SamplingRequest):
     route: ClassVar[str] = "completions"
 
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(
-        ..., description="A string, a list of one string, or a list of token ids.")
+        ..., description="A string or a list of token ids; or a batch: a list of strings or of token-id lists "
+                         "(the choices of prompt i are indexed i·n + j).")
     logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="Return each token's log-probability and this many alternatives.")
     echo: StrictBool = False
@@ -368,20 +374,36 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-            value = value[0]
+    def _check_prompt(cls, value: Any) -> str | list[int] | list[str] | list[list[int]]:
+        """A string or token ids; a batch of several is a list of strings or of token-id lists
+        (a batch of one is its one prompt)."""
         if isinstance(value, str):
             if not value:
                 raise ValueError("prompt must not be empty")
             return check_unicode(value)
-        if isinstance(value, list) and value and all(type(t) is int for t in value):
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a non-empty string, a list of token ids, a list of strings "
+                             "or a list of token-id lists")
+        if all(type(t) is int for t in value):
             return value
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and all(isinstance(t, str) for t in value):
-            raise ValueError("only one prompt per request is supported")
-        raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+        if len(value) > MAX_PROMPT_GENERATIONS:
+            raise ValueError(f"at most {MAX_PROMPT_GENERATIONS} prompts in one request, got {len(value)}")
+        if all(isinstance(p, str) for p in value):
+            if not all(value):
+                raise ValueError("prompt strings must not be empty")
+            prompts = [check_unicode(p) for p in value]
+        elif all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in value):
+            prompts = value
+        else:
+            raise ValueError("prompt must be a string, a list of token ids, a list of strings or a list of "
+                             "token-id lists (non-empty, one kind)")
+        return prompts[0] if len(prompts) == 1 else prompts
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch's in order."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or type(p[0]) is int else list(p)
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -397,6 +419,11 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        generations = len(self.prompts) * self.num_generated
+        if generations > MAX_PROMPT_GENERATIONS:
+            raise InvalidRequest(f"{len(self.prompts)} prompts × {self.num_generated} choices is {generations} "
+                                 f"generations; a request may ask for at most {MAX_PROMPT_GENERATIONS}",
+                                 param="prompt")
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
         if self.best_of not in (None, self.n) and self.stream:

@@ -3,10 +3,17 @@
 ``build_openai_app`` makes it once per app; a route takes it as a ``State`` parameter (a FastAPI
 dependency reading ``request.app.state.server``), so a route is a plain module-level function
 of its request and this state, testable alone against a state built from fakes.
+
+An app may serve several models (``ServedModel``: an engine, its tokenizer and the names a
+request may call it by; the Ray Serve LLM builder makes one per ``llm_configs`` entry) and one
+model under several names (vLLM's ``--served-model-name``). A route picks the request's model
+with ``for_model``, which returns the state with that model's engine, tokenizer and name in the
+fields every later step reads; admission and the HTTP counts stay shared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -23,6 +30,24 @@ from cosine_ray.serve.tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: min(this, context left after the prompt)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model the app serves."""
+
+    names: tuple[str, ...]
+    """The ids a request may give it by; responses carry the first (as vLLM's served names)."""
+    engine: EngineClient
+    """The engine that runs it."""
+    tokenizer: Any
+    """Its HF tokenizer."""
+    readiness: Readiness
+    """What ``/health`` knows of its engine."""
+    max_token_chars: int | None = None
+    """The most characters one of its tokens stands for (``ServerState.max_token_chars``)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Its tokenizer's end-of-text ids."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +88,35 @@ class ServerState:
     tokenizer's."""
     created: int = field(default_factory=lambda: int(time.time()))
     """The model card's ``created`` (when the app was built)."""
+    models: tuple[ServedModel, ...] = ()
+    """Every model served, the first the default (a request that names none); the fields above
+    hold the one a request is for (``for_model``). Empty: the one above is the only model, under
+    ``model_name`` alone."""
+
+    @property
+    def served(self) -> tuple[ServedModel, ...]:
+        """Every model served (at least the one in the fields above)."""
+        return self.models or (ServedModel((self.model_name,), self.engine, self.tokenizer, self.readiness,
+                                           self.max_token_chars, self.eos_token_ids),)
+
+    def for_model(self, model: str | None) -> "ServerState":
+        """This state for a request naming ``model`` (None: the first model): that model's
+        engine, tokenizer, first name and bounds; 404 for a name no model has."""
+        served = self.served
+        chosen = served[0] if model is None else next((m for m in served if model in m.names), None)
+        if chosen is None:
+            names = ", ".join(repr(n) for m in served for n in m.names)
+            raise NotFound(f"model {model!r} does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
+        if chosen.engine is self.engine and chosen.names[0] == self.model_name:
+            return self
+        return dataclasses.replace(self, engine=chosen.engine, tokenizer=chosen.tokenizer,
+                                   model_name=chosen.names[0], readiness=chosen.readiness,
+                                   max_token_chars=chosen.max_token_chars, eos_token_ids=chosen.eos_token_ids)
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served model (None: the client left it to us)."""
-        if model is not None and model != self.model_name:
-            raise NotFound(f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        """404 unless ``model`` names a served model (None: the client left it to us)."""
+        self.for_model(model)
 
     @property
     def template(self) -> str | None:
@@ -79,7 +127,13 @@ class ServerState:
         return self.return_spec_stats or req.cosine_ray_stats
 
     def model_card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len)
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len,
+                         root=getattr(self.engine, "model_name", None))
+
+    def model_cards(self) -> list[ModelCard]:
+        """A card for every name of every model, in order."""
+        return [ModelCard(id=name, created=self.created, max_model_len=m.engine.max_model_len,
+                          root=getattr(m.engine, "model_name", None)) for m in self.served for name in m.names]
 
 
 def server_state(request: Request) -> ServerState:

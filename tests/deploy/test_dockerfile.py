@@ -5,7 +5,9 @@ handled; the pinned torch and Ray versions satisfy pyproject.toml and match the 
 `rayVersion`; the CMD's program is a console script of pyproject.toml whose target imports
 and whose arguments the real CLI parser accepts; the `python -c` snippets of RUN lines compile
 and import names that exist (the model pre-fetch names an embedded model); every COPY source
-exists, is not excluded by .dockerignore, and together they hold what `pip install .` needs.
+exists, is not excluded by .dockerignore, and together they hold what `pip install .` needs;
+the image has the C compiler the kernel build looks for and builds the kernels as the runtime
+user, runs as a non-root user, and checks its health on the served port's `/health`.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def _pyproject_requirement(name: str) -> Requirement:
 
 def test_instructions_parse_and_start_from_a_base_image():
     words = [w for w, _ in INSTRUCTIONS]
-    known = {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "EXPOSE", "CMD", "ENTRYPOINT", "LABEL"}
+    known = {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "EXPOSE", "CMD", "ENTRYPOINT", "LABEL",
+             "HEALTHCHECK"}
     assert set(words) <= known, set(words) - known
     assert words.index("FROM") < words.index("RUN")
     base = _one("FROM")
@@ -254,3 +257,65 @@ def test_the_image_serves_only_with_a_key_unless_told_otherwise(monkeypatch):
     assert check_exposure(parsed.host, _ingress_args(parsed, None))["api_key"] == "from-docker-run"
     runs = [line for line in DOCKERFILE.read_text(encoding="utf-8").splitlines() if "docker run --" in line]
     assert runs and all(re.search(r"-e COSINE_RAY_API_KEY\b", line) for line in runs), runs
+
+
+def _apt_packages() -> set[str]:
+    """The packages of every ``apt-get install`` in RUN lines."""
+    packages: set[str] = set()
+    for word, rest in INSTRUCTIONS:
+        if word != "RUN":
+            continue
+        for command in re.split(r"&&|;", rest):
+            tokens = command.split()
+            if tokens[:2] == ["apt-get", "install"]:
+                packages |= {t for t in tokens[2:] if not t.startswith("-")}
+    return packages
+
+
+def _run_index(text: str) -> int:
+    (index,) = [i for i, (w, rest) in enumerate(INSTRUCTIONS) if w == "RUN" and text in rest]
+    return index
+
+
+def test_the_image_has_a_compiler_and_builds_the_kernels_as_the_runtime_user():
+    """Without a C compiler the kernels never build and the server silently runs PyTorch's slower
+    projections: the image installs the compiler the build looks for (``cc``/``gcc``) with the C
+    headers, and builds the library at image build, failing the build if it does not build."""
+    import inspect
+
+    from cosine_ray.models.kernels import build
+
+    assert {"gcc", "libc6-dev"} <= _apt_packages()
+    assert '"cc"' in inspect.getsource(build.library) and '"gcc"' in inspect.getsource(build.library)
+    (code,) = [c for c in _python_snippets() if "library()" in c]
+    tree = ast.parse(code)
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "cosine_ray.models.kernels.build"
+               and [a.name for a in n.names] == ["library"] for n in ast.walk(tree))
+    assert any(isinstance(n, ast.Assert) for n in ast.walk(tree)), "a failed kernel build must stop the image build"
+    user_at = max(i for i, (w, _) in enumerate(INSTRUCTIONS) if w == "USER")
+    build_at = _run_index("library()")
+    assert user_at < build_at and _run_index("apt-get install") < build_at, \
+        "build the kernels after the compiler is installed, as the runtime user (the cache is theirs)"
+
+
+def test_the_image_runs_as_a_non_root_user():
+    users = [rest for w, rest in INSTRUCTIONS if w == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    (created,) = [rest for w, rest in INSTRUCTIONS if w == "RUN" and "useradd" in rest]
+    assert re.search(rf"useradd .*\b{re.escape(users[-1])}\b", created), "the USER must be created"
+    assert _run_index("useradd") < max(i for i, (w, _) in enumerate(INSTRUCTIONS) if w == "USER")
+
+
+def test_the_health_check_asks_health_on_the_served_port():
+    health = _one("HEALTHCHECK")
+    options, _, command = health.partition("CMD ")
+    assert command, "HEALTHCHECK must run a command"
+    flags = dict(re.findall(r"--([\w-]+)=(\S+)", options))
+    assert {"interval", "timeout", "start-period", "retries"} <= set(flags)
+    assert int(flags["start-period"].rstrip("s")) >= 300, "the first start loads the model: give it time"
+    _, parsed = resolve_entry_point(json.loads(_one("CMD")))
+    url = re.search(r"http://(\S+?):(\d+)(/\S*)", command)
+    assert url and url.group(3) == "/health" and int(url.group(2)) == parsed.port
+    assert url.group(1) in ("127.0.0.1", "localhost")
+    assert command.split()[0] in _apt_packages() | {"python"}, "the checker must be installed in the image"
+    assert "|| exit 1" in command, "any failure must read as unhealthy (exit 1), never as Docker's reserved 2"

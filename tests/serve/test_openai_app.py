@@ -324,7 +324,7 @@ BAD_INPUTS = [  # (id, method, path, body, status, param); body: dict -> JSON, b
     ("prompt-negative-id", "POST", COMP, {"prompt": [-1]}, 400, "prompt"),
     ("prompt-empty", "POST", COMP, {"prompt": ""}, 400, "prompt"),
     ("prompt-empty-list", "POST", COMP, {"prompt": []}, 400, "prompt"),
-    ("prompt-batch", "POST", COMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt-mixed-batch", "POST", COMP, {"prompt": [[1, 2], "b"]}, 400, "prompt"),  # a batch is of one kind
     ("prompt-fills-context", "POST", COMP, {"prompt": [5] * 2048}, 400, "prompt"),
     ("completion-logprobs", "POST", COMP, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("wrong-method", "GET", CHAT, None, 405, None),

@@ -19,18 +19,20 @@ from cosine_ray.runtime.engine_client import ENGINE_DEPLOYMENT
 APP_NAME = "cosine_ray"
 
 
-def engine_handle(app_name: str = APP_NAME):
+def engine_handle(app_name: str = APP_NAME, deployment: str = ENGINE_DEPLOYMENT):
     # Each test module's CLI starts (and at the end shuts down) its own Serve instance on the
     # session's cluster; this process caches a client of the previous module's controller.
     # Drop it when that controller is gone so the lookup finds the current one.
     from ray.serve import context as serve_context
     serve_context._check_cached_client_alive()
-    return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
+    return serve.get_deployment_handle(deployment, app_name=app_name)
 
 
-def engine_call(method: str, *args: Any, timeout_s: float = 30.0, app_name: str = APP_NAME) -> Any:
-    """Blocking call of an engine method (test code outside any event loop)."""
-    return getattr(engine_handle(app_name), method).remote(*args).result(timeout_s=timeout_s)
+def engine_call(method: str, *args: Any, timeout_s: float = 30.0, app_name: str = APP_NAME,
+                deployment: str = ENGINE_DEPLOYMENT) -> Any:
+    """Blocking call of an engine method (test code outside any event loop); ``deployment``:
+    another engine of the app (Ray Serve LLM's ``cosine_ray_engine-<model_id>``)."""
+    return getattr(engine_handle(app_name, deployment), method).remote(*args).result(timeout_s=timeout_s)
 
 
 def deploy(args: dict[str, Any], *, timeout_s: float = 600.0, app_name: str = APP_NAME) -> dict[str, Any]:

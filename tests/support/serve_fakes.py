@@ -72,3 +72,51 @@ class RecordingEngine:
     def record_http(self, replica: str, totals: dict) -> None:
         self.pushes.append((replica, totals))
         self.metrics.add_http_totals(replica, totals)
+
+
+class PromptEngine:
+    """EngineClient fake whose outputs are a fixed function of the prompt, so each choice of a
+    batch can be checked against the same prompt sent alone: token k of the answer to ``prompt``
+    is ``(7 · prompt[-1] + len(prompt) + 3k) mod vocab``; its log-probability and the prompt's
+    are fixed functions of token and position (``prompt_logprob``), sent when asked. Records every
+    ``check_request`` and stream (prompt, params, request id) and how many streams were closed;
+    ``refuse``: prompts (as tuples) ``check_request`` refuses with a ValueError."""
+
+    model_name, max_model_len, vocab_size = "prompt-table", 512, 256
+
+    def __init__(self, refuse: tuple[tuple[int, ...], ...] = ()) -> None:
+        self.refuse = set(refuse)
+        self.checked: list[tuple[list[int], Any]] = []
+        self.streams: list[tuple[list[int], Any, str]] = []
+        self.num_closed = 0
+
+    def answer(self, prompt: list[int], n: int) -> list[int]:
+        return [(7 * prompt[-1] + len(prompt) + 3 * k) % self.vocab_size for k in range(n)]
+
+    @staticmethod
+    def prompt_logprob(token: int, position: int) -> float:
+        return -((31 * token + position) % 97) / 10
+
+    async def check_request(self, prompt_token_ids, params) -> None:
+        self.checked.append((list(prompt_token_ids), params))
+        if tuple(prompt_token_ids) in self.refuse:
+            raise ValueError("max_tokens plus the prompt exceed what the engine serves")
+
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+        from cosine_ray.algo.logits_rules import TokenLogprob
+
+        prompt = list(prompt_token_ids)
+        self.streams.append((prompt, params, request_id))
+        try:
+            prompt_lps = None
+            if params.prompt_logprobs is not None:
+                prompt_lps = (None,) + tuple(TokenLogprob(t, self.prompt_logprob(t, j))
+                                             for j, t in enumerate(prompt[1:], 1))
+            for k, token in enumerate(self.answer(prompt, params.max_tokens)):
+                done = k == params.max_tokens - 1
+                lps = None if params.logprobs is None else (TokenLogprob(token, -0.5 - k / 100, ((token, -0.5 - k / 100),)),)
+                yield RequestOutput(request_id, [token], done, "length" if done else None, logprobs=lps,
+                                    prompt_logprobs=prompt_lps if k == 0 else None)
+                await asyncio.sleep(0)
+        finally:
+            self.num_closed += 1
