@@ -33,7 +33,7 @@ from support.fakes import (VOCAB, PROMPTS, AdversarialDrafter, drain, FakeDrafte
 
 CLASSIC = dict(fusion="union", scheduler="fcfs", adaptive=False, drafters_per_request=3)
 """Plain speculative decoding (every drafter's whole paths, fixed γ, first-come batches): the
-plumbing these tests pin down exactly. CoSine's own path is tested in test_cosine_router.py."""
+plumbing these tests pin down exactly. CoSine's own path is tested in test_cosine_core.py."""
 
 
 def make_router(target, drafters=(), *, eos=(), vocab=VOCAB, **config) -> EngineCore:
