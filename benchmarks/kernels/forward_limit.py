@@ -39,7 +39,7 @@ from cosine_ray.models.kernels import ENV as CPU_GEMM_ENV, FUSED_ENV
 from cosine_ray.models.linear import DenseLinear as _Linear, QuantLinear
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.loader import resolve_checkpoint
-from cosine_ray.models.native import load_weights
+from cosine_ray.models.weights.native import load_weights
 
 PATHS = {"dense": ("dense", torch.float32, {}), "dense-onednn": ("dense", torch.float32, {CPU_GEMM_ENV: "onednn"}),
          "dense-unfused": ("dense", torch.float32, {FUSED_ENV: "0"}),

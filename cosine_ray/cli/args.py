@@ -55,7 +55,7 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
     """``--device`` and ``--dtype`` (``defaults=False``: absent flags stay None, so a config
     file's values stand)."""
     from cosine_ray.models.device import DTYPES
-    from cosine_ray.models.native import WEIGHTS_MODES
+    from cosine_ray.models.weights.native import WEIGHTS_MODES
     p.add_argument("--device", default="cpu" if defaults else None,
                    help="cpu, cuda or cuda:N: where the target and model drafters run (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32" if defaults else None,

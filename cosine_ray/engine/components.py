@@ -7,12 +7,12 @@ from typing import Any
 import torch
 
 from cosine_ray.algo.domains import DomainClassifier
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
 from cosine_ray.algo.routing import normalise_embeddings
 from cosine_ray.engine.build import datastore_path
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.spec import DOMAINS
-from cosine_ray.engine.drafters.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
 from cosine_ray.engine.profile import profile_path
 from cosine_ray.models.loader import Checkpoint
 

@@ -20,7 +20,7 @@ from typing import Any
 from cosine_ray.engine.drafters.spec import (DEFAULT_DRAFTERS, DRAFTER_KINDS, DrafterSpec,  # noqa: F401 (re-exported)
                                             parse_drafters)
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
-from cosine_ray.models.native import check_weights_mode
+from cosine_ray.models.weights.native import check_weights_mode
 
 CPU_MAX_NUM_SEQS = 8
 CUDA_MAX_NUM_SEQS = 64
@@ -302,7 +302,7 @@ class EngineConfig:
     num_stages: int = 1
     """Contiguous layer slices of the target (pipeline stages)."""
     weights: str = "dense"
-    """How a GGUF model's weights are held (``models.native``): dense (dequantized to ``dtype``:
+    """How a GGUF model's weights are held (``models.weights.native``): dense (dequantized to ``dtype``:
     fp32 output is identical to Hugging Face transformers) | native (its Q4_0/Q4_1/Q8_0 blocks
     kept quantized: on CPU our own kernel with activations rounded to 8 bits a group of 32, as
     llama.cpp does, on CUDA PyTorch's int4 kernel with bf16 ones; faster, lossless against our own

@@ -52,7 +52,7 @@ from cosine_ray.models.kv_cache import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from cosine_ray.algo.domains import DomainClassifier
-    from cosine_ray.algo.latency_model import LatencyModel
+    from cosine_ray.algo.scheduling.latency_model import LatencyModel
 
 
 class PhaseTimer:

@@ -1,7 +1,7 @@
 """The profiling pass behind the scheduler's latency models (``cosine-ray profile``).
 
 It measures the real in-process target (the same ``TargetWorker`` over ``LlamaStage`` slices
-that the engine runs) and the configured drafters, fits ``algo.latency_model.LatencyModel``
+that the engine runs) and the configured drafters, fits ``algo.scheduling.latency_model.LatencyModel``
 and stores it as JSON under ``profile_path``
 (``<cache>/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``; each
 setup keeps its own; ``$COSINE_RAY_PROFILE_DIR`` replaces the directory). Measured:
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
+from cosine_ray.algo.scheduling.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models import kernels as cpu_gemm
 from cosine_ray.engine.build import build_drafter

@@ -190,7 +190,7 @@ class LoadedTarget:
     stages: list["LlamaStage"]
     """The stages asked for, in pipeline order."""
     weights: dict[str, Any]
-    """The state dict the stages were built from (``models.native.load_weights``: tensors, or a
+    """The state dict the stages were built from (``models.weights.native.load_weights``: tensors, or a
     GGUF model's quantized blocks): what a drafter built beside them reads (the target as its
     own drafter, a feature head, the embedding table)."""
 
@@ -198,10 +198,10 @@ class LoadedTarget:
 def load_target(model: str | os.PathLike[str] | Checkpoint, *, weights: str = "dense", dtype: str = "float32",
                 device: str = "cpu", num_stages: int = 1, stage_index: int | None = None) -> LoadedTarget:
     """The target's stages in one trip: resolve ``model`` (a spec or a Checkpoint), read its
-    weights as ``weights`` says (dense | native | auto, ``models.native``) and build the
+    weights as ``weights`` says (dense | native | auto, ``models.weights.native``) and build the
     ``num_stages`` contiguous layer slices on ``device`` in ``dtype``, or only slice
     ``stage_index`` (a stage actor)."""
-    from .native import load_weights
+    from .weights.native import load_weights
 
     checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
     state = load_weights(checkpoint, weights, device=device, dtype=dtype)

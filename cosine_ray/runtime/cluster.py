@@ -8,8 +8,8 @@ import ray
 
 NAMESPACE = "cosine_ray"
 
-PROXY_CALLBACK = "cosine_ray.serve.proxy_guard.middlewares"
-"""The import path Serve's HTTP proxies call for their middlewares (``serve/proxy_guard.py``).
+PROXY_CALLBACK = "cosine_ray.serve.guards.proxy_guard.middlewares"
+"""The import path Serve's HTTP proxies call for their middlewares (``serve/guards/proxy_guard.py``).
 A string, not an import: Serve resolves it in each proxy process, and ``runtime/`` sits below
 ``serve/`` (docs/architecture.md, Layering)."""
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -51,7 +51,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
 
     Every worker of the job gets ``runtime_env`` env vars: one torch thread, fewer malloc arenas,
     Serve's proxy health-check period (``SERVE_ENV``) and the proxy's callback
-    (``serve.proxy_guard``); a local cluster also gets ``LOCAL_SYSTEM_CONFIG``.
+    (``serve.guards.proxy_guard``); a local cluster also gets ``LOCAL_SYSTEM_CONFIG``.
     """
     if ray.is_initialized():
         return

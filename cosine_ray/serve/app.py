@@ -13,7 +13,7 @@ pool and step loop, owner of the stage and drafter actors; one replica) and the 
 ``bind``. Serve starts, health-checks, restarts and reconfigures both.
 
 Overload: ``max_pending_requests`` (default 256) bounds the generations one ingress replica
-holds, shared fairly between keys (``serve.admission``, which may overcommit it); Serve's
+holds, shared fairly between keys (``serve.guards.admission``, which may overcommit it); Serve's
 ``max_ongoing_requests`` is that overcommitted bound plus ``CONTROL_HEADROOM``, so every request
 reaches fair admission and Serve's own queue is a backstop. ``request_timeout_s`` (default 600)
 bounds one generation (408), ``body_timeout_s`` (default 30) the wait for a body (408).
@@ -52,7 +52,7 @@ class OpenAIIngress:
         from cosine_ray.models.loader import resolve_checkpoint
         from cosine_ray.runtime.engine_client import RayEngineClient
         from cosine_ray.serve.errors import DEFAULT_BODY_TIMEOUT_S
-        from cosine_ray.serve.tenants import as_key_entries, read_key_file
+        from cosine_ray.serve.guards.tenants import as_key_entries, read_key_file
 
         config = config_from_dict(config_data)
         checkpoint = resolve_checkpoint(config.model)
@@ -94,8 +94,8 @@ deploying child, ``serve run``)."""
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     from cosine_ray.runtime.engine_client import ENGINE_DEPLOYMENT
     from cosine_ray.runtime.placement import engine_actor_options
-    from cosine_ray.serve.admission import OVERCOMMIT
-    from cosine_ray.serve.tenants import as_key_entries, key_ring, read_key_file
+    from cosine_ray.serve.guards.admission import OVERCOMMIT
+    from cosine_ray.serve.guards.tenants import as_key_entries, key_ring, read_key_file
 
     args = dict(args or {})
     ingress = {k: args.pop(k) for k in INGRESS_ARGS if k in args}

@@ -6,10 +6,10 @@ the one ``ServerState`` (``serve.state``) through its ``State`` parameter, so ad
 adding one function here. ``build_openai_app`` makes the state and the app, adds the routes and
 installs the error handlers and middlewares. A generation request goes:
 
-    key (``serve.tenants``) → validate (schemas, ``serve.limits``) → model, supported-feature and
-    vocabulary checks → prompt token ids (``serve.prompts``, off the event loop) → max_tokens →
-    admission (``serve.admission``, per key) → engine.check_request → engine.stream → TextStream
-    (``serve.text``) → JSON response or SSE chunks ... ``data: [DONE]``
+    key (``serve.guards.tenants``) → validate (schemas, ``serve.guards.limits``) → model, supported-feature and
+    vocabulary checks → prompt token ids (``serve.text.prompts``, off the event loop) → max_tokens →
+    admission (``serve.guards.admission``, per key) → engine.check_request → engine.stream → TextStream
+    (``serve.text.stream``) → JSON response or SSE chunks ... ``data: [DONE]``
 
 Every engine iterator is closed on every path (finish, stop string, error, client disconnect,
 cancellation): closing it is what aborts the request in the engine (``serve.choices``). Streaming
@@ -28,23 +28,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from cosine_ray.engine.client import EngineClient
-from cosine_ray.serve import tools
-from cosine_ray.serve.admission import Admission
+from cosine_ray.serve.text import tools
+from cosine_ray.serve.guards.admission import Admission
 from cosine_ray.serve.choices import (ChatDeltas, Choice, Logprobs, close_all, collect_all, first_outputs,
                                       guarded_events, interleave, start_choices, usage)
 from cosine_ray.serve.errors import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware,
                                      CatchAllMiddleware, HeaderLimitMiddleware, error_payload, install_error_handlers)
 from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness, SSEResponse, sse
-from cosine_ray.serve.limits import check_duplicate_keys, check_vocabulary
+from cosine_ray.serve.guards.limits import check_duplicate_keys, check_vocabulary
 from cosine_ray.serve.metrics_http import (METRICS_PATH, PUSH_INTERVAL_S, HttpCounts, HttpMetricsMiddleware,
                                           metrics_response)
-from cosine_ray.serve.prompts import chat_prompt, completion_prompt, longest_token_chars
+from cosine_ray.serve.text.prompts import chat_prompt, completion_prompt, longest_token_chars
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                       CompletionChoice, CompletionRequest, CompletionResponse,
                                       ErrorResponse, ModelCard, ModelList)
 from cosine_ray.serve.state import DEFAULT_MAX_TOKENS, ServerState, State
-from cosine_ray.serve.tenants import ApiKey, ApiKeyMiddleware, key_ring, tenant_of
+from cosine_ray.serve.guards.tenants import ApiKey, ApiKeyMiddleware, key_ring, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,12 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
                      send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
                      metrics_push_interval_s: float = PUSH_INTERVAL_S) -> FastAPI:
     """The OpenAI-compatible app. ``tokenizer`` is the target's HF tokenizer (chat template).
-    ``api_key`` and ``api_keys`` (``serve.tenants``: each a tenant with its own limits) are the
+    ``api_key`` and ``api_keys`` (``serve.guards.tenants``: each a tenant with its own limits) are the
     keys a request may carry; none: the app is open. ``return_spec_stats`` adds the
     ``cosine_ray`` stats block to every completion (otherwise only when a request asks with
     ``cosine_ray_stats``); ``metrics_require_key`` makes ``GET /metrics`` need a key too (by
     default it is public, like ``/health``). ``max_pending_requests`` bounds the generations in
-    flight, shared fairly between keys (``serve.admission``); ``request_timeout_s`` bounds one
+    flight, shared fairly between keys (``serve.guards.admission``); ``request_timeout_s`` bounds one
     generation's wall time from its admission: past it the engine request is cancelled and the
     client gets 408 (before the first streamed byte) or an SSE error event with the 408 payload,
     then ``[DONE]``. ``body_timeout_s`` bounds the wait for a request's body (408), and

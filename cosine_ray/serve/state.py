@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 
 from cosine_ray.engine.client import EngineClient
 from cosine_ray.serve.errors import NotFound
-from cosine_ray.serve.admission import Admission
+from cosine_ray.serve.guards.admission import Admission
 from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness
 from cosine_ray.serve.metrics_http import HttpCounts
 from cosine_ray.serve.schemas import ModelCard
@@ -50,10 +50,10 @@ class ServerState:
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     """Longest a streamed response waits for its client to take bytes (then it is dropped)."""
     max_token_chars: int | None = None
-    """The most characters one token stands for (``serve.prompts``: a longer text than the
+    """The most characters one token stands for (``serve.text.prompts``: a longer text than the
     context times this is refused before tokenizing); None: no such bound."""
     eos_token_ids: tuple[int, ...] = ()
-    """The tokenizer's end-of-text ids (``serve.limits.check_vocabulary``)."""
+    """The tokenizer's end-of-text ids (``serve.guards.limits.check_vocabulary``)."""
     created: int = field(default_factory=lambda: int(time.time()))
     """The model card's ``created`` (when the app was built)."""
 

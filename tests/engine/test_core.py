@@ -12,8 +12,8 @@ import torch
 
 from cosine_ray.algo.sampling import logits_to_probs
 from cosine_ray.engine.drafters.base import DraftProposal
-from cosine_ray.engine.drafters.model import ModelDrafter
-from cosine_ray.engine.drafters.ngram import NgramDrafter
+from cosine_ray.engine.drafters.models.model import ModelDrafter
+from cosine_ray.engine.drafters.lookup.ngram import NgramDrafter
 from cosine_ray.models.loader import build_stages
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams

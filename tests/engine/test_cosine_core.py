@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from cosine_ray.algo.guard import SpeculationGuard
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
 from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.core import EngineCore
@@ -370,7 +370,7 @@ def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without
     forward is in flight, never between its schedule and its forward's launch (in-process
     drafting awaits no task: otherwise the lanes' host work interleaves, they draft together
     and verify together, and the GPU idles)."""
-    from cosine_ray.engine.drafters.ngram import NgramDrafter
+    from cosine_ray.engine.drafters.lookup.ngram import NgramDrafter
     from cosine_ray.engine.drafters.worker import DrafterWorker
     from cosine_ray.engine.worker.clients import LocalDrafterClient
     from cosine_ray.engine.loop import EngineLoop

@@ -17,7 +17,7 @@ import torch
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.drafters.spec import DOMAINS
-from cosine_ray.engine.drafters.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
 from cosine_ray.engine.build import datastore_path
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams

@@ -26,7 +26,7 @@ from support.uvicorn_thread import serve_in_thread
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import RequestOutput
-from cosine_ray.serve import tenants
+from cosine_ray.serve.guards import tenants
 from cosine_ray.serve.errors import OVERLOADED_CODE
 from cosine_ray.serve.metrics_http import METRICS_PATH
 from cosine_ray.serve.openai_app import PUBLIC_PATHS, build_openai_app

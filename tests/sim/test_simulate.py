@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from cosine_ray.cli import main as cli_main
-from cosine_ray.algo.latency_model import LatencyModel, LlmSample
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, LlmSample
 from cosine_ray.sim.latency import DrafterCost, TargetCost, target_cost
 from cosine_ray.sim.runner import SimResult, simulate
 from cosine_ray.sim.scenario import Scenario, ScenarioError, load, validate

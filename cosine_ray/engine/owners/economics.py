@@ -1,6 +1,6 @@
 """What a step costs and what drafting gains: the two models the scheduler decides with.
 
-- ``CostModel`` holds the measured latency model (T_llm, T_ssm; ``algo.latency_model``):
+- ``CostModel`` holds the measured latency model (T_llm, T_ssm; ``algo.scheduling.latency_model``):
   the start-up profile (``cosine-ray profile``) refitted every ``REFIT_EVERY`` verify steps
   from the profile's samples plus the last ``LIVE_SAMPLES`` live ones, so the scheduler
   follows the machine's real speed (other load, thermal limits, the thread count this process
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from cosine_ray.algo.guard import bucket_of
-from cosine_ray.algo.latency_model import LatencyModel, LlmSample, llm_features
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, LlmSample, llm_features
 
 if TYPE_CHECKING:
     from cosine_ray.engine.request import Request

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cosine_ray.engine.drafters.datastore import (
+from cosine_ray.engine.drafters.lookup.datastore import (
     FORMAT_VERSION, METADATA_KEY, ContinuationIndex, Datastore, DatastoreMetadata)
 
 SEQS = [[1, 2, 3, 4], [1, 2, 5], [7, 1, 2, 3, 9]]
@@ -51,7 +51,7 @@ def test_load_reads_the_file_without_pyarrows_dataset_modules(tmp_path):
     """An engine start loads every domain's datastore: ``pq.read_table`` would import pyarrow's
     dataset and compute modules for it (checked in a fresh interpreter, where nothing else has)."""
     path = make_store().save(tmp_path / "code.parquet")
-    code = ("import sys; from cosine_ray.engine.drafters.datastore import Datastore; "
+    code = ("import sys; from cosine_ray.engine.drafters.lookup.datastore import Datastore; "
             f"s = Datastore.load({str(path)!r}); assert len(s) == 3; "
             "print(sorted(m for m in ('pyarrow.dataset', 'pyarrow.compute') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -10,7 +10,7 @@ import torch
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.drafters.base import ContinueQuery, DraftInput
-from cosine_ray.engine.drafters.distilled import (DRAFTER_METADATA, DistilledConfig, DistilledDrafter,
+from cosine_ray.engine.drafters.models.distilled import (DRAFTER_METADATA, DistilledConfig, DistilledDrafter,
                                                   LayerParallelStage, load_distilled)
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams

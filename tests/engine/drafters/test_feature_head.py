@@ -8,8 +8,8 @@ import torch
 
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.engine.drafters.base import ContinueQuery, DraftInput
-from cosine_ray.engine.drafters.feature_head import FeatureHeadDrafter, _within_budget
-from cosine_ray.engine.drafters.head_model import FeatureHead, HeadConfig
+from cosine_ray.engine.drafters.models.feature_head import FeatureHeadDrafter, _within_budget
+from cosine_ray.engine.drafters.models.head_model import FeatureHead, HeadConfig
 from cosine_ray.engine.worker.features import FeatureRecord, FeatureStage, FeatureStore
 from cosine_ray.engine.worker.scoring import ScoreItem, build_stage_batch
 from cosine_ray.models.llama import LlamaStage

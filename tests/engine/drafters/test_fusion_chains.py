@@ -16,10 +16,10 @@ import pytest
 
 from cosine_ray.algo.fusion import FusionState
 from cosine_ray.engine.drafters.base import ContinueQuery, continue_chains
-from cosine_ray.engine.drafters.datastore import Datastore
-from cosine_ray.engine.drafters.model import ModelDrafter
-from cosine_ray.engine.drafters.ngram import NgramDrafter
-from cosine_ray.engine.drafters.retrieval import RetrievalDrafter
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
+from cosine_ray.engine.drafters.models.model import ModelDrafter
+from cosine_ray.engine.drafters.lookup.ngram import NgramDrafter
+from cosine_ray.engine.drafters.lookup.retrieval import RetrievalDrafter
 from cosine_ray.engine.build import PACKAGED_DATASTORES
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.owners.drafting import fuse_drafts

@@ -8,7 +8,7 @@ import pytest
 
 from support.drafter_protocol import assert_speaks_drafter_protocol  # noqa: E402
 from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput
-from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter, grow_paths
+from cosine_ray.engine.drafters.lookup.ngram import NgramConfig, NgramDrafter, grow_paths
 
 
 def propose_one(drafter: NgramDrafter, context, budget: int, request_id: str = "r0"):

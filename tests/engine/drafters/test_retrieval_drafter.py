@@ -8,8 +8,8 @@ import pytest
 
 from support.drafter_protocol import assert_speaks_drafter_protocol  # noqa: E402
 from cosine_ray.engine.drafters.base import DraftFeedback, DraftInput
-from cosine_ray.engine.drafters.datastore import Datastore
-from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.retrieval import RetrievalConfig, RetrievalDrafter
 
 # "def f ( x ) : return x" style token streams.
 SEQS = [

@@ -12,9 +12,9 @@ import random
 import pytest
 
 from cosine_ray.engine.drafters.base import ContinueQuery, DraftFeedback, DraftInput, Drafter, continue_chains
-from cosine_ray.engine.drafters.datastore import Datastore
-from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
-from cosine_ray.engine.drafters.suffix_index import SuffixIndex
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.suffix import SuffixConfig, SuffixDrafter
+from cosine_ray.engine.drafters.lookup.suffix_index import SuffixIndex
 
 UNCAPPED = dict(max_occurrences=100_000)
 """Chains read to the end: counts are exact, as brute force computes them."""

@@ -7,7 +7,7 @@ and earlier calls and results in the conversation are written the same way. *Par
 ``tool_choice`` named → the whole output is the function's arguments (JSON, constrained by its
 ``parameters`` schema); ``required`` → a JSON list of ``{"name", "arguments"}`` calls, each
 constrained by its function's schema; ``auto`` → the calls the tool-call parser finds in the
-text (``serve.tool_parsers``: Hermes ``<tool_call>`` blocks by default, Llama 3 JSON or Mistral
+text (``serve.text.tool_parsers``: Hermes ``<tool_call>`` blocks by default, Llama 3 JSON or Mistral
 ``[TOOL_CALLS]``) that name a known function with JSON arguments, the rest stays content (a
 model that never writes them simply answers in text); ``none`` → the tools are not rendered.
 """
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from cosine_ray.engine.request import StructuredOutput
 from cosine_ray.serve.schemas import CalledFunction, ChatCompletionRequest, NamedToolChoice, ToolCall, ToolParam
-from cosine_ray.serve.tool_parsers import DEFAULT_TOOL_CALL_PARSER, HERMES_OPEN, tool_call_parser
+from cosine_ray.serve.text.tool_parsers import DEFAULT_TOOL_CALL_PARSER, HERMES_OPEN, tool_call_parser
 
 OPEN_TAG = HERMES_OPEN
 
@@ -113,7 +113,7 @@ def _call(name: str, arguments: Any, call_id: str | None = None) -> ToolCall:
 def parse_tool_calls(text: str, parser: str = DEFAULT_TOOL_CALL_PARSER,
                      tools: Iterable[str | Mapping[str, Any] | ToolParam] | None = None
                      ) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished answer in ``parser``'s format (``serve.tool_parsers``).
+    """(content, calls) of a finished answer in ``parser``'s format (``serve.text.tool_parsers``).
     ``tools``: the functions offered (names, OpenAI tool dicts or ``ToolParam``s); a call of
     any other name is not a call. None: any name. No calls: (text, [])."""
     chosen = tool_call_parser(parser)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
-from cosine_ray.engine.drafters.head_model import FeatureHead, HeadConfig
+from cosine_ray.engine.drafters.models.head_model import FeatureHead, HeadConfig
 from cosine_ray.engine.worker.features import FeatureStore
 
 HEAD_METADATA = "cosine_ray_drafter.json"

@@ -28,10 +28,10 @@ from typing import Iterable, Sequence
 
 from cosine_ray.engine.drafters.base import (Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal,
                                              FinishedText)
-from cosine_ray.engine.drafters.datastore import Datastore
-from cosine_ray.engine.drafters.ngram import grow_paths
-from cosine_ray.engine.drafters.suffix_index import SuffixIndex, read_snapshot, write_snapshot
-from cosine_ray.engine.drafters.suffix_tree import Anchor
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.ngram import grow_paths
+from cosine_ray.engine.drafters.lookup.suffix_index import SuffixIndex, read_snapshot, write_snapshot
+from cosine_ray.engine.drafters.lookup.suffix_tree import Anchor
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """CoSine's batch scheduler: which requests step now, and how many draft tokens each (eq. 5-8).
 
-The problem is defined in ``algo.lp_problem``, whose public names this module re-exports; here
+The problem is defined in ``algo.scheduling.lp_problem``, whose public names this module re-exports; here
 it is solved (``schedule_batch``), next to the baselines: Algorithm 2's trim (``trim_gammas``)
 and the "LP off" ablation (``first_come_batch``). Solving is exact (``status == "optimal"``
 means proved optimal): when every candidate provably goes, only b = n is solved in plain
@@ -24,8 +24,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from cosine_ray.algo.latency_model import LatencyModel
-from cosine_ray.algo.lp_problem import (Candidate, Schedule, ScheduleConfig, ScheduleEvaluation, _Problem,
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.lp_problem import (Candidate, Schedule, ScheduleConfig, ScheduleEvaluation, _Problem,
                                         evaluate_schedule, forced_mask, priority_order)
 
 __all__ = [

@@ -2,7 +2,7 @@
 the calls and the remaining content out (``TOOL_CALL_PARSERS``, chosen by name as vLLM's
 ``--tool-call-parser``):
 
-* ``hermes`` (the default; Qwen, Hermes, and what ``serve.tools`` asks a model without a tool
+* ``hermes`` (the default; Qwen, Hermes, and what ``serve.text.tools`` asks a model without a tool
   template for): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number,
   anywhere in the text.
 * ``llama3_json`` (Llama 3.1-3.3): the answer is a JSON object ``{"name": ..., "parameters":

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cosine_ray.engine.drafters.base import Candidates, ContinueQuery, DraftFeedback, DraftInput, DraftProposal
-from cosine_ray.engine.drafters.datastore import ContinuationIndex, Datastore
-from cosine_ray.engine.drafters.ngram import grow_paths, walk_chains
+from cosine_ray.engine.drafters.lookup.datastore import ContinuationIndex, Datastore
+from cosine_ray.engine.drafters.lookup.ngram import grow_paths, walk_chains
 
 
 @dataclass(frozen=True, slots=True)

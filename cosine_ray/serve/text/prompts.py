@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 
 from jinja2 import TemplateError
 
-from cosine_ray.serve import tools
+from cosine_ray.serve.text import tools
 from cosine_ray.serve.errors import InvalidRequest
 from cosine_ray.serve.schemas import ChatCompletionRequest, CompletionRequest
 from cosine_ray.serve.state import ServerState

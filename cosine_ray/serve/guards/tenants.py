@@ -9,7 +9,7 @@ without a name is named by a short hash of it.
 
 ``ApiKeyMiddleware`` checks ``Authorization: Bearer KEY`` before anything else runs (no engine
 call for a refused request) and leaves the tenant on the ASGI scope (``TENANT_SCOPE_KEY``), where
-admission (``serve.admission``) and the HTTP metrics read it. Keys are compared in constant
+admission (``serve.guards.admission``) and the HTTP metrics read it. Keys are compared in constant
 time, against every key, so the time of a refusal says nothing about which key came close.
 Without any key every request is the tenant ``anonymous``.
 """

@@ -1,6 +1,6 @@
 """The LP batch scheduler's problem (eq. 5-8): its inputs (``Candidate``, ``ScheduleConfig``), its
 answer (``Schedule``), and the objective and constraints over the candidates in priority order
-(``_Problem``, ``evaluate_schedule``, ``forced_mask``, ``priority_order``). ``algo.lp_schedule``
+(``_Problem``, ``evaluate_schedule``, ``forced_mask``, ``priority_order``). ``algo.scheduling.lp_schedule``
 solves it. Paper (CoSine §4.3) → code::
 
     b_i ∈ {0,1}, γ_i ≥ 1   one-hot x[i, g] over g = 0..G_i; b_i = Σ_g x[i, g], γ_i = Σ_g g·x[i, g] ≥ 0
@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ Weights modes (``EngineConfig.weights``, ``--weights``):
 - ``dense``: the checkpoint's matrices in the compute dtype (a GGUF model: its dequantized copy,
   exactly the file's weights in fp32), multiplied by oneDNN/MKL (CPU) or cuBLAS;
 - ``native``: a GGUF model's Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks and multiplied by
-  int4 weight-only kernels (``models.quant``); only the norms are dense. Needs a GGUF origin;
+  int4 weight-only kernels (``models.weights.quant``); only the norms are dense. Needs a GGUF origin;
 - ``auto``: ``native`` where the model came from a GGUF file whose formats are all served
   natively, ``dense`` otherwise.
 
@@ -23,14 +23,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .checkpoint import Checkpoint, ModelLoadError, _one_line
-from .conversion import _MARKER
-from .embedded import EMBEDDED_MODELS, _fetch_embedded_gguf
+from cosine_ray.models.checkpoint import Checkpoint, ModelLoadError, _one_line
+from cosine_ray.models.conversion import _MARKER
+from cosine_ray.models.embedded import EMBEDDED_MODELS, _fetch_embedded_gguf
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .quant import QuantTensor
+    from cosine_ray.models.weights.quant import QuantTensor
 
 WEIGHTS_MODES = ("auto", "dense", "native")
 NATIVE_FILE = "native.safetensors"
@@ -102,7 +102,7 @@ def write_native_file(weights: dict, path: Path) -> None:
     """Save ``gguf_weights``' output: QuantTensor blocks as uint8, metadata ``{name: "FMT:cols"}``."""
     from safetensors.torch import save_file
 
-    from .quant import QuantTensor
+    from cosine_ray.models.weights.quant import QuantTensor
 
     tensors, formats = {}, {}
     for name, value in weights.items():
@@ -118,7 +118,7 @@ def _read_native_file(path: Path) -> "dict[str, torch.Tensor | QuantTensor]":
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from .quant import QuantTensor
+    from cosine_ray.models.weights.quant import QuantTensor
 
     with safe_open(str(path), framework="pt") as handle:
         formats = json.loads((handle.metadata() or {}).get("cosine_ray_formats", "{}"))
@@ -137,7 +137,7 @@ def _build_native_file(ckpt: Checkpoint, path: Path) -> None:
     ``path`` atomically under a file lock."""
     from filelock import FileLock
 
-    from .quant import gguf_weights
+    from cosine_ray.models.weights.quant import gguf_weights
 
     source = gguf_source(ckpt)
     if source is None:

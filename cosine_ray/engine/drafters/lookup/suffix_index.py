@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cosine_ray.engine.drafters.datastore import read_parquet
+from cosine_ray.engine.drafters.lookup.datastore import read_parquet
 
 SENTINEL = -1
 _HASH_BASE = 0x100000001B3  # FNV-1 64-bit prime

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cosine_ray.serve.errors import OVERLOADED_CODE, EngineUnavailable, InvalidRequest, RateLimited
-from cosine_ray.serve.tenants import ApiKey
+from cosine_ray.serve.guards.tenants import ApiKey
 
 OVERCOMMIT = 2
 """A full server still admits keys within their fair share, up to this many times
