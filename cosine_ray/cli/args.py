@@ -12,8 +12,17 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+RENAMED_FLAGS = {"--drafters-in-router": "--drafters-in-engine"}
+"""Old names of flags: a command line that uses one gets an error naming the new flag."""
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
+        if message.startswith("unrecognized arguments:"):
+            given = {word.split("=", 1)[0] for word in message.split(":", 1)[1].split()}
+            for old, new in RENAMED_FLAGS.items():
+                if old in given:
+                    raise CliError(f"{old} was renamed: use {new}")
         raise CliError(f"{message} (see `{self.prog} --help`)")
 
 

@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     add_device_args(srv, defaults=False)
     add_batching_args(srv)
     srv.add_argument("--num-speculative-tokens", type=int, default=None)
-    srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
+    srv.add_argument("--drafters-in-engine", dest="drafters_in_engine", default=None,
                      metavar="KINDS",
                      help="drafter kinds run inside the engine process (default: ngram,retrieval,suffix, "
                           "table lookups); none = every drafter in an actor of its own")

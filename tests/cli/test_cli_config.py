@@ -224,6 +224,8 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     (["--num-cpus", "0"], "--num-cpus must be >= 1"),
     (["--stages", "0"], "num_stages must be >= 1"),
     (["--drafters-in-engine", "bogus"], "drafters_in_engine: unknown kind(s) bogus"),
+    (["--drafters-in-router", "none"], "--drafters-in-router was renamed: use --drafters-in-engine"),
+    (["--drafters-in-router=none"], "--drafters-in-router was renamed: use --drafters-in-engine"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
     assert main(["serve", *argv]) == 2
