@@ -1,6 +1,6 @@
 """Prompt domain classifier: which domain (code, math, ...) a request's prompt belongs to.
 
-Requests arrive without a label, and the expertise router (``algo.routing``) starts a request
+Requests arrive without a label, and expertise routing (``algo.routing``) starts a request
 from its domain's prior. The feature is the target's own input embedding ``H`` (the table
 eq. 1 uses), no extra model::
 

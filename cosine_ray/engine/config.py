@@ -391,7 +391,7 @@ SETTING_PATHS = {f.name: f"{section}.{f.name}" for section, cls in SECTIONS.item
 RENAMED = {"max_batch_size": "max_num_seqs", "drafters_in_router": "drafters_in_engine"}
 """Old names of settings: a config that uses one gets an error naming the new key."""
 SPLIT_SECTIONS = ("step", "router")
-"""Mappings of older configs whose keys now live in the parts (``router`` was ``step``'s name)."""
+"""Sections of older configs whose keys now live in the parts: refused, naming the new key."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

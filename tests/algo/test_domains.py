@@ -144,7 +144,7 @@ def test_real_prompts_second_half_accuracy(real_split) -> None:
 
 @pytest.mark.real_model
 def test_real_fit_from_retrieval_datastores(real_split) -> None:
-    """How the router fits it: from the datastores' prompt+output sequences."""
+    """How routing fits it: from the datastores' prompt+output sequences."""
     from cosine_ray.engine.drafters.lookup.datastore import Datastore
 
     unit, _, held_out = real_split

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cosine_ray.algo.routing import (ExpertiseRouter, RouteChoice, RoutingVector, RoutingConfig, drafter_scores,
+from cosine_ray.algo.routing import (ExpertiseRouting, RouteChoice, RoutingVector, RoutingConfig, drafter_scores,
                                      normalise_embeddings, routing_score, verification_accuracy)
 
 POOL = ("ngram", "retrieval:code", "retrieval:math", "retrieval:instruction", "retrieval:chat")
@@ -106,68 +106,68 @@ def test_config_rejects_bad_values(kwargs: dict) -> None:
 
 
 def test_update_errors_and_fresh_scores() -> None:
-    router = ExpertiseRouter(POOL)
-    r = r = router.start("r", "code")
-    assert router.scores(r) == {name: 0.5 for name in POOL}
+    routing = ExpertiseRouting(POOL)
+    r = r = routing.start("r", "code")
+    assert routing.scores(r) == {name: 0.5 for name in POOL}
     with pytest.raises(ValueError, match="\\[0, 1\\]"):
-        router.update(r, {"ngram": 1.2}, accepted_len=1)
+        routing.update(r, {"ngram": 1.2}, accepted_len=1)
     with pytest.raises(ValueError, match="accepted_len"):
-        router.update(r, {"ngram": 0.2}, accepted_len=-1)
+        routing.update(r, {"ngram": 0.2}, accepted_len=-1)
     with pytest.raises(ValueError, match="already in the pool"):
-        ExpertiseRouter(["a", "a"])
+        ExpertiseRouting(["a", "a"])
 
 
-def _router_with_scores(scores: dict[str, float], **cfg) -> tuple[ExpertiseRouter, RoutingVector]:
+def _routing_with_scores(scores: dict[str, float], **cfg) -> tuple[ExpertiseRouting, RoutingVector]:
     """One request "r" whose M_r equals ``scores`` exactly (score_ema = 1)."""
     seed = cfg.pop("seed", 0)
-    router = ExpertiseRouter(list(scores), RoutingConfig(score_ema=1.0, **cfg), seed=seed)
-    r = r = router.start("r", "code")
-    router.update(r, scores, accepted_len=5)
-    assert router.scores(r) == pytest.approx(scores)
-    return router, r
+    routing = ExpertiseRouting(list(scores), RoutingConfig(score_ema=1.0, **cfg), seed=seed)
+    r = r = routing.start("r", "code")
+    routing.update(r, scores, accepted_len=5)
+    assert routing.scores(r) == pytest.approx(scores)
+    return routing, r
 
 
 def test_update_is_an_ema_of_observed_scores() -> None:
-    router = ExpertiseRouter(["a", "b"], RoutingConfig(score_ema=0.5, prior_ema=0.1))
-    r = router.start("r", "math")
-    router.update(r, {"a": 1.0}, accepted_len=2)       # a: 0.5 + 0.5·(1 − 0.5) = 0.75
-    router.update(r, {"a": 0.25}, accepted_len=2)      # a: 0.75 + 0.5·(0.25 − 0.75) = 0.5
-    router.update(r, {"b": 0.0}, accepted_len=2)       # b: 0.5 → 0.25
-    assert router.scores(r) == pytest.approx({"a": 0.5, "b": 0.25})
+    routing = ExpertiseRouting(["a", "b"], RoutingConfig(score_ema=0.5, prior_ema=0.1))
+    r = routing.start("r", "math")
+    routing.update(r, {"a": 1.0}, accepted_len=2)       # a: 0.5 + 0.5·(1 − 0.5) = 0.75
+    routing.update(r, {"a": 0.25}, accepted_len=2)      # a: 0.75 + 0.5·(0.25 − 0.75) = 0.5
+    routing.update(r, {"b": 0.0}, accepted_len=2)       # b: 0.5 → 0.25
+    assert routing.scores(r) == pytest.approx({"a": 0.5, "b": 0.25})
     # priors: a: 0.5 → 0.55 → 0.52; b: 0.5 → 0.45
-    assert router.prior("math") == pytest.approx({"a": 0.52, "b": 0.45})
+    assert routing.prior("math") == pytest.approx({"a": 0.52, "b": 0.45})
     # an unseen domain falls back to the global prior; a new request starts from it
-    assert router.prior("code") == pytest.approx({"a": 0.52, "b": 0.45})
-    s = router.start("s", "math")
-    assert router.scores(s) == pytest.approx({"a": 0.52, "b": 0.45})
+    assert routing.prior("code") == pytest.approx({"a": 0.52, "b": 0.45})
+    s = routing.start("s", "math")
+    assert routing.scores(s) == pytest.approx({"a": 0.52, "b": 0.45})
 
 
 # ---- eq. 3: modes, top-scoring, random share ------------------------------------------------------
 
 def test_mode_switches_at_tau() -> None:
-    router = ExpertiseRouter(POOL, RoutingConfig(tau=2.0))
-    r = router.start("r", "code")
-    assert router.mode_of(r) == "exploit"  # fresh: routed from the prior
+    routing = ExpertiseRouting(POOL, RoutingConfig(tau=2.0))
+    r = routing.start("r", "code")
+    assert routing.mode_of(r) == "exploit"  # fresh: routed from the prior
     for accepted_len, mode in [(1, "explore"), (2, "exploit"), (0, "explore"), (7, "exploit")]:
-        router.update(r, {}, accepted_len=accepted_len)
-        assert router.mode_of(r) == mode
-        assert router.choose([r])["r"].mode == mode
+        routing.update(r, {}, accepted_len=accepted_len)
+        assert routing.mode_of(r) == mode
+        assert routing.choose([r])["r"].mode == mode
 
 
 def test_exploitation_picks_top_scoring_drafters() -> None:
     scores = {"a": 0.2, "b": 0.9, "c": 0.4, "d": 0.7, "e": 0.1}
-    router, r = _router_with_scores(scores, exploit_random_share=0.0)
+    routing, r = _routing_with_scores(scores, exploit_random_share=0.0)
     for k, expected in [(1, ("b",)), (2, ("b", "d")), (3, ("b", "d", "c"))]:
-        choice = router.choose([r], k=k)["r"]
+        choice = routing.choose([r], k=k)["r"]
         assert choice == RouteChoice(expected, "exploit", 0)
-    assert router.choose([r], k=9)["r"].drafters == ("b", "d", "c", "a", "e")  # capped by pool
-    assert router.choose([r], k=0)["r"].drafters == ()
+    assert routing.choose([r], k=9)["r"].drafters == ("b", "d", "c", "a", "e")  # capped by pool
+    assert routing.choose([r], k=0)["r"].drafters == ()
 
 
 def test_ties_broken_by_pool_order() -> None:
-    router = ExpertiseRouter(["z", "y", "x"], RoutingConfig(exploit_random_share=0.0, load_weight=0.0))
-    r = router.start("r", "code")
-    assert router.choose([r], k=2)["r"].drafters == ("z", "y")
+    routing = ExpertiseRouting(["z", "y", "x"], RoutingConfig(exploit_random_share=0.0, load_weight=0.0))
+    r = routing.start("r", "code")
+    assert routing.choose([r], k=2)["r"].drafters == ("z", "y")
 
 
 @pytest.mark.parametrize("accepted_len, share", [(0, 0.5), (3, 0.1)])
@@ -177,9 +177,9 @@ def test_random_share_per_mode(accepted_len: int, share: float) -> None:
     scores = {"a": 0.9, "b": 0.3, "c": 0.3, "d": 0.2, "e": 0.1}
     trials, misses, random_slots = 3000, 0, 0
     for seed in range(trials):
-        router, r = _router_with_scores(scores, seed=seed, explore_random_share=0.5, exploit_random_share=0.1)
-        router.update(r, {}, accepted_len=accepted_len)
-        choice = router.choose([r], k=1)["r"]
+        routing, r = _routing_with_scores(scores, seed=seed, explore_random_share=0.5, exploit_random_share=0.1)
+        routing.update(r, {}, accepted_len=accepted_len)
+        choice = routing.choose([r], k=1)["r"]
         assert choice.mode == ("explore" if accepted_len < 1 else "exploit")
         misses += choice.drafters != ("a",)
         random_slots += choice.num_random
@@ -193,21 +193,21 @@ def test_exploration_with_two_slots_keeps_top_often_but_not_always() -> None:
     trials = 3000
     missing = 0
     for seed in range(trials):
-        router, r = _router_with_scores(scores, seed=seed, explore_random_share=0.5)
-        router.update(r, {}, accepted_len=0)
-        missing += "a" not in router.choose([r], k=2)["r"].drafters
+        routing, r = _routing_with_scores(scores, seed=seed, explore_random_share=0.5)
+        routing.update(r, {}, accepted_len=0)
+        missing += "a" not in routing.choose([r], k=2)["r"].drafters
     assert _within_binomial(missing, trials, 0.15), missing / trials
 
 
 # ---- load, availability, pool changes ----------------------------------------------------------------
 
 def test_load_spreads_a_batch_over_tied_drafters() -> None:
-    router = ExpertiseRouter(POOL, RoutingConfig(exploit_random_share=0.0))
+    routing = ExpertiseRouting(POOL, RoutingConfig(exploit_random_share=0.0))
     ids = [f"r{i}" for i in range(10)]
-    vectors = [router.start(request_id, "chat") for request_id in ids]
+    vectors = [routing.start(request_id, "chat") for request_id in ids]
     for k, per_drafter in [(1, 2), (2, 4)]:
         counts = {name: 0 for name in POOL}
-        for choice in router.choose(vectors, k=k).values():
+        for choice in routing.choose(vectors, k=k).values():
             assert len(set(choice.drafters)) == k
             for name in choice.drafters:
                 counts[name] += 1
@@ -216,53 +216,53 @@ def test_load_spreads_a_batch_over_tied_drafters() -> None:
 
 def test_load_penalty_is_soft_and_external_loads_count() -> None:
     scores = {"a": 0.9, "b": 0.3, "c": 0.3}
-    router, r = _router_with_scores(scores, exploit_random_share=0.0, load_weight=0.1)
+    routing, r = _routing_with_scores(scores, exploit_random_share=0.0, load_weight=0.1)
     # a big score gap beats the in-batch load; an external queue on "a" does not
-    assert router.choose([r], k=1)["r"].drafters == ("a",)
-    assert router.choose([r], k=1, loads={"a": 7.0})["r"].drafters == ("b",)  # 0.9 − 0.1·7 = 0.2
-    assert router.choose([r], k=1, loads={"a": 5.0})["r"].drafters == ("a",)  # 0.9 − 0.5 = 0.4
+    assert routing.choose([r], k=1)["r"].drafters == ("a",)
+    assert routing.choose([r], k=1, loads={"a": 7.0})["r"].drafters == ("b",)  # 0.9 − 0.1·7 = 0.2
+    assert routing.choose([r], k=1, loads={"a": 5.0})["r"].drafters == ("a",)  # 0.9 − 0.5 = 0.4
 
 
 def test_unavailable_drafters_are_never_chosen() -> None:
-    router = ExpertiseRouter(POOL, RoutingConfig(explore_random_share=1.0), seed=3)
-    r = router.start("r", "math")
-    router.update(r, {"retrieval:math": 1.0, "ngram": 0.9}, accepted_len=0)  # explore, all random
+    routing = ExpertiseRouting(POOL, RoutingConfig(explore_random_share=1.0), seed=3)
+    r = routing.start("r", "math")
+    routing.update(r, {"retrieval:math": 1.0, "ngram": 0.9}, accepted_len=0)  # explore, all random
     available = {"retrieval:code", "retrieval:chat", "not-in-pool"}
     seen = set()
     for _ in range(200):
-        choice = router.choose([r], k=3, available=available)["r"]
+        choice = routing.choose([r], k=3, available=available)["r"]
         assert len(choice.drafters) == 2  # k capped by the two pool drafters available
         seen.update(choice.drafters)
     assert seen == {"retrieval:code", "retrieval:chat"}
-    assert router.choose([r], available=[])["r"].drafters == ()
+    assert routing.choose([r], available=[])["r"].drafters == ()
 
 
 def test_add_and_remove_drafter() -> None:
-    router = ExpertiseRouter(["a", "b"], RoutingConfig(exploit_random_share=0.0, score_ema=1.0))
-    r = router.start("r", "code")
-    router.update(r, {"a": 0.2, "b": 0.3}, accepted_len=3)
-    router.add_drafter("c")  # joins live requests at its prior (never observed → 0.5)
-    assert router.scores(r)["c"] == pytest.approx(0.5)
-    assert router.choose([r], k=1)["r"].drafters == ("c",)
-    router.remove_drafter("c")
-    assert "c" not in router.scores(r) and router.drafters == ("a", "b")
-    assert router.choose([r], k=3)["r"].drafters == ("b", "a")
+    routing = ExpertiseRouting(["a", "b"], RoutingConfig(exploit_random_share=0.0, score_ema=1.0))
+    r = routing.start("r", "code")
+    routing.update(r, {"a": 0.2, "b": 0.3}, accepted_len=3)
+    routing.add_drafter("c")  # joins live requests at its prior (never observed → 0.5)
+    assert routing.scores(r)["c"] == pytest.approx(0.5)
+    assert routing.choose([r], k=1)["r"].drafters == ("c",)
+    routing.remove_drafter("c")
+    assert "c" not in routing.scores(r) and routing.drafters == ("a", "b")
+    assert routing.choose([r], k=3)["r"].drafters == ("b", "a")
     with pytest.raises(KeyError):
-        router.remove_drafter("c")
-    router.update(r, {"c": 0.9}, accepted_len=1)  # a late score of a removed drafter is ignored
-    assert "c" not in router.scores(r)
+        routing.remove_drafter("c")
+    routing.update(r, {"c": 0.9}, accepted_len=1)  # a late score of a removed drafter is ignored
+    assert "c" not in routing.scores(r)
 
 
 # ---- random mode (routing off) and determinism ------------------------------------------------------
 
 def test_random_mode_is_uniform_over_pairs() -> None:
-    router = ExpertiseRouter(POOL, RoutingConfig(mode="random"), seed=11)
-    r = router.start("r", "code")
-    router.update(r, {"ngram": 1.0}, accepted_len=5)  # scores must not matter
+    routing = ExpertiseRouting(POOL, RoutingConfig(mode="random"), seed=11)
+    r = routing.start("r", "code")
+    routing.update(r, {"ngram": 1.0}, accepted_len=5)  # scores must not matter
     counts: dict[frozenset, int] = {}
     trials = 3000
     for _ in range(trials):
-        choice = router.choose([r], k=2)["r"]
+        choice = routing.choose([r], k=2)["r"]
         assert choice.mode == "random" and len(set(choice.drafters)) == 2
         key = frozenset(choice.drafters)
         counts[key] = counts.get(key, 0) + 1
@@ -270,17 +270,17 @@ def test_random_mode_is_uniform_over_pairs() -> None:
     assert chisquare(list(counts.values())).pvalue > 1e-4
 
 
-def test_seeded_router_replays_its_choices() -> None:
+def test_seeded_routing_replays_its_choices() -> None:
     def run(seed: int) -> list[tuple[str, ...]]:
-        router = ExpertiseRouter(POOL, seed=seed)
+        routing = ExpertiseRouting(POOL, seed=seed)
         rng = random.Random(99)  # the same simulated feedback for every run
         out = []
-        vectors = {request_id: router.start(request_id, "code") for request_id in ("r0", "r1", "r2")}
+        vectors = {request_id: routing.start(request_id, "code") for request_id in ("r0", "r1", "r2")}
         for _ in range(40):
-            choices = router.choose(list(vectors.values()))
+            choices = routing.choose(list(vectors.values()))
             for request_id, choice in choices.items():
                 out.append(choice.drafters)
-                router.update(vectors[request_id], {n: rng.random() for n in choice.drafters}, rng.randrange(3))
+                routing.update(vectors[request_id], {n: rng.random() for n in choice.drafters}, rng.randrange(3))
         return out
 
     assert run(5) == run(5)
@@ -301,27 +301,27 @@ def _simulated_m(domain: str, drafter: str, rng: random.Random) -> float:
 
 
 def test_priors_learn_domain_experts_from_a_request_stream() -> None:
-    router = ExpertiseRouter(POOL, seed=0)
+    routing = ExpertiseRouting(POOL, seed=0)
     rng = random.Random(1)
     warmup, measured, steps, batch = 120, 200, 6, 4
     exploit_total = {d: 0 for d in DOMAINS}
     exploit_with_expert = {d: 0 for d in DOMAINS}
     for wave in range((warmup + measured) // batch):
         ids = [f"w{wave}-{j}" for j in range(batch)]
-        vectors = {request_id: router.start(request_id, rng.choice(DOMAINS)) for request_id in ids}
+        vectors = {request_id: routing.start(request_id, rng.choice(DOMAINS)) for request_id in ids}
         for _ in range(steps):
-            for request_id, choice in router.choose(list(vectors.values())).items():
+            for request_id, choice in routing.choose(list(vectors.values())).items():
                 domain = vectors[request_id].domain
                 m = {n: _simulated_m(domain, n, rng) for n in choice.drafters}
                 expert_used = f"retrieval:{domain}" in choice.drafters
                 if wave * batch >= warmup and choice.mode == "exploit":
                     exploit_total[domain] += 1
                     exploit_with_expert[domain] += expert_used
-                router.update(vectors[request_id], m, accepted_len=3 if expert_used else 0)
+                routing.update(vectors[request_id], m, accepted_len=3 if expert_used else 0)
     for domain in DOMAINS:
         share = exploit_with_expert[domain] / exploit_total[domain]
         assert exploit_total[domain] >= 50 and share >= 0.9, (domain, share, exploit_total[domain])
-        prior = router.prior(domain)
+        prior = routing.prior(domain)
         assert max(prior, key=prior.get) == f"retrieval:{domain}", prior
         assert prior[f"retrieval:{domain}"] > 0.7
 

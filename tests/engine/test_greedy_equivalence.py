@@ -57,9 +57,9 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, *, top: int 
     return tokens, [(t.values.tolist(), t.indices.tolist()) for t in tops]
 
 
-def make_engine(ckpt, drafters: str, **router) -> LocalEngine:
+def make_engine(ckpt, drafters: str, **config) -> LocalEngine:
     return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), weights="dense").replace(
-            **router), checkpoint=ckpt)
+            **config), checkpoint=ckpt)
 
 
 # ==============================================================================================

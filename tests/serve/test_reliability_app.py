@@ -5,7 +5,7 @@ body limit (413), with rejection latencies measured.
 Engines: ``GateEngine`` (a fake that holds every admitted request until the test opens a gate,
 so "N in flight" is exact and deterministic) for admission counting, and a real ``LocalEngine``
 (tiny random model, SmolLM2 tokenizer, n-gram drafter; its target slowed down past position
-64, so a long request is long on any machine) behind uvicorn for the timeout: its router,
+64, so a long request is long on any machine) behind uvicorn for the timeout: its engine core,
 target KV and drafter state are read directly to prove the cancelled work is freed.
 The same checks against the real ``cosine-ray serve`` on Ray are in test_reliability_serve.py.
 """
@@ -302,7 +302,7 @@ def test_request_timeout_gives_408_and_frees_engine_state(timed_server):
         r = client.post(COMP, json={**long_body, "max_tokens": 8})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     report(f"408: time past the {TIMEOUT_S} s deadline until the response", latencies)
-    report("408: state freed on router, KV and drafter after the response", freed)
+    report("408: state freed in the engine, KV and drafter after the response", freed)
 
 
 def test_huge_headers_get_431_and_the_server_stays_healthy(timed_server):

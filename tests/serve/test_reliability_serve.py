@@ -404,7 +404,7 @@ def test_disconnects_free_state_on_engine_stages_and_drafters(server):
             queued.cancel()  # the client goes away while its request is queued
             await asyncio.gather(queued, return_exceptions=True)
             await _wait_engine(lambda s: s["waiting"] == 0, FREE_WITHIN_S)
-            results["queued (router queue empty)"] = 0.0
+            results["queued (engine queue empty)"] = 0.0
             for cm, _ in opened:
                 await cm.__aexit__(None, None, None)
             await _measure_free("queued + 4 open streams closed", results)
