@@ -33,7 +33,7 @@ import torch
 
 from cosine_ray.algo.scheduling.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models import kernels as cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.engine.build import build_drafter
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
@@ -92,7 +92,7 @@ def profile_path(config: EngineConfig) -> Path:
     spec = str(config.model)
     kernel = projection_kernel(config.device)
     if kernel == "blocked":
-        kernel += ("-fused" if cpu_gemm.fused_on(config.device, config.dtype) else "") + f"-{cpu_gemm.source_digest()}"
+        kernel += ("-fused" if kernels.fused_on(config.device, config.dtype) else "") + f"-{kernels.source_digest()}"
     kernel = f"-k{kernel}" if kernel != "default" else ""
     kernel += f"-w{config.weights}" if config.weights != "dense" else ""  # quantized steps cost less
     name = Path(spec).name or spec
