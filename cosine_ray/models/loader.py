@@ -90,8 +90,8 @@ def _read_hf_dir(path: Path, name: str) -> Checkpoint:
         raise ModelLoadError(f"{path}: {e}") from None
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{cfg_file} lacks a required field ({e}); is it a causal LM?") from None
-    # NOTE(lead): no transformers import here: AutoConfig costs seconds (10+ on a loaded
-    # 2-core machine), paid by every stage and drafter actor at start. The raw config.json is
+    # No transformers import here: AutoConfig costs seconds, paid by every stage and drafter
+    # actor at start. The raw config.json is
     # enough for our forward; transformers' view is loaded lazily (Checkpoint.hf_config).
     config = ModelConfig.from_hf(_with_generation_eos(raw, path))
     ckpt = Checkpoint(name=name, path=path, config=config)

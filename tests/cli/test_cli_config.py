@@ -1,7 +1,6 @@
 """``cosine-ray serve --config``: the shipped deploy/engine.yaml and deploy/serve_config.yaml
 describe exactly what ``cosine-ray serve`` runs without flags; a Ray Serve config is read
-through its cosine_ray application; every bad config is one line and exit status 2 (issue 14,
-item 5: papercuts 1, 2 and 8). No Ray cluster is started here: ``run`` is checked with Ray's
+through its cosine_ray application; every bad config is one line and exit status 2. No Ray cluster is started here: ``run`` is checked with Ray's
 entry points replaced by recorders."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""R12 property test: the core's request pool as a state machine.
+"""Property test: the core's request pool as a state machine.
 
 Hypothesis drives arbitrary sequences of add / abort / step (including aborts of unknown,
 waiting, running and already finished ids, and aborts between a step's start and its end)

@@ -1,4 +1,4 @@
-"""Three minutes of ``cosine-loadgen chaos`` against the real ``cosine-ray serve`` (issue 64's
+"""Three minutes of ``cosine-loadgen chaos`` against the real ``cosine-ray serve`` (a
 CI-sized run; ``docs/chaos.md`` has the 30-minute one).
 
 The server is the real CLI on the session Ray cluster (``--address``, like the reliability

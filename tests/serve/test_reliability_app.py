@@ -191,7 +191,7 @@ def test_bounded_admission_rejects_exactly_the_excess(stream):
     assert [r[0] for r in again] == [200] * max_pending
     assert engine.num_streaming == 0 and engine.num_closed == 2 * max_pending
     report("503 rejection latency (in-process, queue full)", [r[3] for r in results if r[0] == 503])
-    assert max(r[3] for r in results if r[0] == 503) < 2.0  # R8: rejected at once (above: before any slot freed)
+    assert max(r[3] for r in results if r[0] == 503) < 2.0  # rejected at once (above: before any slot freed)
 
 
 def test_body_limit_and_bad_json_are_rejected_fast():

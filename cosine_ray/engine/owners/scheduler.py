@@ -9,7 +9,7 @@ when it does not fit), record, price the trees (λ of eq. 8 over the guard's lev
 weights, no drafting that cannot pay) and reserve their slots. Whether trees are priced is a
 rule chosen at start (``TreePricing`` or ``FixedBudgets``); docs/scheduling.md explains each job.
 
-NOTE(scheduler): the paper's order — batch assignment before drafting (Algorithm 2) — needs
+The paper's order — batch assignment before drafting (Algorithm 2) — needs
 gains before the trees exist; the last tree's curve predicts them. Only the batch decision
 uses the prediction; γ_i uses the real tree.
 """

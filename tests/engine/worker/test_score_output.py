@@ -1,4 +1,4 @@
-"""The last stage returns ids, not logits, for greedy requests (issue 16, item 4): every logit
+"""The last stage returns ids, not logits, for greedy requests: every logit
 row's argmax in one op, and logits only for the rows sampled requests need; per item the
 verifier gets argmax tokens [n] or logits [n, vocab]. Checked against a forward that returns
 every logit row, on a mixed batch (greedy and sampled, trees and prefills), in one process and

@@ -5,7 +5,7 @@ length and the continuation windows of the occurrences that matched) is the root
 whose nodes are the occurrences that also continue with a given prefix. Nodes are built on
 demand and cached per anchor.
 
-NOTE(suffix): drafts walk *down* from the anchor (the occurrences that matched the context
+Drafts walk *down* from the anchor (the occurrences that matched the context
 keep being followed: the suffix tree's path), they never re-match mid-draft. So
 ``continue_drafts(prefix)`` answers the children of the anchor's node at ``prefix`` ([] once
 the prefix leaves the tree, passes the length cap or the probability cut), ``continue_chains``
