@@ -34,10 +34,10 @@ def cosine_components(config: EngineConfig, checkpoint: Checkpoint,
     classifier = None
     if all(p.is_file() for p in paths.values()):
         classifier = DomainClassifier.fit(unit, {d: Datastore.load(p).sequences for d, p in paths.items()})
-    # eq. 1 uses the *centred* embedding table. Raw SmolLM2 embeddings share a common
-    # direction: two random tokens have cosine 0.44 on average (98.6 % positive, measured over
-    # 20,000 pairs), so a confident but wrong drafter scored almost as high as a right one in
-    # eq. 2. Centred, random pairs average 0.00 and half clamp to 0.
+    # eq. 1 uses the *centred* embedding table. Raw embeddings share a common direction (two
+    # random tokens mostly have a clearly positive cosine), so a confident but wrong drafter
+    # scores almost as high as a right one in eq. 2. Centred, random pairs average 0 and half
+    # clamp to 0.
     centred = normalise_embeddings(table - table.float().mean(0))
     path = profile_path(config)
     latency = LatencyModel.from_json(path.read_text(encoding="utf-8")) if path.is_file() else None

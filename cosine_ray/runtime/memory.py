@@ -3,11 +3,10 @@
 The engine allocates and frees small buffers from several threads (Ray's core worker, the
 step loop, serialization of stage outputs). glibc serves each thread from its own arena and
 keeps the pages a thread freed for later, so the process's resident memory climbs in steps
-for the first minutes of load (+20 MiB over 3.5 minutes at ~8 requests/s, measured in
-`/proc/PID/smaps`: the growth was all in 64 MiB-aligned thread arenas) although the bytes in
-use stay flat. ``malloc_trim`` hands those free pages back (under 1 ms here); the engine calls it every
-``TRIM_INTERVAL_S`` from a daemon thread, so its RSS tracks what it really holds; the stage
-and drafter actors do the same (``runtime.actors``).
+for the first minutes of load (in 64 MiB-aligned thread arenas, as ``/proc/PID/smaps``
+shows) although the bytes in use stay flat. ``malloc_trim`` hands those free pages back; the
+engine calls it every ``TRIM_INTERVAL_S`` from a daemon thread, so its RSS tracks what it
+really holds; the stage and drafter actors do the same (``runtime.actors``).
 """
 
 from __future__ import annotations

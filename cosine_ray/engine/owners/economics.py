@@ -6,8 +6,7 @@
   follows the machine's real speed (other load, thermal limits, the thread count this process
   really runs with). Once ``LIVE_SAMPLES // 4`` live steps exist, each profile sample weighs
   ``BASE_WEIGHT`` of a live one: the profile still covers shapes the live traffic has not
-  shown, but no longer outvotes what this machine is doing now (before, the start-up profile's
-  verify times ran 21 % low on the median live step, measured on the held-back workload).
+  shown, but no longer outvotes what this machine is doing now.
 - ``predicted_gains`` predicts a request's expected-gain curve (expected accepted draft tokens
   for its best g nodes) before it drafts: the calibrated curve of its last drafted tree
   (``Request.gain_curve``), which is what the LP batch decision (eq. 8) needs.

@@ -33,9 +33,9 @@ longest matching suffix of ``tail_token_ids``, most likely first; ``[]`` when no
 @dataclass(frozen=True, slots=True)
 class NgramConfig:
     min_n: int = 1
-    """Shortest context suffix that may be matched. 1 matches on the last token alone (the
-    measured "bigram lookup": proposes at 29 % of positions, right 64 % of those); frequent
-    tokens then get low confidences from their many different continuations."""
+    """Shortest context suffix that may be matched. 1 matches on the last token alone (a
+    "bigram lookup"); frequent tokens then get low confidences from their many different
+    continuations."""
     max_n: int = 3
     """Longest context suffix matched; the longest suffix that occurred earlier wins."""
     max_branches: int = 2
