@@ -9,19 +9,8 @@ through the inverse cumulative intensity Λ⁻¹ of the chosen rate schedule (ti
 
 With a constant rate λ this is exactly ``vllm bench serve``'s arrivals (Poisson for
 burstiness 1, gamma otherwise; smaller burstiness = burstier). ``request_rate = inf`` sends
-everything at t = 0 (then ``--max-concurrency`` makes it closed-loop).
-
-The CoSine paper (§6.3, Fig. 7) evaluates online serving under three arrival modes, "low, high
-and fluctuated", without giving rates or shapes. Our interpretation, with ``R = --request-rate``:
-
-    low          constant λ = f·R           (f = low_fraction, default 0.25)
-    high         constant λ = R
-    fluctuating  λ(t) = R·(f + (1−f)·(1 − cos(2πt/P))/2): starts at the low rate f·R, peaks at
-                 R at t = P/2, back to f·R at t = P (P = period_s, default 60 s)
-    constant     λ = R (vllm's behaviour; the same process as ``high``)
-
-For ``fluctuating``, Λ(t) = R·(f·t + (1−f)·(t/2 − P/(4π)·sin(2πt/P))) is strictly increasing and
-is inverted by vectorised bisection between u/R and u/(f·R).
+everything at t = 0 (then ``--max-concurrency`` makes it closed-loop). The rate schedules,
+including the CoSine paper's three arrival modes, are ``ArrivalConfig``'s.
 """
 
 from __future__ import annotations
@@ -36,12 +25,23 @@ SCHEDULES = ("constant", "low", "high", "fluctuating")
 
 @dataclass(frozen=True, slots=True)
 class ArrivalConfig:
+    """The rate schedule λ(t). The CoSine paper (§6.3, Fig. 7) evaluates online serving under
+    three arrival modes, "low, high and fluctuated", without giving rates or shapes. Our
+    interpretation, with ``R = --request-rate``:
+
+        low          constant λ = f·R           (f = low_fraction)
+        high         constant λ = R
+        fluctuating  λ(t) = R·(f + (1−f)·(1 − cos(2πt/P))/2): starts at the low rate f·R, peaks
+                     at R at t = P/2, back to f·R at t = P (P = period_s)
+        constant     λ = R (vllm's behaviour; the same process as ``high``)
+    """
+
     request_rate: float = math.inf
     """Requests per second (the peak rate R for the CoSine schedules); inf = all at once."""
     burstiness: float = 1.0
     """Gamma shape of the inter-arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular."""
     schedule: str = "constant"
-    """constant | low | high | fluctuating (see the module docstring)."""
+    """constant | low | high | fluctuating (see the class docstring)."""
     low_fraction: float = 0.25
     """f: the low rate as a fraction of R (schedules low and fluctuating)."""
     period_s: float = 60.0
@@ -94,7 +94,9 @@ def arrival_offsets(num: int, config: ArrivalConfig, rng: np.random.Generator) -
 
 
 def invert_cumulative(units: np.ndarray, config: ArrivalConfig, *, iters: int = 80) -> np.ndarray:
-    """t with Λ(t) = u for every u (closed form for constant rates, bisection otherwise)."""
+    """t with Λ(t) = u for every u: closed form for constant rates. For ``fluctuating``,
+    Λ(t) = R·(f·t + (1−f)·(t/2 − P/(4π)·sin(2πt/P))) is strictly increasing and is inverted by
+    vectorised bisection between u/R and u/(f·R)."""
     units = np.asarray(units, dtype=float)
     r, f = config.request_rate, config.low_fraction
     if config.schedule == "low":

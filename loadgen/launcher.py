@@ -7,7 +7,7 @@ The command is a template with ``{port}`` and ``{host}`` placeholders, e.g.
 - the server runs in its own session (process group) with stdout+stderr to a log file;
 - readiness: /health = 200 within ``ready_timeout_s``; if the process exits first, or the time
   runs out, ``LaunchError`` says which, with the last log line and the log's path;
-- stop: SIGINT (``cosine-ray serve`` then deletes its Serve app and router and shuts Ray down),
+- stop: SIGINT (``cosine-ray serve`` then deletes its Serve app and engine and shuts Ray down),
   then SIGTERM and finally SIGKILL to the whole process group if it has not exited within
   ``stop_grace_s``; ``ServerProcess`` is a context manager so a server is stopped on every path
   (errors, Ctrl-C) and never outlives the loadgen.

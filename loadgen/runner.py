@@ -1,6 +1,6 @@
 """Run a plan: open-loop arrivals, an optional concurrency cap, multi-turn conversations.
 
-NOTE(loadgen): one asyncio task per conversation sleeps until its arrival offset, then sends
+One asyncio task per conversation sleeps until its arrival offset, then sends
 its turns one after another (turn k+1 right after turn k's answer, with the history). Like
 ``vllm bench serve``, ``--max-concurrency`` is a semaphore taken *after* the arrival time, so
 arrivals stay open-loop and the cap only bounds what is in flight; the wait is recorded as

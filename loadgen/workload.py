@@ -1,32 +1,12 @@
-"""Workloads: what each request asks.
+"""Workloads: what each request asks. The dataset mix (``dataset_workload``, optionally
+multi-turn), code editing (``code_edit_workload``), repeated templates (``template_workload``)
+and random token ids (``random_workload``); all draws come from the caller's numpy Generator.
 
-Dataset workload: every ``*.jsonl`` file in the dataset directory holds one JSON object per line
+The dataset: every ``*.jsonl`` file in the dataset directory holds one JSON object per line
 with ``id``, ``domain`` and ``prompt`` (MT-bench rows also ``turns``). A row's domain is the part
 of ``domain`` before ``/`` (``chat/writing`` → ``chat``). By default only the **second half** of
 each file is used: the first half built the servers' retrieval datastores, so measuring on it
 would flatter retrieval drafting.
-
-Choices, and why:
-- **Exact mix, not a lottery.** ``num_prompts × weight`` is rounded with largest remainders, so
-  an equal mix of 100 requests over 4 domains is exactly 25 each (the papers' cross-domain
-  sampling); prompts are then drawn without replacement per domain (re-shuffled when a domain
-  runs out) and the whole list is shuffled. All draws come from the caller's numpy Generator.
-- **Multi-turn** (MT-bench): with ``multi_turn`` a row with ``turns`` becomes a conversation;
-  the runner sends turn 2 after turn 1's answer, with the history. Otherwise only the first turn.
-- **Code editing** (``code_edit_workload``): each request carries a function from the code
-  prompts (a HumanEval stub: signature and docstring, the "Complete the following Python
-  function." line dropped) and asks for one of ``CODE_EDITS`` (a seeded choice) with the whole
-  function in the answer, so most of the answer repeats code the prompt holds, as in an editor's
-  "change this code" request.
-- **Repeated templates** (``template_workload``): many users asking the same kind of question.
-  Each domain has one fixed instruction template (``TEMPLATES``) wrapped around a question, and
-  the questions of a domain come from a small pool (``pool_size`` rows, default 6) drawn with
-  Zipf popularity (weight 1/rank^``zipf_s``, default 1.2): the popular questions arrive again and
-  again word for word, the rest share the template and the answer format.
-- **Random tokens**: prompt token ids drawn uniformly from ``[low, high)`` with lengths uniform in
-  ``len·(1−r) .. len·(1+r)`` (``vllm bench serve`` random dataset semantics); sent to
-  /v1/completions as a token-id list, so no tokenizer is needed here. ``high`` must not exceed
-  the server's vocabulary.
 """
 
 from __future__ import annotations
@@ -150,7 +130,14 @@ def split_counts(num: int, weights: Mapping[str, float]) -> dict[str, int]:
 
 def dataset_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int, mix: Mapping[str, float],
                      rng: np.random.Generator, *, max_tokens: int, multi_turn: bool = False) -> list[WorkItem]:
-    """``num_prompts`` conversations mixed by ``mix``, in a seeded random order."""
+    """``num_prompts`` conversations mixed by ``mix``, in a seeded random order.
+
+    An exact mix, not a lottery: ``num_prompts × weight`` is rounded with largest remainders, so
+    an equal mix of 100 requests over 4 domains is exactly 25 each (the papers' cross-domain
+    sampling); prompts are drawn without replacement per domain (re-shuffled when a domain runs
+    out) and the whole list is shuffled. With ``multi_turn`` (MT-bench) a row with ``turns``
+    becomes a conversation: the runner sends turn 2 after turn 1's answer, with the history;
+    otherwise only the first turn is sent."""
     picked: list[PromptRow] = []
     for domain, count in split_counts(num_prompts, mix).items():
         pool = list(rows[domain])
@@ -172,7 +159,10 @@ def spread_lengths(mean: int, range_ratio: float, size: int, rng: np.random.Gene
 
 def random_workload(num_prompts: int, rng: np.random.Generator, *, input_len: int, output_len: int,
                     range_ratio: float = 0.0, token_low: int = 1000, token_high: int = 20000) -> list[WorkItem]:
-    """Random token-id prompts (see module docstring)."""
+    """Random token-id prompts: ids uniform in ``[token_low, token_high)``, lengths uniform in
+    ``len·(1−r) .. len·(1+r)`` (``vllm bench serve``'s random dataset). They go to
+    /v1/completions as token-id lists, so no tokenizer is needed here; ``token_high`` must not
+    exceed the server's vocabulary."""
     if input_len < 1 or output_len < 1:
         raise WorkloadError("--random-input-len and --random-output-len must be >= 1")
     if not 0.0 <= range_ratio < 1.0:
@@ -225,7 +215,10 @@ def _strip_code_stub(prompt: str) -> str:
 
 def code_edit_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int, rng: np.random.Generator, *,
                        max_tokens: int, domain: str = "code") -> list[WorkItem]:
-    """``num_prompts`` code-editing requests (module docstring), seeded."""
+    """``num_prompts`` code-editing requests, seeded: each carries a function from the code prompts
+    (a HumanEval stub: signature and docstring, the "Complete the following Python function."
+    line dropped) and asks for one of ``CODE_EDITS`` with the whole function in the answer, so
+    most of the answer repeats code the prompt holds, as in an editor's "change this code"."""
     pool = list(rows.get(domain, ()))
     if not pool:
         raise WorkloadError(f"the code-edit workload needs {domain!r} prompts; the dataset has "
@@ -243,9 +236,13 @@ def code_edit_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int
 def template_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int, mix: Mapping[str, float],
                       rng: np.random.Generator, *, max_tokens: int, pool_size: int = 6,
                       zipf_s: float = 1.2) -> list[WorkItem]:
-    """``num_prompts`` repeated-template requests mixed by ``mix`` (module docstring), seeded.
-    The pool of a domain is its first ``pool_size`` rows of the split, so a warm-up set and a
-    measured set built from the two halves never share a question."""
+    """``num_prompts`` repeated-template requests mixed by ``mix``, seeded: many users asking the
+    same kind of question. Each domain wraps its questions in one fixed instruction template
+    (``TEMPLATES``), and draws them from a small pool with Zipf popularity (weight
+    1/rank^``zipf_s``): the popular questions arrive again and again word for word, the rest
+    share the template and the answer format. The pool of a domain is its first ``pool_size``
+    rows of the split, so a warm-up set and a measured set built from the two halves never share
+    a question."""
     if pool_size < 1:
         raise WorkloadError(f"pool size must be >= 1, got {pool_size}")
     picked: list[tuple[str, PromptRow]] = []

@@ -213,7 +213,7 @@ def pipeline() -> dict:
                                       f" / scalar(sum({rate('engine_steps_total')}))", "{{phase}}")],
               unit="s", stack=True, width=12,
               description="Seconds per engine step in each part of it: verify is the target call, the "
-                          "rest is the router's host work (where a GPU waits on Python)."),
+                          "rest is the engine's host work (where a GPU waits on Python)."),
         panel("PEARL steps / s by kind", [(f"sum by (kind) ({rate('pearl_steps_total')})", "{{kind}}")],
               stack=True, width=12),
     ])

@@ -1,4 +1,4 @@
-"""``device`` and ``dtype`` everywhere (issue 16, item 1): the names are checked in the config,
+"""``device`` and ``dtype`` everywhere: the names are checked in the config,
 ``--device``/``--dtype`` reach ``generate``, ``bench``, ``profile`` and ``serve``, asking for
 CUDA where this process has none is one line and exit 2 (before any model loads), a joined
 cluster without GPUs is refused, and stage and drafter actors ask Ray for a GPU on CUDA.
@@ -126,7 +126,7 @@ def test_actors_ask_for_a_gpu_on_cuda_only(role):
     assert "num_gpus" not in actor_options(role, 0, EngineConfig(device="cpu"))
 
 
-# ---- the KV pool's memory budget (issue 16, item 2) ------------------------------------------------
+# ---- the KV pool's memory budget -----------------------------------------------------------------
 
 def test_kv_cache_memory_is_a_byte_count():
     assert EngineConfig(kv_cache_memory="512MiB").kv_cache_memory == 512 * 2**20

@@ -14,24 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODULE_DOCSTRING_LINES = 20
 CHECKED = ("cosine_ray", "benchmarks", "scripts", "loadgen")
-
-# Modules whose docstrings are still longer than the limit, to be shortened by whoever owns them
-# (their measurements and history go to docs/history/). Empty this list; never add to it.
-LONG_MODULE_DOCSTRINGS = {
-    "cosine_ray/runtime/metrics_scrape.py",
-    "loadgen/arrivals.py",
-    "loadgen/workload.py",
-}
-
-# "DESIGN §n" names a design document that is not in the repository. Empty this list too.
-CITES_DESIGN = {
-    "cosine_ray/runtime/placement.py",
-}
 DESIGN_REFERENCE = re.compile(r"DESIGN\s*§")
-
-# Files that still name docs/measurements.md, now split into docs/history/ pages. Empty this too.
-NAMES_A_MISSING_DOCS_PAGE = {
-}
+"""A design document that is not in the repository."""
 DOCS_PAGE = re.compile(r"docs/[A-Za-z0-9_./-]+\.md")
 
 
@@ -59,34 +43,19 @@ def rel(path: Path) -> str:
 
 
 def test_module_docstrings_are_at_most_twenty_lines():
-    too_long = {rel(p): n for p in python_files()
-                if (n := module_docstring_lines(p)) > MAX_MODULE_DOCSTRING_LINES and rel(p) not in LONG_MODULE_DOCSTRINGS}
+    too_long = {rel(p): n for p in python_files() if (n := module_docstring_lines(p)) > MAX_MODULE_DOCSTRING_LINES}
     assert not too_long, (f"module docstrings longer than {MAX_MODULE_DOCSTRING_LINES} lines (say what the "
                           f"module is for and its terms; move measurements and history to docs/): {too_long}")
 
 
-def test_the_list_of_long_module_docstrings_only_shrinks():
-    fixed = sorted(name for name in LONG_MODULE_DOCSTRINGS
-                   if not (ROOT / name).is_file() or module_docstring_lines(ROOT / name) <= MAX_MODULE_DOCSTRING_LINES)
-    assert not fixed, f"remove from LONG_MODULE_DOCSTRINGS in tests/test_docs.py: {fixed}"
-
-
 def test_no_docstring_or_comment_cites_a_design_document_outside_the_repository():
-    cites = {rel(p): lines for p in python_files() if (lines := design_citations(p)) and rel(p) not in CITES_DESIGN}
+    cites = {rel(p): lines for p in python_files() if (lines := design_citations(p))}
     assert not cites, f"prose citing 'DESIGN §', which is not in the repository (file: lines): {cites}"
 
 
-def test_the_list_of_design_citations_only_shrinks():
-    fixed = sorted(name for name in CITES_DESIGN if not (ROOT / name).is_file() or not design_citations(ROOT / name))
-    assert not fixed, f"remove from CITES_DESIGN in tests/test_docs.py: {fixed}"
-
-
 def test_code_names_only_docs_pages_that_exist():
-    missing = {rel(p): pages for p in python_files()
-               if (pages := missing_docs_pages(p)) and rel(p) not in NAMES_A_MISSING_DOCS_PAGE}
+    missing = {rel(p): pages for p in python_files() if (pages := missing_docs_pages(p))}
     assert not missing, f"references to docs pages that do not exist: {missing}"
-    fixed = sorted(name for name in NAMES_A_MISSING_DOCS_PAGE if not missing_docs_pages(ROOT / name))
-    assert not fixed, f"remove from NAMES_A_MISSING_DOCS_PAGE in tests/test_docs.py: {fixed}"
 
 
 def test_the_configuration_page_is_generated_from_the_current_config():

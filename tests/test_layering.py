@@ -43,7 +43,7 @@ def test_lower_layers_do_not_import_ray_serve_fastapi_or_prometheus():
     imported = result["imported"]
     # the walk really covered the layers (a broken walk would pass vacuously)
     for module in ("cosine_ray.algo.verify", "cosine_ray.models.llama", "cosine_ray.engine.core",
-                   "cosine_ray.engine.drafters.ngram"):
+                   "cosine_ray.engine.drafters.lookup.ngram"):
         assert module in imported
     assert result["forbidden"] == [], (
         f"{result['forbidden']} imported by the lower layers ({', '.join(LAYERS)}); "
@@ -217,9 +217,9 @@ def test_floor_check_catches_a_planted_violation(tmp_path):
     (root / "low" / "a.py").write_text("x = 1\n")
     assert floor_violations(import_graph(root), floors + [{"stray"}]) == []
     real = import_graph()
-    real["cosine_ray.runtime.cluster"].add("cosine_ray.serve.proxy_guard")
+    real["cosine_ray.runtime.cluster"].add("cosine_ray.serve.guards.proxy_guard")
     assert floor_violations(real, drawn_floors()) == [
-        "cosine_ray.runtime.cluster imports cosine_ray.serve.proxy_guard: runtime (floor 3) may only import "
+        "cosine_ray.runtime.cluster imports cosine_ray.serve.guards.proxy_guard: runtime (floor 3) may only import "
         "packages below it, serve is on floor 4"]
 
 

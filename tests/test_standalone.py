@@ -238,7 +238,7 @@ INSTALLED = textwrap.dedent("""
     import cosine_ray, loadgen
     from cosine_ray import datasets
     from loadgen.workload import DEFAULT_DATASET_DIR
-    from cosine_ray.engine.drafters.datastore import Datastore
+    from cosine_ray.engine.drafters.lookup.datastore import Datastore
 
     def inside(p):
         return Path(p).resolve().is_relative_to(venv)

@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from cosine_ray.engine.build import PACKAGED_DRAFTERS
-    from cosine_ray.engine.drafters.distilled import DistilledConfig, load_distilled
+    from cosine_ray.engine.drafters.models.distilled import DistilledConfig, load_distilled
     from cosine_ray.models.loader import resolve_checkpoint
 
     torch.set_num_threads(args.threads)

@@ -22,8 +22,8 @@ import tracemalloc
 
 from cosine_ray.engine.build import PACKAGED_DATASTORES
 from cosine_ray.engine.drafters.base import ContinueQuery, DraftInput
-from cosine_ray.engine.drafters.datastore import ContinuationIndex, Datastore
-from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from cosine_ray.engine.drafters.lookup.datastore import ContinuationIndex, Datastore
+from cosine_ray.engine.drafters.lookup.suffix import SuffixConfig, SuffixDrafter
 
 DATASTORES = PACKAGED_DATASTORES / "smollm2-135m"
 

@@ -1,4 +1,4 @@
-"""Decision latency of the LP batch scheduler (``cosine_ray.algo.lp_schedule``).
+"""Decision latency of the LP batch scheduler (``cosine_ray.algo.scheduling.lp_schedule``).
 
     python benchmarks/engine/scheduler_latency.py [--decisions 200] [--sizes 8,64,256,1024] [--seed 0] [--tight]
 
@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from cosine_ray.algo.latency_model import LatencyModel
-from cosine_ray.algo.lp_schedule import Candidate, ScheduleConfig, first_come_batch, schedule_batch
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.lp_schedule import Candidate, ScheduleConfig, first_come_batch, schedule_batch
 
 
 def random_pool(rng: random.Random, size: int, max_batch_size: int) -> list[Candidate]:

@@ -34,17 +34,16 @@ from torch.profiler import ProfilerActivity, profile
 
 from cosine_ray.bench.reference import hf_greedy_with_logits
 from cosine_ray.bench.rounds import Spread
-from cosine_ray.models import kernels as cpu_gemm
-from cosine_ray.models.kernels import ENV as CPU_GEMM_ENV, FUSED_ENV
-from cosine_ray.models.linear import DenseLinear as _Linear, QuantLinear
+from cosine_ray.models import kernels
+from cosine_ray.models.linear import DenseLinear, QuantLinear
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.loader import resolve_checkpoint
-from cosine_ray.models.native import load_weights
+from cosine_ray.models.weights.native import load_weights
 
-PATHS = {"dense": ("dense", torch.float32, {}), "dense-onednn": ("dense", torch.float32, {CPU_GEMM_ENV: "onednn"}),
-         "dense-unfused": ("dense", torch.float32, {FUSED_ENV: "0"}),
-         "native": ("native", torch.float32, {}), "native-int4pack": ("native", torch.float32, {CPU_GEMM_ENV: "onednn"}),
-         "native-unfused": ("native", torch.float32, {FUSED_ENV: "0"}),
+PATHS = {"dense": ("dense", torch.float32, {}), "dense-onednn": ("dense", torch.float32, {kernels.ENV: "onednn"}),
+         "dense-unfused": ("dense", torch.float32, {kernels.FUSED_ENV: "0"}),
+         "native": ("native", torch.float32, {}), "native-int4pack": ("native", torch.float32, {kernels.ENV: "onednn"}),
+         "native-unfused": ("native", torch.float32, {kernels.FUSED_ENV: "0"}),
          "dense-bf16": ("dense", torch.bfloat16, {})}
 """name -> (weights mode, dtype, environment while the stage is built)"""
 
@@ -122,7 +121,7 @@ def time_projections(stage: LlamaStage, steps: int) -> list[float]:
     return [_timed(run) for _ in range(steps)]
 
 
-def _in_features(p: _Linear) -> int:
+def _in_features(p: DenseLinear) -> int:
     if p.blocked is not None:
         return int(p.blocked.shape[1])
     if p.w_t is not None:
@@ -132,33 +131,33 @@ def _in_features(p: _Linear) -> int:
 
 @contextlib.contextmanager
 def _projections_labelled():
-    """``models.cpu_gemm`` runs through ctypes, which the profiler cannot see: while profiling,
-    every projection on it is recorded as ``cpu_gemm.linear`` (counted as a projection), and a
-    fused stage's layers, one call a step (``cpu_gemm.FusedStack``: their projections, small
-    operations and attention together), as ``cpu_gemm.stage_layers``."""
-    calls = {cls: cls.__call__ for cls in (_Linear, QuantLinear)}
-    stack = cpu_gemm.FusedStack.__call__
+    """``models.kernels`` run through ctypes, which the profiler cannot see: while profiling,
+    every projection on it is recorded as ``kernels.linear`` (counted as a projection), and a
+    fused stage's layers, one call a step (``kernels.FusedStack``: their projections, small
+    operations and attention together), as ``kernels.stage_layers``."""
+    calls = {cls: cls.__call__ for cls in (DenseLinear, QuantLinear)}
+    stack = kernels.FusedStack.__call__
 
     def labelled_stack(self, *args):
-        with torch.profiler.record_function("cpu_gemm.stage_layers"):
+        with torch.profiler.record_function("kernels.stage_layers"):
             return stack(self, *args)
 
     def labelled(call):
         def run(self, x):
             if self.blocked is None:
                 return call(self, x)
-            with torch.profiler.record_function("cpu_gemm.linear"):
+            with torch.profiler.record_function("kernels.linear"):
                 return call(self, x)
         return run
     for cls, call in calls.items():
         cls.__call__ = labelled(call)
-    cpu_gemm.FusedStack.__call__ = labelled_stack
+    kernels.FusedStack.__call__ = labelled_stack
     try:
         yield
     finally:
         for cls, call in calls.items():
             cls.__call__ = call
-        cpu_gemm.FusedStack.__call__ = stack
+        kernels.FusedStack.__call__ = stack
 
 
 def split(stage: LlamaStage, dec: Decoder, steps: int) -> dict[str, float]:
@@ -173,7 +172,7 @@ def split(stage: LlamaStage, dec: Decoder, steps: int) -> dict[str, float]:
              "attention": 0.0}
     for e in prof.key_averages():
         name = e.key
-        if name == "cpu_gemm.stage_layers":
+        if name == "kernels.stage_layers":
             parts["a stage's layers in one call (projections, small ops, attention)"] += e.self_cpu_time_total
         elif "linear" in name or "int4pack" in name or name in ("aten::mm", "aten::addmm"):
             parts["projections"] += e.self_cpu_time_total

@@ -24,7 +24,7 @@ import time
 import torch
 
 from cosine_ray.engine.profile import median_seconds
-from cosine_ray.models.kernels import ENV as CPU_GEMM_ENV
+from cosine_ray.models import kernels
 from cosine_ray.models.llama import LlamaStage, StageBatch
 from cosine_ray.models.loader import resolve_checkpoint
 
@@ -219,10 +219,10 @@ def main() -> None:
     checkpoint = resolve_checkpoint("smollm2-135m")
     state = checkpoint.load_state_dict()
     half = checkpoint.config.num_layers // 2
-    kernels = [k.strip() for k in args.kernels.split(",")]
+    kernel_names = [k.strip() for k in args.kernels.split(",")]
     models = {}
-    for kernel in kernels:
-        os.environ[CPU_GEMM_ENV] = kernel
+    for kernel in kernel_names:
+        os.environ[kernels.ENV] = kernel
         stages = [LlamaStage(checkpoint.config, state, 0, half), LlamaStage(checkpoint.config, state, half)]
         models[kernel] = (stages, [s.new_kv_cache() for s in stages])
 
@@ -249,23 +249,23 @@ def main() -> None:
         return time.perf_counter() - start
 
     def measure(num_requests: int, n: int) -> dict[str, float]:
-        times: dict[str, list[float]] = {k: [] for k in kernels}
+        times: dict[str, list[float]] = {k: [] for k in kernel_names}
         for rep in range(args.reps + 2):
-            for kernel in kernels:
+            for kernel in kernel_names:
                 t = one(kernel, num_requests, n)
                 if rep >= 2:  # two warm-up rounds
                     times[kernel].append(t)
         return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
     print(f"threads={args.threads}, context {args.context}, median of {args.reps}, kernels alternating "
-          f"(ms per verify forward; ratio = {kernels[0]} / {kernels[-1]})")
-    print("| requests × new tokens | " + " | ".join(kernels) + " | ratio |")
-    print("| --- |" + " --- |" * (len(kernels) + 1))
+          f"(ms per verify forward; ratio = {kernel_names[0]} / {kernel_names[-1]})")
+    print("| requests × new tokens | " + " | ".join(kernel_names) + " | ratio |")
+    print("| --- |" + " --- |" * (len(kernel_names) + 1))
     for num_requests in (1, 4, 8):
         for n in (1, 2, 5, 9, 17):
             ms = measure(num_requests, n)
-            print(f"| {num_requests} × {n} | " + " | ".join(f"{ms[k]:.1f}" for k in kernels)
-                  + f" | {ms[kernels[0]] / ms[kernels[-1]]:.2f}× |", flush=True)
+            print(f"| {num_requests} × {n} | " + " | ".join(f"{ms[k]:.1f}" for k in kernel_names)
+                  + f" | {ms[kernel_names[0]] / ms[kernel_names[-1]]:.2f}× |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cosine_ray.algo.latency_model import LinearFit
+from cosine_ray.algo.scheduling.latency_model import LinearFit
 from cosine_ray.bench.conversations import encode_messages
 from cosine_ray.bench.engines import engine_config, start_engine
 from cosine_ray.datasets import held_back_prompts

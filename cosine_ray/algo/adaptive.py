@@ -2,7 +2,7 @@
 
 Two knobs move with the load (CoSine §4.2, Algorithm 2):
 
-- **γ_i per request** comes from the LP scheduler (``algo.lp_schedule``): each request's
+- **γ_i per request** comes from the LP scheduler (``algo.scheduling.lp_schedule``): each request's
   draft tree gives an *expected gain* curve — the expected accepted tokens if its best g
   nodes are verified — and the LP weighs those gains against the measured cost of
   verifying more tokens. When the calibrated gains no longer pay for the verify time (a

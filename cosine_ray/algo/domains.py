@@ -1,6 +1,6 @@
 """Prompt domain classifier: which domain (code, math, ...) a request's prompt belongs to.
 
-Requests arrive without a label, and the expertise router (``algo.routing``) starts a request
+Requests arrive without a label, and expertise routing (``algo.routing``) starts a request
 from its domain's prior. The feature is the target's own input embedding ``H`` (the table
 eq. 1 uses), no extra model::
 
@@ -11,7 +11,7 @@ eq. 1 uses), no extra model::
 
 μ is the mean of the per-domain means; W = S^{-1/2} with S the pooled within-domain covariance
 of e, shrunk towards a scaled identity by ``shrinkage``: cosine nearest-centroid in the
-LDA-whitened space. NOTE(domains): every prompt shares the chat-template tokens and most of the
+LDA-whitened space. Why whitened: every prompt shares the chat-template tokens and most of the
 embedding's variance is common to all text, so plain centroids are nearly parallel; whitening
 removes that shared part (``tests/algo/test_domains.py``).
 """

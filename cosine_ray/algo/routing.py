@@ -13,7 +13,7 @@ tokens. Paper notation → names here:
 ``accepted`` includes the bonus token. Where the paper is open or contradicts itself (the
 clamp, calibrated c, exploration as the mode with the larger random share, priors, the
 ``random`` ablation) the choices are in docs/algorithms.md ("Expertise routing"). Randomness
-comes from one seeded ``random.Random`` per router, consumed in request order.
+comes from one seeded ``random.Random`` per ``ExpertiseRouting``, consumed in request order.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def drafter_scores(unit_embeddings: torch.Tensor, accepted: Sequence[int],
     return {name: routing_score(confidences_by.get(name, ()), acc, eps) for name, acc in zip(names, accuracies)}
 
 
-# ---- eq. 3: the stateful router ----------------------------------------------------------------
+# ---- eq. 3: the stateful routing ---------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
@@ -178,7 +178,7 @@ class RoutingVector:
     last_accepted_len: int | None = None
 
 
-class ExpertiseRouter:
+class ExpertiseRouting:
     """Per-domain priors and eq. 3's choice over the requests' routing vectors; see module doc."""
 
     def __init__(self, drafter_names: Sequence[str], config: RoutingConfig = RoutingConfig(), *,

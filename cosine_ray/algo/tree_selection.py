@@ -26,7 +26,7 @@ from typing import Sequence
 
 from cosine_ray.algo.adaptive import expected_gains
 from cosine_ray.algo.fusion import FusedPath
-from cosine_ray.algo.latency_model import token_seconds
+from cosine_ray.algo.scheduling.latency_model import token_seconds
 from cosine_ray.algo.tree import TokenTree
 
 

@@ -1,5 +1,5 @@
 """What the requests' stats say about speculation: mean accepted length, acceptance rate and
-where the router sent each domain's steps."""
+where routing sent each domain's steps."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from cosine_ray.engine.drafters.base import DraftInput, Drafter, FinishedText
 from cosine_ray.engine.worker.features import FeatureRecord
 
 if TYPE_CHECKING:
-    from cosine_ray.algo.latency_model import LatencyModel
+    from cosine_ray.algo.scheduling.latency_model import LatencyModel
     from cosine_ray.models.checkpoint import Checkpoint
 
 EXPERT_KINDS = ("suffix", "retrieval", "distilled")
@@ -99,7 +99,7 @@ def replay(warm: Sequence[DecodedTurn], measured: Sequence[DecodedTurn], drafter
     token. ``tree_budget`` > 0 keeps only that many nodes of the union, the most confident
     first (cumulative confidence along the path, as the drafters reported it): the cap the
     engine's ``num_speculative_tokens`` puts on a request's tree. ``latency`` (an
-    ``algo.latency_model.LatencyModel``) prices the steps when given. ``features``: (a
+    ``algo.scheduling.latency_model.LatencyModel``) prices the steps when given. ``features``: (a
     ``FeatureStore`` a feature head reads, the target's features [T, H] of each measured turn's
     prompt + output): each step hands the head the features of the positions committed since."""
     rng = random.Random(seed)

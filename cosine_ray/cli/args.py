@@ -12,8 +12,17 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+RENAMED_FLAGS = {"--drafters-in-router": "--drafters-in-engine"}
+"""Old names of flags: a command line that uses one gets an error naming the new flag."""
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
+        if message.startswith("unrecognized arguments:"):
+            given = {word.split("=", 1)[0] for word in message.split(":", 1)[1].split()}
+            for old, new in RENAMED_FLAGS.items():
+                if old in given:
+                    raise CliError(f"{old} was renamed: use {new}")
         raise CliError(f"{message} (see `{self.prog} --help`)")
 
 
@@ -74,7 +83,7 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
     """``--device`` and ``--dtype`` (``defaults=False``: absent flags stay None, so a config
     file's values stand)."""
     from cosine_ray.models.device import DTYPES
-    from cosine_ray.models.native import WEIGHTS_MODES
+    from cosine_ray.models.weights.native import WEIGHTS_MODES
     p.add_argument("--device", default="cpu" if defaults else None,
                    help="cpu, cuda or cuda:N: where the target and model drafters run (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32" if defaults else None,

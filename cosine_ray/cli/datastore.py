@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     rows = _datastore_rows(args)  # input checks before the engine (torch) is imported
     from cosine_ray.engine.build import datastore_path
     from cosine_ray.engine.config import EngineConfig, parse_drafters
-    from cosine_ray.engine.drafters.datastore import Datastore
+    from cosine_ray.engine.drafters.lookup.datastore import Datastore
     from cosine_ray.engine.local import encode_prompt
     from cosine_ray.engine.request import SamplingParams
 

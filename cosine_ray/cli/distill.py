@@ -114,7 +114,7 @@ def _layers(text: str) -> tuple[int, ...]:
 
 def _check_models(args: argparse.Namespace, layers: tuple[int, ...]) -> None:
     """The target and ``--init`` exist, have tokenizers, and share one (before any work)."""
-    from cosine_ray.engine.drafters.distilled import tokenizer_fingerprint
+    from cosine_ray.engine.drafters.models.distilled import tokenizer_fingerprint
     from cosine_ray.models.loader import resolve_checkpoint
     try:
         target = resolve_checkpoint(args.model)

@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     add_device_args(srv, defaults=False)
     add_batching_args(srv)
     srv.add_argument("--num-speculative-tokens", type=int, default=None, help=SPEC_TOKENS_HELP + " (default 8)")
-    srv.add_argument("--drafters-in-engine", "--drafters-in-router", dest="drafters_in_engine", default=None,
+    srv.add_argument("--drafters-in-engine", dest="drafters_in_engine", default=None,
                      metavar="KINDS",
                      help="drafter kinds run inside the engine process (default: ngram,retrieval,suffix, "
                           "table lookups); none = every drafter in an actor of its own")
@@ -251,13 +251,13 @@ def _ingress_args(args: argparse.Namespace, file: ConfigFile | None) -> dict[str
         or out.pop("api_key_file", None)
     out.pop("api_key_file", None)
     if key_file:  # read here: the replicas get its keys, not its path (they may run on another node)
-        from cosine_ray.serve.tenants import as_key_entries, read_key_file
+        from cosine_ray.serve.guards.tenants import as_key_entries, read_key_file
         try:
             out["api_keys"] = as_key_entries(read_key_file(key_file))
         except ValueError as exc:
             raise CliError(str(exc)) from None
     if "api_keys" in out:
-        from cosine_ray.serve.tenants import key_ring
+        from cosine_ray.serve.guards.tenants import key_ring
         try:
             key_ring(out.get("api_key"), out["api_keys"])
         except ValueError as exc:

@@ -27,7 +27,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 def add_vllm_args(srv: argparse.ArgumentParser) -> None:
     """vLLM's serve flags that ``add_parser`` of ``cli.serve`` has not already."""
-    from cosine_ray.serve.tool_parsers import TOOL_CALL_PARSERS
+    from cosine_ray.serve.text.tool_parsers import TOOL_CALL_PARSERS
 
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="the model, as vLLM's `vllm serve MODEL` (the same as --model)")
@@ -131,7 +131,7 @@ def ingress_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_ingress_settings(ingress: dict[str, Any]) -> dict[str, Any]:
     """The ingress args of vLLM's flags (or a config file) checked, a chat template file read."""
-    from cosine_ray.serve.tool_parsers import TOOL_CALL_PARSERS
+    from cosine_ray.serve.text.tool_parsers import TOOL_CALL_PARSERS
 
     out = dict(ingress)
     names = out.get("served_model_names")
@@ -146,7 +146,7 @@ def check_ingress_settings(ingress: dict[str, Any]) -> dict[str, Any]:
     if out.get("tool_call_parser") is not None and out["tool_call_parser"] not in TOOL_CALL_PARSERS:
         raise CliError(f"tool_call_parser {out['tool_call_parser']!r}: use one of {', '.join(TOOL_CALL_PARSERS)}")
     if out.get("chat_template") is not None:
-        from cosine_ray.serve.prompts import read_chat_template
+        from cosine_ray.serve.text.prompts import read_chat_template
         try:
             out["chat_template"] = read_chat_template(out["chat_template"])
         except ValueError as exc:

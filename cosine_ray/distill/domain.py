@@ -1,7 +1,7 @@
 """Train a domain drafter: a few of the target's layers over a domain's sub-vocabulary, distilled.
 
 The student is a Hugging Face ``LlamaForCausalLM`` with the target's layer shape and a compact
-vocabulary (``engine.drafters.distilled``: id 0 = any other token). It starts as the target's
+vocabulary (``engine.drafters.models.distilled``: id 0 = any other token). It starts as the target's
 layers ``init_layers`` with the target's final norm and, as its tied embedding and LM head, the
 target's embedding rows of the vocabulary (kept frozen: the drafter reads and writes the
 target's token space). Training minimises the cross-entropy from the target's top-k
@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from cosine_ray.distill.dataset import TrainSequence, batches
-from cosine_ray.engine.drafters.distilled import DRAFTER_METADATA
+from cosine_ray.engine.drafters.models.distilled import DRAFTER_METADATA
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Train a feature head (EAGLE) on the target's own features (``engine.drafters.head_model``).
+"""Train a feature head (EAGLE) on the target's own features (``engine.drafters.models.head_model``).
 
 At every position j of a sequence the head reads ``[E(x_{j+1}); f_j]`` and is trained towards
 the target's next feature f_{j+1} (smooth-L1, EAGLE's regression loss) and, through the target's
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cosine_ray.distill.dataset import TrainSequence, batches
-from cosine_ray.engine.drafters.head_model import FeatureHead, HeadConfig
+from cosine_ray.engine.drafters.models.head_model import FeatureHead, HeadConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from cosine_ray.distill.domain import DomainTrainConfig
-from cosine_ray.engine.drafters.distilled import tokenizer_fingerprint
+from cosine_ray.engine.drafters.models.distilled import tokenizer_fingerprint
 from cosine_ray.distill.head import HeadTrainConfig
 from cosine_ray.distill.teacher import TeacherConfig
 
@@ -66,7 +66,7 @@ def _answers(config: DistillConfig, checkpoint, tokenizer, log: Callable[[str], 
     have = {r.key for r in read_answers(path)}
     if config.from_datastores:
         from cosine_ray.engine.build import datastore_path
-        from cosine_ray.engine.drafters.datastore import Datastore
+        from cosine_ray.engine.drafters.lookup.datastore import Datastore
         eos = tuple(checkpoint.config.eos_token_ids) + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
         fresh = []
         for domain, rows in config.prompts.items():
@@ -160,7 +160,7 @@ def run_distill(config: DistillConfig, log: Callable[[str], None] = print) -> di
             report["seconds"][f"train:{domain}"] = seconds
     if config.head:
         from cosine_ray.distill.head import config_dict as head_dict, train_head
-        from cosine_ray.engine.drafters.feature_head import save_feature_head
+        from cosine_ray.engine.drafters.models.feature_head import save_feature_head
         if any(s.features is None for s in sequences):
             raise ValueError("the teacher shards hold no features; rerun with features kept")
         train, val = split_validation(sequences, config.val_share, config.head_train.seed)

@@ -28,7 +28,7 @@ from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
 from cosine_ray.engine.worker.target import TargetWorker, default_kv_tokens
 from cosine_ray.engine.worker.threads import ThreadGovernor
 from cosine_ray.models.loader import Checkpoint, eos_token_ids, load_target, resolve_checkpoint
-from cosine_ray.models.quant import as_dense
+from cosine_ray.models.weights.quant import as_dense
 
 
 @dataclass

@@ -16,13 +16,13 @@ import torch
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.spec import DOMAINS, DrafterSpec
 from cosine_ray.engine.drafters.base import Drafter
-from cosine_ray.engine.drafters.datastore import Datastore
-from cosine_ray.engine.drafters.distilled import (DRAFTER_METADATA, DistilledConfig, load_distilled,
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
+from cosine_ray.engine.drafters.models.distilled import (DRAFTER_METADATA, DistilledConfig, load_distilled,
                                                   tokenizer_fingerprint)
-from cosine_ray.engine.drafters.model import ModelDrafter, check_same_tokenizer
-from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter
-from cosine_ray.engine.drafters.retrieval import RetrievalConfig, RetrievalDrafter
-from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from cosine_ray.engine.drafters.models.model import ModelDrafter, check_same_tokenizer
+from cosine_ray.engine.drafters.lookup.ngram import NgramConfig, NgramDrafter
+from cosine_ray.engine.drafters.lookup.retrieval import RetrievalConfig, RetrievalDrafter
+from cosine_ray.engine.drafters.lookup.suffix import SuffixConfig, SuffixDrafter
 from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.worker.features import FeatureStage, FeatureStore
 from cosine_ray.models.llama import LlamaStage
@@ -118,7 +118,7 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, config: EngineConfig
         return load_distilled(folder, int(target.config.vocab_size), dtype=dtype, device=config.device, name=spec.name,
                               config=DistilledConfig(layer_parallel=config.experiments.layer_parallel_drafting))
     if spec.kind == "head":
-        from cosine_ray.engine.drafters.feature_head import load_feature_head
+        from cosine_ray.engine.drafters.models.feature_head import load_feature_head
         folder = drafter_folder(spec, target.name)
         check_distilled(folder, spec.name, target, target_tokenizer)
         if features is None:

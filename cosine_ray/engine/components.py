@@ -7,12 +7,12 @@ from typing import Any
 import torch
 
 from cosine_ray.algo.domains import DomainClassifier
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
 from cosine_ray.algo.routing import normalise_embeddings
 from cosine_ray.engine.build import datastore_path
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.spec import DOMAINS
-from cosine_ray.engine.drafters.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
 from cosine_ray.engine.profile import profile_path
 from cosine_ray.models.loader import Checkpoint
 
@@ -34,10 +34,10 @@ def cosine_components(config: EngineConfig, checkpoint: Checkpoint,
     classifier = None
     if all(p.is_file() for p in paths.values()):
         classifier = DomainClassifier.fit(unit, {d: Datastore.load(p).sequences for d, p in paths.items()})
-    # eq. 1 uses the *centred* embedding table. Raw SmolLM2 embeddings share a common
-    # direction: two random tokens have cosine 0.44 on average (98.6 % positive, measured over
-    # 20,000 pairs), so a confident but wrong drafter scored almost as high as a right one in
-    # eq. 2. Centred, random pairs average 0.00 and half clamp to 0.
+    # eq. 1 uses the *centred* embedding table. Raw embeddings share a common direction (two
+    # random tokens mostly have a clearly positive cosine), so a confident but wrong drafter
+    # scores almost as high as a right one in eq. 2. Centred, random pairs average 0 and half
+    # clamp to 0.
     centred = normalise_embeddings(table - table.float().mean(0))
     path = profile_path(config)
     latency = LatencyModel.from_json(path.read_text(encoding="utf-8")) if path.is_file() else None

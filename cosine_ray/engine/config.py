@@ -20,7 +20,7 @@ from typing import Any
 from cosine_ray.engine.drafters.spec import (DEFAULT_DRAFTERS, DRAFTER_KINDS, DrafterSpec,  # noqa: F401 (re-exported)
                                             parse_drafters)
 from cosine_ray.models.device import RUNNER_MODES, check_device_name, check_dtype_name
-from cosine_ray.models.native import check_weights_mode
+from cosine_ray.models.weights.native import check_weights_mode
 
 CPU_MAX_NUM_SEQS = 8
 CUDA_MAX_NUM_SEQS = 64
@@ -321,7 +321,7 @@ class EngineConfig:
     num_stages: int = 1
     """Contiguous layer slices of the target (pipeline stages)."""
     weights: str = "dense"
-    """How a GGUF model's weights are held (``models.native``): dense (dequantized to ``dtype``:
+    """How a GGUF model's weights are held (``models.weights.native``): dense (dequantized to ``dtype``:
     fp32 output is identical to Hugging Face transformers) | native (its Q4_0/Q4_1/Q8_0 blocks
     kept quantized: on CPU our own kernel with activations rounded to 8 bits a group of 32, as
     llama.cpp does, on CUDA PyTorch's int4 kernel with bf16 ones; faster, lossless against our own
@@ -421,7 +421,7 @@ SETTING_PATHS = {f.name: f"{section}.{f.name}" for section, cls in SECTIONS.item
 RENAMED = {"max_batch_size": "max_num_seqs", "drafters_in_router": "drafters_in_engine"}
 """Old names of settings: a config that uses one gets an error naming the new key."""
 SPLIT_SECTIONS = ("step", "router")
-"""Mappings of older configs whose keys now live in the parts (``router`` was ``step``'s name)."""
+"""Sections of older configs whose keys now live in the parts: refused, naming the new key."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -1,6 +1,6 @@
 """The engine core: one ``step()`` is the whole algorithm (CoSine Algorithms 1-2).
 
-NOTE(lead): each line of ``_lanes_step`` is one call to the owner of that job::
+Each line of ``_lanes_step`` is one call to the owner of that job::
 
     schedule  BatchScheduler   admission, prefills, which requests run, the LP's price (eq. 5-8)
     route     DraftRouting     k expert drafters + the shared ones per request (eq. 1-3)
@@ -52,7 +52,7 @@ from cosine_ray.models.kv_cache import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from cosine_ray.algo.domains import DomainClassifier
-    from cosine_ray.algo.latency_model import LatencyModel
+    from cosine_ray.algo.scheduling.latency_model import LatencyModel
 
 
 class PhaseTimer:

@@ -1,7 +1,7 @@
 """The profiling pass behind the scheduler's latency models (``cosine-ray profile``).
 
 It measures the real in-process target (the same ``TargetWorker`` over ``LlamaStage`` slices
-that the engine runs) and the configured drafters, fits ``algo.latency_model.LatencyModel``
+that the engine runs) and the configured drafters, fits ``algo.scheduling.latency_model.LatencyModel``
 and stores it as JSON under ``profile_path``
 (``<cache>/profiles/<model>-<device>-<dtype>-s<stages>-t<threads>-d<drafters>.json``; each
 setup keeps its own; ``$COSINE_RAY_PROFILE_DIR`` replaces the directory). Measured:
@@ -31,9 +31,9 @@ from typing import Callable
 
 import torch
 
-from cosine_ray.algo.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
+from cosine_ray.algo.scheduling.latency_model import LLM_TERMS, LatencyModel, LlmSample, SsmSample
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.models import kernels as cpu_gemm
+from cosine_ray.models import kernels
 from cosine_ray.engine.build import build_drafter
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.base import DraftInput
@@ -92,7 +92,7 @@ def profile_path(config: EngineConfig) -> Path:
     spec = str(config.model)
     kernel = projection_kernel(config.device)
     if kernel == "blocked":
-        kernel += ("-fused" if cpu_gemm.fused_on(config.device, config.dtype) else "") + f"-{cpu_gemm.source_digest()}"
+        kernel += ("-fused" if kernels.fused_on(config.device, config.dtype) else "") + f"-{kernels.source_digest()}"
     kernel = f"-k{kernel}" if kernel != "default" else ""
     kernel += f"-w{config.weights}" if config.weights != "dense" else ""  # quantized steps cost less
     name = Path(spec).name or spec

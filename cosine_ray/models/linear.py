@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from cosine_ray.models import kernels
-from cosine_ray.models.quant import GROUP, QuantTensor, as_dense, is_quantized
+from cosine_ray.models.weights.quant import GROUP, QuantTensor, as_dense, is_quantized
 
 
 def onednn_available() -> bool:
@@ -136,7 +136,7 @@ def pack_int4_for_cuda(u: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinear:
-    """``y = x W^T`` with W a :class:`~cosine_ray.models.quant.QuantTensor`, kept quantized on the device.
+    """``y = x W^T`` with W a :class:`~cosine_ray.models.weights.quant.QuantTensor`, kept quantized on the device.
 
     On CPU, by default, through our own kernel (``kernels.qgemm``: the file's codes in 32-column
     blocks, activations rounded to 8 bits a group of 32, each row's result independent of its

@@ -31,7 +31,7 @@ from cosine_ray.models.attention import (AttentionPlan, PaddedInputs, attend, at
 from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.kv_cache import KVCache
 from cosine_ray.models.linear import DenseLinear, Projection, QuantLinear, kernel_operand, projection
-from cosine_ray.models.quant import QuantEmbedding, as_dense, is_quantized
+from cosine_ray.models.weights.quant import QuantEmbedding, as_dense, is_quantized
 
 
 @dataclass(slots=True)

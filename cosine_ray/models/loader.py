@@ -97,7 +97,7 @@ def _check_hf_config(path: Path, what: str) -> ModelConfig:
         method = raw["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{what} holds a quantized ({method}) checkpoint; cosine_ray needs "
                              f"unquantized weights (fp32/fp16/bf16 safetensors) or a .gguf file")
-    # No transformers import here: AutoConfig costs seconds (10+ on a loaded 2-core machine),
+    # No transformers import here: AutoConfig costs seconds,
     # paid by every stage and drafter actor at start. The raw config.json is enough for our
     # forward; transformers' view is loaded lazily (Checkpoint.hf_config). The model type is
     # checked before transformers is ever asked (which may not know it at all).
@@ -282,7 +282,7 @@ class LoadedTarget:
     stages: list["LlamaStage"]
     """The stages asked for, in pipeline order."""
     weights: dict[str, Any]
-    """The state dict the stages were built from (``models.native.load_weights``: tensors, or a
+    """The state dict the stages were built from (``models.weights.native.load_weights``: tensors, or a
     GGUF model's quantized blocks): what a drafter built beside them reads (the target as its
     own drafter, a feature head, the embedding table)."""
 
@@ -290,10 +290,10 @@ class LoadedTarget:
 def load_target(model: str | os.PathLike[str] | Checkpoint, *, weights: str = "dense", dtype: str = "float32",
                 device: str = "cpu", num_stages: int = 1, stage_index: int | None = None) -> LoadedTarget:
     """The target's stages in one trip: resolve ``model`` (a spec or a Checkpoint), read its
-    weights as ``weights`` says (dense | native | auto, ``models.native``) and build the
+    weights as ``weights`` says (dense | native | auto, ``models.weights.native``) and build the
     ``num_stages`` contiguous layer slices on ``device`` in ``dtype``, or only slice
     ``stage_index`` (a stage actor)."""
-    from .native import load_weights
+    from .weights.native import load_weights
 
     checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
     state = load_weights(checkpoint, weights, device=device, dtype=dtype)

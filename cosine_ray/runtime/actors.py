@@ -33,7 +33,7 @@ class _Hosted:
         torch.set_num_threads(threads)
         self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.started_at = time.time()
-        # free heap pages back to the OS every few seconds, as the router does (runtime/memory.py):
+        # free heap pages back to the OS every few seconds, as the engine process does (runtime/memory.py):
         # a stage's step buffers change shape with every batch and tree size, and without the
         # trim a stage's private RSS climbed in steps well past warm-up in the serving soak test
         # (236 -> 264 MiB from 2 to 5 minutes: +6.5 MiB/min fitted, bound 2). With it the stages

@@ -8,8 +8,8 @@ import ray
 
 NAMESPACE = "cosine_ray"
 
-PROXY_CALLBACK = "cosine_ray.serve.proxy_guard.middlewares"
-"""The import path Serve's HTTP proxies call for their middlewares (``serve/proxy_guard.py``).
+PROXY_CALLBACK = "cosine_ray.serve.guards.proxy_guard.middlewares"
+"""The import path Serve's HTTP proxies call for their middlewares (``serve/guards/proxy_guard.py``).
 A string, not an import: Serve resolves it in each proxy process, and ``runtime/`` sits below
 ``serve/`` (docs/architecture.md, Layering)."""
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -52,7 +52,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, include_
 
     Every worker of the job gets ``runtime_env`` env vars: one torch thread, fewer malloc arenas,
     Serve's proxy health-check period (``SERVE_ENV``) and the proxy's callback
-    (``serve.proxy_guard``); a local cluster also gets ``LOCAL_SYSTEM_CONFIG``, and Ray's
+    (``serve.guards.proxy_guard``); a local cluster also gets ``LOCAL_SYSTEM_CONFIG``, and Ray's
     dashboard only with ``include_dashboard`` (without it Ray still runs its small API server).
     ``logging_level``: what Ray prints in this process (Ray's default: INFO). ``log_to_driver``:
     this process prints what the workers print; a second process of the same job on the same

@@ -1,13 +1,12 @@
-"""The router process's C heap: what is in use, and giving freed memory back to the OS.
+"""The engine process's C heap: what is in use, and giving freed memory back to the OS.
 
-The router allocates and frees small buffers from several threads (Ray's core worker, the
+The engine allocates and frees small buffers from several threads (Ray's core worker, the
 step loop, serialization of stage outputs). glibc serves each thread from its own arena and
 keeps the pages a thread freed for later, so the process's resident memory climbs in steps
-for the first minutes of load (+20 MiB over 3.5 minutes at ~8 requests/s, measured in
-`/proc/PID/smaps`: the growth was all in 64 MiB-aligned thread arenas) although the bytes in
-use stay flat. ``malloc_trim`` hands those free pages back (under 1 ms here); the router calls it every
-``TRIM_INTERVAL_S`` from a daemon thread, so its RSS tracks what it really holds; the stage
-and drafter actors do the same (``runtime.actors``).
+for the first minutes of load (in 64 MiB-aligned thread arenas, as ``/proc/PID/smaps``
+shows) although the bytes in use stay flat. ``malloc_trim`` hands those free pages back; the
+engine calls it every ``TRIM_INTERVAL_S`` from a daemon thread, so its RSS tracks what it
+really holds; the stage and drafter actors do the same (``runtime.actors``).
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ def start_heap_trimmer(interval_s: float = TRIM_INTERVAL_S) -> threading.Thread 
             time.sleep(interval_s)
             try:
                 release_free_heap()
-            except Exception:  # never take the router down for housekeeping
+            except Exception:  # never take the engine down for housekeeping
                 log.exception("malloc_trim failed")
 
     thread = threading.Thread(target=run, name="cosine_ray-heap-trim", daemon=True)

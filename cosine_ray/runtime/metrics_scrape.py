@@ -5,17 +5,8 @@ every request, drafter call and verify step). Two figures are counted elsewhere 
 when ``/metrics`` is scraped:
 
 - ``stage_busy_seconds`` / ``stage_idle_seconds``: each stage worker times its own
-  ``forward`` (``StageWorker.utilisation``). Read through ``__ray_call__`` (runs a function on
-  the actor instance, as Ray's own compiled graphs and collectives do) so the stage actor needs
-  no metrics method. A stage actor runs one call at a time, so under load the read waits
-  behind the queued forwards (seconds on a busy CPU): a scrape therefore never waits for it.
-  ``StageUtilisationReader`` starts a read in the background, gives it ``SCRAPE_WAIT_S`` (an
-  idle pipeline answers in milliseconds, so the scrape sees fresh values) and otherwise
-  exports the previous reading; the values lag by at most one scrape under load. Each reading
-  is folded in per actor incarnation (``MetricsRegistry.add_cumulative``): a restarted stage
-  starts from zero without the exported counter ever going down. A read that misses its
-  deadline (dead or restarting stage) counts one
-  ``metrics_collection_failures{source="cosine_ray:stage:i"}``.
+  ``forward`` (``StageWorker.utilisation``), read without ever holding up a scrape
+  (``StageUtilisationReader``).
 - ``drafter_restarts``: ``ActorSlot.num_respawns`` of each drafter slot (a drafter killed for
   good and spawned again by the engine). Restarts Ray performs by itself (``max_restarts``)
   keep the slot's handle and are not counted.
@@ -56,7 +47,17 @@ async def collect_stage_utilisation(metrics: EngineMetrics, stage_slots: Sequenc
 
 
 class StageUtilisationReader:
-    """At most one stage read in flight; a scrape waits ``SCRAPE_WAIT_S`` for it at most."""
+    """At most one stage read in flight; a scrape waits ``SCRAPE_WAIT_S`` for it at most.
+
+    The read goes through ``__ray_call__`` (runs a function on the actor instance, as Ray's own
+    compiled graphs and collectives do), so the stage actor needs no metrics method. A stage
+    actor runs one call at a time, so under load the read waits behind the queued forwards: a
+    scrape therefore starts it in the background, gives it ``SCRAPE_WAIT_S`` (an idle pipeline
+    answers in milliseconds, so the scrape sees fresh values) and otherwise exports the previous
+    reading; the values lag by at most one scrape under load. Each reading is folded in per
+    actor incarnation (``MetricsRegistry.add_cumulative``): a restarted stage starts from zero
+    without the exported counter ever going down. A read that misses its deadline (dead or
+    restarting stage) counts one ``metrics_collection_failures{source="cosine_ray:stage:i"}``."""
 
     def __init__(self, metrics: EngineMetrics, stage_slots: Sequence[ActorSlot]) -> None:
         self.metrics = metrics

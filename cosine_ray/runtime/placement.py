@@ -1,4 +1,4 @@
-"""Ray resource requests per role (DESIGN §1: heterogeneous placement), and whether they fit.
+"""Ray resource requests per role (heterogeneous placement, docs/deployment.md), and whether they fit.
 
 Stages belong on datacenter GPUs, drafters on consumer GPUs. On a real cluster the nodes
 advertise that with custom resources (``ray start --resources='{"datacenter_gpu": 4}'``);

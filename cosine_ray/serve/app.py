@@ -16,7 +16,7 @@ ingress ``cosine_ray`` (tokenizers + FastAPI app), which gets the engines' ``Dep
 through ``bind``. Serve starts, health-checks, restarts and reconfigures them all.
 
 Overload: ``max_pending_requests`` (default 256) bounds the generations one ingress replica
-holds, shared fairly between keys (``serve.admission``, which may overcommit it); Serve's
+holds, shared fairly between keys (``serve.guards.admission``, which may overcommit it); Serve's
 ``max_ongoing_requests`` is that overcommitted bound plus ``CONTROL_HEADROOM``, so every request
 reaches fair admission and Serve's own queue is a backstop. ``request_timeout_s`` (default 600)
 bounds one generation (408), ``body_timeout_s`` (default 30) the wait for a body (408).
@@ -61,8 +61,8 @@ class OpenAIIngress:
                  chat_template: str | None = None, served_model_names: list[str] | None = None,
                  more_models: list[dict[str, Any]] | None = None) -> None:
         from cosine_ray.serve.errors import DEFAULT_BODY_TIMEOUT_S
-        from cosine_ray.serve.tenants import as_key_entries, read_key_file
-        from cosine_ray.serve.tool_parsers import DEFAULT_TOOL_CALL_PARSER
+        from cosine_ray.serve.guards.tenants import as_key_entries, read_key_file
+        from cosine_ray.serve.text.tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
         self.engine, self.tokenizer = _engine_client(engine, config_data)
         self.served_model_names = list(served_model_names or [self.engine.model_name])
@@ -150,8 +150,8 @@ def build_application(models: list[EngineDeployment], ingress: dict[str, Any],
     (``INGRESS_ARGS`` but ``served_model_names``); ``ingress_options``: Serve settings of the
     ingress deployment (``num_replicas``, ``autoscaling_config``)."""
     from cosine_ray.runtime.placement import engine_actor_options
-    from cosine_ray.serve.admission import OVERCOMMIT
-    from cosine_ray.serve.tenants import as_key_entries, key_ring, read_key_file
+    from cosine_ray.serve.guards.admission import OVERCOMMIT
+    from cosine_ray.serve.guards.tenants import as_key_entries, key_ring, read_key_file
 
     ingress = dict(ingress)
     if "api_key_file" in ingress:  # read here, where it is given: a replica may run on another node
@@ -159,10 +159,10 @@ def build_application(models: list[EngineDeployment], ingress: dict[str, Any],
             read_key_file(ingress.pop("api_key_file")))
     key_ring(ingress.get("api_key"), ingress.get("api_keys") or ())  # a key or a name given twice: refused now
     if ingress.get("tool_call_parser") is not None:
-        from cosine_ray.serve.tool_parsers import tool_call_parser
+        from cosine_ray.serve.text.tool_parsers import tool_call_parser
         tool_call_parser(ingress["tool_call_parser"])  # an unknown parser: refused now, not in the replica
     if ingress.get("chat_template") is not None:  # a file is read here, where it is given; a bad template refused
-        from cosine_ray.serve.prompts import read_chat_template
+        from cosine_ray.serve.text.prompts import read_chat_template
         ingress["chat_template"] = read_chat_template(ingress["chat_template"])
     # Closed by default: the builder cannot see the HTTP host (a Serve config's http_options
     # are not its args), so without a key the server may only be open when the args say so

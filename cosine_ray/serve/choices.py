@@ -25,15 +25,15 @@ from fastapi import Request
 
 from cosine_ray.algo.logits_rules import TokenLogprob
 from cosine_ray.engine.request import SamplingParams, StructuredOutput
-from cosine_ray.serve import tools
+from cosine_ray.serve.text import tools
 from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, error_payload
 from cosine_ray.serve.generation import Generation, sse, unless_disconnected
-from cosine_ray.serve.limits import check_prompt_logprobs
+from cosine_ray.serve.guards.limits import check_prompt_logprobs
 from cosine_ray.serve.schemas import (ChatCompletionRequest, ChatDelta, ChatLogprobs, CompletionLogprobs,
                                       CompletionRequest, FunctionDelta, PromptTokensDetails, ToolCallDelta,
                                       TokenLogprobOut, TopLogprob, Usage)
 from cosine_ray.serve.state import ServerState
-from cosine_ray.serve.tenants import ApiKey
+from cosine_ray.serve.guards.tenants import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class Logprobs:
 
 @dataclass(slots=True)
 class ChatDeltas:
-    """One streamed chat choice's deltas under its tool mode (``serve.tools``)."""
+    """One streamed chat choice's deltas under its tool mode (``serve.text.tools``)."""
 
     req: ChatCompletionRequest
     parser: str = tools.DEFAULT_TOOL_CALL_PARSER

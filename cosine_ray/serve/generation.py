@@ -1,9 +1,9 @@
 """One generation request's lifecycle in the OpenAI layer, from admission to the last byte:
 
 * ``Readiness``: what ``/health`` answers, at once, while the engine starts or recovers;
-* ``Generation``: one engine request seen as text (``serve.text.TextStream``: incremental
+* ``Generation``: one engine request seen as text (``serve.text.stream.TextStream``: incremental
   detokenization and stop strings), with the server-side request timeout; closing it aborts the
-  request in the engine and frees its admission slot (``serve.admission``). A stop string ends
+  request in the engine and frees its admission slot (``serve.guards.admission``). A stop string ends
   it as a normal completion: the engine is told (``EngineClient.finish``) before the stream is
   closed, so its metrics count ``stop`` (with the request's latency), not ``abort``;
 * ``unless_disconnected``, ``SSEResponse`` and ``sse``: cancelling the work or the event stream
@@ -31,7 +31,7 @@ from cosine_ray.algo.logits_rules import TokenLogprob
 from cosine_ray.engine.request import RequestStats, SamplingParams
 from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, RequestTimeout
 from cosine_ray.serve.schemas import CosineRayStats, PromptTokensDetails, Usage
-from cosine_ray.serve.text import TextStream  # noqa: F401 - importable from here too
+from cosine_ray.serve.text.stream import TextStream  # noqa: F401 - importable from here too
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class SSEResponse(StreamingResponse):
     come) is dropped the same way: what the response still holds is bounded (the events are
     made one at a time, as the client takes them) and the engine work is cancelled. Behind Ray
     Serve the app's sends never block (the proxy buffers), so there the proxy's guard drops such
-    a client (``serve.proxy_guard``)."""
+    a client (``serve.guards.proxy_guard``)."""
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], *,
                  send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosine_ray.metrics.prometheus import CONTENT_TYPE, render
 from cosine_ray.serve.errors import error_response
-from cosine_ray.serve.tenants import TENANT_SCOPE_KEY
+from cosine_ray.serve.guards.tenants import TENANT_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,12 @@ the one ``ServerState`` (``serve.state``) through its ``State`` parameter, so ad
 adding one function here. ``build_openai_app`` makes the state and the app, adds the routes and
 installs the error handlers and middlewares. A generation request goes:
 
-    key (``serve.tenants``) → validate (schemas, ``serve.limits``) → the request's model (its
-    engine and tokenizer: ``ServerState.for_model``) → supported-feature and vocabulary checks →
-    prompt token ids (``serve.prompts``, off the event loop; a batch's each) → max_tokens →
-    admission (``serve.admission``, per key) → engine.check_request → engine.stream → TextStream
-    (``serve.text``) → JSON response or SSE chunks ... ``data: [DONE]``
+    key (``serve.guards.tenants``) → validate (schemas, ``serve.guards.limits``) → the request's
+    model (its engine and tokenizer: ``ServerState.for_model``) → supported-feature and
+    vocabulary checks → prompt token ids (``serve.text.prompts``, off the event loop; a batch's
+    each) → max_tokens → admission (``serve.guards.admission``, per key) → engine.check_request
+    → engine.stream → TextStream (``serve.text.stream``) → JSON response or SSE chunks ...
+    ``data: [DONE]``
 
 Every engine iterator is closed on every path (finish, stop string, error, client disconnect,
 cancellation): closing it is what aborts the request in the engine (``serve.choices``). Streaming
@@ -31,24 +32,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from cosine_ray.engine.client import EngineClient
-from cosine_ray.serve import tokenization, tools
-from cosine_ray.serve.admission import Admission
+from cosine_ray.serve.text import tokenization, tools
+from cosine_ray.serve.guards.admission import Admission
 from cosine_ray.serve.choices import (ChatDeltas, Choice, Logprobs, close_all, collect_all, first_outputs,
                                       guarded_events, interleave, start_choices, usage)
 from cosine_ray.serve.errors import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware,
                                      CatchAllMiddleware, HeaderLimitMiddleware, error_payload, install_error_handlers)
 from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness, SSEResponse, sse
-from cosine_ray.serve.limits import check_duplicate_keys, check_vocabulary
+from cosine_ray.serve.guards.limits import check_duplicate_keys, check_vocabulary
 from cosine_ray.serve.metrics_http import (METRICS_PATH, PUSH_INTERVAL_S, HttpCounts, HttpMetricsMiddleware,
                                           metrics_response)
-from cosine_ray.serve.prompts import chat_prompt, completion_prompts, longest_token_chars
+from cosine_ray.serve.text.prompts import chat_prompt, completion_prompts, longest_token_chars
 from cosine_ray.serve.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                       CompletionChoice, CompletionRequest, CompletionResponse,
                                       ErrorResponse, ModelCard, ModelList)
 from cosine_ray.serve.state import DEFAULT_MAX_TOKENS, ServedModel, ServerState, State
-from cosine_ray.serve.tenants import ApiKey, ApiKeyMiddleware, key_ring, tenant_of
-from cosine_ray.serve.tokenization import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from cosine_ray.serve.guards.tenants import ApiKey, ApiKeyMiddleware, key_ring, tenant_of
+from cosine_ray.serve.text.tokenization import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+                                                TokenizeResponse)
 
 log = logging.getLogger(__name__)
 
@@ -94,18 +96,19 @@ def build_openai_app(engine: EngineClient, tokenizer: Any, *, model_name: str,
     ``served_model_names``: the names a request may give the model by (vLLM's
     ``--served-model-name``; responses carry the first); default ``[model_name]``. ``more_models``:
     further models behind the same app, each (names, engine, tokenizer), chosen by a request's
-    ``model`` (a request that names none gets the first model). ``api_key`` and ``api_keys`` (``serve.tenants``: each a tenant with its own limits) are the
+    ``model`` (a request that names none gets the first model). ``api_key`` and ``api_keys``
+    (``serve.guards.tenants``: each a tenant with its own limits) are the
     keys a request may carry; none: the app is open. ``return_spec_stats`` adds the
     ``cosine_ray`` stats block to every completion (otherwise only when a request asks with
     ``cosine_ray_stats``); ``metrics_require_key`` makes ``GET /metrics`` need a key too (by
     default it is public, like ``/health``). ``max_pending_requests`` bounds the generations in
-    flight, shared fairly between keys (``serve.admission``); ``request_timeout_s`` bounds one
+    flight, shared fairly between keys (``serve.guards.admission``); ``request_timeout_s`` bounds one
     generation's wall time from its admission: past it the engine request is cancelled and the
     client gets 408 (before the first streamed byte) or an SSE error event with the 408 payload,
     then ``[DONE]``. ``body_timeout_s`` bounds the wait for a request's body (408), and
     ``send_timeout_s`` a stream's wait for its client to take bytes (dropped past it).
     ``metrics_push_interval_s``: how often at most HTTP counts are pushed to the engine.
-    ``tool_call_parser``: the format of ``auto`` tool calls (``serve.tool_parsers``);
+    ``tool_call_parser``: the format of ``auto`` tool calls (``serve.text.tool_parsers``);
     ``chat_template``: a Jinja chat template used instead of the tokenizer's."""
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError("request_timeout_s must be > 0")

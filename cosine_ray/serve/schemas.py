@@ -5,7 +5,7 @@ fields ``serve.fields`` refuses (and unknown ones) and inconsistent combinations
 Numbers and booleans are strict: ``"16"`` is not a max_tokens and ``true`` is not a number.
 Union-typed fields (message content, prompt, stop) are checked by hand so an error names the
 field itself, never a pydantic union branch. Every field that costs work is bounded
-(``serve.limits``). The request's nested objects (response formats,
+(``serve.guards.limits``). The request's nested objects (response formats,
 vLLM's structured outputs, function tools, the ``logit_bias`` map) are here too; the response
 models live in ``serve.responses`` and are importable from here.
 """
@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from cosine_ray.engine.request import StructuredOutput
 from cosine_ray.serve.errors import InvalidRequest
 from cosine_ray.serve.fields import check_extra_fields
-from cosine_ray.serve.limits import (MAX_CHOICE_STRINGS, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_PROMPT_GENERATIONS,
-                                     MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS,
-                                     MAX_USER_CHARS, check_grammar_text, check_schema,
-                                     check_schema_chars, json_depth)
+from cosine_ray.serve.guards.limits import (MAX_CHOICE_STRINGS, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_PROMPT_GENERATIONS,
+                                            MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS,
+                                            MAX_USER_CHARS, check_grammar_text, check_schema,
+                                            check_schema_chars, json_depth)
 from cosine_ray.serve.responses import (  # noqa: F401 - the response models, importable from here too
     AssistantMessage, CalledFunction, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse, CosineRayStats, ErrorBody,
@@ -237,7 +237,7 @@ class _SamplingRequest(BaseModel):
         self._check_grammar_size()
 
     def _check_grammar_size(self) -> None:
-        """The bounds of ``serve.limits`` on schemas and grammars."""
+        """The bounds of ``serve.guards.limits`` on schemas and grammars."""
         rf, so = self.response_format, self.structured_outputs
         if rf is not None and rf.json_schema is not None:
             check_schema(rf.json_schema.schema_, "response_format")

@@ -22,11 +22,11 @@ from fastapi import Depends, Request
 
 from cosine_ray.engine.client import EngineClient
 from cosine_ray.serve.errors import NotFound
-from cosine_ray.serve.admission import Admission
+from cosine_ray.serve.guards.admission import Admission
 from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness
 from cosine_ray.serve.metrics_http import HttpCounts
 from cosine_ray.serve.schemas import ModelCard
-from cosine_ray.serve.tool_parsers import DEFAULT_TOOL_CALL_PARSER
+from cosine_ray.serve.text.tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: min(this, context left after the prompt)."""
@@ -76,12 +76,12 @@ class ServerState:
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     """Longest a streamed response waits for its client to take bytes (then it is dropped)."""
     max_token_chars: int | None = None
-    """The most characters one token stands for (``serve.prompts``: a longer text than the
+    """The most characters one token stands for (``serve.text.prompts``: a longer text than the
     context times this is refused before tokenizing); None: no such bound."""
     eos_token_ids: tuple[int, ...] = ()
-    """The tokenizer's end-of-text ids (``serve.limits.check_vocabulary``)."""
+    """The tokenizer's end-of-text ids (``serve.guards.limits.check_vocabulary``)."""
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER
-    """The format ``auto`` tool calls are read in (``serve.tool_parsers``: hermes, llama3_json,
+    """The format ``auto`` tool calls are read in (``serve.text.tool_parsers``: hermes, llama3_json,
     mistral; ``--tool-call-parser``)."""
     chat_template: str | None = None
     """A Jinja chat template used instead of the tokenizer's (``--chat-template``); None: the

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from cosine_ray.algo.latency_model import LatencyModel, LinearFit, LlmSample, SsmSample, knee_excess
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, LinearFit, LlmSample, SsmSample, knee_excess
 
 PROFILE_GRID = ((1, 2, 4, 8, 16, 32), (0, 2, 4, 8, 16), (32, 128, 512, 1024))
 """(batch sizes, γ, context lengths) of the samples a formula is fitted from."""
@@ -39,7 +39,7 @@ def _shape(context_lens: Sequence[int], new_tokens: Sequence[int]) -> tuple[floa
 @dataclass(frozen=True, slots=True)
 class TargetCost:
     """T_llm of the whole target on one device: ``c0 + c_req·b + c_tok·N + c_knee·max(N−K, 0)
-    + c_attn·Σ n_i(l_i+n_i)`` (seconds; the engine's regressors, ``algo.latency_model``).
+    + c_attn·Σ n_i(l_i+n_i)`` (seconds; the engine's regressors, ``algo.scheduling.latency_model``).
 
     From a measured profile it also keeps ``corrections``: each sample's measured / fitted
     ratio at its place on the grid (``_shape``). A forward is charged the formula times the

@@ -6,8 +6,8 @@ the engine's own config that a simulation runs: ``scheduler``, ``speculation``, 
 ``experiments``, as in deploy/engine.yaml), ``target`` (shapes that size the transfers), ``latency`` (named cost models
 of the whole target on a device), ``devices`` (FIFO servers; ``engine`` is the engine's host and
 always exists), ``engine_host``, ``stages``, ``links``, ``drafters`` and ``workload``
-(cosine-loadgen's arrivals and domain mixes). Files written with the older names (``router``,
-``router_stage``, ``router_drafter``) load the same. ``cosine-ray simulate --schema`` prints the schema;
+(cosine-loadgen's arrivals and domain mixes). A key or device under an older name is refused
+with its new name. ``cosine-ray simulate --schema`` prints the schema;
 docs/simulator.md explains every key with an example, and ``deploy/sim/`` has the scenarios
 the validation and the report run.
 """
@@ -141,7 +141,7 @@ def validate(data: Any) -> None:
 
     if not isinstance(data, dict):
         raise ScenarioError("the scenario must be a mapping")
-    rename_legacy_keys(data)
+    refuse_renamed_keys(data)
     errors = sorted(jsonschema.Draft202012Validator(SCHEMA).iter_errors(data), key=lambda e: list(e.path))
     if errors:
         e = errors[0]
@@ -197,26 +197,27 @@ def engine_config(data: dict[str, Any]) -> EngineConfig:
 
 ENGINE_DEVICE = "engine"
 """The device that is the engine's host: it always exists."""
-_LEGACY = {"router": "engine_host"}
-_LEGACY_LINKS = {"router_stage": "engine_stage", "router_drafter": "engine_drafter"}
+RENAMED_KEYS = {"router": "engine_host"}
+RENAMED_LINKS = {"router_stage": "engine_stage", "router_drafter": "engine_drafter"}
+RENAMED_DEVICES = {"router": ENGINE_DEVICE}
+"""Old names of keys, links and devices: a scenario that uses one gets an error naming the new one."""
 
 
-def rename_legacy_keys(data: dict) -> None:
-    """Scenarios written before the engine process stopped being called the router: the
-    ``router`` section, its links and a device named ``router`` take today's names (in place)."""
-    for old, new in _LEGACY.items():
-        if old in data and new not in data:
-            data[new] = data.pop(old)
+def refuse_renamed_keys(data: dict) -> None:
+    """Raise ScenarioError naming the new name of the first old one in ``data``, or return."""
+    for old, new in RENAMED_KEYS.items():
+        if old in data:
+            raise ScenarioError(f"'{old}' was renamed: use '{new}'")
     links = data.get("links")
-    if isinstance(links, dict):
-        for old, new in _LEGACY_LINKS.items():
-            if old in links and new not in links:
-                links[new] = links.pop(old)
-    if isinstance(data.get("devices"), list):
-        data["devices"] = [ENGINE_DEVICE if d == "router" else d for d in data["devices"]]
-    for part in [data.get("engine_host"), *(data.get("stages") or ()), *(data.get("drafters") or ())]:
-        if isinstance(part, dict) and part.get("device") == "router":
-            part["device"] = ENGINE_DEVICE
+    for old, new in RENAMED_LINKS.items():
+        if isinstance(links, dict) and old in links:
+            raise ScenarioError(f"'links.{old}' was renamed: use 'links.{new}'")
+    devices = data.get("devices") if isinstance(data.get("devices"), list) else []
+    parts = [data.get("engine_host"), *(data.get("stages") or ()), *(data.get("drafters") or ())]
+    named = set(devices) | {p.get("device") for p in parts if isinstance(p, dict)}
+    for old, new in RENAMED_DEVICES.items():
+        if old in named:
+            raise ScenarioError(f"device '{old}' was renamed: use '{new}'")
 
 
 def load(path: str | Path) -> Scenario:

@@ -144,8 +144,8 @@ def test_real_prompts_second_half_accuracy(real_split) -> None:
 
 @pytest.mark.real_model
 def test_real_fit_from_retrieval_datastores(real_split) -> None:
-    """How the router fits it: from the datastores' prompt+output sequences."""
-    from cosine_ray.engine.drafters.datastore import Datastore
+    """How routing fits it: from the datastores' prompt+output sequences."""
+    from cosine_ray.engine.drafters.lookup.datastore import Datastore
 
     unit, _, held_out = real_split
     sequences = {d: [list(s) for s in Datastore.load(DATASTORE_DIR / f"{d}.parquet").sequences] for d in held_out}

@@ -1,4 +1,4 @@
-"""The speculation guard (issue 20): explore/exploit on the level of speculation converges to the
+"""The speculation guard: explore/exploit on the level of speculation converges to the
 level with the best measured goodput, backs off to 0 when speculation does not pay, explores a
 bounded share of steps, does not flap on noise, and learns one level per batch-size bucket."""
 
@@ -195,7 +195,7 @@ def count_moves(confidence: float, seed: int, steps: int = 300) -> int:
 
 
 def test_at_eight_rows_equal_levels_need_evidence_not_a_lucky_step():
-    """Issue 20: at 8 rows a level is compared after about 4 decayed steps, where one lucky
+    """At 8 rows a level is compared after about 4 decayed steps, where one lucky
     step is a 3 % lead. Requiring a lead of a standard error as well halves the moves between
     levels that are equal (noisy steps, ±50 %), over 40 seeded runs of 300 steps."""
     with_margin_only = sum(count_moves(0.0, seed) for seed in range(40))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cosine_ray.algo.latency_model import LatencyModel, LinearFit, LlmSample, SsmSample, llm_features
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, LinearFit, LlmSample, SsmSample, llm_features
 
 TRUE_LLM = (0.040, 0.0008, 0.0025, 0.0, 2e-6)  # c0, c_req, c_tok, c_knee, c_attn (no knee)
 TRUE_SSM = {"ngram": (0.0003, 0.00005, 0.00002), "model:x": (0.004, 0.001, 0.003)}

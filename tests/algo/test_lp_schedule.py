@@ -11,9 +11,9 @@ import random
 import numpy as np
 import pytest
 
-from cosine_ray.algo import lp_schedule
-from cosine_ray.algo.latency_model import LatencyModel, LinearFit
-from cosine_ray.algo.lp_schedule import (Candidate, ScheduleConfig, evaluate_schedule, first_come_batch,
+from cosine_ray.algo.scheduling import lp_schedule
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, LinearFit
+from cosine_ray.algo.scheduling.lp_schedule import (Candidate, ScheduleConfig, evaluate_schedule, first_come_batch,
                                          schedule_batch, trim_gammas)
 
 

@@ -1,4 +1,4 @@
-"""R12 property tests (hypothesis) for the sampler, the token tree and greedy tree verification.
+"""Property tests (hypothesis) for the sampler, the token tree and greedy tree verification.
 
 The example-based tests (test_sampling.py against HF's warpers, test_tree.py on seeded random
 trees) pin exact values; these state invariants over arbitrary inputs:

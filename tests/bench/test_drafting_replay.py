@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
 from cosine_ray.bench.replay import DecodedTurn, choose, replay
-from cosine_ray.engine.drafters.ngram import NgramConfig, NgramDrafter
-from cosine_ray.engine.drafters.suffix import SuffixConfig, SuffixDrafter
+from cosine_ray.engine.drafters.lookup.ngram import NgramConfig, NgramDrafter
+from cosine_ray.engine.drafters.lookup.suffix import SuffixConfig, SuffixDrafter
 
 
 def stream(seed: int, n: int) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""The Kubernetes manifests in k8s/ checked without a Kubernetes cluster (issue 7).
+"""The Kubernetes manifests in k8s/ checked without a Kubernetes cluster.
 
 What runs: every YAML parses; every variant (k8s/rayservice, k8s/raycluster, k8s/cpu-dev)
 renders from its kustomization (and matches `kubectl kustomize` where kubectl exists); every

@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from cosine_ray.algo.guard import SpeculationGuard
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
 from cosine_ray.engine.drafters.base import DraftProposal
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.core import EngineCore
@@ -95,21 +95,21 @@ def prompts_for(domain_index: int, n: int, start: int = 0) -> list[list[int]]:
             for i in range(n)]
 
 
-def run(router: Router, prompts, max_tokens=16, prefix="r"):
+def run(core: EngineCore, prompts, max_tokens=16, prefix="r"):
     for i, p in enumerate(prompts):
-        router.add_request(f"{prefix}{i}", p, SamplingParams(max_tokens=max_tokens))
-    return asyncio.run(drain(router))
+        core.add_request(f"{prefix}{i}", p, SamplingParams(max_tokens=max_tokens))
+    return asyncio.run(drain(core))
 
 
 def test_expertise_routing_sends_each_domain_to_its_expert_and_stays_lossless():
     target = TableTarget()
     experts = [ExpertDrafter(d, target) for d in DOMAINS]
-    router = make(target, experts, drafters_per_request=1, max_drafters_per_request=1)
+    core = make(target, experts, drafters_per_request=1, max_drafters_per_request=1)
     warm = [p for d in range(4) for p in prompts_for(d, 6)]
-    run(router, warm, prefix="warm")
+    run(core, warm, prefix="warm")
     measured = {d: prompts_for(i, 6, start=10) for i, d in enumerate(DOMAINS)}
     all_prompts = [p for d in DOMAINS for p in measured[d]]
-    tokens, finals = run(router, all_prompts)
+    tokens, finals = run(core, all_prompts)
     assert [tokens[f"r{i}"] for i in range(len(all_prompts))] == [target.greedy(p, 16) for p in all_prompts]
     k = 0
     for domain in DOMAINS:
@@ -121,15 +121,15 @@ def test_expertise_routing_sends_each_domain_to_its_expert_and_stays_lossless():
             k += 1
         assert steps > 0 and routed / steps >= 0.7, (domain, routed, steps)
     for domain in DOMAINS:  # the learned per-domain prior ranks the domain's expert first
-        prior = router.routing.router.prior(domain)
+        prior = core.routing.expertise.prior(domain)
         assert max(prior, key=prior.get) == f"retrieval:{domain}", prior
 
 
 def test_random_routing_ablation_spreads_requests_evenly():
     target = TableTarget()
-    router = make(target, [ExpertDrafter(d, target) for d in DOMAINS], routing="random",
+    core = make(target, [ExpertDrafter(d, target) for d in DOMAINS], routing="random",
                   drafters_per_request=1, max_drafters_per_request=1)
-    tokens, finals = run(router, prompts_for(0, 12))
+    tokens, finals = run(core, prompts_for(0, 12))
     shares = defaultdict(int)
     for f in finals.values():
         for name, n in f.stats.routed_to.items():
@@ -143,29 +143,29 @@ def test_fusion_combines_drafters_that_are_right_at_different_positions():
     common = dict(drafters_per_request=2, max_drafters_per_request=2, adaptive=False, num_speculative_tokens=4)
     results = {}
     for fusion in ("confidence", "single"):
-        router = make(target, [ParityDrafter("even", target, 0), ParityDrafter("odd", target, 1)],
+        core = make(target, [ParityDrafter("even", target, 0), ParityDrafter("odd", target, 1)],
                       fusion=fusion, **common)
         prompts = prompts_for(0, 6)
-        tokens, finals = run(router, prompts)
+        tokens, finals = run(core, prompts)
         assert [tokens[f"r{i}"] for i in range(6)] == [target.greedy(p, 16) for p in prompts]
         steps = sum(f.stats.num_verify_steps for f in finals.values())
         accepted = sum(f.stats.num_accepted_tokens for f in finals.values())
-        results[fusion] = (accepted / steps, router)
-    fused_len, router = results["confidence"]
+        results[fusion] = (accepted / steps, core)
+    fused_len, core = results["confidence"]
     assert fused_len > 3.0  # the fused trunk is the target's path: nearly all 4 drafts accepted
     assert results["single"][0] < 1.5  # either drafter alone is wrong every other token
-    picks = {d: router.metrics.get("cosine_ray:fusion_picks", drafter=d) for d in ("even", "odd")}
-    accepted_picks = {d: router.metrics.get("cosine_ray:fusion_picks_accepted", drafter=d) for d in ("even", "odd")}
+    picks = {d: core.metrics.get("cosine_ray:fusion_picks", drafter=d) for d in ("even", "odd")}
+    accepted_picks = {d: core.metrics.get("cosine_ray:fusion_picks_accepted", drafter=d) for d in ("even", "odd")}
     assert min(picks.values()) > 0 and min(accepted_picks.values()) > 0  # both contribute
 
 
 def test_speculation_turns_itself_off_when_drafts_never_pay():
     target = TableTarget()
-    router = make(target, [AdversarialDrafter("liar", target, confidence=0.95)], drafters_per_request=1)
-    tokens, finals = run(router, prompts_for(0, 3), max_tokens=120)
+    core = make(target, [AdversarialDrafter("liar", target, confidence=0.95)], drafters_per_request=1)
+    tokens, finals = run(core, prompts_for(0, 3), max_tokens=120)
     assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 120) for p in prompts_for(0, 3)]
-    assert router.metrics.get("cosine_ray:speculation_enabled") == 0.0
-    assert router.speculator.calibration("code")("liar", 0.95) < 0.15  # learned: confident but wrong
+    assert core.metrics.get("cosine_ray:speculation_enabled") == 0.0
+    assert core.speculator.calibration("code")("liar", 0.95) < 0.15  # learned: confident but wrong
     fixed = make(target, [AdversarialDrafter("liar", target, confidence=0.95)], drafters_per_request=1,
                  adaptive=False, num_speculative_tokens=4)
     _, fixed_finals = run(fixed, prompts_for(0, 3), max_tokens=120)
@@ -176,12 +176,12 @@ def test_speculation_turns_itself_off_when_drafts_never_pay():
 
 def test_speculation_stays_on_when_drafts_are_right():
     target = TableTarget()
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
-    tokens, finals = run(router, prompts_for(0, 3), max_tokens=60)
+    core = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    tokens, finals = run(core, prompts_for(0, 3), max_tokens=60)
     steps = sum(f.stats.num_verify_steps for f in finals.values())
     accepted = sum(f.stats.num_accepted_tokens for f in finals.values())
     assert accepted / steps > 3.0
-    assert router.metrics.get("cosine_ray:speculation_enabled") == 1.0
+    assert core.metrics.get("cosine_ray:speculation_enabled") == 1.0
 
 
 def test_the_price_is_the_lps_lambda_over_the_measured_goodput_times_the_guards_level():
@@ -189,8 +189,8 @@ def test_the_price_is_the_lps_lambda_over_the_measured_goodput_times_the_guards_
     the guard has measured a goodput G > 1 for its level, TreeSelection prices at λ_LP·κ / G."""
     clock = Clock()
     target = TimedTarget(clock, 0.005)
-    router = make(target, [OracleDrafter("oracle", target)], clock=clock, drafters_per_request=1)
-    scheduler, guard = router.scheduler, router.scheduler.guard
+    core = make(target, [OracleDrafter("oracle", target)], clock=clock, drafters_per_request=1)
+    scheduler, guard = core.scheduler, core.scheduler.guard
     seen, decide, schedule = [], scheduler.policy.decide, scheduler.schedule
     lp_lams = []
 
@@ -207,7 +207,7 @@ def test_the_price_is_the_lps_lambda_over_the_measured_goodput_times_the_guards_
         return batch
 
     scheduler.policy.decide, scheduler.schedule = spy_decide, spy_schedule
-    tokens, _ = run(router, prompts_for(0, 3), max_tokens=300)  # enough steps at 3 rows for the bucket to measure
+    tokens, _ = run(core, prompts_for(0, 3), max_tokens=300)  # enough steps at 3 rows for the bucket to measure
     assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 300) for p in prompts_for(0, 3)]
     assert all(lam == pytest.approx(lp * kappa / g) for lam, lp, kappa, g in seen)
     # λ_LP as it is until the level has enough steps; then G of an oracle
@@ -222,9 +222,9 @@ def test_every_ablation_is_lossless(config):
     target = TableTarget()
     drafters = [OracleDrafter("oracle", target, max_len=2), AdversarialDrafter("adv", target, confidence=0.8),
                 ParityDrafter("even", target, 0)]
-    router = make(target, drafters, num_speculative_tokens=4, **config)
+    core = make(target, drafters, num_speculative_tokens=4, **config)
     prompts = [p for d in range(4) for p in prompts_for(d, 2)]
-    tokens, finals = run(router, prompts, max_tokens=24)
+    tokens, finals = run(core, prompts, max_tokens=24)
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == [target.greedy(p, 24) for p in prompts]
     assert all(f.finish_reason == "length" for f in finals.values())
 
@@ -286,10 +286,10 @@ def test_drafting_of_one_lane_overlaps_verification_of_the_other(num_lanes):
 
     target = ExclusiveSlowTarget(20)
     drafter = SlowOracle("slow", target, 20)
-    router = EngineCore(engine_config(num_lanes=num_lanes, fusion="single", adaptive=False, scheduler="fcfs",
+    core = EngineCore(engine_config(num_lanes=num_lanes, fusion="single", adaptive=False, scheduler="fcfs",
                                    num_speculative_tokens=1, drafters_per_request=1),
                         target, [drafter], vocab_size=VOCAB)
-    loop = EngineLoop(router)
+    loop = EngineLoop(core)
 
     async def go():
         try:
@@ -320,20 +320,20 @@ def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overla
     def run_once(overlap_mode, target_async):
         target = ExclusiveSlowTarget(5)
         target.runs_async = target_async
-        router = EngineCore(engine_config(fusion="single", adaptive=False, scheduler="fcfs", num_speculative_tokens=3,
+        core = EngineCore(engine_config(fusion="single", adaptive=False, scheduler="fcfs", num_speculative_tokens=3,
                                        drafters_per_request=1, overlap_learning=overlap_mode),
                             target, [ParityDrafter("even", target, 0)],
                             vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)
         during_forward, absorbed = [], []
-        absorb = router.learner.absorb
+        absorb = core.learner.absorb
 
         async def spying_absorb(pending):
             during_forward.append(target.verifying)
             absorbed.append(pending.stats.batch_size)
             return await absorb(pending)
 
-        router.learner.absorb = spying_absorb
-        loop = EngineLoop(router)
+        core.learner.absorb = spying_absorb
+        loop = EngineLoop(core)
         prompts = [p for d in range(4) for p in prompts_for(d, 2)]
 
         async def go():
@@ -345,11 +345,11 @@ def test_learning_from_a_step_overlaps_the_next_forward(mode, runs_async, overla
 
         outs = asyncio.run(go())
         assert [o.new_token_ids for o in outs] == [target.greedy(p, 16) for p in prompts]
-        return router, outs, during_forward, absorbed
+        return core, outs, during_forward, absorbed
 
-    router, outs, during_forward, absorbed = run_once(mode, runs_async)
-    assert router.overlap_learning is overlaps
-    assert not router._unlearned
+    core, outs, during_forward, absorbed = run_once(mode, runs_async)
+    assert core.overlap_learning is overlaps
+    assert not core._unlearned
     assert len(absorbed) > 5
     if overlaps:  # all but the last step before each idle spell are learned during a forward
         assert sum(during_forward) >= len(during_forward) - 2, during_forward
@@ -370,17 +370,17 @@ def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without
     forward is in flight, never between its schedule and its forward's launch (in-process
     drafting awaits no task: otherwise the lanes' host work interleaves, they draft together
     and verify together, and the GPU idles)."""
-    from cosine_ray.engine.drafters.ngram import NgramDrafter
+    from cosine_ray.engine.drafters.lookup.ngram import NgramDrafter
     from cosine_ray.engine.drafters.worker import DrafterWorker
     from cosine_ray.engine.worker.clients import LocalDrafterClient
     from cosine_ray.engine.loop import EngineLoop
 
     target = ExclusiveSlowTarget(1)
     drafters = [LocalDrafterClient(DrafterWorker(NgramDrafter(name=f"ngram{i}"))) for i in range(4)]
-    router = EngineCore(engine_config(num_lanes=2, num_speculative_tokens=3, overlap_learning="on"), target, drafters,
+    core = EngineCore(engine_config(num_lanes=2, num_speculative_tokens=3, overlap_learning="on"), target, drafters,
                         vocab_size=VOCAB, domain_classifier=MarkerClassifier(), seed=0)
     events = []
-    schedule, score = router.scheduler.schedule, target.score
+    schedule, score = core.scheduler.schedule, target.score
 
     def spying_schedule(lane):
         batch = schedule(lane)
@@ -392,8 +392,8 @@ def test_a_lane_with_in_process_drafters_drafts_and_launches_its_forward_without
         events.append(("score", None))
         return await score(items)
 
-    router.scheduler.schedule, target.score = spying_schedule, spying_score
-    loop = EngineLoop(router)
+    core.scheduler.schedule, target.score = spying_schedule, spying_score
+    loop = EngineLoop(core)
     prompts = [p for d in range(4) for p in prompts_for(d, 2)]
 
     async def go():
@@ -417,7 +417,7 @@ class AbortingOracle(OracleDrafter):
     def __init__(self, target, victim: str) -> None:
         super().__init__("oracle", target)
         self.victim = victim
-        self.router = None
+        self.core = None
         self.asked_after_abort: list[str] = []
         self.aborted = False
 
@@ -425,7 +425,7 @@ class AbortingOracle(OracleDrafter):
         if self.aborted:
             self.asked_after_abort += [i.request_id for i in inputs]
         elif any(i.request_id == self.victim for i in inputs) and len(inputs[0].context_token_ids) > 5:
-            self.aborted = self.router.abort(self.victim)
+            self.aborted = self.core.abort(self.victim)
         return await super().propose(inputs)
 
 
@@ -433,9 +433,9 @@ def test_a_request_aborted_while_drafting_gets_no_further_drafter_calls():
     """Later fusion rounds would recreate the drafter state its release just freed."""
     target = TableTarget()
     drafter = AbortingOracle(target, "r0")
-    router = make(target, [drafter], adaptive=False, num_speculative_tokens=4, shared_drafters=())
-    drafter.router = router
-    tokens, finals = run(router, prompts_for(0, 2), max_tokens=12)
+    core = make(target, [drafter], adaptive=False, num_speculative_tokens=4, shared_drafters=())
+    drafter.core = core
+    tokens, finals = run(core, prompts_for(0, 2), max_tokens=12)
     assert drafter.aborted and "r0" not in drafter.asked_after_abort and "r1" in drafter.asked_after_abort
     assert "r0" not in finals and finals["r1"].finish_reason == "length"
     assert tokens["r1"] == target.greedy(prompts_for(0, 2)[1], 12)
@@ -448,21 +448,21 @@ def test_while_the_pool_drains_only_the_request_finishing_last_drafts_at_the_ful
     most steps left; before that (and with drain pricing off)
     every request is worth 1. Output stays the target's greedy text."""
     target = TableTarget()
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1, drain_pricing=drain_pricing)
-    scheduler = router.scheduler
+    core = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1, drain_pricing=drain_pricing)
+    scheduler = core.scheduler
     seen, schedule = [], scheduler.schedule
 
     def spy_schedule(lane):
         batch = schedule(lane)
         lefts = {r.request_id: r.params.max_tokens - len(r.output_token_ids) for r in batch.decodes}
-        seen.append((len(router.pool.running), dict(batch.weights), lefts))
+        seen.append((len(core.pool.running), dict(batch.weights), lefts))
         return batch
 
     scheduler.schedule = spy_schedule
     prompts = prompts_for(0, 3)
     for i, (p, n) in enumerate(zip(prompts, (6, 60, 30))):
-        router.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
-    tokens, _ = asyncio.run(drain(router))
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+    tokens, _ = asyncio.run(drain(core))
     assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, n) for p, n in zip(prompts, (6, 60, 30))]
     assert all(not weights for running, weights, _ in seen if running == 3)
     drained = [(weights, lefts) for running, weights, lefts in seen if running < 3 and len(lefts) == 2]
@@ -475,10 +475,10 @@ def test_while_the_pool_drains_only_the_request_finishing_last_drafts_at_the_ful
         assert sorted(weights.values())[-1] == 1.0  # the one with the most steps left
 
 
-def drafted_per_step(router, drafter):
-    """Spy on the router's scheduler and ``drafter``: per scheduled step, the batch, each
+def drafted_per_step(core, drafter):
+    """Spy on the core's scheduler and ``drafter``: per scheduled step, the batch, each
     decoding request's (context length, tokens left) then, and whom the drafter was asked for."""
-    asked, seen, schedule, draft = [], [], router.scheduler.schedule, drafter.draft
+    asked, seen, schedule, draft = [], [], core.scheduler.schedule, drafter.draft
     drafter.draft = lambda item: asked.append(item.request_id) or draft(item)
 
     def spy_schedule(lane):
@@ -488,7 +488,7 @@ def drafted_per_step(router, drafter):
         seen.append((batch, before, now))
         return batch
 
-    router.scheduler.schedule = spy_schedule
+    core.scheduler.schedule = spy_schedule
 
     def steps():
         for k, (batch, before, now) in enumerate(seen):
@@ -503,12 +503,12 @@ def test_a_request_the_drain_rules_out_is_drafted_only_to_probe():
     drafters are asked) except on its probe steps. Output stays the target's greedy text."""
     target = TableTarget()
     oracle = OracleDrafter("oracle", target, max_len=2)  # slow enough to reach probe steps
-    router = make(target, [oracle], drafters_per_request=1)
-    steps = drafted_per_step(router, oracle)
+    core = make(target, [oracle], drafters_per_request=1)
+    steps = drafted_per_step(core, oracle)
     prompts, lengths = prompts_for(0, 3), (6, 200, 30)
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        router.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
-    tokens, _ = asyncio.run(drain(router))
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+    tokens, _ = asyncio.run(drain(core))
     assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, n) for p, n in zip(prompts, lengths)]
     skipped = probes = 0
     for batch, now, asked in steps():
@@ -533,25 +533,25 @@ def test_the_price_tally_counts_what_the_scheduler_and_selection_decided():
     had), and the nodes drafted and verified (Σ γ_i, the ``scheduler_gamma`` histogram's sum)."""
     target = TableTarget()
     oracle = OracleDrafter("oracle", target, max_len=2)
-    router = make(target, [oracle], drafters_per_request=1)
-    steps = drafted_per_step(router, oracle)
+    core = make(target, [oracle], drafters_per_request=1)
+    steps = drafted_per_step(core, oracle)
     prompts, lengths = prompts_for(0, 3), (6, 200, 30)
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        router.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
-    asyncio.run(drain(router))
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=n))
+    asyncio.run(drain(core))
     priced = [(batch, now) for batch, now, _ in steps() if batch.price is not None]
-    tally = router.scheduler.tally
+    tally = core.scheduler.tally
     assert tally.request_steps == sum(len(batch.budgets) for batch, _ in priced) > 0
     assert tally.drained == sum(rid in batch.weights for batch, _ in priced for rid in batch.budgets) > 0
     assert tally.held_back == sum(batch.budgets[rid] == 0 and left >= 2
                                   for batch, now in priced for rid, (_, left) in now.items()) > 0
-    speculator, gamma = router.speculator, router.metrics.get("cosine_ray:scheduler_gamma")
+    speculator, gamma = core.speculator, core.metrics.get("cosine_ray:scheduler_gamma")
     assert speculator.verified_nodes == gamma.sum
     assert 0 < speculator.verified_nodes <= speculator.drafted_nodes
     from types import SimpleNamespace
 
     from cosine_ray.cli.bench import _price_figures
-    figures = _price_figures(SimpleNamespace(core=router), (0, 0, 0, 0, 0), 2)
+    figures = _price_figures(SimpleNamespace(core=core), (0, 0, 0, 0, 0), 2)
     assert figures["request_steps"] == tally.request_steps
     assert figures["drained_share"] == pytest.approx(tally.drained / tally.request_steps)
     assert figures["held_back_share"] == pytest.approx(tally.held_back / tally.request_steps)
@@ -566,11 +566,11 @@ def test_where_the_price_rules_every_node_out_only_probe_steps_draft(monkeypatch
     monkeypatch.setattr(TreePrice, "node_can_pay", lambda self, context_len, weight=1.0: False)
     target = TableTarget()
     oracle = OracleDrafter("oracle", target, max_len=1)
-    router = make(target, [oracle], drafters_per_request=1)
-    steps = drafted_per_step(router, oracle)
+    core = make(target, [oracle], drafters_per_request=1)
+    steps = drafted_per_step(core, oracle)
     prompt = prompts_for(0, 1)[0]
-    router.add_request("r0", prompt, SamplingParams(max_tokens=40))
-    tokens, _ = asyncio.run(drain(router))
+    core.add_request("r0", prompt, SamplingParams(max_tokens=40))
+    tokens, _ = asyncio.run(drain(core))
     assert tokens["r0"] == target.greedy(prompt, 40)
     probes = 0
     for batch, now, asked in steps():
@@ -583,22 +583,22 @@ def test_where_the_price_rules_every_node_out_only_probe_steps_draft(monkeypatch
 
 def test_an_admission_ends_the_drain():
     target = TableTarget()
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
-    scheduler, schedule, seen = router.scheduler, router.scheduler.schedule, []
+    core = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    scheduler, schedule, seen = core.scheduler, core.scheduler.schedule, []
     scheduler.schedule = lambda lane: seen.append(schedule(lane)) or seen[-1]
     prompts = prompts_for(0, 4)
-    router.add_request("short", prompts[0], SamplingParams(max_tokens=4))
-    router.add_request("short2", prompts[1], SamplingParams(max_tokens=4))
-    router.add_request("long", prompts[2], SamplingParams(max_tokens=80))
+    core.add_request("short", prompts[0], SamplingParams(max_tokens=4))
+    core.add_request("short2", prompts[1], SamplingParams(max_tokens=4))
+    core.add_request("long", prompts[2], SamplingParams(max_tokens=80))
 
     async def go():
-        while not seen or not seen[-1].weights or len(router.pool.running) > 1:
-            await router.step()
+        while not seen or not seen[-1].weights or len(core.pool.running) > 1:
+            await core.step()
         # 1 of the 3 that ran last is left; one more makes 2, fewer than 3, yet no drain:
         # the admission is the new reference
-        router.add_request("new", prompts[3], SamplingParams(max_tokens=8))
-        await router.step()
-        return await drain(router)
+        core.add_request("new", prompts[3], SamplingParams(max_tokens=8))
+        await core.step()
+        return await drain(core)
 
     asyncio.run(go())
     ran = [b for b in seen if b.requests]
@@ -622,17 +622,17 @@ def test_every_part_of_a_step_is_timed_and_bench_reads_it_per_step():
             return await super().score(items)
 
     target = SlowTarget()
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
-    engine = SimpleNamespace(core=router)
+    core = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    engine = SimpleNamespace(core=core)
     before = _phase_seconds(engine)
-    ran, schedule = [], router.scheduler.schedule
-    router.scheduler.schedule = lambda lane: ran.append(schedule(lane)) or ran[-1]
+    ran, schedule = [], core.scheduler.schedule
+    core.scheduler.schedule = lambda lane: ran.append(schedule(lane)) or ran[-1]
     start = time.perf_counter()
-    run(router, prompts_for(0, 3), max_tokens=24)
+    run(core, prompts_for(0, 3), max_tokens=24)
     wall = time.perf_counter() - start
-    spent = {p: router.metrics.total("cosine_ray:step_phase_seconds", phase=p) for p in STEP_PHASES}
+    spent = {p: core.metrics.total("cosine_ray:step_phase_seconds", phase=p) for p in STEP_PHASES}
     steps = sum(1 for b in ran if b.requests)
-    assert router.metrics.total("cosine_ray:engine_steps") == steps > 0
+    assert core.metrics.total("cosine_ray:engine_steps") == steps > 0
     assert all(s > 0 for s in spent.values()), spent
     assert spent["verify"] >= 0.002 * steps and sum(spent.values()) <= wall
     split = _step_ms(engine, before)
@@ -651,16 +651,16 @@ def test_the_tree_bias_learns_every_verified_tree_and_scales_the_gains_and_the_e
             return DraftProposal(item.request_id, proposal.paths, [[0.5] * len(p) for p in proposal.paths])
 
     target = TableTarget()
-    router = make(target, [HalfSureOracle("oracle", target, max_len=3)], drafters_per_request=1)
-    router.speculator.bias.decay = 1.0
+    core = make(target, [HalfSureOracle("oracle", target, max_len=3)], drafters_per_request=1)
+    core.speculator.bias.decay = 1.0
     seen = []
-    record = router.learner.record
+    record = core.learner.record
 
     def spy(batch, drafts, verified):
         domains = {r.request_id: r.domain for r in batch.requests}
         for rid, tree in drafts.trees.items():
             domain = domains[rid]
-            f = router.speculator.bias.factor(domain)
+            f = core.speculator.bias.factor(domain)
             raw = tree.selected.node_acceptance()
             expected = [min(1.0, f * p) for p in raw]
             assert list(tree.full_gains[:len(raw) + 1]) == pytest.approx(
@@ -668,23 +668,23 @@ def test_the_tree_bias_learns_every_verified_tree_and_scales_the_gains_and_the_e
             seen.append((domain, sum(raw)))
         pending = record(batch, drafts, verified)
         domains = {r.request_id: r.domain for r in batch.requests}
-        scaled = sum(sum(router.speculator.node_acceptance(domains[rid], t.selected)) for rid, t in drafts.trees.items())
+        scaled = sum(sum(core.speculator.node_acceptance(domains[rid], t.selected)) for rid, t in drafts.trees.items())
         assert pending.stats.expected_accepted == pytest.approx(scaled)
         return pending
 
-    router.learner.record = spy
+    core.learner.record = spy
     prompts = prompts_for(0, 2) + prompts_for(1, 2)
     for i, p in enumerate(prompts):
-        router.add_request(f"r{i}", p, SamplingParams(max_tokens=24))
-    tokens, finals = asyncio.run(drain(router))
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=24))
+    tokens, finals = asyncio.run(drain(core))
     assert [tokens[f"r{i}"] for i in range(4)] == [target.greedy(p, 24) for p in prompts]
-    sums = router.speculator.bias._sums
+    sums = core.speculator.bias._sums
     accepted = sum(f.stats.num_accepted_tokens for f in finals.values())
     assert accepted > 0 and sum(s[1] for s in sums.values()) == accepted
     drafted = [(d, e) for d, e in seen if e > 0]
     assert sum(s[0] for s in sums.values()) == pytest.approx(sum(e for _, e in drafted))
     assert set(sums) == {d for d, _ in drafted} and len(sums) == 2
-    assert all(router.speculator.bias.factor(d) > 1.0 for d in sums)  # so the scaling above was tested
+    assert all(core.speculator.bias.factor(d) > 1.0 for d in sums)  # so the scaling above was tested
 
 
 def test_the_guards_goodput_follows_the_refitted_cost_model():
@@ -697,10 +697,10 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
 
     clock = Clock()
     target = TimedTarget(clock, 0.005)
-    router = make(target, [OracleDrafter("oracle", target)], clock=clock, drafters_per_request=1)
+    core = make(target, [OracleDrafter("oracle", target)], clock=clock, drafters_per_request=1)
     guard = SpeculationGuard(decay=1.0, explore_share=0.0, young_explore_share=0.0, seed=0)
-    router.scheduler.guard = router.learner.guard = guard  # one level, every step weighs the same
-    observed, observe_level = [], router.learner.levels.observe
+    core.scheduler.guard = core.learner.guard = guard  # one level, every step weighs the same
+    observed, observe_level = [], core.learner.levels.observe
 
     def spy(batch, verified, latency, step_s):
         if batch.level is not None and not any(o.is_prefill for o in verified.outcomes):
@@ -708,10 +708,10 @@ def test_the_guards_goodput_follows_the_refitted_cost_model():
             observed.append((list(verified.context_lens), step_s, tokens))
         return observe_level(batch, verified, latency, step_s)
 
-    router.learner.levels.observe = spy
-    run(router, prompts_for(0, 3), max_tokens=120)
+    core.learner.levels.observe = spy
+    run(core, prompts_for(0, 3), max_tokens=120)
     assert len(observed) >= REFIT_EVERY
-    final = router.learner.costs.latency
+    final = core.learner.costs.latency
     assert final.c0 < 0.02 < LatencyModel.default().c0  # refitted to the 5 ms target
     reference = sum(y for *_, y in observed) / sum(s / final.predict_llm(c, [1] * len(c)) for c, s, _ in observed)
     assert guard.goodput(guard.start, 3) == pytest.approx(reference, rel=0.25)
@@ -751,8 +751,8 @@ def test_the_price_picks_only_among_nodes_above_the_floor_and_a_twin_has_no_floo
 
 def test_nodes_are_priced_at_the_slope_their_batch_size_measures_once_it_has_one():
     target = TableTarget()
-    router = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
-    scheduler, schedule, seen = router.scheduler, router.scheduler.schedule, []
+    core = make(target, [OracleDrafter("oracle", target)], drafters_per_request=1)
+    scheduler, schedule, seen = core.scheduler, core.scheduler.schedule, []
 
     def spy(lane):
         batch = schedule(lane)
@@ -762,7 +762,7 @@ def test_nodes_are_priced_at_the_slope_their_batch_size_measures_once_it_has_one
         return batch
 
     scheduler.schedule = spy
-    tokens, _ = run(router, prompts_for(0, 3), max_tokens=200)
+    tokens, _ = run(core, prompts_for(0, 3), max_tokens=200)
     assert [tokens[f"r{i}"] for i in range(3)] == [target.greedy(p, 200) for p in prompts_for(0, 3)]
     measured = [(c_tok, slope) for c_tok, knee, slope, _ in seen if slope is not None]
     assert measured and all(c_tok == slope for c_tok, slope in measured)

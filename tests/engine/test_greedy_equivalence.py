@@ -17,7 +17,7 @@ import torch
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.drafters.spec import DOMAINS
-from cosine_ray.engine.drafters.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
 from cosine_ray.engine.build import datastore_path
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
@@ -57,9 +57,9 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, *, top: int 
     return tokens, [(t.values.tolist(), t.indices.tolist()) for t in tops]
 
 
-def make_engine(ckpt, drafters: str, **router) -> LocalEngine:
+def make_engine(ckpt, drafters: str, **config) -> LocalEngine:
     return LocalEngine(EngineConfig(model=str(ckpt.path), drafters=parse_drafters(drafters), weights="dense").replace(
-            **router), checkpoint=ckpt)
+            **config), checkpoint=ckpt)
 
 
 # ==============================================================================================
@@ -193,7 +193,7 @@ def test_tiny_eos_stops_like_hf(tmp_path, tiny_prompts):
 # the real model (SmolLM2-135M-Instruct)
 # ==============================================================================================
 #
-# NOTE(tests): greedy decoding is "argmax of the model given the prefix" at every position, so
+# Greedy decoding is "argmax of the model given the prefix" at every position, so
 # an output is HF's greedy output iff, at each position, its token is HF's argmax on the output's
 # own prefix. One HF forward per distinct output checks that (teacher forcing, cached across
 # drafter sets) instead of 960 sequential HF decode steps; up to the first difference the
@@ -457,10 +457,9 @@ def test_real_cosine_and_ablations_equal_hf_greedy(real_checkpoint, hf_tops, rea
 
 # ---- bf16: lossless against our own non-speculative decode on the same precision path ----------
 #
-# NOTE(tests): in bf16 a tree forward of n tokens and a one-token decode step round differently
+# In bf16 a tree forward of n tokens and a one-token decode step round differently
 # (other GEMM shapes), so at a near-tie of the two best logits speculation may legitimately take
-# the other token; HF's own bf16 decode is another precision path again (issue 16 measured 6 of
-# 12 identical on an H100). The reference is our plain bf16 decode (no drafters). Every
+# the other token; HF's own bf16 decode is another precision path again. The reference is our plain bf16 decode (no drafters). Every
 # divergence is reported with its logit gap, read from a bf16 forward of the prompt plus the
 # common prefix; a gap past BF16_NEAR_TIE (8 bf16 steps at logits of 16-32) is a real divergence.
 

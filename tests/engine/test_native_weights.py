@@ -20,7 +20,7 @@ from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.worker.target import TargetWorker
 from cosine_ray.models import kernels
-from cosine_ray.models.native import load_weights
+from cosine_ray.models.weights.native import load_weights
 from cosine_ray.models.linear import QuantLinear
 from support.divergence import divergences
 

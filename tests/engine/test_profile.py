@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cosine_ray.algo.latency_model import LatencyModel, llm_features
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, llm_features
 from cosine_ray.cli import main
 from cosine_ray.engine import profile
 from cosine_ray.engine.config import EngineConfig, parse_drafters

@@ -1,13 +1,13 @@
-"""R12 property test: the router's request pool as a state machine.
+"""Property test: the core's request pool as a state machine.
 
 Hypothesis drives arbitrary sequences of add / abort / step (including aborts of unknown,
 waiting, running and already finished ids, and aborts between a step's start and its end)
-against a ``Router`` over the KV-protocol-checking ``TableTarget`` (tests/support/fakes.py)
+against a ``EngineCore`` over the KV-protocol-checking ``TableTarget`` (tests/support/fakes.py)
 and drafters. After every operation:
 
 * every request is in exactly one place (waiting, running or finished) and the batch bound holds;
 * ``abort`` answers True exactly for a waiting or running request;
-* the target holds KV only for requests the router still tracks (running or to release);
+* the target holds KV only for requests the core still tracks (running or to release);
 * no output arrives for a request after its abort or after its final output.
 
 After draining: no KV and no speculative level left on the target, no request released twice,
@@ -59,20 +59,20 @@ class Model:
         self.aborted: set[str] = set()
 
 
-def check_invariants(router: Router, target: TableTarget, model: Model) -> None:
-    waiting = [r.request_id for r in router.waiting]
-    running = list(router.running)
+def check_invariants(core: EngineCore, target: TableTarget, model: Model) -> None:
+    waiting = [r.request_id for r in core.waiting]
+    running = list(core.running)
     assert len(waiting) == len(set(waiting)) and not set(waiting) & set(running)
     assert len(running) <= MAX_BATCH
     for rid in model.ids:
         places = (rid in waiting) + (rid in running) + (rid in model.finished | model.aborted)
         assert places == 1, f"{rid} is in {places} places"
-    tracked = set(running) | set(router.pool.to_release)
+    tracked = set(running) | set(core.pool.to_release)
     assert set(target.committed) <= tracked, f"KV held for untracked requests: {set(target.committed) - tracked}"
 
 
-async def run_ops(ops, target: TableTarget, drafters) -> tuple[Router, Model]:
-    router = EngineCore(engine_config(max_num_seqs=MAX_BATCH, num_speculative_tokens=4, fusion="union",
+async def run_ops(ops, target: TableTarget, drafters) -> tuple[EngineCore, Model]:
+    core = EngineCore(engine_config(max_num_seqs=MAX_BATCH, num_speculative_tokens=4, fusion="union",
                                  scheduler="fcfs", adaptive=False, drafters_per_request=2),
                     target, drafters, vocab_size=VOCAB)
     model = Model()
@@ -93,24 +93,24 @@ async def run_ops(ops, target: TableTarget, drafters) -> tuple[Router, Model]:
     def abort(index: int) -> None:
         rid = model.ids[index % len(model.ids)] if model.ids else "never-added"
         expected = rid in model.ids and rid not in model.finished and rid not in model.aborted
-        assert router.abort(rid) is expected, rid
+        assert core.abort(rid) is expected, rid
         if expected:
             model.aborted.add(rid)
 
     for op, a, b in ops:
         if op == "add":
             rid = f"r{len(model.ids)}"
-            router.add_request(rid, PROMPTS[a], SamplingParams(max_tokens=b))
+            core.add_request(rid, PROMPTS[a], SamplingParams(max_tokens=b))
             model.ids.append(rid)
             model.prompt[rid], model.max_tokens[rid], model.tokens[rid] = PROMPTS[a], b, []
         elif op == "abort":
             abort(a)
         elif op == "abort_mid_step":  # the abort lands while the target is scoring
-            task = asyncio.ensure_future(router.step())
+            task = asyncio.ensure_future(core.step())
             await asyncio.sleep(0)
             rid = model.ids[a % len(model.ids)] if model.ids else "never-added"
             expected = rid in model.ids and rid not in model.finished and rid not in model.aborted
-            if router.abort(rid):
+            if core.abort(rid):
                 assert expected, rid
                 model.aborted.add(rid)
                 absorb(await task, frozenset({rid}))
@@ -118,15 +118,15 @@ async def run_ops(ops, target: TableTarget, drafters) -> tuple[Router, Model]:
                 absorb(await task)
                 assert not expected, f"abort refused {rid}, which was live"
         else:
-            absorb(await router.step())
-        check_invariants(router, target, model)
+            absorb(await core.step())
+        check_invariants(core, target, model)
     for _ in range(2000):  # drain
-        if not router.has_work:
+        if not core.has_work:
             break
-        absorb(await router.step())
-        check_invariants(router, target, model)
-    assert not router.has_work
-    return router, model
+        absorb(await core.step())
+        check_invariants(core, target, model)
+    assert not core.has_work
+    return core, model
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -134,7 +134,7 @@ async def run_ops(ops, target: TableTarget, drafters) -> tuple[Router, Model]:
 def test_add_abort_finish_sequences_never_leak_or_double_release(ops):
     target = YieldingTarget()
     oracle, empty = OracleDrafter("oracle", target, max_len=3), FakeDrafter("empty")
-    router, model = asyncio.run(run_ops(ops, target, [oracle, empty]))
+    core, model = asyncio.run(run_ops(ops, target, [oracle, empty]))
     assert target.committed == {} and target.last == {}, "KV left on the target after draining"
     released = Counter(target.released)
     assert all(n == 1 for n in released.values()), f"released twice: {released}"
@@ -146,4 +146,4 @@ def test_add_abort_finish_sequences_never_leak_or_double_release(ops):
         assert model.tokens[rid] == target.greedy(model.prompt[rid], model.max_tokens[rid]), rid
     # routing vectors, scheduling history and gain predictions live on the Request: none may
     # still be referenced by the engine (pool, release queue, twins)
-    assert router.num_tracked_requests == 0, "request state left behind"
+    assert core.num_tracked_requests == 0, "request state left behind"

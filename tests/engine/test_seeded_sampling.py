@@ -1,4 +1,4 @@
-"""Seeded sampling through the engine (issue 14, item 3): the same prompt, sampling parameters
+"""Seeded sampling through the engine: the same prompt, sampling parameters
 and seed give the same tokens alone or in any batch, with any drafters (none included), and on
 every run; other seeds and unseeded requests differ. The engine samples with
 ``algo.sampling.sample_keyed`` / ``algo.verify.verify_keyed`` (noise keyed by seed and position).
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cosine_ray.engine.config import EngineConfig, parse_drafters
-from cosine_ray.engine.drafters.datastore import Datastore
+from cosine_ray.engine.drafters.lookup.datastore import Datastore
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
 

@@ -1,4 +1,4 @@
-"""Three minutes of ``cosine-loadgen chaos`` against the real ``cosine-ray serve`` (issue 64's
+"""Three minutes of ``cosine-loadgen chaos`` against the real ``cosine-ray serve`` (a
 CI-sized run; ``docs/chaos.md`` has the 30-minute one).
 
 The server is the real CLI on the session Ray cluster (``--address``, like the reliability
@@ -114,7 +114,7 @@ def print_server_complaints(log_path: Path, limit: int = 200) -> None:
 class IngressKiller(Injector):
     """The worker kind, aimed: it kills only the Serve ingress replica (``ray::ServeReplica``
     of the ``cosine_ray`` deployment), the process whose loss Serve's proxy answered with a bare
-    500 (or a cut stream) before ``serve/proxy_guard.py``."""
+    500 (or a cut stream) before ``serve/guards/proxy_guard.py``."""
 
     def candidates(self, kind: str):
         return [p for p in self.find() if p.role == "ingress"]

@@ -150,7 +150,7 @@ def test_paths_are_pathlike(tmp_path):
     assert load_rows(str(tmp_path), "all") == load_rows(Path(tmp_path), "all")
 
 
-# ---- repetitive workloads (issue 17): code editing, repeated templates -----------------------------
+# ---- repetitive workloads: code editing, repeated templates ----------------------------------------
 
 def test_code_edit_requests_carry_the_function_and_ask_for_all_of_it_back():
     from loadgen.workload import CODE_EDITS, code_edit_workload

@@ -1,4 +1,4 @@
-"""The real engine loop and router on a tiny model, served in-process: what /metrics exports
+"""The real engine loop and core on a tiny model, served in-process: what /metrics exports
 equals what the clients were told (usage, finish reasons, per-request stats blocks)."""
 
 from __future__ import annotations

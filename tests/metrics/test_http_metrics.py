@@ -117,7 +117,7 @@ def test_metrics_is_public_by_default_and_keyed_on_request():
 
 def test_engine_without_metrics_gives_503_not_500():
     engine = MetricsEngine()
-    engine.snapshot_error = ConnectionError("router gone")
+    engine.snapshot_error = ConnectionError("engine gone")
     r = app(engine).get("/metrics")
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
 

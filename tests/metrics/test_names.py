@@ -10,7 +10,7 @@ from cosine_ray.metrics.names import METRICS
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "cosine_ray"
 NAME_LITERAL = re.compile(r"""["'](cosine_ray:[A-Za-z_][A-Za-z0-9_]*)["']""")
-"""A quoted metric name (actor names like ``cosine_ray:router:0`` have a second colon)."""
+"""A quoted metric name (actor names like ``cosine_ray:stage:0`` have a second colon)."""
 
 
 def names_used_in_code() -> dict[str, list[str]]:

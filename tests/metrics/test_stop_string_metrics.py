@@ -1,6 +1,6 @@
 """A request the HTTP layer ends because a stop string appeared is a normal completion in the
 serving metrics: ``request_success{finished_reason="stop"}`` (not ``abort``) and its latency in
-the histograms (issue 14, item 5, papercut 6). The real engine loop on a tiny model, served
+the histograms. The real engine loop on a tiny model, served
 in-process; a client that goes away is still an abort."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from gguf.quants import quantize
 from cosine_ray.models import kernels, linear
 from cosine_ray.models.kernels import build
 from cosine_ray.models.linear import QuantLinear
-from cosine_ray.models.quant import FORMATS, QuantTensor
+from cosine_ray.models.weights.quant import FORMATS, QuantTensor
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built here")
 

@@ -16,7 +16,7 @@ from gguf.quants import quantize
 from cosine_ray.models import kernels
 from cosine_ray.models.kernels import FUSED_ENV
 from cosine_ray.models.llama import LlamaStage, StageBatch, _apply_rope, _rms_norm, _rope_tables
-from cosine_ray.models.quant import QuantTensor
+from cosine_ray.models.weights.quant import QuantTensor
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built here")
 

@@ -191,7 +191,7 @@ def test_growth_keeps_committed_prefix():
 
 
 def test_buffer_grown_under_inference_mode_can_be_compacted_outside():
-    """A forward runs under torch.inference_mode (growth happens there); the router commits
+    """A forward runs under torch.inference_mode (growth happens there); the engine commits
     outside it: compaction must still work on the grown buffer."""
     cache = make_cache(initial_capacity=2)
     cache.allocate("a")

@@ -1,4 +1,4 @@
-"""GGUF blocks kept quantized (``models.quant``, ``models.native``): decoding against the ``gguf``
+"""GGUF blocks kept quantized (``models.weights.quant``, ``models.weights.native``): decoding against the ``gguf``
 package's own reference, the int4 kernels' affine form, a written GGUF file read back under our
 names (llama.cpp's q/k row permutation undone), and stages built on native weights."""
 
@@ -14,8 +14,8 @@ from cosine_ray.models import kernels
 from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.linear import QuantLinear, _cuda_inner_k_tiles, pack_int4_for_cuda
 from cosine_ray.models.llama import LlamaStage, StageBatch
-from cosine_ray.models.native import NATIVE_FILE, _read_native_file, resolve_weights, write_native_file
-from cosine_ray.models.quant import FORMATS, QuantTensor, _unpermute_rows, as_dense, gguf_weights, hf_name
+from cosine_ray.models.weights.native import NATIVE_FILE, _read_native_file, resolve_weights, write_native_file
+from cosine_ray.models.weights.quant import FORMATS, QuantTensor, _unpermute_rows, as_dense, gguf_weights, hf_name
 
 FMTS = sorted(FORMATS)
 

@@ -9,7 +9,6 @@ import torch
 from cosine_ray.algo.tree import TokenTree
 from cosine_ray.models import kernels
 from cosine_ray.models.config import stage_slices
-from cosine_ray.models.kernels import ENV as CPU_GEMM_ENV
 from cosine_ray.models.linear import onednn_available
 from cosine_ray.models.llama import LlamaStage, StageBatch, query_length_order
 
@@ -143,7 +142,7 @@ def test_last_logits_only_and_non_contiguous_logit_rows(tiny_stage):
 @pytest.mark.real_model
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_real_logits_match_hf(kernel, monkeypatch, real_checkpoint, real_hf_model, real_prompt_ids):
-    monkeypatch.setenv(CPU_GEMM_ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     stage = whole_model(real_checkpoint)
     assert (stage.lm_head.packed is not None) == (kernel == "onednn" and onednn_available())
     assert (stage.lm_head.blocked is not None) == (kernel == "blocked" and kernels.available())
@@ -180,7 +179,7 @@ def test_tiny_sliced_stages_equal_whole(tiny_checkpoint, tiny_stage, bounds):
 @pytest.mark.real_model
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_real_sliced_stages_match_hf(kernel, monkeypatch, real_checkpoint, real_hf_model, real_prompt_ids):
-    monkeypatch.setenv(CPU_GEMM_ENV, kernel)
+    monkeypatch.setenv(kernels.ENV, kernel)
     stages = sliced_stages(real_checkpoint, [(0, 7), (7, 19), (19, 30)])
     caches = [s.new_kv_cache() for s in stages]
     out = run_chain(stages, caches, "r", real_prompt_ids, 0)
@@ -380,7 +379,7 @@ def test_half_projection_is_computed_in_fp32_where_the_cpu_has_no_half_gemm(monk
     fp32 product once. With one, the weight stays in its dtype."""
     from cosine_ray.models import linear
 
-    monkeypatch.setenv(CPU_GEMM_ENV, "mkl")  # no oneDNN packing: the ``w_t`` forms
+    monkeypatch.setenv(kernels.ENV, "mkl")  # no oneDNN packing: the ``w_t`` forms
     monkeypatch.setattr(linear, "_native_half_gemm", lambda d: native)
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 32, generator=g).to(dtype)

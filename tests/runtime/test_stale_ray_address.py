@@ -1,5 +1,5 @@
 """``runtime.cluster.connect(None)`` starts a fresh local cluster even when Ray has a stale
-cluster address on record (issue 14, item 5, papercut 8).
+cluster address on record.
 
 How Ray 2.60 finds "the" cluster when ``ray.init`` gets no address
 (``ray._private.services.get_ray_address_from_environment``): ``RAY_ADDRESS`` if set, else the

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from support.byte_tokenizer import byte_tokenizer
 from support.serve_fakes import PromptEngine
 
-from cosine_ray.serve.limits import MAX_PROMPT_GENERATIONS
+from cosine_ray.serve.guards.limits import MAX_PROMPT_GENERATIONS
 from cosine_ray.serve.openai_app import build_openai_app
 
 PROMPTS = [[10, 11, 12], [40, 41], [99, 5, 6, 7]]

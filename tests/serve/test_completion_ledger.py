@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.testclient import TestClient
 
 from cosine_ray.serve.completion_ledger import ADMIN_PATH, CompletionLedger, with_completion_ledger
-from cosine_ray.serve.tenants import ApiKeyMiddleware, key_ring
+from cosine_ray.serve.guards.tenants import ApiKeyMiddleware, key_ring
 
 KEY = {"Authorization": "Bearer k"}
 

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from support.serve_fakes import IdTokenizer, RecordingEngine
 
 from cosine_ray.serve.openai_app import build_openai_app
-from cosine_ray.serve.proxy_guard import ReplicaLossGuard
+from cosine_ray.serve.guards.proxy_guard import ReplicaLossGuard
 
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 KEY = "k3y-0123456789"

@@ -1,6 +1,6 @@
-"""``finish_reason`` and ``usage`` at the max_tokens boundary, with the real SmolLM2 over HTTP
-(issue 14, item 5, papercut 4: "a request that reaches max_tokens reports stop when the next
-token would have been end-of-text").
+"""``finish_reason`` and ``usage`` at the max_tokens boundary, with the real SmolLM2 over HTTP:
+a request that reaches max_tokens reports ``length``, even when the next token would have been
+end-of-text.
 
 The semantics (OpenAI: ``length`` when max_tokens cut the output, ``stop`` when the model ended
 it; vLLM the same since vllm-project/vllm#27555, which moved its V1 engine's EOS check before

@@ -1,4 +1,4 @@
-"""R12 fuzz: schemathesis drives every operation of the served ``/openapi.json`` with schema-
+"""Fuzzing: schemathesis drives every operation of the served ``/openapi.json`` with schema-
 conforming (positive) and schema-violating (negative) requests; the server never answers 5xx,
 every 4xx is OpenAI-shaped, and afterwards the engine holds no request state and still gives
 the same greedy text as before the fuzzing.

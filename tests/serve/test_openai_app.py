@@ -476,7 +476,7 @@ def test_health_reports_engine_state_and_unexpected_errors_are_opaque_500s():
     assert _fake_app(_FakeEngine([], {"status": "ok"})).get("/health").json() == {"status": "ok"}
     r = _fake_app(_FakeEngine([], {"status": "recovering"})).get("/health")
     assert r.status_code == 503 and r.json()["status"] == "recovering"
-    assert _fake_app(_FakeEngine([], ConnectionError("router gone"))).get("/health").status_code == 503
+    assert _fake_app(_FakeEngine([], ConnectionError("engine gone"))).get("/health").status_code == 503
 
     class Broken(_IdTokenizer):
         def decode(self, ids, skip_special_tokens=True):

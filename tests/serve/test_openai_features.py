@@ -25,7 +25,7 @@ from support.uvicorn_thread import serve_in_thread
 from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
-from cosine_ray.serve import tools
+from cosine_ray.serve.text import tools
 from cosine_ray.serve.fields import FIELDS, fields_table
 from cosine_ray.serve.openai_app import build_openai_app
 from cosine_ray.serve.schemas import ChatCompletionRequest

@@ -1,4 +1,4 @@
-"""The proxy guard (serve/proxy_guard.py) in-process: what a client gets when the app behind
+"""The proxy guard (serve/guards/proxy_guard.py) in-process: what a client gets when the app behind
 Serve's proxy ends a request without an answer, or cuts an event stream, and that a whole
 answer and a departed client pass untouched. The real proxy, with a killed ingress replica, is
 exercised by the chaos test (tests/loadgen/test_chaos_serve.py)."""
@@ -9,7 +9,7 @@ import asyncio
 import json
 
 from cosine_ray.runtime.cluster import PROXY_CALLBACK
-from cosine_ray.serve.proxy_guard import ERROR, ReplicaLossGuard, middlewares
+from cosine_ray.serve.guards.proxy_guard import ERROR, ReplicaLossGuard, middlewares
 
 
 def run_guarded(inner, *, disconnect: bool = False) -> list[dict]:

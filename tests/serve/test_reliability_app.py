@@ -5,7 +5,7 @@ body limit (413), with rejection latencies measured.
 Engines: ``GateEngine`` (a fake that holds every admitted request until the test opens a gate,
 so "N in flight" is exact and deterministic) for admission counting, and a real ``LocalEngine``
 (tiny random model, SmolLM2 tokenizer, n-gram drafter; its target slowed down past position
-64, so a long request is long on any machine) behind uvicorn for the timeout: its router,
+64, so a long request is long on any machine) behind uvicorn for the timeout: its engine core,
 target KV and drafter state are read directly to prove the cancelled work is freed.
 The same checks against the real ``cosine-ray serve`` on Ray are in test_reliability_serve.py.
 """
@@ -26,7 +26,7 @@ from support.uvicorn_thread import serve_in_thread
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import RequestOutput
-from cosine_ray.serve import tenants
+from cosine_ray.serve.guards import tenants
 from cosine_ray.serve.errors import OVERLOADED_CODE
 from cosine_ray.serve.metrics_http import METRICS_PATH
 from cosine_ray.serve.openai_app import PUBLIC_PATHS, build_openai_app
@@ -191,7 +191,7 @@ def test_bounded_admission_rejects_exactly_the_excess(stream):
     assert [r[0] for r in again] == [200] * max_pending
     assert engine.num_streaming == 0 and engine.num_closed == 2 * max_pending
     report("503 rejection latency (in-process, queue full)", [r[3] for r in results if r[0] == 503])
-    assert max(r[3] for r in results if r[0] == 503) < 2.0  # R8: rejected at once (above: before any slot freed)
+    assert max(r[3] for r in results if r[0] == 503) < 2.0  # rejected at once (above: before any slot freed)
 
 
 def test_body_limit_and_bad_json_are_rejected_fast():
@@ -302,7 +302,7 @@ def test_request_timeout_gives_408_and_frees_engine_state(timed_server):
         r = client.post(COMP, json={**long_body, "max_tokens": 8})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     report(f"408: time past the {TIMEOUT_S} s deadline until the response", latencies)
-    report("408: state freed on router, KV and drafter after the response", freed)
+    report("408: state freed in the engine, KV and drafter after the response", freed)
 
 
 def test_huge_headers_get_431_and_the_server_stays_healthy(timed_server):

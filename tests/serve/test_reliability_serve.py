@@ -1,4 +1,4 @@
-"""Reliability of the real ``cosine-ray serve`` on the session Ray cluster (issue 8).
+"""Reliability of the real ``cosine-ray serve`` on the session Ray cluster.
 
 One server for the module: the CLI joins the session cluster with a tiny random-weight model
 that has SmolLM2's tokenizer (the claims here are about the serving layer, and a tiny model
@@ -404,7 +404,7 @@ def test_disconnects_free_state_on_engine_stages_and_drafters(server):
             queued.cancel()  # the client goes away while its request is queued
             await asyncio.gather(queued, return_exceptions=True)
             await _wait_engine(lambda s: s["waiting"] == 0, FREE_WITHIN_S)
-            results["queued (router queue empty)"] = 0.0
+            results["queued (engine queue empty)"] = 0.0
             for cm, _ in opened:
                 await cm.__aexit__(None, None, None)
             await _measure_free("queued + 4 open streams closed", results)
@@ -501,14 +501,14 @@ def test_overload_rejects_exactly_the_excess_with_retry_after(server):
     lat = sorted(t * 1000 for _, t in probes)
     note(f"503 latency through Serve while full (one at a time): median {lat[len(lat) // 2]:.0f} ms, "
          f"max {lat[-1]:.0f} ms")
-    assert lat[len(lat) // 2] < 2000, "R8: a full server must reject at once, not after a slot frees"
+    assert lat[len(lat) // 2] < 2000, "a full server must reject at once, not after a slot frees"
     state, took = wait_free(10.0)
     assert not any(state.values()), state
     note(f"overload: {MAX_PENDING} streams closed, state freed in {took:.2f} s")
 
 
 def test_flood_with_short_client_timeouts_leaves_nothing_behind(server):
-    """R7: 60 long requests from clients that give up after 0.5 s; then a fresh request
+    """60 long requests from clients that give up after 0.5 s; then a fresh request
     completes within 15 s and no state is left anywhere."""
     async def impatient(client: httpx.AsyncClient, i: int) -> str:
         try:
@@ -801,7 +801,7 @@ def test_drafter_killed_under_load_never_fails_a_request(server, how):
 
     run = fault_under_load(server, inject)
     summary = check_ledger(run, server, f"drafter {how}")
-    assert summary["errors"] == 0, [r for r in run.ledger.all() if r.error][:3]  # R2: never fails a request
+    assert summary["errors"] == 0, [r for r in run.ledger.all() if r.error][:3]  # never fails a request
     start = time.monotonic()
     while (inc := ping_actor(DRAFTER)) in (None, old):
         assert time.monotonic() - start < 180, "the drafter did not come back"
@@ -858,7 +858,7 @@ def test_engine_killed_under_load_fails_fast_then_serves(server, how):
     note(f"engine {how}: {len(in_flight)} in flight at the kill ended within {max(ended):.2f} s "
          f"({sum(r.error is not None for r in in_flight)} with an error); new requests served "
          f"{run.first_ok_after_kill:.1f} s after the kill")
-    assert max(ended) <= 10.0, f"in-flight requests took {max(ended):.1f} s to end (R4: <= 10 s)"
+    assert max(ended) <= 10.0, f"in-flight requests took {max(ended):.1f} s to end (at most 10 s)"
     assert {r.status for r in run.ledger.all()} <= {200, 503}
     r = httpx.post(f"{server.url}/v1/completions", json=body(0), headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == server.refs[0]
@@ -867,7 +867,7 @@ def test_engine_killed_under_load_fails_fast_then_serves(server, how):
 
 
 def test_a_call_made_while_no_engine_replica_is_up_ends_within_seconds(server):
-    """R4 with the kill landing between a request's checks and its generate call (CI saw it
+    """In-flight requests end within seconds with the kill landing between a request's checks and its generate call (CI saw it
     once, under load): Serve holds a call while no engine replica is RUNNING, so it waited for
     the new replica (15-21 s after the kill here) before the engine's ACCEPTED bounded that wait."""
     ray.kill(engine_replica(), no_restart=True)

@@ -1,5 +1,5 @@
 """Every request field that costs the server work is bounded, with a 400 naming the field before
-any engine call (serve/limits.py); a request whose end tokens would mask the whole vocabulary is
+any engine call (serve/guards/limits.py); a request whose end tokens would mask the whole vocabulary is
 refused up front; the engine's own refusals reach the client as stable messages without the
 engine's words; prompt log-probabilities are asked for once per request, not once per choice.
 
@@ -22,7 +22,7 @@ COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 VOCAB = RecordingEngine.vocab_size
 
 
-class limits:  # noqa: N801 - the documented bounds (docs/api.md), checked against serve.limits below
+class limits:  # noqa: N801 - the documented bounds (docs/api.md), checked against serve.guards.limits below
     MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS = 4, 256, 256, 1024
     MAX_MESSAGES, MAX_TOOLS, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH = 2048, 128, 64 << 10, 64
     MAX_GRAMMAR_CHARS, MAX_CHOICE_STRINGS, MAX_PROMPT_LOGPROBS_TOKENS, MAX_USER_CHARS = 64 << 10, 256, 1024, 256
@@ -34,7 +34,7 @@ class limits:  # noqa: N801 - the documented bounds (docs/api.md), checked again
 
 
 def test_the_documented_bounds_are_the_servers():
-    from cosine_ray.serve import limits as served
+    from cosine_ray.serve.guards import limits as served
     names = [n for n in vars(limits) if n.startswith("MAX_")]
     assert {n: getattr(served, n) for n in names} == {n: getattr(limits, n) for n in names}
 

@@ -20,7 +20,7 @@ from support.fakes import VOCAB, TableTarget
 from cosine_ray.engine.request import RequestOutput
 from cosine_ray.serve import openai_app
 from cosine_ray.serve.errors import OVERLOADED_CODE, NotFound, install_error_handlers
-from cosine_ray.serve.admission import Admission
+from cosine_ray.serve.guards.admission import Admission
 from cosine_ray.serve.generation import Readiness
 from cosine_ray.serve.metrics_http import HttpCounts
 from cosine_ray.serve.state import ServerState

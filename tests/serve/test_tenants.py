@@ -1,5 +1,5 @@
 """Several API keys, each a tenant: the key file, per-key limits (429), admission shared fairly
-between keys, and the per-key Prometheus series (serve/tenants.py, serve/admission.py).
+between keys, and the per-key Prometheus series (serve/guards/tenants.py, serve/guards/admission.py).
 
 In-process: the app over ``RecordingEngine`` (its streams wait for a gate, so "N in flight" is
 exact), driven through httpx's ASGI transport in one event loop.
@@ -18,9 +18,9 @@ from support.serve_fakes import IdTokenizer, RecordingEngine
 
 from cosine_ray.cli import serve as serve_cli
 from cosine_ray.cli.args import CliError
-from cosine_ray.serve import tenants
+from cosine_ray.serve.guards import tenants
 from cosine_ray.serve.openai_app import build_openai_app
-from cosine_ray.serve.tenants import ApiKey, parse_key_file, read_key_file
+from cosine_ray.serve.guards.tenants import ApiKey, parse_key_file, read_key_file
 
 COMP = "/v1/completions"
 KEY_FILE = """

@@ -1,4 +1,4 @@
-"""Token ids → text as they stream (serve/text.py): the text equals the whole output's decode,
+"""Token ids → text as they stream (serve/text/stream.py): the text equals the whole output's decode,
 each delta is final (a prefix of that decode), and the work is linear in the output's length.
 
 The cost is counted, not timed: a tokenizer that counts the tokens it is asked to decode shows
@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from cosine_ray.serve.generation import TextStream  # re-exported from serve.text; on main too
+from cosine_ray.serve.generation import TextStream  # re-exported from serve.text.stream; on main too
 
 
 class CountingByteTokenizer:

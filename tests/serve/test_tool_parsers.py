@@ -1,7 +1,7 @@
-"""Tool-call parsers (``serve.tool_parsers`` through ``serve.tools.parse_tool_calls``) on what
+"""Tool-call parsers (``serve.text.tool_parsers`` through ``serve.text.tools.parse_tool_calls``) on what
 each format's own chat template writes for an assistant's tool call: Llama 3.1's and Mistral 7B
 v0.3's templates (``chat_templates/``, with their provenance) rendered by transformers'
-``apply_chat_template``, and the Hermes form ``serve.tools.render`` writes. The model's text is
+``apply_chat_template``, and the Hermes form ``serve.text.tools.render`` writes. The model's text is
 the rendered assistant turn without its end token, with and without the special tokens a
 decode may skip. Streaming: the content sent before the calls is never part of them."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from support.byte_tokenizer import SIMPLE_CHAT_TEMPLATE, byte_tokenizer
 
-from cosine_ray.serve import tools
+from cosine_ray.serve.text import tools
 from cosine_ray.serve.schemas import ChatCompletionRequest
-from cosine_ray.serve.tool_parsers import TOOL_CALL_PARSERS, tool_call_parser
-from cosine_ray.serve.tools import parse_tool_calls
+from cosine_ray.serve.text.tool_parsers import TOOL_CALL_PARSERS, tool_call_parser
+from cosine_ray.serve.text.tools import parse_tool_calls
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 WEATHER = {"type": "function", "function": {

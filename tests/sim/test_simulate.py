@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from cosine_ray.cli import main as cli_main
-from cosine_ray.algo.latency_model import LatencyModel, LlmSample
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, LlmSample
 from cosine_ray.sim.latency import DrafterCost, TargetCost, target_cost
 from cosine_ray.sim.runner import SimResult, simulate
 from cosine_ray.sim.scenario import Scenario, ScenarioError, load, validate
@@ -375,7 +375,11 @@ BAD = [
     ("workload.colour", "blue", r"workload: .*'colour' was unexpected"),
     ("drafters.1.name", "ngram", r"drafters: two drafters share a name"),
     ("engine_host", {"device": "tpu"}, r"engine_host\.device: unknown device 'tpu'"),
-    ("router", {"device": "tpu"}, r"engine_host\.device: unknown device 'tpu'"),  # the old name
+    ("router", {"device": "engine"}, r"^'router' was renamed: use 'engine_host'$"),  # old names: one clear error
+    ("links", {"router_stage": {"latency_ms": 2.0}}, r"^'links\.router_stage' was renamed: use 'links\.engine_stage'$"),
+    ("links", {"router_drafter": {}}, r"^'links\.router_drafter' was renamed: use 'links\.engine_drafter'$"),
+    ("devices", ["cpu0", "router"], r"^device 'router' was renamed: use 'engine'$"),
+    ("drafters.0.device", "router", r"^device 'router' was renamed: use 'engine'$"),
 ]
 
 
@@ -533,17 +537,3 @@ def test_set_null_removes_a_key(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     rows = json.loads(out.read_text())["requests"]
     assert rows and all(r["arrival_s"] < 2.0 for r in rows)
-
-
-def test_a_scenario_with_the_old_router_names_simulates_the_same():
-    """``router``, ``router_stage``, ``router_drafter`` and a device named ``router`` are the
-    engine's host under their names before the rename: the same run, the same figures."""
-    new = one_request(10.0, output_len=5, devices=["gpu", "engine"],
-                      links={"engine_stage": {"latency_ms": 2.0}},
-                      engine_host={"device": "engine", "step_overhead_ms": 1.5})
-    old = one_request(10.0, output_len=5, devices=["gpu", "router"],
-                      links={"router_stage": {"latency_ms": 2.0}},
-                      router={"device": "router", "step_overhead_ms": 1.5})
-    validate(old)  # what loading a file does: today's names
-    assert old == new
-    assert timings(simulate(Scenario(new))) == timings(simulate(Scenario(old)))

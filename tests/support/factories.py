@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
-from cosine_ray.algo.latency_model import LatencyModel
+from cosine_ray.algo.scheduling.latency_model import LatencyModel
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.modes.twins import Twins
 from cosine_ray.engine.worker.clients import DrafterClient

@@ -283,20 +283,20 @@ class HangingDrafter(FakeDrafter):
         return [DraftProposal.empty(i.request_id) for i in inputs]
 
 
-async def drain(router, *, max_steps: int = 20000):
+async def drain(core, *, max_steps: int = 20000):
     """Step until nothing is left (finished requests released too). Returns tokens and final
     outputs per request, and the largest running batch seen."""
     tokens: dict[str, list[int]] = defaultdict(list)
     finals = {}
     for _ in range(max_steps):
-        if not router.has_work:
+        if not core.has_work:
             return tokens, finals
-        for out in await router.step():
+        for out in await core.step():
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 assert out.request_id not in finals, "finished twice"
                 finals[out.request_id] = out
-    raise AssertionError("router did not finish")
+    raise AssertionError("core did not finish")
 
 
 # ---- fusion behind a drafter that always wins --------------------------------------------------

@@ -1,13 +1,12 @@
 """What a step costs and what drafting gains: the two models the scheduler decides with.
 
-- ``CostModel`` holds the measured latency model (T_llm, T_ssm; ``algo.latency_model``):
+- ``CostModel`` holds the measured latency model (T_llm, T_ssm; ``algo.scheduling.latency_model``):
   the start-up profile (``cosine-ray profile``) refitted every ``REFIT_EVERY`` verify steps
   from the profile's samples plus the last ``LIVE_SAMPLES`` live ones, so the scheduler
   follows the machine's real speed (other load, thermal limits, the thread count this process
   really runs with). Once ``LIVE_SAMPLES // 4`` live steps exist, each profile sample weighs
   ``BASE_WEIGHT`` of a live one: the profile still covers shapes the live traffic has not
-  shown, but no longer outvotes what this machine is doing now (before, the start-up profile's
-  verify times ran 21 % low on the median live step, measured on the held-back workload).
+  shown, but no longer outvotes what this machine is doing now.
 - ``predicted_gains`` predicts a request's expected-gain curve (expected accepted draft tokens
   for its best g nodes) before it drafts: the calibrated curve of its last drafted tree
   (``Request.gain_curve``), which is what the LP batch decision (eq. 8) needs.
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from cosine_ray.algo.guard import bucket_of
-from cosine_ray.algo.latency_model import LatencyModel, LlmSample, llm_features
+from cosine_ray.algo.scheduling.latency_model import LatencyModel, LlmSample, llm_features
 
 if TYPE_CHECKING:
     from cosine_ray.engine.request import Request

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.domains import DomainClassifier
-from cosine_ray.algo.routing import ExpertiseRouter, RoutingConfig
+from cosine_ray.algo.routing import ExpertiseRouting, RoutingConfig
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.request import Request
 from cosine_ray.engine.types import Route, StepBatch
@@ -32,7 +32,7 @@ class DraftRouting:
         single = exp.fusion == "single"
         shared = set() if single else set(spec.shared_drafters)
         self.shared = tuple(n for n in drafter_names if n in shared)
-        self.router = ExpertiseRouter(
+        self.expertise = ExpertiseRouting(
             [n for n in drafter_names if n not in shared],
             RoutingConfig(drafters_per_request=spec.drafters_per_request,
                           mode="random" if exp.routing == "random" else "expertise"), seed=seed)
@@ -52,15 +52,15 @@ class DraftRouting:
         if self.domain_classifier is not None:
             request.domain = self.domain_classifier.classify(request.prompt_token_ids)[0]
         request.stats.domain = request.domain
-        request.routing = self.router.start(request.request_id, request.domain)
+        request.routing = self.expertise.start(request.request_id, request.domain)
 
     def priors(self, requests: Sequence[Request]) -> dict[str, dict[str, float]]:
         """The priors of these requests' domains (for the metrics, as requests finish)."""
-        return {r.domain: self.router.prior(r.routing.domain) for r in requests if r.routing is not None}
+        return {r.domain: self.expertise.prior(r.routing.domain) for r in requests if r.routing is not None}
 
     def update(self, request: Request, scores: Mapping[str, float], accepted_len: int | None) -> None:
         """Fold one verify step's eq. 2 scores into M_r and the domain priors (the learner)."""
-        self.router.update(request.routing, scores, accepted_len)
+        self.expertise.update(request.routing, scores, accepted_len)
 
     # ---- eq. 3 ------------------------------------------------------------------------------
     def route(self, batch: StepBatch) -> dict[str, Route]:
@@ -69,11 +69,11 @@ class DraftRouting:
         if not self._has_drafters:
             return {}
         drafting = [r for r in batch.decodes if batch.budgets[r.request_id] > 0 and r.request_id not in batch.twins]
-        choices = self.router.choose([r.routing for r in drafting], k=self.drafters_per_request)
+        choices = self.expertise.choose([r.routing for r in drafting], k=self.drafters_per_request)
         routes = {}
         for r in drafting:
             choice = choices[r.request_id]
-            scores = self.router.scores(r.routing)
+            scores = self.expertise.scores(r.routing)
             routed = tuple(sorted(choice.drafters, key=lambda n: -scores.get(n, 0.0)))
             route = Route(routed + self.shared, choice.mode, len(self.shared))
             routes[r.request_id] = route

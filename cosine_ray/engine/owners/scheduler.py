@@ -9,7 +9,7 @@ when it does not fit), record, price the trees (λ of eq. 8 over the guard's lev
 weights, no drafting that cannot pay) and reserve their slots. Whether trees are priced is a
 rule chosen at start (``TreePricing`` or ``FixedBudgets``); docs/scheduling.md explains each job.
 
-NOTE(scheduler): the paper's order — batch assignment before drafting (Algorithm 2) — needs
+The paper's order — batch assignment before drafting (Algorithm 2) — needs
 gains before the trees exist; the last tree's curve predicts them. Only the batch decision
 uses the prediction; γ_i uses the real tree.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from cosine_ray.algo.guard import SpeculationGuard
-from cosine_ray.algo.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch, trim_gammas
+from cosine_ray.algo.scheduling.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch, trim_gammas
 from cosine_ray.algo.tree_selection import TreePrice
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.owners.economics import CostModel, predicted_gains
@@ -56,7 +56,7 @@ class BatchPolicy(Protocol):
 
 
 class LpBatchPolicy:
-    """CoSine's batch scheduler (eq. 5-8): the exact MILP of ``algo.lp_schedule``."""
+    """CoSine's batch scheduler (eq. 5-8): the exact MILP of ``algo.scheduling.lp_schedule``."""
 
     def decide(self, candidates: Sequence[Candidate], costs: CostModel, config: ScheduleConfig) -> Schedule:
         return schedule_batch(candidates, costs.latency, config)

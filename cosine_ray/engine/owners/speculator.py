@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from cosine_ray.algo.adaptive import expected_gains
 from cosine_ray.algo.calibration import ConfidenceCalibrator, TreeBias, node_levels
 from cosine_ray.algo.fusion import Calibrate, FusedPath, FusionState
-from cosine_ray.algo.lp_schedule import trim_gammas
+from cosine_ray.algo.scheduling.lp_schedule import trim_gammas
 from cosine_ray.algo.tree_selection import SelectedTree, build_tree
 from cosine_ray.engine.drafters.base import DraftInput
 from cosine_ray.engine.owners.drafting import fuse_drafts, gather_proposals, proposals_to_paths

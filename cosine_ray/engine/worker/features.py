@@ -1,7 +1,7 @@
 """The target's features for a feature head: the last stage keeps them, the head reads them.
 
 A *feature* is the target's final-norm hidden state at a position (its LM head's input). A
-feature head (``engine.drafters.feature_head``) drafts from the features of the committed
+feature head (``engine.drafters.models.feature_head``) drafts from the features of the committed
 positions. ``FeatureStage`` is the last stage with one difference: besides the logits of the
 rows that want them, it hands the features of *every* row of its batch (prompt chunks and
 tree nodes) to a ``FeatureStore``, per request, as raw records. The store does not know which

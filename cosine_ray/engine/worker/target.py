@@ -267,7 +267,7 @@ class TargetWorker:
 class PendingScore:
     """A step's scores on their way back from the GPU: ``ready()`` polls, ``wait_and_split``
     blocks (``TargetWorker.score``); the engine's client polls so the event loop can step another
-    lane while the GPU verifies this one (issue 16 item 6)."""
+    lane while the GPU verifies this one."""
 
     items: Sequence[ScoreItem]
     output: ScoreOutput | None

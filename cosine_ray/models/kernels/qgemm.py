@@ -1,6 +1,6 @@
 """GGUF projections kept quantized, on the kernels (``qgemm.c``).
 
-``pack_quant`` lays a GGUF matrix's codes (``models.quant``) out in the 32-column blocks of
+``pack_quant`` lays a GGUF matrix's codes (``models.weights.quant``) out in the 32-column blocks of
 ``gemm`` (four k of a column to a 32-bit lane, for VNNI's integer dot products) with the file's
 fp16 group scales; ``linear_quant`` multiplies them with the activations rounded to 8 bits a
 group of 32 (``round_rows``, as llama.cpp does). The integer sums are exact, so a row's result
@@ -16,7 +16,7 @@ import torch
 
 from cosine_ray.models.kernels.build import library
 from cosine_ray.models.kernels.gemm import BLOCK, blocks, call_parts
-from cosine_ray.models.quant import GROUP
+from cosine_ray.models.weights.quant import GROUP
 
 QUANT_KINDS = {"Q8_0": 0, "Q4_1": 1, "Q4_0": 2}
 """GGUF formats the kernel multiplies, as ``qgemm.c`` numbers them."""

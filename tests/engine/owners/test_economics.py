@@ -1,6 +1,6 @@
 """``CostModel`` and ``predicted_gains`` alone: the latency fit is refitted from live verify
 steps every ``REFIT_EVERY`` of them, and a request's gains before it drafts are its last
-tree's curve. (The token slope per batch-size bucket: ``tests/engine/test_economics.py``.)"""
+tree's curve. (The token slope per batch-size bucket: ``test_token_slope.py``.)"""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def test_start_classifies_the_domain_and_starts_the_routing_vector_from_its_prio
     assert math.routing.last_accepted_len == 2
     newcomer, = started(routing, make_request("n", (3,)))
     assert newcomer.routing.scores["a"] > newcomer.routing.scores["b"]  # the math prior learned
-    assert routing.priors([newcomer]) == {"math": routing.router.prior("math")}
+    assert routing.priors([newcomer]) == {"math": routing.expertise.prior("math")}
     plain, = started(make_routing(), make_request("p", (1,)))
     assert plain.domain == "other"  # no classifier
 

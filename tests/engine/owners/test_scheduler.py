@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from cosine_ray.algo.lp_schedule import first_come_batch
+from cosine_ray.algo.scheduling.lp_schedule import first_come_batch
 from cosine_ray.algo.tree_selection import TreePrice
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.engine.types import PROBE_EVERY

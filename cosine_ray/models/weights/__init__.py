@@ -1,0 +1,1 @@
+"""How weights are held: which weights a stage is built from, and GGUF blocks kept quantized."""

@@ -1,0 +1,1 @@
+"""Text in and out: prompts through the chat template, tools, tool-call parsing, streamed detokenization."""
