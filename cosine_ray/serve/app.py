@@ -3,12 +3,9 @@
 ``build_app(args)`` is the Serve *application builder*: ``cosine-ray serve`` calls it, and
 ``serve run cosine_ray.serve.app:build_app`` / ``serve deploy deploy/serve_config.yaml`` use it
 directly. ``args`` are the engine config as plain data (``engine.config``) plus the ingress
-settings (``INGRESS_ARGS``: ``api_key`` or env ``COSINE_RAY_API_KEY``; ``api_keys``, a key
-file's entries, or ``api_key_file``, read when the application is built, or env
-``COSINE_RAY_API_KEY_FILE``, read by the replica; ``return_spec_stats``; ``tool_call_parser``
-and ``chat_template``, the text of a Jinja template; ``served_model_names``, ...). Given
-``llm_configs`` it builds Ray Serve LLM's shape (``build_llm_app``, ``serve.llm_configs``:
-several models behind the one ingress).
+settings (``INGRESS_ARGS``: keys, a key file, limits, the tool-call parser, a chat template,
+served model names; ``OpenAIIngress`` says each). Given ``llm_configs`` it builds Ray
+Serve LLM's shape (``build_llm_app``, ``serve.llm_configs``: several models behind one ingress).
 
 Two deployments (the Ray Serve LLM pattern): ``cosine_ray_engine`` (``EngineServer``: the request
 pool and step loop, owner of the stage and drafter actors; one replica), one per model, and the
@@ -50,7 +47,10 @@ class OpenAIIngress:
 
     ``engine`` and ``config_data`` are the first model's; ``served_model_names`` its names
     (default: its checkpoint's name); ``more_models`` each further model as ``{"names", "engine",
-    "config"}`` (the Ray Serve LLM builder's several ``llm_configs``)."""
+    "config"}`` (the Ray Serve LLM builder's several ``llm_configs``). ``api_key`` or env
+    ``COSINE_RAY_API_KEY``; ``api_keys``, a key file's entries (``api_key_file`` is read when the
+    application is built), or env ``COSINE_RAY_API_KEY_FILE``, read here; ``tool_call_parser``
+    (``serve.text.tool_parsers``) and ``chat_template``, the text of a Jinja template."""
 
     def __init__(self, engine: Any, config_data: dict[str, Any], api_key: str | None = None,
                  api_keys: list[dict[str, Any]] | None = None,
