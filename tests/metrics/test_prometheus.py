@@ -5,9 +5,11 @@ scripts/install_prometheus.sh``; .ci/run does, and sets COSINE_RAY_REQUIRE_PROME
 the binary the test is skipped, or fails when that variable is 1: it never installs anything
 itself) runs on loopback with a 1 s scrape interval against the Serve port's ``/metrics``;
 ``cosine-ray serve --return-spec-stats`` runs on the session Ray cluster (2 stages, ngram +
-retrieval drafters, SmolLM2-135M). Traffic, through the official ``openai`` client: a warm-up
-request, a 400 and a 404 (so every per-request series exists before the main traffic and rates
-see it grow), then drafter 0 is killed (a drafter failure and a respawn), then concurrent chat
+retrieval drafters, SmolLM2-135M), with a key file of two tenants. Traffic, through the
+official ``openai`` client: with tenant ``main``'s key a warm-up request, a 400 and a 404 (so
+every per-request series exists before the main traffic and rates see it grow); tenant
+``capped`` (``max_concurrent=1``) streams one request and has a second refused with a 429 (the
+per-key series); then drafter 0 is killed (a drafter failure and a respawn), then concurrent chat
 and completion requests, streaming and not.
 
 Checks:
@@ -17,7 +19,7 @@ Checks:
 (b) counters equal a client-side count exactly: finished requests by reason, prompt and
     generation tokens (from ``usage``), draft / accepted tokens (from the per-request
     ``cosine_ray`` blocks, in total, per drafter and per domain), HTTP responses by route and
-    status, the drafter restart.
+    status, requests and 429s per key, the drafter restart.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ RATE_WINDOW = "10m"
 GRAFANA_VARIABLES = {"$__rate_interval": RATE_WINDOW, "${__rate_interval}": RATE_WINDOW,
                      "$__interval": "5s", "${__interval}": "5s", "$__range": RATE_WINDOW,
                      "${__range}": RATE_WINDOW}
+API_KEY = "sk-prometheus-main-0123456789"
+"""The key of the main traffic (tenant ``main``, no limits of its own)."""
+CAPPED_KEY = "sk-prometheus-capped-0123456789"
+"""A second tenant, ``capped``, with ``max_concurrent=1``: its second request while its first
+streams is the 429 that the dashboards' per-key panels need."""
+HELD_TOKENS = 128
+"""Tokens of the capped tenant's held stream: seconds of decoding on 2 cores, while its second
+request, sent right after the first chunk, is refused."""
 CHAT_PROMPTS = ["Write a Python function that returns the factorial of n.",
                 "What is 17 times 23? Explain step by step.",
                 "Give three tips for a good night's sleep.",
@@ -210,7 +220,7 @@ COMPLETIONS = "/v1/completions"
 
 
 async def run_traffic(url: str, model: str, ledger: Ledger, *, warmup: bool) -> None:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
     async def chat(text: str) -> None:
         r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
@@ -256,6 +266,29 @@ async def run_traffic(url: str, model: str, ledger: Ledger, *, warmup: bool) -> 
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
     ledger.http[(COMPLETIONS, "404")] += 1
+    await capped_tenant_refused_once(url, model, ledger)
+
+
+async def capped_tenant_refused_once(url: str, model: str, ledger: Ledger) -> None:
+    """The capped tenant streams one request and, once its first chunk is in, sends a second:
+    a 429 (its max_concurrent=1), counted per key; the held stream then finishes normally."""
+    capped = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=CAPPED_KEY, timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    stream = await capped.completions.create(model=model, prompt=COMPLETION_PROMPTS[0], max_tokens=HELD_TOKENS,
+                                             temperature=0, stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    finish, usage, block = None, None, None
+    refused = False
+    async for chunk in stream:
+        if not refused:
+            with pytest.raises(openai.RateLimitError):
+                await capped.completions.create(model=model, prompt="x", max_tokens=4)
+            ledger.http[(COMPLETIONS, "429")] += 1
+            refused = True
+        usage = chunk.usage or usage
+        block = extra(chunk, "cosine_ray") or block
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+    ledger.add(COMPLETIONS, finish, usage, block)
 
 
 def kill_drafter0() -> None:
@@ -287,8 +320,11 @@ def served(ray_cluster, tmp_path_factory, real_checkpoint) -> Served:
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     exe = shutil.which("cosine-ray")
+    key_file = tmp / "keys.txt"
+    key_file.write_text(f"{API_KEY} name=main\n{CAPPED_KEY} name=capped max_concurrent=1\n")
     cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
-        "serve", "--port", str(port), "--address", ray_cluster, "--drafters", "ngram,retrieval",
+        "serve", "--port", str(port), "--address", ray_cluster, "--api-key-file", str(key_file),
+        "--drafters", "ngram,retrieval",
         "--drafters-in-engine", "retrieval", "--stages", "2", "--return-spec-stats",  # ngram: an actor (killed)
         "--pearl", "auto"]  # PEARL through the Serve deployment: its steps feed a pipeline panel
     start = time.perf_counter()
@@ -302,7 +338,8 @@ def served(ray_cluster, tmp_path_factory, real_checkpoint) -> Served:
         url = f"http://127.0.0.1:{port}"
         wait_until_serving(proc, cli_log, READY_TIMEOUT_S)
         _log(f"server ready after {time.perf_counter() - start:.1f} s")
-        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=30).json()["data"][0]["id"]
         ledger = Ledger()
         ledger.http[("/v1/models", "200")] += 1
         t0 = time.perf_counter()
@@ -340,14 +377,14 @@ def summed(prom: Prometheus, expr: str) -> float:
 
 def test_counters_equal_the_client_side_count(served):
     prom, ledger = served.prom, served.ledger
-    assert sum(ledger.finish.values()) == 6
+    assert sum(ledger.finish.values()) == 7
     reasons = {dict(k)["finished_reason"]: v for k, v in
                prom.vector("sum by (finished_reason) (cosine_ray:request_success_total)").items()}
     assert reasons == dict(ledger.finish)
     assert summed(prom, "cosine_ray:prompt_tokens_total") == ledger.prompt_tokens
     assert summed(prom, "cosine_ray:generation_tokens_total") == ledger.completion_tokens
-    assert summed(prom, "cosine_ray:e2e_request_latency_seconds_count") == 6
-    assert summed(prom, "cosine_ray:time_to_first_token_seconds_count") == 6
+    assert summed(prom, "cosine_ray:e2e_request_latency_seconds_count") == 7
+    assert summed(prom, "cosine_ray:time_to_first_token_seconds_count") == 7
 
     blocks = ledger.blocks
     assert summed(prom, "cosine_ray:spec_decode_num_draft_tokens_total") == sum(b["num_draft_tokens"] for b in blocks)
@@ -370,6 +407,13 @@ def test_counters_equal_the_client_side_count(served):
     http = {(dict(k)["route"], dict(k)["status"]): v for k, v in
             prom.vector('sum by (route, status) (cosine_ray:http_requests_total{route=~"/v1/.*"})').items()}
     assert http == dict(ledger.http)
+    tenants = {(dict(k)["key"], dict(k)["status"]): v for k, v in
+               prom.vector("sum by (key, status) (cosine_ray:tenant_requests_total)").items()}
+    assert {k: v for k, v in tenants.items() if k[0] == "capped"} == {("capped", "200"): 1, ("capped", "429"): 1}
+    assert sum(v for (key, _), v in tenants.items() if key == "main") == sum(ledger.http.values()) - 2
+    limited = {(dict(k)["key"], dict(k)["reason"]): v for k, v in
+               prom.vector("sum by (key, reason) (cosine_ray:tenant_rate_limited_total)").items()}
+    assert limited == {("capped", "concurrency"): 1}, limited
     restarts = by("drafter", "drafter_restarts")
     assert restarts == {"ngram": 1}, f"{actor_name('drafter', 0)} (ngram) was killed once: {restarts}"
 

@@ -469,7 +469,12 @@ def test_overload_rejects_exactly_the_excess_with_retry_after(server):
         limits = httpx.Limits(max_connections=MAX_PENDING + excess + 5)
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=300, limits=limits) as client:
             tasks = [asyncio.ensure_future(one(client, i)) for i in range(MAX_PENDING + excess)]
-            s = await _wait_engine(lambda s: s["running"] + s["waiting"] == MAX_PENDING, 60)
+            try:
+                s = await _wait_engine(lambda s: s["running"] + s["waiting"] == MAX_PENDING, 60)
+            except AssertionError as exc:  # say where the others went: refused (how), or still open
+                refused = [(status, text[:160]) for status, _, text, _ in rejected]
+                raise AssertionError(f"{exc}; {len(refused)} refused: {refused}; "
+                                     f"{sum(not t.done() for t in tasks)} client tasks still open") from None
             deadline = time.monotonic() + 30
             while len(rejected) < excess and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
