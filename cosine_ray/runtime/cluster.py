@@ -23,10 +23,12 @@ engine's resident memory crept up in steps under load (the soak test's RSS slope
 arenas, less memory held apart; the threads that allocate here are not contended."""
 
 
-SERVE_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2"}
+SERVE_ENV = {"RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "2", "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "0.5"}
 """Serve's controller health-checks each HTTP proxy every 2 s instead of 10: a dead proxy (whose
 health call fails at once) is replaced after 3 failed checks, ~6 s instead of ~30 s of refused
-connections (docs/chaos.md); a live but slow one still has the 10-s check timeout each time."""
+connections (docs/chaos.md); a live but slow one still has the 10-s check timeout each time.
+A handle waits 0.5 s (Serve: 0.1 s) for a replica's queue length before it retries: the engine
+replica answers from its busy event loop, and each timeout is a warning on the console."""
 LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 """A local cluster starts no idle Python workers ahead of need: every process of ours hosts an
 actor, which gets a worker of its own anyway, so prestarted ones only held an interpreter's
