@@ -11,14 +11,12 @@ into a 503), never a hang. No call here blocks the event loop (no ``ray.get``).
   neither for ``token_timeout_s`` has lost its engine (killed, paused, cut off) and ends with an
   error, also when Ray has not reported the replica dead: a streaming call to a dead actor is
   not always failed at once.
-* The stream is read as fast as the engine sends it, into a ``Mailbox`` that merges what the
-  caller has not taken yet: a caller that reads slowly (a client the ingress holds back) costs
-  one pending output here, not a stream that piles up in Ray's buffers a step at a time.
+* The stream is read as it comes into a ``Mailbox`` that merges what the caller has not taken
+  yet: a slow caller costs one pending output, not a Ray stream buffered an item a step.
 * Closing the stream early (client disconnect) cancels the call, which Serve propagates into
-  the engine's generator: the request is aborted there and its state freed on every stage and
-  drafter. Serve's cancellation is best effort (one that lands while the call is still being
-  routed is lost, and the request would run to its length with nobody reading), so the close
-  also sends the engine an explicit ``abort`` of the request id, in the background with its
+  the engine's generator: the request is aborted there and its state freed everywhere. That
+  cancellation is best effort (one that lands while Serve still routes the call is lost), so
+  the close also sends an explicit ``abort`` of the request id, in the background, with its
   own deadline.
 """
 

@@ -146,8 +146,9 @@ class RequestPool:
         return sorted(eligible, key=lambda r: r.arrival_time, reverse=True)
 
     def admit(self, request: Request) -> None:
-        """A waiting request (``next_waiting``) joins the running batch, in the least loaded lane
-        (S stages get S equal micro-batches). It prefills when the scheduler says so."""
+        """The waiting request ``next_waiting`` offers joins the running batch, in the least
+        loaded lane (S stages get S equal micro-batches). It prefills when the scheduler says so."""
+        assert request is self.next_waiting(), request.request_id  # nobody overtakes the fair order
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         request.decode_steps_at_admission = request.num_decode_steps
