@@ -21,7 +21,7 @@ from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.drafters.spec import DrafterSpec
 from cosine_ray.engine.drafters.worker import DrafterWorker
-from cosine_ray.engine.owners.constraints import TokenizerLoader
+from cosine_ray.engine.owners.grammars import TokenizerLoader
 from cosine_ray.engine.profile import load_or_profile
 from cosine_ray.engine.worker.clients import DrafterClient, LocalDrafterClient, LocalTargetClient, TargetClient
 from cosine_ray.engine.worker.features import FeatureStage, FeatureStore

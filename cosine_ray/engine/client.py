@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Protocol, Sequence
 
-from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.request import NO_TENANT, RequestOutput, SamplingParams, Tenant
 
 
 class EngineClient(Protocol):
@@ -13,10 +13,13 @@ class EngineClient(Protocol):
     vocab_size: int
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+               request_id: str, every_s: float = 0.0, tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput]:
         """Outputs until ``finished``; closing the iterator early aborts the request. With
         ``every_s`` > 0 the caller needs no output sooner than that apart (not streaming to
-        its client): outputs that cross a process may be merged (``runtime.engine_client.coalesced``)."""
+        its client): outputs that cross a process may be merged (``runtime.engine_client.coalesced``).
+        ``tenant``: whose request it is (the API key's name and OpenAI's ``user``), for the
+        engine's fair share between tenants. Outputs the caller has not taken yet are merged
+        into one, so a slow caller costs the engine one pending output."""
         ...
 
     async def finish(self, request_id: str) -> None:
@@ -26,7 +29,8 @@ class EngineClient(Protocol):
         ...
 
     async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError (message names the field) if the request cannot be served."""
+        """Raise ValueError (``engine.request.RequestRefused``: the field and the reason) if the
+        request cannot be served; a grammar is compiled off the event loop, once per spec."""
         ...
 
     async def health(self) -> dict[str, Any]:
@@ -53,14 +57,14 @@ class LocalEngineClient:
         self.vocab_size = engine.checkpoint.config.vocab_size
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        return self.engine.loop.generate(prompt_token_ids, params, request_id)  # in-process: nothing to save
+               request_id: str, every_s: float = 0.0, tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput]:
+        return self.engine.loop.generate(prompt_token_ids, params, request_id, tenant)  # in-process: nothing to save
 
     async def finish(self, request_id: str) -> None:
         self.engine.loop.finish(request_id)
 
     async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.engine.core.check_request(prompt_token_ids, params)
+        await self.engine.core.prepare_request(prompt_token_ids, params)
 
     async def health(self) -> dict[str, Any]:
         core = self.engine.core

@@ -31,7 +31,8 @@ from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.modes.twins import Twins
-from cosine_ray.engine.owners.constraints import Constraints, GrammarCompiler, NoGrammars
+from cosine_ray.engine.owners.constraints import Constraints
+from cosine_ray.engine.owners.grammars import GrammarCompiler, NoGrammars
 from cosine_ray.engine.worker.clients import DrafterClient
 from cosine_ray.engine.owners.economics import CostModel
 from cosine_ray.engine.owners.kv import KVBlocks
@@ -41,8 +42,9 @@ from cosine_ray.engine.owners.routing import DraftRouting
 from cosine_ray.engine.owners.scheduler import BatchScheduler, FirstComeBatchPolicy, LpBatchPolicy
 from cosine_ray.engine.owners.speculator import (ConfidenceCutSelection, FixedSelection, FusedDrafting,
                                                  PathDrafting, PricedSelection, Speculator)
-from cosine_ray.engine.owners.verifier import Verifier
-from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, needs_prefill
+from cosine_ray.engine.owners.verifier import NoTokenLeft, Verifier
+from cosine_ray.engine.request import (NO_TENANT, Request, RequestOutput, RequestRefused, RequestStatus, SamplingParams,
+                                       Tenant, needs_prefill)
 from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.worker.clients import TargetClient
@@ -313,6 +315,10 @@ class EngineCore:
         started = self.clock()
         try:
             tokens = await self.pipedec.step(request, lambda: self.routing.route(batch)[request.request_id].drafters)
+        except NoTokenLeft as exc:  # its rules allow no root token: it ends alone
+            self.pool.refuse(request.request_id, str(exc))
+            await self.pipedec.leave(keep_kv=False)
+            return self.pool.advance([])
         finally:
             self._hold(batch, -1)
         if self.mode_guard is not None and tokens is not None:
@@ -325,10 +331,13 @@ class EngineCore:
         return outputs
 
     # ---- requests in and out --------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    tenant: Tenant = NO_TENANT) -> Request:
+        """Queue a request (``tenant``: whose it is, for the fair share between tenants). Its
+        grammar is compiled here unless ``prepare_request`` compiled it: a server awaits that first."""
         self._check_fits(prompt_token_ids, params)
         self.constraints.check(params)
-        request = self.pool.add(request_id, prompt_token_ids, params)
+        request = self.pool.add(request_id, prompt_token_ids, params, tenant)
         try:
             self.constraints.start(request)
         except Exception:
@@ -338,7 +347,19 @@ class EngineCore:
         return request
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request cannot be served (before anything is queued)."""
+        """Raise RequestRefused if the request cannot be served (before anything is queued). A
+        grammar is compiled here and now: ``prepare_request`` is the same off the event loop."""
+        self._check_cheaply(prompt_token_ids, params)
+        self.constraints.check_grammar(params)
+
+    async def prepare_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """``check_request`` with the grammar compiled in a worker thread (or found compiled):
+        what a server awaits before ``add_request``, so that neither compiles on the event loop
+        that drives the steps (``engine.owners.grammars``)."""
+        self._check_cheaply(prompt_token_ids, params)
+        await self.constraints.prepare(params)
+
+    def _check_cheaply(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.pool.check(prompt_token_ids, params)
         self._check_fits(prompt_token_ids, params)
         self.constraints.check(params)
@@ -348,9 +369,10 @@ class EngineCore:
         tokens = len(prompt_token_ids) + params.max_tokens + self.config.speculation.num_speculative_tokens + 1
         blocks = self.kv.blocks_for(tokens)
         if self.kv.capacity is not None and blocks > self.kv.capacity:
-            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"need {blocks} KV blocks of {self.kv.block_size} tokens; the KV cache holds "
-                             f"{self.kv.capacity} (raise --kv-cache-memory or lower max_tokens)")
+            raise RequestRefused(f"the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                 f"need {blocks} KV blocks of {self.kv.block_size} tokens; the KV cache holds "
+                                 f"{self.kv.capacity} (raise --kv-cache-memory or lower max_tokens)",
+                                 "max_tokens", "kv_cache")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its state on the target and drafters is freed at the next step."""

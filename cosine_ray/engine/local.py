@@ -10,7 +10,7 @@ import torch
 from cosine_ray.engine.backend import build_local_engine
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.loop import EngineLoop
-from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.request import NO_TENANT, RequestOutput, SamplingParams, Tenant
 from cosine_ray.models.loader import Checkpoint, resolve_checkpoint
 
 
@@ -44,8 +44,8 @@ class LocalEngine:
 
     # ---- generation ---------------------------------------------------------------------
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        return self.loop.generate(prompt_token_ids, params, request_id)
+               request_id: str | None = None, tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput]:
+        return self.loop.generate(prompt_token_ids, params, request_id, tenant)
 
     def generate(self, prompts_token_ids: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:

@@ -1,4 +1,9 @@
-"""Drive an EngineCore in the background and stream each request's tokens to its caller."""
+"""Drive an EngineCore in the background and stream each request's tokens to its caller.
+
+What a step produced for a request waits in its ``Mailbox`` until the caller takes it, merged
+with what later steps produced: a caller that reads slowly (a client held back by the
+ingress) costs one pending output, never a queue that grows a step at a time.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import logging
 from collections import OrderedDict
 from typing import AsyncIterator, Sequence
 
-from cosine_ray.engine.request import RequestOutput, SamplingParams, merge_outputs
+from cosine_ray.engine.mailbox import Mailbox
+from cosine_ray.engine.request import NO_TENANT, RequestOutput, SamplingParams, Tenant, merge_outputs
 from cosine_ray.engine.core import EngineCore
 from cosine_ray.metrics.serving import RequestTimeline
 
@@ -27,7 +33,7 @@ class EngineLoop:
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, Mailbox] = {}
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
@@ -66,7 +72,7 @@ class EngineLoop:
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(out)
+                    queue.put(out)
             self._wakeup.set()  # this step may have admitted requests into a sleeping lane
             if not outputs:
                 await asyncio.sleep(0.001)  # nothing ran in this lane: do not spin
@@ -84,7 +90,7 @@ class EngineLoop:
             self.core.abort(rid)
             queue = self._queues.get(rid)
             if queue is not None:
-                queue.put_nowait(RequestOutput(rid, [], True, "error", error=message))
+                queue.put(RequestOutput(rid, [], True, "error", error=message))
 
     def finish(self, request_id: str) -> bool:
         """The caller ends a streaming request as a normal completion (the HTTP layer found a
@@ -97,7 +103,10 @@ class EngineLoop:
         return True
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes (``tenant``: whose it is). Its grammar is
+        compiled off the event loop before it enters the pool (``EngineCore.prepare_request``):
+        the steps of the others go on meanwhile."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -106,13 +115,18 @@ class EngineLoop:
             yield RequestOutput(request_id, [], True, "abort")
             return
         self._ensure_running()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request_id] = queue
+        queue = self._queues[request_id] = Mailbox()
         try:
-            request = self.core.add_request(request_id, prompt_token_ids, params)
-        except Exception:
+            await self.core.prepare_request(prompt_token_ids, params)
+            request = None if queue.holds_end else self.core.add_request(request_id, prompt_token_ids, params, tenant)
+        except BaseException:
             del self._queues[request_id]
             raise
+        if request is None:  # aborted while its grammar compiled: it never started
+            del self._queues[request_id]
+            self._finished_by_caller.discard(request_id)
+            yield await queue.get()
+            return
         timeline = RequestTimeline(self.core.metrics, self.core.clock, request)
         self._wakeup.set()
         finished = False
@@ -148,7 +162,7 @@ class EngineLoop:
             return False
         self.core.abort(request_id)
         reason = "stop" if request_id in self._finished_by_caller else "abort"
-        queue.put_nowait(RequestOutput(request_id, [], True, reason))
+        queue.put(RequestOutput(request_id, [], True, reason))
         if self._wakeup is not None:
             self._wakeup.set()
         return True
@@ -164,10 +178,10 @@ class EngineLoop:
         return self.core.metrics.snapshot()
 
     async def generate_all(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                           request_id: str | None = None) -> RequestOutput:
+                           request_id: str | None = None, tenant: Tenant = NO_TENANT) -> RequestOutput:
         """Run to completion; returns one output holding every token."""
         merged = None
-        async for out in self.generate(prompt_token_ids, params, request_id):
+        async for out in self.generate(prompt_token_ids, params, request_id, tenant):
             merged = out if merged is None else merge_outputs(merged, out)
         return merged
 

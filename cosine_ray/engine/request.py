@@ -1,4 +1,5 @@
-"""Requests and their sampling parameters: what the engine's request pool holds."""
+"""Requests and their sampling parameters: what the engine's request pool holds, who each one is
+for (``Tenant``), and how the engine refuses one it cannot serve as asked (``RequestRefused``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,46 @@ from cosine_ray.algo.logits_rules import RowRules, TokenLogprob
 
 if TYPE_CHECKING:
     from cosine_ray.algo.routing import RoutingVector
+
+
+class RequestRefused(ValueError):
+    """The engine cannot serve a request as it was asked: what the client must change, never
+    an engine failure. The front ends map it by ``param`` and ``reason`` (the message is the
+    engine's own words, for logs), so what a client reads does not depend on the wording here."""
+
+    def __init__(self, message: str, param: str | None = None, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.param = param
+        """The request field at fault as the engine names it: ``prompt``, ``structured`` (the
+        grammar) or a ``SamplingParams`` field (``max_tokens``, ``logit_bias``, ...); None: the
+        request as a whole."""
+        self.reason = reason
+        """What is wrong with it: ``invalid`` (malformed, or outside the vocabulary), ``context``
+        (past the model's length), ``kv_cache`` (does not fit the KV cache even alone),
+        ``unsupported`` (this engine cannot serve it at all), ``too_large`` and ``too_slow``
+        (a grammar past the compiler's size or time cap)."""
+
+    def __reduce__(self) -> tuple:  # crosses Ray with its fields
+        return type(self), (str(self), self.param, self.reason)
+
+
+REFUSED = "refused"
+"""The finish reason of a request the engine ended because its own rules leave no token to
+generate (a grammar with ``min_tokens``, ``logit_bias`` or stop ids masking a whole row): the
+client's request is at fault, not the engine, and only that request ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who a request is for, as the engine's scheduler shares its slots (``engine.owners.pool``)."""
+
+    name: str = ""
+    """The API key's name; requests with the same name share one tenant's share ("" included)."""
+    user: str = ""
+    """OpenAI's ``user`` within the key: the key's share is shared between its users in turn."""
+
+
+NO_TENANT = Tenant()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,21 +91,23 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestRefused(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise RequestRefused(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestRefused(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+            raise RequestRefused(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+            raise RequestRefused(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}",
+                                 "min_tokens")
         if not 0.01 <= self.repetition_penalty <= 100:  # a smaller one overflows the scores to inf
-            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
+            raise RequestRefused(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}",
+                                 "repetition_penalty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+                raise RequestRefused(f"{name} must be None or an integer >= 0, got {value!r}", name)
 
     def row_rules(self, eos_token_ids: tuple[int, ...]) -> RowRules:
         """The score rules of ``algo.logits_rules`` this request asks for."""
@@ -116,7 +159,8 @@ class RequestStats:
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at admission (not computed)."""
     num_preemptions: int = 0
-    """Times the engine preempted it for KV memory (it resumed by recomputing its context)."""
+    """Times the engine preempted it, for KV memory or for another tenant's fair share (it
+    resumed by recomputing its context, with the same text)."""
 
     @property
     def mean_accepted_length(self) -> float:
@@ -136,6 +180,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    tenant: Tenant = NO_TENANT
+    """Whose request it is (the scheduler's fair share between tenants, then their users)."""
     seed: int | None = None
     """Key of this request's sampling noise (``algo.sampling.sample_keyed``): ``params.seed``, or
     a fresh random one (``draw_seed``, os.urandom) when that is None. Every request gets one;
@@ -168,6 +214,9 @@ class Request:
     """When a step last scheduled it (the scheduler's waiting time)."""
     num_decode_steps: int = 0
     """Decoding steps it was scheduled for (the price's probe steps count them)."""
+    decode_steps_at_admission: int = 0
+    """``num_decode_steps`` when it was last admitted: a fair-share preemption waits until it
+    has run a few steps since (no request is preempted again before it made progress)."""
     holds_kv: bool = False
     """Scheduled at least once: its KV counts against M_max whether it runs or not."""
     gain_curve: tuple[float, ...] = (0.0,)

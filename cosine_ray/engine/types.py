@@ -158,6 +158,9 @@ class Verified:
     """The target's log-probability of each new token, when the request asked for them."""
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     """A prompt chunk's: those of the prompt tokens after each of its tokens (None first)."""
+    refusal: str | None = None
+    """Why the request ends here, alone: its own rules mask every token of the row its next
+    token comes from (``engine.owners.verifier.NoTokenLeft``); no token is new then."""
 
     @property
     def is_prefill(self) -> bool:

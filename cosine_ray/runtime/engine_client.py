@@ -11,11 +11,12 @@ into a 503), never a hang. No call here blocks the event loop (no ``ray.get``).
   neither for ``token_timeout_s`` has lost its engine (killed, paused, cut off) and ends with an
   error, also when Ray has not reported the replica dead: a streaming call to a dead actor is
   not always failed at once.
+* The stream is read as it comes into a ``Mailbox`` that merges what the caller has not taken
+  yet: a slow caller costs one pending output, not a Ray stream buffered an item a step.
 * Closing the stream early (client disconnect) cancels the call, which Serve propagates into
-  the engine's generator: the request is aborted there and its state freed on every stage and
-  drafter. Serve's cancellation is best effort (one that lands while the call is still being
-  routed is lost, and the request would run to its length with nobody reading), so the close
-  also sends the engine an explicit ``abort`` of the request id, in the background with its
+  the engine's generator: the request is aborted there and its state freed everywhere. That
+  cancellation is best effort (one that lands while Serve still routes the call is lost), so
+  the close also sends an explicit ``abort`` of the request id, in the background, with its
   own deadline.
 """
 
@@ -27,7 +28,8 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
-from cosine_ray.engine.request import RequestOutput, SamplingParams, merge_outputs
+from cosine_ray.engine.mailbox import Mailbox
+from cosine_ray.engine.request import NO_TENANT, RequestOutput, RequestRefused, SamplingParams, Tenant, merge_outputs
 
 log = logging.getLogger(__name__)
 
@@ -119,37 +121,56 @@ class RayEngineClient:
             raise
 
     async def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        gen = self.handle.options(stream=True).generate.remote(list(prompt_token_ids), params, request_id, every_s)
+                     request_id: str, every_s: float = 0.0, tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput]:
+        gen = self.handle.options(stream=True).generate.remote(list(prompt_token_ids), params, request_id, every_s,
+                                                               tenant)
+        mailbox = Mailbox()
+        reader = asyncio.ensure_future(self._read(gen, request_id, mailbox))
         finished = False
-        accepted = False
         try:
             while not finished:
-                try:
-                    out = await asyncio.wait_for(gen.__anext__(),
-                                                 timeout=self.token_timeout_s if accepted else self.call_timeout_s)
-                    if not accepted:
-                        if out != ACCEPTED:
-                            raise RuntimeError(f"the engine's stream began with {out!r}, not {ACCEPTED!r}")
-                        accepted = True
-                        continue
-                    if out == ALIVE:
-                        continue
-                except StopAsyncIteration:
-                    break
-                except (asyncio.TimeoutError, Exception) as exc:
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    log.warning("request %s lost its engine: %r", request_id, exc)
-                    self._cancel(gen, request_id)  # a held call must never start on the next replica
-                    finished = True
-                    yield RequestOutput(request_id, [], True, "error", error=f"engine unavailable: {type(exc).__name__}")
+                out = await mailbox.get()
+                if out is None:  # the engine ended the stream without finishing the request
                     return
                 finished = out.finished
                 yield out
         finally:
+            if not reader.done():
+                reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
             if not finished:
                 self._cancel(gen, request_id)
+
+    async def _read(self, gen: Any, request_id: str, mailbox: Mailbox) -> None:
+        """The engine's items into ``mailbox`` as they come, until the request finishes; an
+        engine that is lost (no ``ACCEPTED`` within ``call_timeout_s``, no item within
+        ``token_timeout_s``, an error) ends it with an error output, a stream that ends early
+        closes the mailbox."""
+        accepted = False
+        while True:
+            try:
+                out = await asyncio.wait_for(gen.__anext__(),
+                                             timeout=self.token_timeout_s if accepted else self.call_timeout_s)
+                if not accepted:
+                    if out != ACCEPTED:
+                        raise RuntimeError(f"the engine's stream began with {out!r}, not {ACCEPTED!r}")
+                    accepted = True
+                    continue
+                if out == ALIVE:
+                    continue
+            except StopAsyncIteration:
+                mailbox.close()
+                return
+            except (asyncio.TimeoutError, Exception) as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                log.warning("request %s lost its engine: %r", request_id, exc)
+                self._cancel(gen, request_id)  # a held call must never start on the next replica
+                mailbox.put(RequestOutput(request_id, [], True, "error", error=f"engine unavailable: {type(exc).__name__}"))
+                return
+            mailbox.put(out)
+            if out.finished:
+                return
 
     def _cancel(self, gen: Any, request_id: str) -> None:
         """Cancel the engine call (Serve cancels the engine's generator: the request is aborted
@@ -176,9 +197,9 @@ class RayEngineClient:
         await self._call("finish", request_id)
 
     async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        reason = await self._call("check_request", list(prompt_token_ids), params)
-        if reason is not None:
-            raise ValueError(reason)
+        refusal = await self._call("check_request", list(prompt_token_ids), params)
+        if refusal is not None:
+            raise refusal if isinstance(refusal, RequestRefused) else RequestRefused(str(refusal))
 
     async def health(self) -> dict[str, Any]:
         return await self._call("health")

@@ -31,7 +31,7 @@ import torch
 from cosine_ray.engine.backend import build_engine
 from cosine_ray.engine.config import config_from_dict
 from cosine_ray.engine.loop import EngineLoop
-from cosine_ray.engine.request import RequestOutput, SamplingParams
+from cosine_ray.engine.request import NO_TENANT, RequestOutput, RequestRefused, SamplingParams, Tenant
 from cosine_ray.engine.worker.clients import LocalDrafterClient, LocalTargetClient
 from cosine_ray.metrics.console import StatsLine
 from cosine_ray.models.loader import resolve_checkpoint
@@ -115,13 +115,15 @@ class EngineServer:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str, every_s: float = 0.0) -> AsyncIterator[RequestOutput | str]:
+                       request_id: str, every_s: float = 0.0,
+                       tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput | str]:
         """``ACCEPTED``, then the request's outputs, merged to one every ``every_s`` seconds at
         most (``coalesced``), with ``ALIVE`` after each ``HEARTBEAT_S`` without one
-        (``RayEngineClient.stream``); a cancelled stream (client gone) aborts it."""
+        (``RayEngineClient.stream``); a cancelled stream (client gone) aborts it. ``tenant``:
+        whose request it is (the scheduler's fair share)."""
         yield ACCEPTED  # RayEngineClient.stream: a call that reached no live replica ends in seconds
         # closed here, not left to the collector: Serve may cancel this generator at its yield
-        outputs = coalesced(self.loop.generate(prompt_token_ids, params, request_id), every_s)
+        outputs = coalesced(self.loop.generate(prompt_token_ids, params, request_id, tenant), every_s)
         async with contextlib.aclosing(with_heartbeats(outputs)) as outs:
             async for out in outs:
                 yield out
@@ -135,12 +137,13 @@ class EngineServer:
         stream's cancellation, which follows, counts as ``stop`` (``EngineLoop.finish``)."""
         return self.loop.finish(request_id)
 
-    async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> str | None:
-        """None if servable, else the reason (ValueError message)."""
+    async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestRefused | None:
+        """None if servable, else why not (``RequestRefused``: the field and the reason). A
+        grammar is compiled off the event loop, once per spec (``EngineCore.prepare_request``)."""
         try:
-            self.core.check_request(prompt_token_ids, params)
+            await self.core.prepare_request(prompt_token_ids, params)
         except ValueError as exc:
-            return str(exc)
+            return exc if isinstance(exc, RequestRefused) else RequestRefused(str(exc))
         return None
 
     # ---- status and metrics ------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request
 
 from cosine_ray.algo.logits_rules import TokenLogprob
-from cosine_ray.engine.request import SamplingParams, StructuredOutput
+from cosine_ray.engine.request import SamplingParams, StructuredOutput, Tenant
 from cosine_ray.serve.text import tools
 from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, error_payload
 from cosine_ray.serve.generation import Generation, sse, unless_disconnected
@@ -121,6 +121,7 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
             release()
         raise
     deadline = None if state.request_timeout_s is None else time.monotonic() + state.request_timeout_s
+    owner = Tenant(tenant.name, req.user or "")  # the engine shares its slots between these
     choices = []
     for index, release in enumerate(releases):
         i, j = divmod(index, num_choices)
@@ -131,7 +132,7 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
         choices.append(Choice(index, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
                                                 on_close=release, deadline=deadline,
                                                 every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S,
-                                                refusal=refusal), prompt=i))
+                                                refusal=refusal, tenant=owner), prompt=i))
     return choices
 
 
@@ -142,7 +143,7 @@ async def _check_with_engine(engine: Any, planned: _Planned, request_id: str) ->
         await engine.check_request(planned.prompt_ids, planned.params)
     except ValueError as exc:
         log.info("engine refused %s: %s", request_id, exc)
-        raise planned.refusal(str(exc)) from None
+        raise planned.refusal(exc) from None
     except Exception as exc:  # overloaded, engine down (a cancellation is no Exception: it passes)
         if isinstance(exc, OpenAIError):
             raise
@@ -161,38 +162,65 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             logit_bias=tuple(req.logit_bias), logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
             structured=structured)
     except ValueError as exc:
-        param = "min_tokens" if "min_tokens" in str(exc) else None
+        param = getattr(exc, "param", None) or ("min_tokens" if "min_tokens" in str(exc) else None)
         raise InvalidRequest(str(exc), param=param) from None
 
 
 GRAMMAR_MESSAGES = ("the json schema", "the regex", "the choice", "the lark", "choice must", "unknown grammar")
-"""How the engine's grammar refusals begin (``engine.owners.constraints``)."""
+"""How the engine's grammar refusals begin (``engine.owners.grammars``): the fallback for a
+refusal that is not typed."""
 
 
-def engine_refusal(message: str, *, num_prompt_tokens: int, max_tokens: int, max_tokens_param: str,
+def engine_refusal(exc: BaseException | str, *, num_prompt_tokens: int, max_tokens: int, max_tokens_param: str,
                    prompt_param: str, grammar: tuple[StructuredOutput, str] | None) -> InvalidRequest:
     """The client's 400 for an engine ValueError: a stable message naming the field and the
     bound, never the engine's own text (KV block counts, flag names, the grammar engine's words),
-    which the ingress logs instead."""
-    lowered = message.lower()
-    for name in ("logit_bias", "stop_token_ids", "min_tokens"):
-        if lowered.startswith(name):
-            return InvalidRequest(f"{name} cannot be served by this model", param=name)
-    if grammar is not None and lowered.startswith("structured outputs"):
-        return InvalidRequest(f"{grammar[1]}: structured outputs are not available on this server", param=grammar[1])
-    if grammar is not None and lowered.startswith(GRAMMAR_MESSAGES):
-        spec, param = grammar
-        what = {"json_schema": "JSON schema", "lark": "grammar"}.get(spec.kind, spec.kind)
-        return InvalidRequest(f"{param}: the {what} cannot be compiled by the server's grammar engine "
-                              "(invalid, or a feature it does not support)", param=param)
-    if "kv" in lowered:
+    which the ingress logs instead. A typed refusal (``engine.request.RequestRefused``, also
+    when Ray wraps it) is mapped by its field and reason; any other by its opening words."""
+    param, reason = getattr(exc, "param", None), getattr(exc, "reason", None)
+    if reason is None:
+        param, reason = refusal_of(str(exc), grammar is not None)
+    what = None if grammar is None else {"json_schema": "JSON schema", "lark": "grammar"}.get(grammar[0].kind,
+                                                                                              grammar[0].kind)
+    if param in ("logit_bias", "stop_token_ids", "min_tokens"):
+        return InvalidRequest(f"{param} cannot be served by this model", param=param)
+    if param == "structured" and grammar is not None:
+        name = grammar[1]
+        if reason == "unsupported":
+            return InvalidRequest(f"{name}: structured outputs are not available on this server", param=name)
+        if reason == "too_large":
+            return InvalidRequest(f"{name}: the {what} is larger than the server's grammar engine compiles",
+                                  param=name, code="grammar_too_large")
+        if reason == "too_slow":
+            return InvalidRequest(f"{name}: the {what} took longer to compile than the server allows",
+                                  param=name, code="grammar_too_slow")
+        return InvalidRequest(f"{name}: the {what} cannot be compiled by the server's grammar engine "
+                              "(invalid, or a feature it does not support)", param=name)
+    if reason == "kv_cache":
         return InvalidRequest(f"the prompt ({num_prompt_tokens} tokens) and {max_tokens_param}={max_tokens} do not "
                               f"fit the server's KV cache even alone; lower {max_tokens_param} or shorten the prompt",
                               param=max_tokens_param)
-    if lowered.startswith(("max_tokens", "prompt (")):
+    if reason == "context":
         return InvalidRequest(f"the prompt ({num_prompt_tokens} tokens) and {max_tokens_param}={max_tokens} exceed "
                               "the model's context", param=max_tokens_param)
     return InvalidRequest("the engine cannot serve this request", param=prompt_param)
+
+
+def refusal_of(message: str, has_grammar: bool) -> tuple[str | None, str]:
+    """(param, reason) of an engine refusal that is not typed, from its opening words."""
+    lowered = message.lower()
+    for name in ("logit_bias", "stop_token_ids", "min_tokens"):
+        if lowered.startswith(name):
+            return name, "invalid"
+    if has_grammar and lowered.startswith("structured outputs"):
+        return "structured", "unsupported"
+    if has_grammar and lowered.startswith(GRAMMAR_MESSAGES):
+        return "structured", "invalid"
+    if "kv" in lowered:
+        return "max_tokens", "kv_cache"
+    if lowered.startswith(("max_tokens", "prompt (")):
+        return "max_tokens", "context"
+    return None, "invalid"
 
 
 async def first_outputs(request: Request, choices: list[Choice]) -> None:

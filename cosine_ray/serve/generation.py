@@ -28,7 +28,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from cosine_ray.engine.client import EngineClient
 from cosine_ray.algo.logits_rules import TokenLogprob
-from cosine_ray.engine.request import RequestStats, SamplingParams
+from cosine_ray.engine.request import NO_TENANT, REFUSED, RequestStats, SamplingParams, Tenant
 from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, RequestTimeout
 from cosine_ray.serve.schemas import CosineRayStats, PromptTokensDetails, Usage
 from cosine_ray.serve.text.stream import TextStream  # noqa: F401 - importable from here too
@@ -90,14 +90,15 @@ class Generation:
     def __init__(self, engine: EngineClient, tokenizer: Any, prompt_token_ids: list[int],
                  params: SamplingParams, stop: Sequence[str], request_id: str,
                  on_close: Callable[[], None] | None = None, deadline: float | None = None,
-                 every_s: float = 0.0, refusal: Callable[[str], OpenAIError] | None = None) -> None:
+                 every_s: float = 0.0, refusal: Callable[[BaseException], OpenAIError] | None = None,
+                 tenant: Tenant = NO_TENANT) -> None:
         self._on_close = on_close
         if on_close is not None:  # a Generation dropped without aclose() still frees its slot
             weakref.finalize(self, on_close)
         self.deadline = deadline
         """``time.monotonic()`` by which the request must finish (server-side timeout), or None."""
         self.engine = engine
-        self.outputs = engine.stream(prompt_token_ids, params, request_id, every_s)
+        self.outputs = engine.stream(prompt_token_ids, params, request_id, every_s, tenant=tenant)
         """``every_s``: a response not streamed needs its text only at the end, and a stop string
         found up to ``every_s`` late only costs the engine those extra tokens (``EngineClient.stream``)."""
         self.text = TextStream(tokenizer, stop)
@@ -111,7 +112,7 @@ class Generation:
         """The generated tokens' log-probabilities so far (when the request asked)."""
         self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self._num_taken = 0
-        self._refusal = refusal or (lambda message: InvalidRequest("the engine cannot serve this request"))
+        self._refusal = refusal or (lambda exc: InvalidRequest("the engine cannot serve this request"))
         """The client's error for an engine ValueError at submission (its text is internal)."""
 
     async def _next_output(self) -> Any:
@@ -139,10 +140,15 @@ class Generation:
         except Exception as exc:
             if isinstance(exc, ValueError) and self._num_outputs == 0:  # rejected at submission
                 log.info("engine refused %s: %s", self.request_id, exc)
-                raise self._refusal(str(exc)) from None
+                raise self._refusal(exc) from None
             log.exception("engine error in %s", self.request_id)
             raise EngineUnavailable("the engine failed while generating; retry") from None
         self._num_outputs += 1
+        if out.finish_reason == REFUSED:  # the request's own rules left no token: its fault alone
+            log.info("engine ended %s: %s", self.request_id, out.error)
+            raise InvalidRequest(f"no token can follow the first {out.num_output_tokens} generated tokens: the "
+                                 "request's grammar, min_tokens, stop_token_ids and logit_bias together allow none",
+                                 code="no_token_allowed")
         if out.error or (out.finished and out.finish_reason not in ("stop", "length")):
             log.warning("request %s failed in the engine: %s (%s)", self.request_id, out.error,
                         out.finish_reason)

@@ -40,10 +40,19 @@ class Target:
     hold_s: float = 60.0
     """How long the raw-socket cases keep their connection (a trickling body, an unread stream)."""
     flood: int = 2000
+    other_api_key: str | None = None
+    """A second key (another tenant): the bystander, the normal request after each case and the
+    small request beside the 16 streams of ``n16-streams`` use it, so what they show is what one
+    client does to another. None: they use ``api_key`` too."""
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def other_headers(self) -> dict[str, str]:
+        """The headers of the other client (``other_api_key``, else the case's own key)."""
+        return {"Authorization": f"Bearer {self.other_api_key}"} if self.other_api_key else self.headers
 
 
 @dataclass
@@ -113,8 +122,9 @@ async def n16_streams(target: Target, seen: Seen) -> None:
         start = time.perf_counter()
         try:
             status = await post(target, seen, COMPLETIONS, _body(target, prompt="Hello", max_tokens=8),
-                                timeout=SMALL_DEADLINE_S)
-            seen.notes.append(f"small request: {status} in {time.perf_counter() - start:.1f} s")
+                                timeout=SMALL_DEADLINE_S, headers=target.other_headers)
+            key = "the other key" if target.other_api_key else "the same key"
+            seen.notes.append(f"small request ({key}): {status} in {time.perf_counter() - start:.1f} s")
         except httpx.TimeoutException:
             seen.statuses.append("no answer")
             seen.failures.append(f"a small request beside them got no answer in {SMALL_DEADLINE_S:g} s")

@@ -26,6 +26,9 @@ def add_parser(sub: Any) -> None:
     h.add_argument("--base-url", default="http://127.0.0.1:8000")
     h.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="the server's key (default $OPENAI_API_KEY); the unauthenticated flood needs it")
+    h.add_argument("--other-api-key", default=None,
+                   help="a second key of the server (another tenant): the bystander, the normal request after "
+                        "each case and n16-streams' small request use it (default: --api-key)")
     h.add_argument("--model", default=None, help="model field (default: the first of GET /v1/models)")
     h.add_argument("--cases", default="all", help=f"comma list of: {', '.join(c.name for c in CASES)} (or all)")
     h.add_argument("--case-deadline", type=float, default=120.0, help="seconds a case may take; past it: hung")
@@ -75,7 +78,8 @@ async def _run(args: argparse.Namespace, cases: list) -> list:
             raise ConnectionError(f"GET {args.base_url}/v1/models failed ({type(exc).__name__}): "
                                   f"is the server up, and is --api-key its key?") from None
         target = Target(client, args.base_url.rstrip("/"), args.api_key, args.model or str(card["id"]),
-                        args.vocab_size, int(card.get("max_model_len") or 2048), hold_s=args.hold, flood=args.flood)
+                        args.vocab_size, int(card.get("max_model_len") or 2048), hold_s=args.hold, flood=args.flood,
+                        other_api_key=args.other_api_key)
         return await run_cases(cases, target, case_deadline_s=args.case_deadline,
                                after_deadline_s=args.after_deadline, max_gap_s=args.max_gap)
 
@@ -91,7 +95,8 @@ def run_hostile(args: argparse.Namespace, fail: Any) -> int:
     except ConnectionError as exc:
         fail(str(exc))
         return 1
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k not in ("api_key", "other_api_key")}
     report.write(results, out_dir, config)
     report.print_table(results, f"Hostile requests against {args.base_url}")
     print(f"results: {out_dir}")

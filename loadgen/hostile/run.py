@@ -1,7 +1,8 @@
 """One hostile case at a time, each with a bystander beside it and a normal request after it.
 
 For each case: wait for ``/health`` (up to ``after_deadline_s``); start the **bystander**, an
-ordinary greedy stream of ``BYSTANDER_TOKENS`` tokens (another one when it ends), and let it
+ordinary greedy stream of ``BYSTANDER_TOKENS`` tokens (another one when it ends; with the other
+key, ``Target.other_api_key``, when one is given, as is the normal request), and let it
 reach its first token (at most ``after_deadline_s``); run the case under ``case_deadline_s``; stop the bystander; send a
 **normal request** (8 greedy tokens), which must be answered with 200 within
 ``after_deadline_s``. The bystander's longest gap is the longest wait between two of its
@@ -67,7 +68,7 @@ class Bystander:
     async def _stream(self) -> None:
         body = {"prompt": "The history of the printing press", "max_tokens": BYSTANDER_TOKENS, "temperature": 0,
                 "ignore_eos": True, "stream": True, **({"model": self.target.model} if self.target.model else {})}
-        async with self.client.stream("POST", COMPLETIONS, json=body, headers=self.target.headers) as resp:
+        async with self.client.stream("POST", COMPLETIONS, json=body, headers=self.target.other_headers) as resp:
             if resp.status_code != 200:
                 self.error = self.error or f"HTTP {resp.status_code}"
                 self.ready.set()
@@ -134,7 +135,7 @@ async def normal_request(client: httpx.AsyncClient, target: Target, deadline_s: 
     start = time.perf_counter()
     body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, **({"model": target.model} if target.model else {})}
     try:
-        resp = await client.post(COMPLETIONS, json=body, headers=target.headers, timeout=deadline_s)
+        resp = await client.post(COMPLETIONS, json=body, headers=target.other_headers, timeout=deadline_s)
         return resp.status_code, time.perf_counter() - start
     except httpx.TimeoutException:
         return "no answer", time.perf_counter() - start

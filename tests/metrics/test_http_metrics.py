@@ -29,7 +29,7 @@ class MetricsEngine:
         self.pushes: list[tuple[str, dict]] = []
         self.drop_pushes = False
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         yield RequestOutput(request_id, [7], False, None, len(prompt_token_ids), 1, self.stats)
         yield RequestOutput(request_id, [8], True, "length", len(prompt_token_ids), 2, self.stats)
 

@@ -121,6 +121,31 @@ def test_closing_a_stream_early_also_aborts_the_request_by_id():
     assert len(asyncio.run(to_the_end())) == 1 and finished.aborted == [] and not finished.stream.cancelled
 
 
+def test_a_slow_reader_leaves_one_merged_output_and_the_stream_is_drained():
+    """The engine's stream is read as fast as it comes and what the caller has not taken yet is
+    merged: a slow client leaves one pending output, not a Ray stream buffered an item a step."""
+    outputs = [RequestOutput("r", [i], i == 39, "length" if i == 39 else None, 2, i + 1,
+                             logprobs=(TokenLogprob(i, -0.5),)) for i in range(40)]
+    stream = _Stream([(0.0, ACCEPTED), *((0.0, out) for out in outputs)])
+    client = RayEngineClient(_Handle(stream), model_name="m", max_model_len=64, vocab_size=64)
+
+    async def main():
+        it = client.stream([1, 2], SamplingParams(max_tokens=40, logprobs=0), "r")
+        first = await it.__anext__()
+        await asyncio.sleep(0.05)  # the client does not read: the engine's items keep coming
+        left_unread = len(stream.items)
+        rest = [out async for out in it]
+        return first, left_unread, rest
+
+    first, left_unread, rest = asyncio.run(main())
+    assert first.new_token_ids == [0] and left_unread == 0
+    assert len(rest) == 1, [o.new_token_ids for o in rest]
+    merged = rest[0]
+    assert merged.new_token_ids == list(range(1, 40)) and merged.finished and merged.finish_reason == "length"
+    assert [lp.token_id for lp in merged.logprobs] == list(range(1, 40)) and merged.num_output_tokens == 40
+    assert not stream.cancelled
+
+
 def test_an_accepted_stream_that_goes_silent_ends_with_an_error_heartbeats_keep_it_open():
     """After ACCEPTED the engine sends outputs or ALIVE; a stream silent for token_timeout_s
     lost its engine even if Ray never says so. Heartbeats are not outputs."""

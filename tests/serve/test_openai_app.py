@@ -204,7 +204,7 @@ def test_text_stream_keeps_the_tokens_up_to_the_one_that_completed_a_stop_string
 
 def test_a_stopped_generation_counts_and_scores_only_the_tokens_up_to_the_stop():
     class MergedEngine:  # one output holding two steps, the second past the stop string
-        async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+        async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
             ids = [0, 3, 4, 0, 1]
             yield RequestOutput(request_id, ids, False, logprobs=tuple(TokenLogprob(i, -0.5) for i in ids))
 
@@ -427,7 +427,7 @@ class _FakeEngine:
     def __init__(self, outputs: list[RequestOutput] | Exception, health: Any = None) -> None:
         self.outputs, self._health, self.closed = outputs, health, 0
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         try:
             if isinstance(self.outputs, Exception):
                 raise self.outputs

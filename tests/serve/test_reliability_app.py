@@ -62,7 +62,7 @@ class GateEngine:
         self.num_streaming = 0
         self.num_closed = 0
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         self.num_streaming += 1
         try:
             await self.gate.wait()
@@ -323,7 +323,7 @@ class TickEngine(GateEngine):
     RayEngineClient, it waits for each output through its own ``asyncio.wait_for``, so a
     cancellation takes more than one loop turn to unwind."""
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         self.num_streaming += 1
         try:
             while True:

@@ -44,7 +44,7 @@ class TableEngine:
     async def check_request(self, prompt_token_ids, params) -> None:
         self.params.append(params)
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         self.num_open += 1
         out: list[int] = []
         try:

@@ -22,7 +22,7 @@ class IdTokenizer:
 class RecordingEngine:
     """EngineClient fake. Each request streams token 5, one per output, ``max_tokens`` of them
     (or without end with ``endless``), after ``gate`` opens when one is set. Records the
-    parameters of ``check_request`` and of each stream, the streams opened and closed, the outputs taken and every
+    parameters of ``check_request`` and of each stream (and its tenant), the streams opened and closed, the outputs taken and every
     ``record_http`` push, which it folds into a real ``MetricsRegistry`` (what ``/metrics``
     renders); ``refusal``: the ValueError text ``check_request`` raises."""
 
@@ -34,6 +34,8 @@ class RecordingEngine:
         self.refusal = refusal
         self.checked: list[Any] = []
         self.streamed: list[Any] = []
+        self.tenants: list[Any] = []
+        """The ``tenant`` of each stream (``engine.request.Tenant``)."""
         self.num_open = self.num_closed = self.num_outputs = 0
         self.pushes: list[tuple[str, dict]] = []
         self.snapshots = 0
@@ -44,9 +46,10 @@ class RecordingEngine:
         if self.refusal is not None:
             raise ValueError(self.refusal)
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         self.num_open += 1
         self.streamed.append(params)
+        self.tenants.append(tenant)
         try:
             if self.gate is not None:
                 await self.gate.wait()

@@ -89,13 +89,17 @@ class _HTTPServer(ThreadingHTTPServer):
 class StubServer:
     def __init__(self, *, ttft_s: float = 0.05, chunk_s: float = 0.02, num_chunks: int = 4,
                  tokens_per_chunk: int = 1, accept_default: tuple[int, int] = (3, 6), healthy: bool = True,
-                 port: int = 0, model: str = "stub-model", api_key: str | None = None, hold_until: int = 0,
+                 port: int = 0, model: str = "stub-model", api_key: str | tuple[str, ...] | None = None,
+                 hold_until: int = 0,
                  lockstep: Lockstep | None = None) -> None:
         self.ttft_s, self.chunk_s, self.num_chunks = ttft_s, chunk_s, num_chunks
         self.tokens_per_chunk, self.accept_default, self.healthy = tokens_per_chunk, accept_default, healthy
         self.model, self.hold_until, self.lockstep = model, hold_until, lockstep
         self.api_key = api_key
-        """With a key, every route but /health answers 401 without ``Authorization: Bearer KEY``."""
+        """With a key (or a tuple of keys), every route but /health answers 401 without
+        ``Authorization: Bearer KEY`` of one of them."""
+        self.keys_used: list[str] = []
+        """The key of each POST that was let in, in order of arrival."""
         self.lock = threading.Condition()
         self.received: list[tuple[str, dict[str, Any]]] = []
         self.events: list[tuple[str, str]] = []
@@ -182,7 +186,8 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
             super().send_response(code, message)
 
         def _refused(self) -> bool:
-            if stub.api_key is None or self.headers.get("Authorization") == f"Bearer {stub.api_key}":
+            keys = (stub.api_key,) if isinstance(stub.api_key, str) else stub.api_key
+            if keys is None or self.headers.get("Authorization") in {f"Bearer {k}" for k in keys}:
                 return False
             self._json(401, {"error": {"message": "missing or invalid API key", "type": "authentication_error"}})
             return True
@@ -203,6 +208,8 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if self._refused():
                 return
+            with stub.lock:
+                stub.keys_used.append(self.headers.get("Authorization", "").removeprefix("Bearer "))
             self.rid = rid = self.headers.get("X-Request-Id", "")
             with stub.lock:
                 stub.received.append((rid, body))

@@ -5,109 +5,28 @@ rows: each row is the target's logits for the token after one node of the reques
 after its prompt), processed by the request's rules (``algo.logits_rules``) with that node's
 own path as history, and masked by what its grammar allows there. Greedy acceptance takes the
 argmax of the processed row, keyed sampling samples it, so the committed text is constrained
-plain decoding's whatever was drafted. Grammars are compiled by llguidance (``GrammarCompiler``):
-the request's matcher follows its committed output; a tree's masks fork it along each path
-(consume, compute the mask, roll back); draft paths are cut at the first token the grammar
+plain decoding's whatever was drafted. Grammars are compiled by llguidance, once per spec and
+off the event loop (``engine.owners.grammars``): a server awaits ``prepare`` before it adds
+the request. The request's matcher, a copy of the compiled one, follows its committed output;
+a tree's masks fork it along each path (consume, compute the mask, roll back); draft paths are cut at the first token the grammar
 forbids before TreeSelection (``prune``), so no verify slot is spent on them, and the tokens
 the grammar forces next join the tree as a path of their own.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from cosine_ray.algo.fusion import FusedPath
 from cosine_ray.algo.logits_rules import RowRules, apply_rules, unpack_bitmask
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.engine.request import Request, StructuredOutput
+from cosine_ray.engine.owners.grammars import GrammarCompiler, NoGrammars  # noqa: F401 (GrammarCompiler re-exported)
+from cosine_ray.engine.request import Request, RequestRefused
 
-GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
 GRAMMAR = "grammar"
 """Owner of the draft nodes a grammar forces (tokens no other token can replace there)."""
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""JSON is written as ``json.dumps`` writes it (a schema's ``x-guidance`` may override): free
-whitespace lets a model fill its tokens with blanks and never close the object."""
-
-
-class TokenizerLoader:
-    """The target's HF tokenizer, loaded on first ``load()``."""
-
-    def __init__(self, load: Callable[[], Any]) -> None:
-        self._load = load
-
-    def load(self) -> Any:
-        return self._load()
-
-
-class GrammarCompiler:
-    """Compiles ``StructuredOutput`` specs into llguidance matchers for one tokenizer (the
-    llguidance tokenizer is built once, on first use: about a second). ``tokenizer`` is the HF
-    tokenizer or a function that loads it: a server loads it (~100 MB) only when a request first
-    asks for a grammar."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        self.hf_tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self._tokenizer = None
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            import llguidance.hf
-            hf = self.hf_tokenizer
-            if isinstance(hf, TokenizerLoader):
-                hf = hf.load()
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
-        return self._tokenizer
-
-    @staticmethod
-    def grammar(spec: StructuredOutput) -> str:
-        """The llguidance grammar of ``spec``; ValueError for a spec that is not even well formed."""
-        from llguidance import LLMatcher, grammar_from
-
-        if spec.kind == "json_schema":
-            try:
-                return LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_LAYOUT)
-            except ValueError as exc:
-                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-        if spec.kind == "choice":
-            choices = json.loads(spec.value)
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise ValueError("choice must be a non-empty list of non-empty strings")
-            return grammar_from("choice", choices)
-        if spec.kind in ("regex", "lark"):
-            return grammar_from(spec.kind, spec.value)
-        raise ValueError(f"unknown grammar kind {spec.kind!r} (one of {', '.join(GRAMMAR_KINDS)})")
-
-    def check(self, spec: StructuredOutput) -> None:
-        """ValueError naming the problem if the engine cannot compile ``spec``."""
-        from llguidance import LLMatcher
-
-        error = LLMatcher.validate_grammar(self.grammar(spec), self.tokenizer)
-        if error:
-            raise ValueError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {error.strip()}")
-
-    def matcher(self, spec: StructuredOutput) -> Any:
-        from llguidance import LLMatcher
-
-        self.check(spec)
-        matcher = LLMatcher(self.tokenizer, self.grammar(spec), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {matcher.get_error()}")
-        return matcher
-
-
-class NoGrammars:
-    """An engine without a tokenizer: a request with a grammar is refused."""
-
-    def check(self, spec: StructuredOutput) -> None:
-        raise ValueError("structured outputs need the model's tokenizer; this engine has none")
-
-    def matcher(self, spec: StructuredOutput) -> Any:
-        self.check(spec)
 
 
 class Constraints:
@@ -119,18 +38,30 @@ class Constraints:
 
     # ---- arrival ---------------------------------------------------------------------------
     def check(self, params: Any) -> None:
-        """ValueError if the request's rules cannot be served."""
+        """RequestRefused if the request's rules cannot be served (its grammar is not compiled
+        here: ``prepare`` or ``check_grammar``)."""
         for token, _ in params.logit_bias:
             if not 0 <= token < self.vocab_size:
-                raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})")
+                raise RequestRefused(f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})",
+                                     "logit_bias")
         for token in params.stop_token_ids:
             if not 0 <= token < self.vocab_size:
-                raise ValueError(f"stop_token_ids: {token} is outside the vocabulary [0, {self.vocab_size})")
+                raise RequestRefused(f"stop_token_ids: {token} is outside the vocabulary [0, {self.vocab_size})",
+                                     "stop_token_ids")
+
+    async def prepare(self, params: Any) -> None:
+        """Compile the request's grammar off the event loop, or find it compiled (RequestRefused
+        if it cannot be): after this, ``start`` only copies it."""
+        if params.structured is not None:
+            await self.compiler.prepare(params.structured)
+
+    def check_grammar(self, params: Any) -> None:
+        """``prepare`` for a caller without an event loop to keep going: compiles here and now."""
         if params.structured is not None:
             self.compiler.check(params.structured)
 
     def start(self, request: Request) -> None:
-        """Compile the request's grammar (its matcher lives on the request)."""
+        """Give the request its own matcher (a copy of its grammar's compiled one)."""
         if request.params.structured is not None:
             request.grammar = self.compiler.matcher(request.params.structured)
 

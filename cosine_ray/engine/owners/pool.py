@@ -10,16 +10,29 @@
 
 The pool never touches a model or a drafter. Finished and aborted requests are queued for
 release; the step frees their state on the target and the drafters (``take_released``).
+
+Waiting requests are admitted fairly between tenants (``Request.tenant``: the API key's name,
+then OpenAI's ``user`` within it): ``next_waiting`` offers the waiting request of the tenant
+that runs the fewest requests, then of its user that runs the fewest, then the first in the
+queue (preempted requests first, then by arrival). So tenants take the running slots in turn,
+whatever one of them queued; requests of one tenant and user are first come first served.
+``over_share`` names what the scheduler may preempt for a tenant that waits below its share.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Iterable, Sequence
 
-from cosine_ray.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from cosine_ray.engine.request import (NO_TENANT, REFUSED, Request, RequestOutput, RequestRefused, RequestStatus,
+                                       SamplingParams, Tenant, merge_outputs)
 from cosine_ray.engine.types import Verified
+
+MIN_STEPS_BEFORE_FAIR_PREEMPTION = 4
+"""Decoding steps a request runs after its admission before it may be preempted for another
+tenant's share: each preemption costs a re-prefill (mostly prefix-cache hits), and a request
+is never preempted again before it made progress."""
 
 
 class RequestPool:
@@ -50,20 +63,22 @@ class RequestPool:
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot be served (before anything is queued)."""
         if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
+            raise RequestRefused("prompt must contain at least one token", "prompt")
         if any(not 0 <= int(t) < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise RequestRefused(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) exceeds the model length {self.max_model_len}")
+            raise RequestRefused(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                                 f"({params.max_tokens}) exceeds the model length {self.max_model_len}",
+                                 "max_tokens", "context")
 
-    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+            tenant: Tenant = NO_TENANT) -> Request:
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check(prompt_token_ids, params)
         key = None if params.seed is not None or self._keys is None else self._keys.getrandbits(64)
         request = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_ids,
-                          arrival_time=self.clock(), seed=key)
+                          arrival_time=self.clock(), seed=key, tenant=tenant)
         self.waiting.append(request)
         return request
 
@@ -96,12 +111,52 @@ class RequestPool:
         """Running requests of ``lane`` (None: all), in admission order."""
         return [r for r in self.running.values() if lane is None or r.lane == lane]
 
+    def next_waiting(self) -> Request | None:
+        """The waiting request to admit next (the module docstring's order), or None. A request
+        preempted since the step began is not offered: the stages free its KV first."""
+        if not self.waiting:
+            return None
+        tenants = Counter(r.tenant.name for r in self.running.values())
+        users = Counter(r.tenant for r in self.running.values())
+        best, best_key = None, None
+        for position, r in enumerate(self.waiting):
+            if r.request_id in self._preempted:
+                continue
+            key = (tenants[r.tenant.name], users[r.tenant], position)
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        return best
+
+    def over_share(self, request: Request) -> list[Request]:
+        """Running requests the scheduler may preempt so that ``request`` (waiting) gets in:
+        those of the tenant that runs the most, when it runs at least two more than
+        ``request``'s tenant (else, within ``request``'s tenant, of the user that runs at least
+        two more than its user), that no step is working on and that ran
+        ``MIN_STEPS_BEFORE_FAIR_PREEMPTION`` decoding steps since their admission. Latest
+        arrival first. Preempting them evens the shares; it never swaps two equal ones."""
+        running = list(self.running.values())
+        mine = request.tenant
+        tenants = Counter(r.tenant.name for r in running)
+        top = max(tenants, key=tenants.__getitem__, default=None)
+        if top is not None and top != mine.name and tenants[top] >= tenants[mine.name] + 2:
+            group = [r for r in running if r.tenant.name == top]
+        else:
+            users = Counter(r.tenant for r in running if r.tenant.name == mine.name)
+            top_user = max(users, key=users.__getitem__, default=None)
+            if top_user is None or top_user == mine or users[top_user] < users[mine] + 2:
+                return []
+            group = [r for r in running if r.tenant == top_user]
+        eligible = [r for r in group if not r.num_in_flight
+                    and r.num_decode_steps - r.decode_steps_at_admission >= MIN_STEPS_BEFORE_FAIR_PREEMPTION]
+        return sorted(eligible, key=lambda r: r.arrival_time, reverse=True)
+
     def admit(self, request: Request) -> None:
-        """The first waiting request joins the running batch, in the least loaded lane (S stages
-        get S equal micro-batches). It prefills when the scheduler says so."""
-        assert self.waiting and self.waiting[0] is request, request.request_id
-        self.waiting.popleft()
+        """The waiting request ``next_waiting`` offers joins the running batch, in the least
+        loaded lane (S stages get S equal micro-batches). It prefills when the scheduler says so."""
+        assert request is self.next_waiting(), request.request_id  # nobody overtakes the fair order
+        self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
+        request.decode_steps_at_admission = request.num_decode_steps
         if request.admitted_time is None:
             request.admitted_time = self.clock()
         loads = [0] * self.num_lanes
@@ -142,6 +197,9 @@ class RequestPool:
             request = self.running.get(outcome.request_id)
             if request is None:  # aborted (or failed) while this step was in flight
                 continue
+            if outcome.refusal is not None and not outcome.new_token_ids:  # its rules left no token
+                outputs.append(self._end(request, REFUSED, outcome.refusal))
+                continue
             first = not request.output_token_ids
             if outcome.prompt_logprobs is not None and first:
                 if outcome.prompt_logprobs[:1] == (None,):  # from the prompt's start (again, if preempted)
@@ -161,7 +219,24 @@ class RequestPool:
                 del self.running[request.request_id]
                 self._released.append(request)
                 self._completed.append(request)
+            elif outcome.refusal is not None:  # no token after these: it ends alone (module ``verifier``)
+                outputs[-1] = merge_outputs(outputs[-1], self._end(request, REFUSED, outcome.refusal))
         return outputs
+
+    def refuse(self, request_id: str, message: str) -> None:
+        """End a running request whose own rules leave no token (``REFUSED``); its output comes
+        with the next ``advance``."""
+        request = self.running.get(request_id)
+        if request is not None:
+            self._pending_outputs.append(self._end(request, REFUSED, message))
+
+    def _end(self, request: Request, reason: str, message: str) -> RequestOutput:
+        """Finish a running request with ``reason`` and ``message`` (an error, not a completion)."""
+        request.finish(reason)
+        del self.running[request.request_id]
+        self._released.append(request)
+        return RequestOutput(request.request_id, [], True, reason, len(request.prompt_token_ids),
+                             len(request.output_token_ids), request.stats, error=message)
 
     @property
     def to_release(self) -> tuple[str, ...]:
@@ -195,9 +270,4 @@ class RequestPool:
             request.kv_epoch += 1
             if recovered and request.num_restores <= self.max_restores:
                 continue
-            request.finish("error")
-            del self.running[request.request_id]
-            self._released.append(request)
-            self._pending_outputs.append(RequestOutput(
-                request.request_id, [], True, "error", len(request.prompt_token_ids),
-                len(request.output_token_ids), request.stats, error=f"target unavailable: {reason}"))
+            self._pending_outputs.append(self._end(request, "error", f"target unavailable: {reason}"))

@@ -1,8 +1,9 @@
 """The batch scheduler: which requests run this step, which waiting ones are admitted, and
 the price TreeSelection applies to each drafted tree (CoSine eq. 5-8, Algorithm 2).
 
-``schedule(lane)`` runs its jobs in order: admit (first come, least loaded lane, while the KV
-pool has room; a new request takes its cached prefix), plan twins, fit the step's token
+``schedule(lane)`` runs its jobs in order: admit (fairly between tenants, ``RequestPool.next_waiting``,
+into the least loaded lane, while the KV pool has room; a new request takes its cached prefix;
+a tenant below its share preempts a request of one above it), plan twins, fit the step's token
 budget (decodes and trees first, then prompt chunks), decide the batch (the LP or first come,
 ``BatchPolicy``), reserve each chosen request's KV (preempting the request that arrived last
 when it does not fit), record, price the trees (λ of eq. 8 over the guard's level, the drain
@@ -17,6 +18,7 @@ uses the prediction; γ_i uses the real tree.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -99,6 +101,9 @@ class BatchScheduler:
         """Running requests at the last admission, or more since: fewer now, and nothing
         waiting, means the pool drains."""
         self.num_preemptions = 0
+        """Requests preempted for KV memory."""
+        self.num_fair_preemptions = 0
+        """Requests preempted so that a tenant below its fair share got in (``_admit``)."""
 
     @property
     def guard(self) -> SpeculationGuard | None:
@@ -143,18 +148,25 @@ class BatchScheduler:
 
     # ---- the jobs of a step, in order -------------------------------------------------------
     def _admit(self) -> None:
-        """First come into the running batch while it has room and the KV pool can hold the
-        next one's whole context (less its cached prefix, which it takes) and a token more: its
-        blocks are reserved now. A request that does not fit takes nothing: preempted requests
-        waiting with their cached prefixes pinned would fill the pool and stall every one. Remember the largest batch since an admission."""
+        """Admit waiting requests in the pool's fair order (``RequestPool.next_waiting``) while
+        the running batch has room and the KV pool can hold the next one's whole context (less
+        its cached prefix, which it takes) and a token more: its blocks are reserved now. A
+        request that does not fit takes nothing and nobody overtakes it: preempted requests
+        waiting with their cached prefixes pinned would fill the pool and stall every one. But
+        when its tenant runs fewer requests than another (``RequestPool.over_share``), one of
+        the other's is preempted for it: resumed later by recomputing its context (mostly
+        prefix-cache hits), with the same text. Remember the largest batch since an admission."""
         pool, kv = self.pool, self.kv
         before = len(pool.running)
-        while pool.waiting and len(pool.running) < self.config.max_num_seqs:
-            request = pool.waiting[0]
+        while (request := pool.next_waiting()) is not None:
+            if len(pool.running) >= self.config.max_num_seqs or not kv.can_fit(kv.blocks_to_admit(request)):
+                victims = pool.over_share(request)
+                if not victims:
+                    break  # it waits for a slot or blocks, holding none, and nobody overtakes it
+                self.preempt(victims[0], fair=True)
+                continue
             if not request.prefix_looked_up and self._prefix_in_flight(request):
                 break  # it takes the blocks from the cache once they are computed
-            if not kv.can_fit(kv.blocks_to_admit(request)):
-                break  # it waits for blocks, holding none, and nobody overtakes it
             kv.take_cached_prefix(request)
             kv.ensure(request, request.num_tokens)
             pool.admit(request)
@@ -225,15 +237,22 @@ class BatchScheduler:
         return [r for r in requests if r.request_id in kept]
 
     def _last_arrived(self) -> Request | None:
-        """The running request that arrived last among those no step is working on."""
-        candidates = [r for r in self.pool.running.values() if not r.num_in_flight]
-        return max(candidates, key=lambda r: r.arrival_time, default=None)
+        """The running request that arrived last among those no step is working on, of the
+        tenant that runs the most requests (the memory goes to the others' first)."""
+        running = self.pool.running.values()
+        tenants = Counter(r.tenant.name for r in running)
+        candidates = [r for r in running if not r.num_in_flight]
+        return max(candidates, key=lambda r: (tenants[r.tenant.name], r.arrival_time), default=None)
 
-    def preempt(self, request: Request) -> None:
-        """Free the request's KV and send it back to the queue; it resumes with the same text."""
+    def preempt(self, request: Request, *, fair: bool = False) -> None:
+        """Free the request's KV and send it back to the queue; it resumes with the same text.
+        ``fair``: for another tenant's share, not for memory."""
         self.kv.free(request)
         self.pool.preempt(request)
-        self.num_preemptions += 1
+        if fair:
+            self.num_fair_preemptions += 1
+        else:
+            self.num_preemptions += 1
 
     def _reserve_trees(self, batch: StepBatch) -> None:
         """KV slots for the draft trees (root + γ_i); a tree the pool cannot hold is not drafted."""

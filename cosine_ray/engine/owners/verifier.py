@@ -11,6 +11,12 @@ else was in the batch. A request with rules (penalties, bias, min_tokens, a gram
 ``engine.owners.constraints``) or log-probabilities ships logits rows; acceptance then uses each
 row's processed scores. Every verified request yields a ``Verified``: its new tokens, the KV
 slots to keep (the commit) and, when asked, the target's log-probabilities of those tokens.
+
+A request whose rules mask every token of a row its next token comes from (a grammar whose
+only tokens are stop tokens that ``min_tokens`` holds back; ``logit_bias`` of -inf on every
+token) has no next token in plain decoding either: its ``Verified`` keeps the tokens before
+that row and carries a ``refusal`` (``NoTokenLeft``), and the request ends there alone (unless
+one of those tokens ends it first), while the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -107,20 +113,58 @@ class Verifier:
         outcomes = []
         for (request, item, tree), item_logits in zip(work, logits):
             if tree is None:
-                outcomes.append(_prefilled(request, item, item_logits))
-            else:
-                result = self._accept(request, tree, item_logits, root_position=item.start_position)
-                rows = (0,) + result.accepted_node_ids  # row of each new token's parent node
-                outcomes.append(Verified(request.request_id, result.new_token_ids, rows, result,
-                                         logprobs=_logprobs(request, item_logits, rows, result.new_token_ids)))
+                try:
+                    outcomes.append(_prefilled(request, item, item_logits))
+                except NoTokenLeft as exc:
+                    outcomes.append(Verified(request.request_id, (), tuple(range(len(item.token_ids))),
+                                             refusal=str(exc)))
+                continue
+            result, none_left = self._accept(request, tree, item_logits, root_position=item.start_position)
+            rows = (0,) + result.accepted_node_ids  # row of each new token's parent node
+            tokens, refusal = result.new_token_ids, None
+            if none_left is not None:  # the tokens before it stand; the request ends unless they end it
+                tokens, rows = tokens[:none_left], rows[:max(none_left, 1)]
+                refusal = str(NoTokenLeft(len(request.output_token_ids) + none_left))
+            outcomes.append(Verified(request.request_id, tokens, rows, result, refusal=refusal,
+                                     logprobs=_logprobs(request, item_logits, rows[:len(tokens)], tokens)))
         return VerifiedBatch(outcomes, tuple(i.start_position for i in items), tuple(len(i.token_ids) for i in items),
                              seconds, idle)
 
-    def _accept(self, request: Request, tree: TokenTree, logits: torch.Tensor, *, root_position: int) -> VerifyResult:
-        processed = scores(request, logits, tree)
+    def _accept(self, request: Request, tree: TokenTree, logits: torch.Tensor, *,
+                root_position: int) -> tuple[VerifyResult, int | None]:
+        """The tree's verification, and the index of the first new token whose row its rules
+        masked whole (None: none was): plain decoding has no such token, so the request ends
+        there, unless a token before it ends the request first (``Request.append``)."""
+        processed, dead = _live_scores(request, scores(request, logits, tree))
         if request.params.is_greedy:
-            return verify_greedy(tree, processed)
-        return verify_keyed(tree, _probs(request, processed), seed=request.seed, root_position=root_position)
+            result = verify_greedy(tree, processed)
+        else:
+            result = verify_keyed(tree, _probs(request, processed), seed=request.seed, root_position=root_position)
+        if dead is not None:
+            for index, node in enumerate((0,) + result.accepted_node_ids):
+                if dead[node]:
+                    return result, index
+        return result, None
+
+
+class NoTokenLeft(Exception):
+    """A request's rules mask every token of the row its next token would come from."""
+
+    def __init__(self, num_output_tokens: int) -> None:
+        super().__init__(f"no token is allowed after {num_output_tokens} output tokens: the request's grammar, "
+                         "min_tokens, stop_token_ids and logit_bias together mask every token")
+
+
+def _live_scores(request: Request, processed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``processed  # [n, vocab]`` with every row that its rules masked whole set to zeros (so
+    argmax and sampling stay defined: such a row's token is never used), and which rows those
+    are (``[n]`` bool; None when there are none, always for a request without rules)."""
+    if request.rules is None and request.grammar is None:
+        return processed, None
+    dead = ~(processed > -float("inf")).any(dim=-1)  # [n]
+    if not bool(dead.any()):
+        return processed, None
+    return processed.masked_fill(dead[:, None], 0.0), dead
 
 
 def _wants_prompt_rows(request: Request) -> bool:
@@ -131,7 +175,7 @@ def _wants_prompt_rows(request: Request) -> bool:
 def _logprobs(request: Request, logits: torch.Tensor, rows: tuple[int, ...],
               token_ids: tuple[int, ...]) -> tuple[TokenLogprob, ...] | None:
     k = request.params.logprobs
-    if k is None:
+    if k is None or not token_ids:
         return None
     return tuple(token_logprobs(logits[list(rows)], token_ids, k))
 
@@ -163,10 +207,13 @@ def _probs(request: Request, logits: torch.Tensor) -> torch.Tensor:
 def target_token(request: Request, logits: torch.Tensor, *, position: int) -> int:
     """The target's own token at absolute ``position`` from the logits [1, vocab] of the token
     before it (or, for a greedy request, its argmax [1]): argmax, or the keyed sample (what
-    plain sampling with the request's seed draws), of the request's processed scores."""
+    plain sampling with the request's seed draws), of the request's processed scores.
+    ``NoTokenLeft`` when they allow none."""
     if logits.ndim == 1:
         return int(logits[0])
-    processed = scores(request, logits)
+    processed, dead = _live_scores(request, scores(request, logits))
+    if dead is not None:
+        raise NoTokenLeft(len(request.output_token_ids))
     if request.params.is_greedy:
         return int(processed[0].argmax())
     return int(sample_keyed(_probs(request, processed), seed=request.seed, positions=[position])[0])

@@ -14,9 +14,10 @@ decides at once (a refusal carries ``Retry-After``), in this order:
 4. otherwise a key beyond its fair share gets 429 (it is the one to slow down), and a key within
    it (past the overcommit, or the only key) 503 ``server_overloaded``.
 
-Fairness is between keys, per replica; the engine's queue is first come first served (docs/api.md,
-Tenants). ``admit`` never awaits, so the counts are exact under any concurrency; the per-key
-totals also feed the metrics (``metrics_totals``).
+Fairness is between keys, per replica; the engine then shares its running slots between keys
+the same way (``engine.owners.pool``; docs/api.md, Tenants). ``admit`` never awaits, so the
+counts are exact under any concurrency; the per-key totals also feed the metrics
+(``metrics_totals``).
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ def test_admit_takes_the_first_waiting_request_and_stamps_the_clock_once():
     assert first.status is RequestStatus.RUNNING and first.admitted_time == 7.0
     assert pool.waiting[0].status is RequestStatus.WAITING and pool.waiting[0].arrival_time == 5.0
     pool.preempt(first)
+    assert pool.next_waiting() is pool.waiting[1]  # not before the stages freed its KV (the next step)
+    assert pool.take_preempted() == ["r0"]
     clock.now = 9.0
     pool.admit(first)
     assert first.admitted_time == 7.0  # resumed, not admitted anew
