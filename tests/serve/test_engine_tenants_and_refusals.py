@@ -14,7 +14,7 @@ from support.serve_fakes import IdTokenizer, RecordingEngine
 
 from cosine_ray.engine.request import REFUSED, RequestOutput, RequestRefused, Tenant
 from cosine_ray.serve.openai_app import build_openai_app
-from cosine_ray.serve.tenants import parse_key_file
+from cosine_ray.serve.guards.tenants import parse_key_file
 
 COMP = "/v1/completions"
 KEYS = "alice-0123456789 name=alice\nbob-0123456789 name=bob\n"
