@@ -336,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = resolve_checkpoint("smollm2-135m")
     tokenizer = checkpoint.load_tokenizer()
-    if modes == ["prefill"]:
-        return run_prefill(args, server_bin, files, tokenizer)
-    modes = [m for m in modes if m != "prefill"]
+    if "prefill" in modes:
+        run_prefill(args, server_bin, files, tokenizer)
+        modes = [m for m in modes if m != "prefill"]
+        if not modes:
+            return 0
     prompts = [encode_prompt(tokenizer, t) for _, t in held_back_prompts(None, args.prompts_per_domain)]
     hf_texts = None
     if not args.no_hf:
