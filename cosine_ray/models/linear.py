@@ -4,18 +4,27 @@ A dense weight (:class:`DenseLinear`) in fp32 on CPU goes to our own kernels (``
 where they build; otherwise, and in half precision, it is pre-packed for oneDNN; elsewhere (CUDA,
 or a dtype oneDNN cannot pack on this CPU) it is kept transposed and applied as ``x @ w_t``. A
 GGUF weight (:class:`QuantLinear`) stays quantized: on our kernels on CPU, through PyTorch's int4
-kernels elsewhere. ``COSINE_RAY_CPU_GEMM`` (``blocked``, the default, ``onednn`` or ``mkl``) picks
-the CPU kernel; ``projection`` picks the class for a stage's weights.
+kernels elsewhere, where its format has an int4 form (``quant.INT4_FORMATS``); a format without
+one is dequantized there, said once in the log. Rows of one projection in different formats (a
+layer's q and k in one, v in another, as llama.cpp's ``_M`` files mix them) are a
+:class:`StackedLinear`, each part in its own. ``COSINE_RAY_CPU_GEMM`` (``blocked``, the default,
+``onednn`` or ``mkl``) picks the CPU kernel; ``projection`` picks the class for a stage's weights.
 """
 
 from __future__ import annotations
 
+import logging
+from itertools import groupby
 from typing import Sequence
 
 import torch
 
 from cosine_ray.models import kernels
-from cosine_ray.models.weights.quant import GROUP, QuantTensor, as_dense, is_quantized
+from cosine_ray.models.weights.quant import GROUP, INT4_FORMATS, QuantTensor, as_dense, is_quantized
+
+logger = logging.getLogger(__name__)
+_DEQUANTIZED: set[tuple[str, str]] = set()
+"""(format, device type) already said to be dequantized."""
 
 
 def onednn_available() -> bool:
@@ -196,22 +205,90 @@ class QuantLinear:
         return y if self.bias is None else y + self.bias
 
 
-Projection = DenseLinear | QuantLinear
+class StackedLinear:
+    """One projection whose rows come in parts of different kinds (GGUF formats, or dense), each a
+    projection of its own: their outputs side by side, in order."""
+
+    __slots__ = ("parts", "out_features")
+
+    def __init__(self, parts: "list[DenseLinear | QuantLinear]") -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def blocked(self) -> bool | None:
+        """True where every part runs on our kernels (``kernel_operand``), else None."""
+        return True if all(p.blocked is not None for p in self.parts) else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one multiplication reads (the parts' weights)."""
+        return sum(weight_bytes(p) for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+Projection = DenseLinear | QuantLinear | StackedLinear
+
+
+def weight_bytes(m: Projection) -> int:
+    """Bytes one application of ``m`` reads from its weights."""
+    if isinstance(m, (QuantLinear, StackedLinear)):
+        return m.nbytes
+    if m.blocked is not None:
+        return m.out_features * m.blocked.shape[1] * 4  # the padding is never read for real rows
+    w = m.packed if m.packed is not None else m.w_t
+    return w.numel() * w.element_size()
 
 
 def projection(parts: Sequence[torch.Tensor | QuantTensor], bias: torch.Tensor | None = None, *,
                dtype: torch.dtype, device: torch.device) -> Projection:
-    """One projection over the rows of ``parts`` stacked (a checkpoint's q, k and v, say): kept
-    quantized where they all are, in one GGUF format, dense in ``dtype`` on ``device`` otherwise."""
-    if all(is_quantized(p) for p in parts) and len({p.fmt for p in parts}) == 1:
-        return QuantLinear(QuantTensor.cat(list(parts)), dtype=dtype, device=device, bias=bias)
-    return DenseLinear(torch.cat([as_dense(p).to(device=device, dtype=dtype).contiguous() for p in parts]), bias)
+    """One projection over the rows of ``parts`` stacked (a checkpoint's q, k and v, say): each run
+    of parts in one GGUF format kept quantized in it (``quantized``), dense ones in ``dtype`` on
+    ``device``; a :class:`StackedLinear` of the runs where there are several."""
+    runs = [list(run) for _, run in groupby(parts, key=lambda p: p.fmt if is_quantized(p) else None)]
+    built, start = [], 0
+    for run in runs:
+        rows = sum(int(p.shape[0]) for p in run)
+        part_bias = None if bias is None else bias[start:start + rows]
+        start += rows
+        if is_quantized(run[0]):
+            built.append(quantized(QuantTensor.cat(run), part_bias, dtype=dtype, device=device))
+        else:
+            built.append(DenseLinear(torch.cat([p.to(device=device, dtype=dtype).contiguous() for p in run]), part_bias))
+    return built[0] if len(built) == 1 else StackedLinear(built)
 
 
-def kernel_operand(m: Projection) -> "tuple[torch.Tensor | kernels.BlockedQuant, torch.Tensor | None, int, int] | None":
-    """``m`` as ``kernels.FusedLayer`` takes a projection, (blocks, padded bias or None, N, K),
-    where it runs on our kernels; None elsewhere."""
+def quantized(weight: QuantTensor, bias: torch.Tensor | None = None, *, dtype: torch.dtype,
+              device: torch.device) -> "QuantLinear | DenseLinear":
+    """``weight`` kept quantized (our kernels, or an int4 form), or dequantized to ``dtype`` where
+    ``device`` has no kernel for its format (said once a format)."""
+    device = torch.device(device)
+    if kernels.used_on(device) or weight.fmt in INT4_FORMATS:
+        return QuantLinear(weight, dtype=dtype, device=device, bias=bias)
+    if (weight.fmt, device.type) not in _DEQUANTIZED:
+        _DEQUANTIZED.add((weight.fmt, device.type))
+        logger.warning("weights native: GGUF %s has no int4 form for PyTorch's kernels on %s: its projections "
+                       "are dequantized to %s (the file's weights, at dense speed)", weight.fmt, device.type,
+                       str(dtype).removeprefix("torch."))
+    return DenseLinear(weight.dequantize().to(device=device, dtype=dtype).contiguous(), bias)
+
+
+def bf16_activations(m: Projection) -> bool:
+    """``m`` rounds its input to bf16 (PyTorch's int4 kernels, on CPU off our kernels)."""
+    if isinstance(m, StackedLinear):
+        return any(bf16_activations(p) for p in m.parts)
+    return isinstance(m, QuantLinear) and m.blocked is None
+
+
+def kernel_operand(m: Projection) -> "tuple | list[tuple] | None":
+    """``m`` as ``kernels.FusedLayer`` takes a projection, (blocks, padded bias or None, N, K) (a
+    :class:`StackedLinear`: a list of them, one a part), where it runs on our kernels; None
+    elsewhere."""
     if m.blocked is None:
         return None
+    if isinstance(m, StackedLinear):
+        return [kernel_operand(p) for p in m.parts]
     k = m.in_features if isinstance(m, QuantLinear) else int(m.blocked.shape[1])
     return m.blocked, m.blocked_bias, m.out_features, k

@@ -30,7 +30,7 @@ from cosine_ray.models.attention import (AttentionPlan, PaddedInputs, attend, at
                                          padded_plan, plan_attention, query_bucket)
 from cosine_ray.models.config import ModelConfig
 from cosine_ray.models.kv_cache import KVCache
-from cosine_ray.models.linear import DenseLinear, Projection, QuantLinear, kernel_operand, projection
+from cosine_ray.models.linear import DenseLinear, Projection, bf16_activations, kernel_operand, projection
 from cosine_ray.models.weights.quant import QuantEmbedding, as_dense, is_quantized
 
 
@@ -212,8 +212,7 @@ class LlamaStage:
             self.fused, config.num_heads, config.num_kv_heads, config.head_dim)
         """The same layers run by one C call a step, attention included (``forward``'s steps)."""
         self.wide_attention = self.device.type == "cpu" and any(
-            isinstance(m, QuantLinear) and m.blocked is None
-            for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            bf16_activations(m) for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
         """Attention in float64 (``models.attention._sdpa``): on CPU where bf16 roundings follow it
         (PyTorch's int4 kernels' activations), so that a row's logits do not depend on its batch.
         Our own kernel (``kernels.qgemm``) rounds each row alone (8 bits a group of 32) and a

@@ -15,9 +15,12 @@ from gguf.quants import quantize
 from cosine_ray.models import kernels, linear
 from cosine_ray.models.kernels import build
 from cosine_ray.models.linear import QuantLinear
-from cosine_ray.models.weights.quant import FORMATS, QuantTensor
+from cosine_ray.models.weights.quant import FORMATS, K_FORMATS, QuantTensor
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built here")
+
+GROUP_FORMATS = sorted(set(FORMATS) - set(K_FORMATS))
+"""The formats of 32-weight blocks, which ``gguf`` quantizes (the K formats: ``test_k_quants``)."""
 
 SHAPES = [(1, 576, 960), (3, 576, 49), (17, 1536, 576), (64, 40, 100), (9, 7, 33), (130, 64, 32)]
 """(rows, in, out): the model's shapes and ragged ones (out not a multiple of 32, odd in)."""
@@ -135,7 +138,7 @@ def pack(q: QuantTensor) -> kernels.BlockedQuant:
 QUANT_SHAPES = [(1, 576, 960), (3, 64, 49), (9, 1536, 64), (17, 96, 100)]
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", GROUP_FORMATS)
 @pytest.mark.parametrize("rows,k,n", QUANT_SHAPES)
 def test_quant_products_are_the_files_weights_times_the_rounded_rows_within_fp32_rounding(fmt, rows, k, n):
     q = quant_weight(fmt, n, k, seed=rows)
@@ -155,7 +158,7 @@ def call_quant(x: torch.Tensor, packed: kernels.BlockedQuant) -> tuple[torch.Ten
     rows, k = x.shape
     y, scratch = torch.empty(rows, packed.out_features), kernels.quant_scratch(rows, k)
     build.library().cr_linear_q(x.data_ptr(), k, packed.codes.data_ptr(), packed.kind, packed.scales.data_ptr(),
-                                None if packed.mins is None else packed.mins.data_ptr(), None, y.data_ptr(),
+                                None if packed.mins is None else packed.mins.data_ptr(), None, None, y.data_ptr(),
                                 packed.out_features, rows, packed.out_features, k, scratch.data_ptr(), 2)
     return y, scratch
 
@@ -194,7 +197,7 @@ def test_the_fp32_products_do_not_depend_on_the_vector_width(flags, tmp_path):
                            kernels.linear(x, packed, n, bias))
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", GROUP_FORMATS)
 @pytest.mark.parametrize("flags", [("-mno-avx512vnni", "-mno-avxvnni"), ("-mno-avx512f",), ("-mno-avx2",)])
 def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_path):
     """The library built without VNNI (plain C integer loops), without AVX-512 (AVX2's 8-lane
@@ -208,7 +211,7 @@ def test_the_integer_sums_do_not_depend_on_the_instruction_set(fmt, flags, tmp_p
     assert torch.equal(kernels.linear_quant(x, packed, lib=build.load(lib)), kernels.linear_quant(x, packed))
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", GROUP_FORMATS)
 @pytest.mark.parametrize("rows,k,n", QUANT_SHAPES)
 def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt, rows, k, n):
     packed = pack(quant_weight(fmt, n, k, seed=7))
@@ -226,7 +229,7 @@ def test_quant_rows_are_the_same_alone_in_any_batch_and_on_any_thread_count(fmt,
     assert torch.equal(kernels.linear_quant(x[rows // 3:], packed), whole[rows // 3:])
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", GROUP_FORMATS)
 def test_every_split_of_rows_into_tiles_gives_a_row_its_bits(fmt):
     """1 to 13 rows go in tiles of 1 to 6 rows (9 rows: 5 + 4; 13: 5 + 4 + 4): whichever tile
     computed a row, its product is the one the row gets alone."""

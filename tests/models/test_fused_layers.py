@@ -150,6 +150,24 @@ def test_a_cpu_stage_fuses_its_layers_by_default_and_not_when_told(tiny_checkpoi
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def prefill_logits(stage: LlamaStage, ids: list[int], pieces: list[int], beside: list[int] | None = None) -> torch.Tensor:
+    """Every logit of prompt ``ids`` prefilled in chunks of ``pieces`` tokens (continued chains),
+    each chunk beside another request's prompt ``beside`` where given."""
+    cache = stage.new_kv_cache()
+    cache.allocate("r")
+    out, start = [], 0
+    for n in pieces:
+        rids, chains, starts = ["r"], [ids[start:start + n]], [start]
+        if beside is not None:
+            cache.allocate("o")
+            rids, chains, starts = ["o", "r"], [beside, *chains], [0, start]
+        logits = stage.forward(StageBatch.from_chains(rids, chains, starts, last_logits_only=False), cache)
+        out.append(logits[-n:])
+        cache.commit("r")
+        start += n
+    return torch.cat(out)
+
+
 def test_a_fused_stage_gives_a_prompt_the_same_bits_however_it_is_prefilled(tiny_checkpoint):
     """Every row of a fused stage attends through ``attend_rows``, prefill chains included: a
     61-token prompt prefilled in one piece, in chunks of 40, 1 and 20 (continued chains), and in
@@ -161,19 +179,7 @@ def test_a_fused_stage_gives_a_prompt_the_same_bits_however_it_is_prefilled(tiny
     other = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(9)).tolist()
 
     def prefill(pieces, beside=None) -> torch.Tensor:
-        cache = stage.new_kv_cache()
-        cache.allocate("r")
-        out, start = [], 0
-        for n in pieces:
-            rids, chains, starts = ["r"], [ids[start:start + n]], [start]
-            if beside is not None:
-                cache.allocate("o")
-                rids, chains, starts = ["o", "r"], [beside, *chains], [0, start]
-            logits = stage.forward(StageBatch.from_chains(rids, chains, starts, last_logits_only=False), cache)
-            out.append(logits[-n:])
-            cache.commit("r")
-            start += n
-        return torch.cat(out)
+        return prefill_logits(stage, ids, pieces, beside)
 
     whole = prefill([61])
     assert torch.equal(prefill([40, 1, 20]), whole)

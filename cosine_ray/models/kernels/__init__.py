@@ -16,13 +16,13 @@ files. ``build`` compiles all the ``.c`` files in one compiler call into one sha
 ``COSINE_RAY_FUSED_LAYERS`` say where it is used.
 """
 
-from cosine_ray.models.kernels.attention import ROW_TILE, attend_rows
+from cosine_ray.models.kernels.attention import TILE_VECTORS, attend_rows
 from cosine_ray.models.kernels.build import ENV, FUSED_ENV, KERNELS, available, choice, fused_on, source_digest, used_on
 from cosine_ray.models.kernels.gemm import BLOCK, linear, pack, pad_bias, unpack
 from cosine_ray.models.kernels.layer import MAX_HEAD_DIM, FusedLayer, LayerScratch
 from cosine_ray.models.kernels.qgemm import QUANT_KINDS, BlockedQuant, linear_quant, pack_quant, quant_scratch, round_rows
 from cosine_ray.models.kernels.stage import FusedStack
 
-__all__ = ["BLOCK", "ENV", "FUSED_ENV", "KERNELS", "MAX_HEAD_DIM", "QUANT_KINDS", "ROW_TILE", "BlockedQuant", "FusedLayer",
+__all__ = ["BLOCK", "ENV", "FUSED_ENV", "KERNELS", "MAX_HEAD_DIM", "QUANT_KINDS", "TILE_VECTORS", "BlockedQuant", "FusedLayer",
            "FusedStack", "LayerScratch", "attend_rows", "available", "choice", "fused_on", "linear", "linear_quant",
            "pack", "pack_quant", "pad_bias", "quant_scratch", "round_rows", "source_digest", "unpack", "used_on"]

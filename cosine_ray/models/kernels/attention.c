@@ -1,9 +1,13 @@
 /* Attention of a step's query rows over the KV pool: every query row of a fused stage's step,
- * prefill chains included (cr_attend_rows says how a row is computed). q, out: row stride ldq /
- * ldo floats, heads * hd each; kpool, vpool [slots][kv_heads][hd].
+ * prefill chains, token trees and decodes alike. q, out: row stride ldq / ldo floats, heads * hd
+ * each; kpool, vpool [slots][kv_heads][hd].
  *
- * Invariant: a row's output depends only on its query and its keys, never on the other rows of
- * the call, on how a prompt was split into chunks or on the thread count. */
+ * One arithmetic for every row (cr_attend_rows states it), computed in blocked tiles: a tile of
+ * query rows against a tile of keys for the scores, a tile of rows against the value vectors
+ * for the output, each tile's sums held in registers. Which rows share a tile never changes
+ * what a row computes, only how many loads serve it: a row's output depends only on its query
+ * and its keys, never on the other rows of the call, on how a prompt was split into chunks, on
+ * the thread count or on the vector width (16 lanes with AVX-512, 8 otherwise). */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -12,51 +16,43 @@
 #include "kernels.h"
 #include "simd.h"
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+#define NH (16 / VL)  /* vectors in a 16-lane chunk of a head */
 
-/* the 16 lanes' sum, halves added pairwise: one fixed order */
-static inline float hsum16(v16 v) {
+/* A score is a 16-lane sum: lane l runs a chain of fused multiply-adds over the head's floats
+ * l, 16 + l, 32 + l, ... (the first a plain product), and the 16 lanes are then added pairwise
+ * (l + l + 8, then + 4, + 2, + 1): the order of hsum_lanes. A score tile reduces TP pairs (row,
+ * key) at once, lane t of the result the pair t: 16 pairs in one transposing butterfly with
+ * 16-lane registers, 4 pairs with 8-lane ones (there the lanes l and l + 8 live in two registers
+ * and their sum is a vertical add). */
+#if VL == 16
+#define TP 16
+#else
+#define TP 4
+#endif
+
+/* the 16 lanes of a chunk's sums (NH vectors) added in the fixed order */
+static inline float hsum_lanes(const vf *s) {
+#if VL == 16
+    v16 v = s[0];
+    typedef float v8 __attribute__((vector_size(32)));
     v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vf a = s[0] + s[1];
+#endif
+    typedef float v4 __attribute__((vector_size(16)));
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* a . b over n floats, serially (heads whose width is not a multiple of 16) */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s = 0;
-    for (int64_t j = 0; j < n; j++) s += a[j] * b[j];
-    return s;
-}
-
-/* e^x for 16 lanes of x <= 0 (x below -87 gives e^-87): Cephes' expf, a degree-6 polynomial
- * on x - n ln 2 and 2^n from the exponent bits; within 2 ulp of expf, the same bits for a lane
- * whatever its neighbours */
-static inline v16 exp16(v16 x) {
-    const v16 lo = (v16){} - 87.0f, log2e = (v16){} + 1.44269504088896341f, magic = (v16){} + 12582912.0f;
-    vi16 low = x < lo;
-    x = (v16)(((vi16)lo & low) | ((vi16)x & ~low));
-    v16 n = (x * log2e + magic) - magic;  /* round to nearest */
-    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = (v16){} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    return p * (v16)((__builtin_convertvector(n, vi16) + 127) << 23);
-}
-
-/* 16 keys' dot products at once: acc[k] holds key k's 16 lane partials; the result's lane k is
- * their sum, halves added pairwise (the same order as hsum16), whichever keys share the call */
-static inline v16 hsum16x16(const v16 *acc) {
+/* TP pairs' lane partials -> their sums, lane t for pair t (hsum_lanes' order for each) */
+static inline vf reduce_pairs(vf (*acc)[NH]) {
+#if VL == 16
     v16 r[8], u[4], w[2];
     for (int p = 0; p < 8; p++)
-        r[p] = __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        r[p] = __builtin_shufflevector(acc[2 * p][0], acc[2 * p + 1][0], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(acc[2 * p][0], acc[2 * p + 1][0], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     for (int p = 0; p < 4; p++)
         u[p] = __builtin_shufflevector(r[2 * p], r[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
                __builtin_shufflevector(r[2 * p], r[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -65,96 +61,209 @@ static inline v16 hsum16x16(const v16 *acc) {
                __builtin_shufflevector(u[2 * p], u[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf a[4];
+    for (int t = 0; t < 4; t++) a[t] = acc[t][0] + acc[t][1];  /* lanes l + l + 8 */
+    vf r0 = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(a[0], a[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    vf r1 = __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(a[2], a[3], 4, 5, 6, 7, 12, 13, 14, 15);
+    vf u = __builtin_shufflevector(r0, r1, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(r0, r1, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(u, u, 0, 2, 4, 6, 0, 2, 4, 6) + __builtin_shufflevector(u, u, 1, 3, 5, 7, 1, 3, 5, 7);
+#endif
 }
 
-static const float zero_key[MAX_HEAD_DIM];
+/* a . b over n floats, serially (heads whose width is not a multiple of 16) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0;
+    for (int64_t j = 0; j < n; j++) s = __builtin_fmaf(a[j], b[j], s);
+    return s;
+}
 
-#define ROW_TILE 8  /* rows of one key list attended together: each key and value read once for them */
+/* e^x for each lane of x <= 0 (x below -87 gives e^-87): Cephes' expf, a degree-6 polynomial
+ * on x - n ln 2 and 2^n from the exponent bits; within 2 ulp of expf, the same bits for a lane
+ * whatever its neighbours and the vector width */
+static inline vf expv(vf x) {
+    const vf lo = (vf){} - 87.0f, log2e = (vf){} + 1.44269504088896341f, magic = (vf){} + 12582912.0f;
+    vi low = x < lo;
+    x = (vf)(((vi)lo & low) | ((vi)x & ~low));
+    vf n = fmav(x, log2e, magic) - magic;  /* round to nearest */
+    vf r = fmav(n, (vf){} + 2.12194440e-4f, fmav(n, (vf){} - 0.693359375f, x));
+    vf p = (vf){} + 1.9875691500e-4f;
+    p = fmav(p, r, (vf){} + 1.3981999507e-3f);
+    p = fmav(p, r, (vf){} + 8.3334519073e-3f);
+    p = fmav(p, r, (vf){} + 4.1665795894e-2f);
+    p = fmav(p, r, (vf){} + 1.6666665459e-1f);
+    p = fmav(p, r, (vf){} + 5.0000001201e-1f);
+    p = fmav(p, r * r, r) + 1.0f;
+    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
 
-/* o += sum over k < nk of p[k] * v[k] (hd floats), k in order: each float a chain of fused
- * multiply-adds, held in a register across the nk keys (v16 lanes when hd % 16 == 0) */
-static inline void add_scaled(float *o, const float *p, const float *const *v, int nk, int64_t hd) {
-    if (hd % 16) {
-        for (int k = 0; k < nk; k++)
-            for (int64_t j = 0; j < hd; j++) o[j] += p[k] * v[k][j];
-        return;
-    }
-    int64_t j = 0;
-    for (; j + 64 <= hd; j += 64) {  /* four chains in flight, k outermost: each float's chain still runs k in order */
-        v16 a0 = load16(o + j), a1 = load16(o + j + 16), a2 = load16(o + j + 32), a3 = load16(o + j + 48);
-        for (int k = 0; k < nk; k++) {
-            const float *vk = v[k] + j;
-            a0 += p[k] * load16(vk);
-            a1 += p[k] * load16(vk + 16);
-            a2 += p[k] * load16(vk + 32);
-            a3 += p[k] * load16(vk + 48);
+/* Score tiles: R rows (queries q[r]) x K keys (k[c]), R K = TP, each a head's hd floats: the
+ * pairs' scaled scores into dst[r][c]. Every pair's sum is the one hsum_lanes describes. */
+#define SCORE_TILE(R, K)                                                                        \
+static inline void score_##R##x##K(const float *const *q, const float *const *k, int64_t hd,  \
+                                   float scale, float *const *dst) {                           \
+    vf acc[TP][NH];                                                                             \
+    for (int r = 0; r < R; r++)                                                                 \
+        for (int c = 0; c < K; c++)                                                             \
+            for (int h = 0; h < NH; h++) acc[r * K + c][h] = loadv(q[r] + h * VL) * loadv(k[c] + h * VL); \
+    for (int64_t j = 16; j < hd; j += 16)                                                       \
+        for (int r = 0; r < R; r++)                                                             \
+            for (int c = 0; c < K; c++)                                                         \
+                for (int h = 0; h < NH; h++)                                                    \
+                    acc[r * K + c][h] = fmav(loadv(q[r] + j + h * VL), loadv(k[c] + j + h * VL), acc[r * K + c][h]); \
+    float s[VL];                                                                                \
+    storev(s, reduce_pairs(acc) * scale);                                                       \
+    for (int r = 0; r < R; r++) memcpy(dst[r], s + r * K, K * sizeof(float));                   \
+}
+#if VL == 16
+SCORE_TILE(4, 4)
+SCORE_TILE(2, 8)
+SCORE_TILE(1, 16)
+#define WIDE_ROWS 4  /* rows of the widest score tile */
+#else
+SCORE_TILE(2, 2)
+SCORE_TILE(1, 4)
+#define WIDE_ROWS 2
+#endif
+
+/* the scores of rows idx[0 .. nr) of a tile against 16 keys k[0 .. 16), one key list: row i's
+ * into buf[i * width + c0 ...]; rows taken WIDE_ROWS, then 2, then 1 at a time */
+static void score_chunk(int nr, const int *idx, const float *const *qr, const float *const *k, int64_t hd,
+                        float scale, float *buf, int64_t width, int64_t c0) {
+    int i = 0;
+    for (; i + WIDE_ROWS <= nr; i += WIDE_ROWS) {
+        const float *q[WIDE_ROWS];
+        float *dst[WIDE_ROWS];
+        for (int r = 0; r < WIDE_ROWS; r++) q[r] = qr[idx[i + r]];
+#if VL == 16
+        for (int c = 0; c < 16; c += 4) {
+            for (int r = 0; r < 4; r++) dst[r] = buf + idx[i + r] * width + c0 + c;
+            score_4x4(q, k + c, hd, scale, dst);
         }
-        store16(o + j, a0);
-        store16(o + j + 16, a1);
-        store16(o + j + 32, a2);
-        store16(o + j + 48, a3);
+#else
+        for (int c = 0; c < 16; c += 2) {
+            for (int r = 0; r < 2; r++) dst[r] = buf + idx[i + r] * width + c0 + c;
+            score_2x2(q, k + c, hd, scale, dst);
+        }
+#endif
     }
-    for (; j < hd; j += 16) {
-        v16 acc = load16(o + j);
-        for (int k = 0; k < nk; k++) acc += p[k] * load16(v[k] + j);
-        store16(o + j, acc);
+#if VL == 16
+    if (i + 2 <= nr) {
+        const float *q[2] = {qr[idx[i]], qr[idx[i + 1]]};
+        for (int c = 0; c < 16; c += 8) {
+            float *dst[2] = {buf + idx[i] * width + c0 + c, buf + idx[i + 1] * width + c0 + c};
+            score_2x8(q, k + c, hd, scale, dst);
+        }
+        i += 2;
+    }
+#endif
+    for (; i < nr; i++) {
+        const float *q[1] = {qr[idx[i]]};
+#if VL == 16
+        float *dst[1] = {buf + idx[i] * width + c0};
+        score_1x16(q, k, hd, scale, dst);
+#else
+        for (int c = 0; c < 16; c += 4) {
+            float *dst[1] = {buf + idx[i] * width + c0 + c};
+            score_1x4(q, k + c, hd, scale, dst);
+        }
+#endif
     }
 }
 
-/* add_scaled for two rows over the same 16 value vectors (hd % 16 == 0): each vector loaded
- * serves both, every float's chain over k in order as alone */
-static inline void add_scaled2(float *oa, float *ob, const float *pa, const float *pb, const float *const *v,
-                               int64_t hd) {
-    int64_t j = 0;
-    for (; j + 64 <= hd; j += 64) {
-        v16 a0 = load16(oa + j), a1 = load16(oa + j + 16), a2 = load16(oa + j + 32), a3 = load16(oa + j + 48);
-        v16 b0 = load16(ob + j), b1 = load16(ob + j + 16), b2 = load16(ob + j + 32), b3 = load16(ob + j + 48);
-        for (int k = 0; k < 16; k++) {
-            const float *vk = v[k] + j;
-            v16 v0 = load16(vk), v1 = load16(vk + 16), v2 = load16(vk + 32), v3 = load16(vk + 48);
-            a0 += pa[k] * v0;
-            a1 += pa[k] * v1;
-            a2 += pa[k] * v2;
-            a3 += pa[k] * v3;
-            b0 += pb[k] * v0;
-            b1 += pb[k] * v1;
-            b2 += pb[k] * v2;
-            b3 += pb[k] * v3;
+/* Value tiles: o[r][0 .. NB VL) += p[r][k] * v_k[0 .. NB VL) for k = k0 .. k1 - 1 in order, v_k =
+ * base + ks[k] * stride: each float a chain of fused multiply-adds over the keys in order, held
+ * in a register (fresh: from +0, else from what o holds). */
+#define VALUE_TILE(R, NB)                                                                       \
+static inline void value_##R##x##NB(float *const *o, const float *const *p, const int64_t *ks,  \
+                                    int64_t k0, int64_t k1, const float *base, int64_t stride,  \
+                                    int fresh) {                                                \
+    vf acc[R][NB];                                                                              \
+    for (int r = 0; r < R; r++)                                                                 \
+        for (int b = 0; b < NB; b++) acc[r][b] = fresh ? (vf){0} : loadv(o[r] + b * VL);       \
+    for (int64_t k = k0; k < k1; k++) {                                                         \
+        const float *v = base + ks[k] * stride;                                                 \
+        vf x[NB];                                                                               \
+        for (int b = 0; b < NB; b++) x[b] = loadv(v + b * VL);                                  \
+        for (int r = 0; r < R; r++) {                                                           \
+            vf pr = splat(p[r][k]);                                                             \
+            for (int b = 0; b < NB; b++) acc[r][b] = fmav(pr, x[b], acc[r][b]);                 \
+        }                                                                                       \
+    }                                                                                           \
+    for (int r = 0; r < R; r++)                                                                 \
+        for (int b = 0; b < NB; b++) storev(o[r] + b * VL, acc[r][b]);                          \
+}
+VALUE_TILE(1, 1)
+VALUE_TILE(1, 4)
+VALUE_TILE(2, 1)
+VALUE_TILE(2, 4)
+#if VL == 16
+VALUE_TILE(4, 1)
+VALUE_TILE(4, 4)
+#endif
+
+/* value tiles over a head's hd floats (a multiple of 16): nr rows (1, 2 or WIDE_ROWS), their
+ * outputs o[r] and weights p[r], keys k0 .. k1 - 1 of the list ks */
+static void value_rows(int nr, float *const *o, const float *const *p, const int64_t *ks, int64_t k0, int64_t k1,
+                       const float *base, int64_t stride, int64_t hd, int fresh) {
+    for (int64_t j = 0; j < hd;) {
+        float *oj[WIDE_ROWS];
+        for (int r = 0; r < WIDE_ROWS; r++) oj[r] = o[r < nr ? r : 0] + j;
+        int wide = j + 4 * VL <= hd;
+        switch (nr * 2 + wide) {
+        case 3: value_1x4(oj, p, ks, k0, k1, base + j, stride, fresh); break;
+        case 2: value_1x1(oj, p, ks, k0, k1, base + j, stride, fresh); break;
+        case 5: value_2x4(oj, p, ks, k0, k1, base + j, stride, fresh); break;
+        case 4: value_2x1(oj, p, ks, k0, k1, base + j, stride, fresh); break;
+#if VL == 16
+        case 9: value_4x4(oj, p, ks, k0, k1, base + j, stride, fresh); break;
+        case 8: value_4x1(oj, p, ks, k0, k1, base + j, stride, fresh); break;
+#endif
         }
-        store16(oa + j, a0);
-        store16(oa + j + 16, a1);
-        store16(oa + j + 32, a2);
-        store16(oa + j + 48, a3);
-        store16(ob + j, b0);
-        store16(ob + j + 16, b1);
-        store16(ob + j + 32, b2);
-        store16(ob + j + 48, b3);
-    }
-    for (; j < hd; j += 16) {
-        v16 a = load16(oa + j), b = load16(ob + j);
-        for (int k = 0; k < 16; k++) {
-            v16 x = load16(v[k] + j);
-            a += pa[k] * x;
-            b += pb[k] * x;
-        }
-        store16(oa + j, a);
-        store16(ob + j, b);
+        j += wide ? 4 * VL : VL;
     }
 }
 
 /* the largest of s[0 .. n), n >= 1 */
 static inline float max_of(const float *s, int64_t n) {
-    v16 m = (v16){} - INFINITY;
+    vf m = (vf){} - INFINITY;
     int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-        v16 x = load16(s + c);
-        vi16 more = x > m;
-        m = (v16)(((vi16)x & more) | ((vi16)m & ~more));
+    for (; c + VL <= n; c += VL) {
+        vf x = loadv(s + c);
+        vi more = x > m;
+        m = (vf)(((vi)x & more) | ((vi)m & ~more));
     }
     float best = -INFINITY;
-    for (int l = 0; l < 16; l++) best = m[l] > best ? m[l] : best;
+    for (int l = 0; l < VL; l++) best = m[l] > best ? m[l] : best;
     for (; c < n; c++) best = s[c] > best ? s[c] : best;
     return best;
+}
+
+/* s[0 .. n) <- e^(s - max), the lanes past n of the last 16 <- 0; returns 1 / their sum: each
+ * lane of a 16-lane sum runs over the chunks in order, then hsum_lanes */
+static float softmax_weights(float *s, int64_t n) {
+    float m = max_of(s, n);
+    vf sums[NH];
+    for (int h = 0; h < NH; h++) sums[h] = (vf){0};
+    for (int64_t c = 0; c < n; c += 16)
+        for (int h = 0; h < NH; h++) {
+            int64_t at = c + h * VL;
+            vf x = loadv(s + at) - m, e;
+            if (at + VL <= n) {
+                e = expv(x);
+            } else {  /* the lanes past the row's keys count as zero */
+                for (int l = 0; l < VL; l++)
+                    if (at + l >= n) x[l] = 0;
+                e = expv(x);
+                for (int l = 0; l < VL; l++)
+                    if (at + l >= n) e[l] = 0;
+            }
+            storev(s + at, e);
+            sums[h] += e;
+        }
+    return 1.0f / hsum_lanes(sums);
 }
 
 /* k and v of T new tokens (rows of ldk / ldv floats, width floats each) into pool slots ``slots`` */
@@ -166,32 +275,101 @@ static void write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, i
     }
 }
 
-/* the 16 pool vectors of a row's keys c0 .. c0 + 15 (its list ks, n keys; zeros past them) */
+static const float zero_key[MAX_HEAD_DIM];
+
+/* the 16 pool vectors of a list's keys c0 .. c0 + 15 (its n keys; zeros past them) */
 static inline void chunk_ptrs(const float **p, const float *pool, const int64_t *ks, int64_t n, int64_t c0,
-                              int64_t stride, int64_t offset) {
-    for (int k = 0; k < 16; k++) p[k] = c0 + k < n ? pool + ks[c0 + k] * stride + offset : zero_key;
+                              int64_t stride) {
+    for (int k = 0; k < 16; k++) p[k] = c0 + k < n ? pool + ks[c0 + k] * stride : zero_key;
 }
 
-/* whether two rows' chunks read the same vectors wherever both have keys (k < both) */
-static inline int same_ptrs(const float *const *a, const float *const *b, int64_t both) {
-    for (int64_t k = 0; k < both && k < 16; k++)
-        if (a[k] != b[k]) return 0;
-    return 1;
+#define TILE_VECTORS 24  /* query vectors (rows x the heads of one KV head) of a task, at least one row's */
+
+/* One task: the rows first .. first + rn - 1 of a tile, for the ``group`` heads of KV head kvh,
+ * as rn x group query vectors (vector v: row v / group, head kvh group + v % group) over the
+ * same keys. lead: the tile's row with the most keys; shared[r]: how many of row r's keys begin
+ * the lead's list too (all of them for a chain, the committed ones for a token tree). Vectors
+ * read the lead's keys together where theirs are the lead's, their own apart. */
+static void attend_tile(const float *q, int64_t ldq, const int64_t *rows, const int64_t *start, const int64_t *count,
+                        const int64_t *keys, const float *kpool, const float *vpool, int64_t kvh, int64_t group,
+                        int64_t hd, int64_t stride, float scale, float *out, int64_t ldo, float *buf, int64_t width,
+                        int64_t first, int64_t rn, int64_t lead, const int64_t *shared) {
+    int64_t nv = rn * group, most = count[lead];
+    const float *qr[nv], *kb = kpool + kvh * hd, *vb = vpool + kvh * hd;
+    const int64_t *ks[nv], *lead_keys = keys + start[lead];
+    int64_t n[nv], common[nv];
+    float *o[nv], *e[nv], inv[nv];
+    int together[nv], self[group];
+    for (int64_t v = 0; v < nv; v++) {
+        int64_t r = first + v / group, h = kvh * group + v % group;
+        n[v] = count[r];
+        common[v] = shared[r];
+        ks[v] = keys + start[r];
+        qr[v] = q + rows[r] * ldq + h * hd;
+        o[v] = out + rows[r] * ldo + h * hd;
+        e[v] = buf + v * width;
+    }
+    for (int64_t c0 = 0; c0 < most; c0 += 16) {  /* scores, 16 keys at a time */
+        const float *kp[16];
+        int nt = 0;
+        chunk_ptrs(kp, kb, lead_keys, most, c0, stride);
+        for (int64_t v = 0; v < nv; v += group) {  /* a row's heads, together */
+            if (c0 >= n[v]) continue;
+            const float *own[16];
+            if (hd % 16) {
+                chunk_ptrs(own, kb, ks[v], n[v], c0, stride);
+                for (int64_t g = v; g < v + group; g++)
+                    for (int k = 0; k < 16 && c0 + k < n[v]; k++) e[g][c0 + k] = scale * dot(qr[g], own[k], hd);
+            } else if (common[v] >= (n[v] < c0 + 16 ? n[v] : c0 + 16)) {
+                for (int64_t g = v; g < v + group; g++) together[nt++] = (int)g;  /* its keys here are the lead's */
+            } else {
+                chunk_ptrs(own, kb, ks[v], n[v], c0, stride);
+                for (int g = 0; g < group; g++) self[g] = (int)v + g;
+                score_chunk((int)group, self, qr, own, hd, scale, buf, width, c0);
+            }
+        }
+        score_chunk(nt, together, qr, kp, hd, scale, buf, width, c0);
+    }
+    for (int64_t v = 0; v < nv; v++) inv[v] = softmax_weights(e[v], n[v]);
+    if (hd % 16) {
+        for (int64_t v = 0; v < nv; v++) {
+            for (int64_t j = 0; j < hd; j++) o[v][j] = 0;
+            for (int64_t k = 0; k < n[v]; k++) {
+                const float *x = vb + ks[v][k] * stride;
+                for (int64_t j = 0; j < hd; j++) o[v][j] = __builtin_fmaf(e[v][k], x[j], o[v][j]);
+            }
+        }
+    } else {
+        for (int64_t v = 0; v < nv;) {  /* values: vectors together over their common keys, then each alone */
+            int nr = nv - v >= WIDE_ROWS ? WIDE_ROWS : nv - v >= 2 ? 2 : 1;
+            int64_t both = common[v];
+            for (int r = 1; r < nr; r++) both = common[v + r] < both ? common[v + r] : both;
+            value_rows(nr, o + v, (const float *const *)(e + v), lead_keys, 0, both, vb, stride, hd, 1);
+            for (int r = 0; r < nr; r++)
+                if (n[v + r] > both)
+                    value_rows(1, o + v + r, (const float *const *)(e + v + r), ks[v + r], both, n[v + r], vb,
+                               stride, hd, 0);
+            v += nr;
+        }
+    }
+    for (int64_t v = 0; v < nv; v++)
+        for (int64_t j = 0; j < hd; j++) o[v][j] *= inv[v];
 }
 
 /* Attention of R query rows, each over its own list of pool slots: row ``rows[r]`` of q sees
  * keys[start[r] : start[r] + count[r]] in that order. Every row's arithmetic is the same, alone
- * or beside others: each score one 16-lane sum over the head's vectors in order, reduced as
- * ``hsum16x16`` does; their maximum; e^(score - max) 16 lanes at a time summed into 16 lanes then
- * ``hsum16``; the output a fused multiply-add chain over the keys in order. So a row's output
- * depends only on its query and its keys, never on the other rows of the call, on how a prompt
- * was split into chunks or on the thread count. Up to ROW_TILE consecutive rows whose lists begin
- * with the same slot (a prefill chain's rows, each seeing a prefix of one list; a token tree's
- * rows, each seeing the committed keys then its own branch) share a task per head, and are taken
- * two at a time wherever both read the same 16 keys, so each key and value vector loaded there
- * serves two rows. scores: [threads][ROW_TILE][max_keys rounded up to 16] floats, a buffer per
- * thread. The step's n_new new keys and values (k_new, v_new rows of ldk / ldv floats) are first
- * written to their pool slots new_slots. */
+ * or beside others: each score a 16-lane sum over the head's floats (hsum_lanes' order), times
+ * scale; their maximum; e^(score - max) (expv) summed 16 lanes at a time over the keys in order,
+ * then hsum_lanes; the output a fused multiply-add chain over the keys in order from +0, times
+ * 1 / the sum. (Heads whose width is not a multiple of 16 take serial scores and chains.) So a
+ * row's output depends only on its query and its keys. Consecutive rows whose lists begin with
+ * the same slot (a prefill chain's rows, each seeing a prefix of one list; a token tree's rows,
+ * each seeing the committed keys then its own branch) make a tile of up to TILE_VECTORS query
+ * vectors with the heads of one KV head: a task per tile and KV head, its vectors scored and
+ * summed together over the keys they share, each key and value vector loaded once for them.
+ * scores: [threads][max(TILE_VECTORS, heads / kv_heads)][max_keys rounded up to 16] floats, a
+ * buffer per thread. The step's n_new new keys and values (k_new, v_new rows of ldk / ldv
+ * floats) are first written to their pool slots new_slots. */
 void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R, const int64_t *start,
                     const int64_t *count, const int64_t *keys, float *kpool, float *vpool, int64_t heads,
                     int64_t kv_heads, int64_t hd, float scale, float *out, int64_t ldo, float *scores,
@@ -199,135 +377,44 @@ void cr_attend_rows(const float *q, int64_t ldq, const int64_t *rows, int64_t R,
                     int64_t n_new, const int64_t *new_slots) {
     write_kv(k_new, ldk, v_new, ldv, n_new, new_slots, kpool, vpool, kv_heads * hd);
     int64_t group = heads / kv_heads, stride = kv_heads * hd, width = (max_keys + 15) / 16 * 16;
-    /* tile i: rows tiles[i] .. tiles[i + 1] - 1; cost[i]: the keys its rows read, and all tiles' before it */
-    int64_t *tiles = malloc((size_t)(2 * R + 2) * sizeof *tiles), *cost = tiles + R + 1, T = 0;
+    int64_t tile_rows = TILE_VECTORS / group > 1 ? TILE_VECTORS / group : 1;
+    /* tile i: rows tiles[i] .. tiles[i + 1] - 1, lead[i] its row with the most keys; cost[i]: the
+     * keys its rows read, and all tiles' before it; shared[r]: row r's keys that are its lead's */
+    int64_t *tiles = malloc((size_t)(4 * R + 3) * sizeof *tiles), *cost = tiles + R + 1, *lead = cost + R + 1,
+            *shared = lead + R + 1, T = 0;
     for (int64_t r = 0; r < R; r++)
-        if (r == 0 || keys[start[r]] != keys[start[tiles[T - 1]]] || r - tiles[T - 1] == ROW_TILE)
+        if (r == 0 || keys[start[r]] != keys[start[tiles[T - 1]]] || r - tiles[T - 1] == tile_rows)
             tiles[T++] = r;
     tiles[T] = R;
     cost[0] = 0;
     for (int64_t i = 0; i < T; i++) {
         cost[i + 1] = cost[i] + 16;  /* a task's fixed work */
-        for (int64_t r = tiles[i]; r < tiles[i + 1]; r++) cost[i + 1] += count[r];
+        lead[i] = tiles[i];
+        for (int64_t r = tiles[i]; r < tiles[i + 1]; r++) {
+            cost[i + 1] += count[r];
+            lead[i] = count[r] > count[lead[i]] ? r : lead[i];
+        }
+        const int64_t *mine = keys + start[lead[i]];
+        for (int64_t r = tiles[i]; r < tiles[i + 1]; r++) {
+            int64_t s = 0;
+            if (start[r] == start[lead[i]]) s = count[r];
+            else
+                while (s < count[r] && keys[start[r] + s] == mine[s]) s++;
+            shared[r] = s;
+        }
     }
-    /* a task per tile and head, tile-major; each thread takes a run of consecutive tasks of about
-     * equal cost (a task goes to the thread whose share holds its midpoint), so the heads of one
-     * KV head and the tiles of one request stay on one thread and read their keys once */
-    int64_t tasks = T * heads, parts = tasks >= 4 ? threads : 1, total = 2 * cost[T] * heads;
+    /* a task per tile and KV head, tile-major; each thread takes a run of consecutive tasks of
+     * about equal cost (a task goes to the thread whose share holds its midpoint), so the tiles
+     * of one request stay on one thread */
+    int64_t tasks = T * kv_heads, parts = tasks >= 2 ? threads : 1, total = 2 * cost[T] * kv_heads;
     #pragma omp parallel for schedule(static, 1) num_threads(threads) if(parts > 1)
     for (int64_t part = 0; part < parts; part++)
     for (int64_t t = 0; t < tasks; t++) {
-        int64_t tile = t / heads, own = cost[tile + 1] - cost[tile];
-        if ((2 * (cost[tile] * heads + t % heads * own) + own) * parts / total != part) continue;
-        int64_t first = tiles[tile], rn = tiles[tile + 1] - first, h = t % heads, kvh = h / group;
-        float *buf = scores + (int64_t)omp_get_thread_num() * ROW_TILE * width, m[ROW_TILE];
-        const int64_t *ks[ROW_TILE];
-        const float *qr[ROW_TILE], *p[ROW_TILE][16];
-        int64_t n[ROW_TILE], most = 0;
-        for (int64_t i = 0; i < rn; i++) {
-            n[i] = count[first + i];
-            ks[i] = keys + start[first + i];
-            qr[i] = q + rows[first + i] * ldq + h * hd;
-            most = n[i] > most ? n[i] : most;
-        }
-        for (int64_t c0 = 0; c0 < most; c0 += 16) {
-            for (int64_t i = 0; i < rn; i++)
-                if (c0 < n[i]) chunk_ptrs(p[i], kpool, ks[i], n[i], c0, stride, kvh * hd);
-            if (hd % 16) {
-                for (int64_t i = 0; i < rn; i++)
-                    for (int k = 0; k < 16 && c0 + k < n[i]; k++) buf[i * width + c0 + k] = scale * dot(qr[i], p[i][k], hd);
-                continue;
-            }
-            for (int64_t i = 0; i < rn;) {
-                if (c0 >= n[i]) {
-                    i++;
-                    continue;
-                }
-                int64_t both = i + 1 < rn ? (n[i] < n[i + 1] ? n[i] : n[i + 1]) - c0 : 0;
-                if (both > 0 && same_ptrs(p[i], p[i + 1], both)) {  /* two rows: each key vector serves both */
-                    const float *kv[16];  /* past one row's keys, the other's (the first's scores there are ignored) */
-                    for (int k = 0; k < 16; k++) kv[k] = c0 + k < n[i] ? p[i][k] : p[i + 1][k];
-                    const float *qa = qr[i], *qb = qr[i + 1];
-                    for (int half = 0; half < 16; half += 8) {
-                        v16 acc[16];  /* 0-7: row i's keys c0 + half + 0..7; 8-15: row i + 1's */
-                        for (int k = 0; k < 8; k++) {
-                            v16 kk = load16(kv[half + k]);
-                            acc[k] = load16(qa) * kk;
-                            acc[8 + k] = load16(qb) * kk;
-                        }
-                        for (int64_t j = 16; j < hd; j += 16) {
-                            v16 a = load16(qa + j), b = load16(qb + j);
-                            for (int k = 0; k < 8; k++) {
-                                v16 kk = load16(kv[half + k] + j);
-                                acc[k] += a * kk;
-                                acc[8 + k] += b * kk;
-                            }
-                        }
-                        v16 sc = hsum16x16(acc) * scale;
-                        memcpy(buf + i * width + c0 + half, &sc, 8 * sizeof(float));
-                        memcpy(buf + (i + 1) * width + c0 + half, (float *)&sc + 8, 8 * sizeof(float));
-                    }
-                    i += 2;
-                    continue;
-                }
-                v16 acc[16];
-                for (int k = 0; k < 16; k++) acc[k] = load16(qr[i]) * load16(p[i][k]);
-                for (int64_t j = 16; j < hd; j += 16) {
-                    v16 qj = load16(qr[i] + j);
-                    for (int k = 0; k < 16; k++) acc[k] += qj * load16(p[i][k] + j);
-                }
-                store16(buf + i * width + c0, hsum16x16(acc) * scale);
-                i++;
-            }
-        }
-        for (int64_t i = 0; i < rn; i++) m[i] = max_of(buf + i * width, n[i]);
-        float inv[ROW_TILE];
-        for (int64_t i = 0; i < rn; i++) {
-            float *s = buf + i * width;
-            v16 sums = {};
-            int64_t c = 0;
-            for (; c + 16 <= n[i]; c += 16) {
-                v16 e = exp16(load16(s + c) - m[i]);
-                store16(s + c, e);
-                sums += e;
-            }
-            if (c < n[i]) {  /* the lanes past the row's keys count as zero */
-                v16 x = load16(s + c) - m[i], e;
-                for (int64_t l = n[i] - c; l < 16; l++) x[l] = 0;
-                e = exp16(x);
-                for (int64_t l = n[i] - c; l < 16; l++) e[l] = 0;
-                store16(s + c, e);
-                sums += e;
-            }
-            inv[i] = 1.0f / hsum16(sums);
-            float *o = out + rows[first + i] * ldo + h * hd;
-            for (int64_t j = 0; j < hd; j++) o[j] = 0;
-        }
-        for (int64_t c0 = 0; c0 < most; c0 += 16) {  /* 16 keys' values at a time */
-            for (int64_t i = 0; i < rn; i++)
-                if (c0 < n[i]) chunk_ptrs(p[i], vpool, ks[i], n[i], c0, stride, kvh * hd);
-            for (int64_t i = 0; i < rn;) {
-                if (c0 >= n[i]) {
-                    i++;
-                    continue;
-                }
-                float *oa = out + rows[first + i] * ldo + h * hd;
-                if (hd % 16 == 0 && i + 1 < rn && n[i] - c0 >= 16 && n[i + 1] - c0 >= 16 &&
-                    same_ptrs(p[i], p[i + 1], 16)) {  /* two rows with 16 keys each here: each value vector serves both */
-                    float *ob = out + rows[first + i + 1] * ldo + h * hd;
-                    add_scaled2(oa, ob, buf + i * width + c0, buf + (i + 1) * width + c0, p[i], hd);
-                    i += 2;
-                    continue;
-                }
-                int64_t nk = n[i] - c0 < 16 ? n[i] - c0 : 16;
-                add_scaled(oa, buf + i * width + c0, p[i], (int)nk, hd);
-                i++;
-            }
-        }
-        for (int64_t i = 0; i < rn; i++) {
-            float *o = out + rows[first + i] * ldo + h * hd;
-            for (int64_t j = 0; j < hd; j++) o[j] *= inv[i];
-        }
+        int64_t tile = t / kv_heads, own = cost[tile + 1] - cost[tile];
+        if ((2 * (cost[tile] * kv_heads + t % kv_heads * own) + own) * parts / total != part) continue;
+        attend_tile(q, ldq, rows, start, count, keys, kpool, vpool, t % kv_heads, group, hd, stride, scale, out, ldo,
+                    scores + (int64_t)omp_get_thread_num() * (TILE_VECTORS > group ? TILE_VECTORS : group) * width, width, tiles[tile],
+                    tiles[tile + 1] - tiles[tile], lead[tile], shared);
     }
     free(tiles);
 }

@@ -1,7 +1,8 @@
 """The attention of a step's query rows over the KV pool (``attention.c``): ``attend_rows``.
 
-Each row is computed alone over its own list of pool slots, in logical order, so a request gets
-the same bits however its prompt was chunked, cached or batched.
+Each row is computed in one fixed arithmetic over its own list of pool slots, in logical order,
+in blocked tiles (a tile of query rows against a tile of keys) that never change a row's bits,
+so a request gets the same bits however its prompt was chunked, cached or batched.
 """
 
 from __future__ import annotations
@@ -10,16 +11,17 @@ import torch
 
 from cosine_ray.models.kernels.build import library
 
-ROW_TILE = 8
-"""``cr_attend_rows`` attends up to this many rows of one key list together (``attention.c``)."""
+TILE_VECTORS = 24
+"""``cr_attend_rows`` attends up to this many query vectors (rows of one key list times the heads
+of one KV head, at least one row's) together (``attention.c``)."""
 
 
-def scores_buffer(row_keys, threads: int) -> torch.Tensor:
-    """``cr_attend_rows``' score buffer for ``row_keys`` (``models.attention.RowKeys``), made once a
-    step and kept there for every layer."""
-    scores = row_keys.scores
-    if scores is None or scores.shape[0] != threads * ROW_TILE:
-        scores = row_keys.scores = torch.empty(threads * ROW_TILE, (max(row_keys.max_keys, 1) + 15) // 16 * 16)
+def scores_buffer(row_keys, threads: int, group: int) -> torch.Tensor:
+    """``cr_attend_rows``' score buffer for ``row_keys`` (``models.attention.RowKeys``) with
+    ``group`` query heads a KV head, made once a step and kept there for every layer."""
+    scores, rows = row_keys.scores, threads * max(TILE_VECTORS, group)
+    if scores is None or scores.shape[0] != rows:
+        scores = row_keys.scores = torch.empty(rows, (max(row_keys.max_keys, 1) + 15) // 16 * 16)
     return scores
 
 
@@ -33,7 +35,7 @@ def attend_rows(q: torch.Tensor, row_keys, kpool: torch.Tensor, vpool: torch.Ten
     _, heads, head_dim = q.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and kpool.is_contiguous()
     rows, threads = row_keys.rows, torch.get_num_threads()
-    scores = scores_buffer(row_keys, threads)
+    scores = scores_buffer(row_keys, threads, heads // kpool.shape[1])
     k = v = slots = None
     n_new = 0
     if new is not None:

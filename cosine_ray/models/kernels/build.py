@@ -37,7 +37,7 @@ compare); by default they run in this library around its projections."""
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(sorted(_HERE.glob("*.c")))
-"""The families, one a file: gemm, qgemm, layer, attention, stage."""
+"""The families, one a file: gemm, qgemm (and qround, its rounding of the rows), layer, attention, stage."""
 _DIGESTED = SOURCES + tuple(sorted(_HERE.glob("*.h")))
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -46,7 +46,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class Proj(ctypes.Structure):
     """``cr_proj`` of ``kernels.h``: one projection of a layer."""
 
-    _fields_ = [("kind", _I), ("N", _I), ("K", _I), ("weight", _P), ("d", _P), ("m", _P), ("bias", _P)]
+    _fields_ = [("kind", _I), ("N", _I), ("K", _I), ("weight", _P), ("d", _P), ("m", _P), ("sub", _P), ("bias", _P),
+                ("next", _P)]
 
 
 _PROJ, _INT = ctypes.POINTER(Proj), ctypes.c_int
@@ -61,7 +62,7 @@ class Layer(ctypes.Structure):
 
 _SIGNATURES = {
     "cr_linear_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _INT],
-    "cr_linear_q": [_P, _I, _P, _INT, _P, _P, _P, _P, _I, _I, _I, _I, _P, _INT],
+    "cr_linear_q": [_P, _I, _P, _INT, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _INT],
     "cr_layer_pre": [_P, _I, _I, _P, _F, _PROJ, _P, _P, _I, _I, _P, _P, _P, _INT],
     "cr_layer_post": [_P, _I, _I, _P, _PROJ, _P, _F, _PROJ, _PROJ, _P, _P, _P, _P, _INT],
     "cr_attend_rows": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _I, _P, _I, _INT,

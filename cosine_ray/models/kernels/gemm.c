@@ -27,8 +27,8 @@ static inline void tile_##ROWS(const float *x, int64_t ldx, const float *blk, in
         vf w[NV];                                                                               \
         for (int j = 0; j < NV; j++) w[j] = loadv(blk + j * VL);                                \
         for (int i = 0; i < ROWS; i++) {                                                        \
-            vf xv = (vf){0} + x[i * ldx + k];                                                   \
-            for (int j = 0; j < NV; j++) acc[i][j] += xv * w[j];                                \
+            vf xv = splat(x[i * ldx + k]);                                                      \
+            for (int j = 0; j < NV; j++) acc[i][j] = fmav(xv, w[j], acc[i][j]);                 \
         }                                                                                       \
     }                                                                                           \
     store_vrows(ROWS, acc, bias, y, ldy, cols);                                                 \

@@ -8,13 +8,24 @@
 
 #define MAX_HEAD_DIM 1024  /* kernels.layer.MAX_HEAD_DIM: a stage with wider heads is not fused */
 
-/* A projection: kind 0 = fp32 blocks (cr_linear_f32), 1 + Q8_0 / Q4_1 / Q4_0 = GGUF codes (cr_linear_q). */
-typedef struct {
+/* A projection: kind 0 = fp32 blocks (cr_linear_f32), 1 + a GGUF format of qgemm.c = its codes
+ * (cr_linear_q). Rows of different formats (a layer's q, k in one, v in another) are parts, one
+ * after another in the output: ``next``, N output columns each (a multiple of 32 but the last). */
+typedef struct cr_proj {
     int64_t kind, N, K;
     const void *weight;  /* fp32 blocks, or the codes */
-    const uint16_t *d, *m;  /* GGUF only: fp16 scales and Q4_1's mins */
+    const uint16_t *d, *m;  /* GGUF only: fp16 scales and mins (qgemm.c's layout) */
+    const uint8_t *sub;  /* GGUF K formats only: the groups' scales */
     const float *bias;
+    const struct cr_proj *next;
 } cr_proj;
+
+/* a projection's output columns, all its parts' */
+static inline int64_t cr_proj_width(const cr_proj *p) {
+    int64_t n = 0;
+    for (; p; p = p->next) n += p->N;
+    return n;
+}
 
 /* one layer of a cr_stage_layers call */
 typedef struct {
@@ -26,9 +37,12 @@ typedef struct {
 void cr_linear_f32(const float *x, int64_t ldx, const float *wp, const float *bias, float *y,
                    int64_t ldy, int64_t M, int64_t N, int64_t K, int threads);
 /* qgemm.c */
-void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int kind, const uint16_t *d,
-                 const uint16_t *mins, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
-                 int64_t K, float *scratch, int threads);
+void cr_linear_q(const float *x, int64_t ldx, const uint8_t *codes, int kind, const uint16_t *d, const uint16_t *m,
+                 const uint8_t *sub, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                 float *scratch, int threads);
+/* qround.c (qgemm.c's rounding of its rows) */
+void cr_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *sx, float *sq, float *sh,
+                   int threads);
 /* layer.c */
 void cr_layer_pre(const float *x, int64_t M, int64_t H, const float *norm, float eps, const cr_proj *qkv,
                   const float *cos_t, const float *ssin_t, int64_t rot_heads, int64_t hd, float *h, float *out,

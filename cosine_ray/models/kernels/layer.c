@@ -10,11 +10,12 @@
 
 static void project(const cr_proj *p, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M,
                     float *xsum, int threads) {
-    if (p->kind == 0)
-        cr_linear_f32(x, ldx, (const float *)p->weight, p->bias, y, ldy, M, p->N, p->K, threads);
-    else
-        cr_linear_q(x, ldx, (const uint8_t *)p->weight, (int)p->kind - 1, p->d, p->m, p->bias, y, ldy, M, p->N,
-                    p->K, xsum, threads);
+    for (; p; y += p->N, p = p->next)
+        if (p->kind == 0)
+            cr_linear_f32(x, ldx, (const float *)p->weight, p->bias, y, ldy, M, p->N, p->K, threads);
+        else
+            cr_linear_q(x, ldx, (const uint8_t *)p->weight, (int)p->kind - 1, p->d, p->m, p->sub, p->bias, y, ldy,
+                        M, p->N, p->K, xsum, threads);
 }
 
 /* Rows past this many share the small operations' loops among the threads (each row is still
@@ -37,19 +38,19 @@ static void rms_norm_rows(const float *x, const float *w, float eps, float *out,
 
 /* h = rms_norm(x); qkv = h Wqkv^T (+ b); then each of the first ``rot_heads`` heads of a row is
  * rotated: v * cos + roll(v, hd / 2) * ssin (``models.llama._apply_rope``), cos and ssin [M][hd].
- * x, h [M][H]; qkv [M][qkv->N] */
+ * x, h [M][H]; out [M][the qkv projection's width] */
 void cr_layer_pre(const float *x, int64_t M, int64_t H, const float *norm, float eps, const cr_proj *qkv,
                   const float *cos_t, const float *ssin_t, int64_t rot_heads, int64_t hd, float *h, float *out,
                   float *xsum, int threads) {
+    int64_t width = cr_proj_width(qkv), half = hd / 2;
     rms_norm_rows(x, norm, eps, h, M, H, threads);
-    project(qkv, h, H, out, qkv->N, M, xsum, threads);
-    int64_t half = hd / 2;
+    project(qkv, h, H, out, width, M, xsum, threads);
     #pragma omp parallel for schedule(static) num_threads(threads) if(M >= PARALLEL_ROWS)
     for (int64_t i = 0; i < M; i++) {
         float tmp[MAX_HEAD_DIM];
         const float *c = cos_t + i * hd, *s = ssin_t + i * hd;
         for (int64_t hh = 0; hh < rot_heads; hh++) {
-            float *v = out + i * qkv->N + hh * hd;
+            float *v = out + i * width + hh * hd;
             memcpy(tmp, v, (size_t)hd * sizeof(float));
             for (int64_t j = 0; j < half; j++) v[j] = tmp[j] * c[j] + tmp[j + half] * s[j];
             for (int64_t j = half; j < hd; j++) v[j] = tmp[j] * c[j] + tmp[j - half] * s[j];

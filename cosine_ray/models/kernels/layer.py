@@ -23,8 +23,18 @@ def proj(weight: "torch.Tensor | BlockedQuant", bias: torch.Tensor | None, n: in
     bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(weight, BlockedQuant):
         return Proj(1 + weight.kind, n, k, weight.codes.data_ptr(), weight.scales.data_ptr(),
-                    None if weight.mins is None else weight.mins.data_ptr(), bias_ptr)
-    return Proj(0, n, k, weight.data_ptr(), None, None, bias_ptr)
+                    None if weight.mins is None else weight.mins.data_ptr(),
+                    None if weight.sub is None else weight.sub.data_ptr(), bias_ptr, None)
+    return Proj(0, n, k, weight.data_ptr(), None, None, None, bias_ptr, None)
+
+
+def chain(operand) -> list[Proj]:
+    """A projection's ``cr_proj`` parts, linked in order: one for (weight, bias, N, K), one a part
+    for a list of them (``models.linear.StackedLinear``)."""
+    parts = [proj(*p) for p in (operand if isinstance(operand, list) else [operand])]
+    for a, b in zip(parts, parts[1:]):
+        a.next = ctypes.addressof(b)
+    return parts
 
 
 class LayerScratch:
@@ -48,15 +58,17 @@ class FusedLayer:
     The tensors the projections point at stay alive in the caller's layer
     (``models.llama.LlamaStage.layers``)."""
 
-    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "hidden")
+    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "hidden", "parts")
 
-    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
-                 projections: dict[str, tuple["torch.Tensor | BlockedQuant", torch.Tensor | None, int, int]]) -> None:
-        """projections: qkv, o, gate_up and down as (weight, padded bias or None, N, K)."""
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, projections: dict) -> None:
+        """projections: qkv, o, gate_up and down, each as (weight, padded bias or None, N, K), or
+        a list of them for a projection in parts (``chain``)."""
         self.input_norm, self.post_norm, self.eps = input_norm.contiguous(), post_norm.contiguous(), float(eps)
-        self.qkv, self.o, self.gate_up, self.down = (ctypes.pointer(proj(*projections[name]))
+        self.parts = {name: chain(projections[name]) for name in ("qkv", "o", "gate_up", "down")}
+        self.qkv, self.o, self.gate_up, self.down = (ctypes.pointer(self.parts[name][0])
                                                      for name in ("qkv", "o", "gate_up", "down"))
-        self.hidden = projections["qkv"][3]
+        qkv = projections["qkv"]
+        self.hidden = (qkv[0] if isinstance(qkv, list) else qkv)[3]
 
     def pre(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rot_heads: int, head_dim: int,
             scratch: LayerScratch) -> torch.Tensor:

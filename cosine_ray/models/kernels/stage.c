@@ -4,9 +4,9 @@
 #include "kernels.h"
 
 /* x [M][H] in place. The KV pool: [layers][2][pool_slots][kv_heads][hd] fp32 (``models.kv_cache``);
- * the rows' keys as for ``cr_attend_rows``; new_slots [M]: each row's own pool slot. Scratch: h [M][H],
- * qkv [M][qkv->N], gu [M][2 I], act [M][I], attn [M][heads * hd], xsum (``quant_scratch``), scores
- * as ``cr_attend_rows`` takes it. */
+ * the rows' keys as for ``cr_attend_rows``; new_slots [M]: each row's own pool slot. Scratch: h
+ * [M][H], qkv [M][the qkv projection's width], gu [M][2 I], act [M][I], attn [M][heads * hd],
+ * xsum (``quant_scratch``), scores as ``cr_attend_rows`` takes it. */
 void cr_stage_layers(float *x, int64_t M, int64_t H, const cr_layer *layers, int64_t L, float eps,
                      const float *cos_t, const float *ssin_t, int64_t heads, int64_t kv_heads, int64_t hd,
                      float scale, const int64_t *rows, int64_t R, const int64_t *start, const int64_t *count,
@@ -16,7 +16,7 @@ void cr_stage_layers(float *x, int64_t M, int64_t H, const cr_layer *layers, int
     int64_t plane = pool_slots * kv_heads * hd;
     for (int64_t l = 0; l < L; l++) {
         const cr_layer *y = layers + l;
-        int64_t n = y->qkv->N;
+        int64_t n = cr_proj_width(y->qkv);
         float *kpool = pool + 2 * l * plane;
         cr_layer_pre(x, M, H, y->input_norm, eps, y->qkv, cos_t, ssin_t, heads + kv_heads, hd, h, qkv, xsum,
                      threads);

@@ -34,7 +34,7 @@ class FusedStack:
         assert x.is_contiguous() and pool.is_contiguous() and pool.dtype == torch.float32
         assert pool.shape[0] == len(self.layers) and pool.shape[3:] == (self.kv_heads, self.head_dim)
         assert len(slots) == rows == len(row_keys.rows) and slots.dtype == torch.int64 and slots.is_contiguous()
-        scores = scores_buffer(row_keys, threads)
+        scores = scores_buffer(row_keys, threads, self.heads // self.kv_heads)
         attn = torch.empty(rows, self.heads * self.head_dim)
         library().cr_stage_layers(
             x.data_ptr(), rows, x.shape[1], self.table, len(self.layers), self.eps, cos.data_ptr(),

@@ -4,8 +4,10 @@ Weights modes (``EngineConfig.weights``, ``--weights``):
 
 - ``dense``: the checkpoint's matrices in the compute dtype (a GGUF model: its dequantized copy,
   exactly the file's weights in fp32), multiplied by oneDNN/MKL (CPU) or cuBLAS;
-- ``native``: a GGUF model's Q4_0 / Q4_1 / Q8_0 matrices kept in their blocks and multiplied by
-  int4 weight-only kernels (``models.weights.quant``); only the norms are dense. Needs a GGUF origin;
+- ``native``: a GGUF model's matrices kept in their blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+  the K formats Q4_K, Q5_K, Q6_K: ``models.weights.quant.FORMATS``) and multiplied by our CPU kernels, or
+  on CUDA by PyTorch's int4 kernels (formats without an int4 form dequantized there, said in the
+  log: ``models.linear``); only the norms are dense. Needs a GGUF origin;
 - ``auto``: ``native`` where the model came from a GGUF file whose formats are all served
   natively, ``dense`` otherwise.
 
