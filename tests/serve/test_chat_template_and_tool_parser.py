@@ -32,7 +32,7 @@ class WritingEngine:
     async def check_request(self, prompt_token_ids, params) -> None:
         return None
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         self.prompts.append(list(prompt_token_ids))
         for i, token in enumerate(self.ids):
             last = i == len(self.ids) - 1

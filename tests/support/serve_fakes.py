@@ -105,7 +105,7 @@ class PromptEngine:
         if tuple(prompt_token_ids) in self.refuse:
             raise ValueError("max_tokens plus the prompt exceed what the engine serves")
 
-    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0):
+    async def stream(self, prompt_token_ids, params, request_id, every_s=0.0, tenant=None):
         from cosine_ray.algo.logits_rules import TokenLogprob
 
         prompt = list(prompt_token_ids)
