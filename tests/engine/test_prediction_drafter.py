@@ -3,7 +3,9 @@ edit, draft lengths that follow the match, and nothing once released."""
 
 from __future__ import annotations
 
-from cosine_ray.engine.drafters.base import ContinueQuery, DraftInput
+from support.drafter_protocol import assert_speaks_drafter_protocol
+
+from cosine_ray.engine.drafters.base import ContinueQuery, DraftInput, continue_chains
 from cosine_ray.engine.drafters.prediction import PredictionConfig, PredictionDrafter
 
 PROMPT = (900, 901, 902)
@@ -15,7 +17,9 @@ def chain(drafter, answer, prefixes=((),), depth=64, rid="r"):
 
 
 def tokens(levels):
-    return [level[0][0] for level in levels]
+    """The chain's tokens; a chain shorter than its depth ends with an empty level."""
+    assert all(levels[:-1]), levels
+    return [level[0][0] for level in levels if level]
 
 
 def make(**config):
@@ -28,7 +32,7 @@ def test_the_answer_starts_where_the_prediction_does():
     d = make(max_spec_tokens=16)
     levels = chain(d, ())[0]
     assert tokens(levels) == list(PREDICTION[:16])
-    assert all(level[0][1] == d.config.start_confidence for level in levels)
+    assert all(level[0][1] == d.config.start_confidence for level in levels if level)
 
 
 def test_drafts_follow_the_prediction_and_grow_with_the_match():
@@ -44,7 +48,7 @@ def test_drafts_follow_the_prediction_and_grow_with_the_match():
 def test_after_an_edit_it_waits_then_picks_the_prediction_up_again():
     d = make()
     edited = PREDICTION[:10] + (7, 8, 9)  # the answer left the prediction after 10 tokens
-    assert chain(d, edited) == [[]]
+    assert chain(d, edited) == [[[]]]
     rejoined = edited + PREDICTION[14:17]  # ... and came back, 4 tokens further on
     assert tokens(chain(d, rejoined)[0])[:5] == list(PREDICTION[17:22])
 
@@ -64,7 +68,7 @@ def test_prefixes_that_follow_the_prediction_extend_its_chain_and_others_search(
     d = make(max_spec_tokens=8)
     follow, leave = chain(d, PREDICTION[:10], prefixes=(PREDICTION[10:12], (999,)))
     assert tokens(follow) == list(PREDICTION[12:18])  # a path of 8 at most, the prefix included
-    assert leave == []
+    assert leave == [[]]
 
 
 def test_one_level_answers_and_whole_proposals_agree_with_the_chains():
@@ -78,6 +82,30 @@ def test_one_level_answers_and_whole_proposals_agree_with_the_chains():
 
 def test_requests_without_a_prediction_or_released_get_nothing():
     d = make()
-    assert chain(d, PREDICTION[:5], rid="other") == [[]]
+    assert chain(d, PREDICTION[:5], rid="other") == [[[]]]
     d.release("r")
-    assert chain(d, PREDICTION[:5]) == [[]] and d.num_tracked_requests == 0
+    assert chain(d, PREDICTION[:5]) == [[[]]] and d.num_tracked_requests == 0
+
+
+def test_speaks_the_drafter_protocol():
+    """Every answer is one the engine's validators keep: a chain that stops before its depth
+    ends with an empty level, also where the drafter has nothing at all."""
+    d = PredictionDrafter()
+    contexts = [PROMPT + PREDICTION[:k] for k in (0, 3, 30)] + [PROMPT + (7, 8, 9)]
+    for i, c in enumerate(contexts):
+        for prefix in ("p", "c"):
+            d.expect(f"{prefix}{i}", len(PROMPT), PREDICTION)
+    assert assert_speaks_drafter_protocol(d, contexts, vocab_size=1000) > 0
+
+
+def test_its_chains_are_what_it_answers_level_by_level():
+    d = make(max_spec_tokens=12)
+    for answer in (PREDICTION[:4], PREDICTION[:10] + (7, 8), PREDICTION[:10] + (7,) + PREDICTION[12:15], ()):
+        q = [ContinueQuery("r", PROMPT + answer, ((), (PREDICTION[len(answer) % 60],), (999,)), 1, depth=20)]
+        assert d.continue_chains(q) == continue_chains(d, q)
+
+
+def test_a_prediction_repeating_one_pair_is_searched_among_the_nearest_anchors_only():
+    d = PredictionDrafter(PredictionConfig(max_candidates=8))
+    d.expect("r", len(PROMPT), (1, 2) * 5000 + (3,))
+    assert tokens(chain(d, (1, 2) * 10 + (5, 1, 2), depth=4)[0]) == [1, 2, 1, 2]  # near the last anchor

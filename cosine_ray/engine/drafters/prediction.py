@@ -19,6 +19,7 @@ often this drafter's tokens are accepted, per domain and depth, like any other d
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -43,6 +44,10 @@ class PredictionConfig:
     """See ``max_spec_factor``."""
     start_confidence: float = 0.9
     """Confidence of the prediction's first tokens, before the answer has matched any."""
+    max_candidates: int = 64
+    """Anchors compared per search at most, those nearest where the last anchor would be by
+    now: a prediction that repeats one pair of tokens thousands of times costs a search no more
+    than one that does not."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_match_len <= self.max_match_len:
@@ -51,6 +56,8 @@ class PredictionConfig:
             raise ValueError("max_spec_tokens must be >= 1 and max_spec_factor >= 0")
         if not 0.0 < self.start_confidence < 1.0:
             raise ValueError("start_confidence must be in (0, 1)")
+        if self.max_candidates < 1:
+            raise ValueError("max_candidates must be >= 1")
 
     def draft_length(self, match_len: int) -> int:
         return max(0, min(self.max_spec_tokens, int(match_len * self.max_spec_factor + self.max_spec_offset)))
@@ -118,17 +125,25 @@ class PredictionDrafter:
         pass
 
     # ---- anchors --------------------------------------------------------------------------------
-    def _anchor(self, p: _Prediction, answer: Sequence[int], expected: int) -> tuple[int, int] | None:
+    def _anchor(self, p: _Prediction, answer: Sequence[int], expected: int,
+                cap: int | None = None) -> tuple[int, int] | None:
         """(index of the next predicted token, match length) for ``answer``, the longest match
-        winning and, among equal ones, the one nearest ``expected`` (where the last anchor
-        would be by now), ahead of it before behind; None without one."""
+        (compared up to ``cap`` tokens, default ``max_match_len``) winning and, among equal
+        ones, the one nearest ``expected`` (where the last anchor would be by now), ahead of it
+        before behind; None without one."""
         cfg = self.config
+        cap = cfg.max_match_len if cap is None else cap
         if not answer:
             return 0, cfg.max_match_len  # the answer starts where the prediction does
         key = tuple(answer[-2:]) if len(answer) >= 2 else tuple(answer[-1:])
+        ends = p.ends.get(key, ())
+        if len(ends) > cfg.max_candidates:  # the ones nearest the expected position
+            at = bisect.bisect_left(ends, expected)
+            low = min(max(at - cfg.max_candidates // 2, 0), len(ends) - cfg.max_candidates)
+            ends = ends[low:low + cfg.max_candidates]
         best: tuple[int, int, int] | None = None  # (match, -distance, end)
-        for end in p.ends.get(key, ()):
-            match = _common_suffix(answer, p.tokens, end, cfg.max_match_len)
+        for end in ends:
+            match = _common_suffix(answer, p.tokens, end, cap)
             rank = (match, -(abs(end - expected) * 2 + (end < expected)), end)
             if best is None or rank > best:
                 best = rank
@@ -153,21 +168,34 @@ class PredictionDrafter:
 
     def _chain(self, p: _Prediction, answer: Sequence[int], prefix: Sequence[int],
                committed: tuple[int, int] | None, depth: int) -> list[Candidates]:
-        """Up to ``depth`` single-candidate levels continuing ``answer ⊕ prefix``."""
+        """Up to ``depth`` single-candidate levels continuing ``answer ⊕ prefix``, ended by an
+        empty level where the drafter has nothing more (the ``continue_chains`` protocol).
+
+        The rule sees the anchor's *root match* r: the tokens of the committed answer it
+        matches (its match less the prefix). The level at depth d after the root has
+        confidence ``confidence(r + d)`` and exists while d < ``draft_length(r)``, so a
+        longer prefix along the same anchor (a level asked alone) gets the same answer."""
+        cfg = self.config
         anchor = None
         if committed is not None:
             end = committed[0] + len(prefix)
             if end <= len(p.tokens) and tuple(prefix) == p.tokens[committed[0]:end]:
                 anchor = (end, committed[1] + len(prefix))
         if anchor is None and (prefix or committed is None):
-            anchor = self._anchor(p, list(answer) + list(prefix), (committed or (p.hint,))[0] + len(prefix))
+            anchor = self._anchor(p, list(answer) + list(prefix), (committed or (p.hint,))[0] + len(prefix),
+                                  cfg.max_match_len + len(prefix))
         if anchor is None:
-            return []
+            return [[]]
         start, match = anchor
-        n = min(depth, len(p.tokens) - start, self.config.draft_length(match) - len(prefix)
-                if answer or prefix else self.config.max_spec_tokens)
-        conf = self.config.start_confidence if not answer and not prefix else self.config.confidence(match)
-        return [[(p.tokens[start + i], conf)] for i in range(max(n, 0))]
+        root = match - len(prefix)
+        if answer:
+            limit = cfg.draft_length(root) if root > 0 else 0
+            confidences = [cfg.confidence(root + d) for d in range(len(prefix), len(prefix) + depth)]
+        else:  # nothing committed yet: the prediction is taken at its word
+            limit, confidences = cfg.max_spec_tokens, [cfg.start_confidence] * depth
+        n = min(depth, len(p.tokens) - start, limit - len(prefix))
+        levels: list[Candidates] = [[(p.tokens[start + i], confidences[i])] for i in range(max(n, 0))]
+        return levels if len(levels) >= depth else levels + [[]]
 
     # ---- the drafter protocol ----------------------------------------------------------------------
     def continue_chains(self, queries: Sequence[ContinueQuery]) -> list[list[list[Candidates]]]:
@@ -175,7 +203,7 @@ class PredictionDrafter:
         for q in queries:
             p = self._requests.get(q.request_id)
             if p is None or q.depth <= 0:
-                out.append([[] for _ in q.prefixes])
+                out.append([[[]] if q.depth > 0 else [] for _ in q.prefixes])
                 continue
             answer = q.context_token_ids[p.prompt_len:]
             committed = self._committed_anchor(p, answer)
@@ -185,13 +213,13 @@ class PredictionDrafter:
     def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
         chains = self.continue_chains([ContinueQuery(q.request_id, q.context_token_ids, q.prefixes, q.k, 1)
                                        for q in queries])
-        return [[chain[0] if chain else [] for chain in per_prefix] for per_prefix in chains]
+        return [[chain[0] for chain in per_prefix] for per_prefix in chains]
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftProposal]:
         out = []
         for d in inputs:
-            chain = self.continue_chains([ContinueQuery(d.request_id, d.context_token_ids, ((),), 1,
-                                                        d.max_draft_tokens)])[0][0]
+            chain = [level for level in self.continue_chains([ContinueQuery(
+                d.request_id, d.context_token_ids, ((),), 1, d.max_draft_tokens)])[0][0] if level]
             if not chain:
                 out.append(DraftProposal.empty(d.request_id, self.name))
                 continue
