@@ -29,6 +29,7 @@ from cosine_ray.serve import tools
 from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, error_payload
 from cosine_ray.serve.generation import Generation, sse, unless_disconnected
 from cosine_ray.serve.limits import check_prompt_logprobs
+from cosine_ray.serve.prediction import prediction_details, prediction_ids
 from cosine_ray.serve.schemas import (ChatCompletionRequest, ChatDelta, ChatLogprobs, CompletionLogprobs,
                                       CompletionRequest, FunctionDelta, PromptTokensDetails, ToolCallDelta,
                                       TokenLogprobOut, TopLogprob, Usage)
@@ -55,6 +56,8 @@ class Choice:
     gen: Generation
     first: str = ""
     """The text of its first engine output (awaited before the response starts)."""
+    prediction: tuple[int, ...] = ()
+    """The request's prediction as token ids (its usage counts them)."""
 
 
 
@@ -79,7 +82,8 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
         check_prompt_logprobs(len(prompt_ids), "echo" if getattr(req, "echo", False) else "prompt_logprobs")
     spec, spec_param = structured or (None, None)
     max_tokens = requested or min(state.default_max_tokens, room)
-    params = sampling_params(req, max_tokens, num_logprobs, spec)
+    prediction = await prediction_ids(state, req)
+    params = sampling_params(req, max_tokens, num_logprobs, spec, prediction)
     refusal = functools.partial(engine_refusal, num_prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
                                 max_tokens_param=max_tokens_param, prompt_param=prompt_param, grammar=structured)
     # before any await: the counts are exact
@@ -107,12 +111,12 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
         choices.append(Choice(i, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
                                             on_close=release, deadline=deadline,
                                             every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S,
-                                            refusal=refusal)))
+                                            refusal=refusal), prediction=prediction))
     return choices
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, num_logprobs: int | None,
-                    structured: StructuredOutput | None) -> SamplingParams:
+                    structured: StructuredOutput | None, prediction: tuple[int, ...] = ()) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
@@ -120,7 +124,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             logit_bias=tuple(req.logit_bias), logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
-            structured=structured)
+            structured=structured, prediction=prediction)
     except ValueError as exc:
         param = "min_tokens" if "min_tokens" in str(exc) else None
         raise InvalidRequest(str(exc), param=param) from None
@@ -136,7 +140,7 @@ def engine_refusal(message: str, *, num_prompt_tokens: int, max_tokens: int, max
     bound, never the engine's own text (KV block counts, flag names, the grammar engine's words),
     which the ingress logs instead."""
     lowered = message.lower()
-    for name in ("logit_bias", "stop_token_ids", "min_tokens"):
+    for name in ("logit_bias", "stop_token_ids", "min_tokens", "prediction"):
         if lowered.startswith(name):
             return InvalidRequest(f"{name} cannot be served by this model", param=name)
     if grammar is not None and lowered.startswith("structured outputs"):
@@ -197,11 +201,16 @@ async def guarded_events(choices: list[Choice], events: AsyncIterator[str]) -> A
 
 
 def usage(choices: list[Choice]) -> Usage:
+    """The request's usage; with a prediction, its accepted and rejected tokens once every
+    choice is done (``serve.prediction``)."""
     n = sum(c.gen.num_tokens for c in choices)
     prompt = choices[0].gen.num_prompt_tokens
     cached = max((c.gen.usage().prompt_tokens_details.cached_tokens for c in choices), default=0)
+    prediction = choices[0].prediction
+    details = prediction_details(prediction, [c.gen.text.token_ids for c in choices]) \
+        if prediction and all(c.gen.is_done for c in choices) else None
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), completion_tokens_details=details)
 
 async def interleave(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob], bool]]:
     """(choice, text delta, new log-probabilities, whether it was the choice's last) for every
