@@ -11,10 +11,13 @@ tie), so it picks the prediction up again after the edited span::
     answer:      def f(x):\\n    return x * 2      <- edited: no anchor past "x"
     answer:      def f(x):\\n    return x * 2\\n   <- "\\n" + ... matched again: anchor after it
 
-A draft from a match of L tokens is at most ``⌊L · max_spec_factor + max_spec_offset⌋``
-tokens long (SuffixDecoding's rule), up to ``max_spec_tokens``; at the start of the answer
-the prediction is taken at its word. Confidence grows with L; calibration then learns how
-often this drafter's tokens are accepted, per domain and depth, like any other drafter's.
+A draft from an anchor matching L tokens of the committed answer is at most
+``⌊L · max_spec_factor + max_spec_offset⌋`` tokens long (SuffixDecoding's rule), up to
+``max_spec_tokens``, its token at depth d with confidence (L + d) / (L + d + 1); at the start
+of the answer the prediction is taken at its word. Both depend only on the anchor, so a level
+asked alone answers what the chain did. Calibration then learns how often this drafter's
+tokens are accepted, per domain and depth, like any other drafter's. The engine tells the
+drafter each request's prediction as the request starts (``DraftRouting.start``).
 """
 
 from __future__ import annotations
