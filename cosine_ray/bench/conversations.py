@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from cosine_ray.bench.reference import hf_greedy
-from cosine_ray.bench.workloads import ScriptedTurn, useless_prediction
+from loadgen.tasks import ScriptedTurn, useless_prediction
 
 PREDICTIONS = ("workload", "none", "random")
 """What a scripted turn sends as its prediction: its own, none, or random words as long."""

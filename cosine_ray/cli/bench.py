@@ -3,7 +3,7 @@
 Workloads (``--workload``, built by ``loadgen/workload.py``, the requests ``cosine-loadgen``
 sends): ``mixed`` (the four prompt sets in equal mix), ``multi-turn`` (MT-bench turn 2 with turn
 1's answer), ``code-edit`` (the answer repeats most of a function) and ``template`` (many users
-asking the same kind of question); and (``bench.workloads``) ``edit`` (code, an instruction, the
+asking the same kind of question); and (``loadgen/tasks.py``) ``edit`` (code, an instruction, the
 original code as the request's prediction) and ``agent`` (a tool-calling loop whose requests
 repeat its earlier calls and observations; the tok/s of the turns after the first is reported
 apart). Measured conversations come from the held-back second half of each prompt file;

@@ -1,4 +1,4 @@
-"""The ``edit`` and ``agent`` workloads of ``cosine-ray bench`` (``bench.workloads``): packaged
+"""The ``edit`` and ``agent`` workloads of ``cosine-ray bench`` (``loadgen.tasks``): packaged
 data with held-back halves, scripted requests that repeat what came before, predictions sent as
 the system asks, and what the bench reports of them (accepted and rejected prediction tokens,
 the turns after the first)."""
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from cosine_ray.bench.conversations import Turn, later_turns, prediction_counts, prediction_text, run_conversations
-from cosine_ray.bench.workloads import (AGENT_FILE, TASKS_DIR, ScriptedTurn, agent_turns, bench_workload,
-                                        useless_prediction)
+from cosine_ray.bench.workloads import bench_workload
 from cosine_ray.cli.args import CliError
 from cosine_ray.datasets import PACKAGED_PROMPT_DIR, read_prompts, second_half
+from loadgen.tasks import AGENT_FILE, TASKS_DIR, ScriptedTurn, agent_turns, useless_prediction
 
 EDITS = PACKAGED_PROMPT_DIR / TASKS_DIR / "edit.jsonl"
 
