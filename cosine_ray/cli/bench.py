@@ -1,25 +1,22 @@
 """``cosine-ray bench``: tokens/s of HF transformers and cosine_ray systems on one workload, in one run.
 
-Workloads (``--workload``, built by ``loadgen/workload.py``, the requests ``cosine-loadgen``
-sends): ``mixed`` (the four prompt sets in equal mix), ``multi-turn`` (MT-bench turn 2 with turn
-1's answer), ``code-edit`` (the answer repeats most of a function) and ``template`` (many users
-asking the same kind of question); and (``loadgen/tasks.py``) ``edit`` (code, an instruction, the
+Workloads (``--workload``, the requests ``cosine-loadgen`` sends, built by ``loadgen/workload.py``
+and ``loadgen/tasks.py``): ``mixed`` (the four prompt sets in equal mix), ``multi-turn``
+(MT-bench turn 2 with turn 1's answer), ``code-edit`` (the answer repeats most of a function),
+``template`` (many users asking the same kind of question), ``edit`` (code, an instruction, the
 original code as the request's prediction) and ``agent`` (a tool-calling loop whose requests
-repeat its earlier calls and observations; the tok/s of the turns after the first is reported
-apart). Measured conversations come from the held-back second half of each prompt file;
-``--warmup-per-domain`` ones from the first half run before them (for ``edit`` and ``agent``,
-``--prompts-per-domain`` is the number of conversations).
+repeat its earlier calls and observations; its later turns' tok/s is reported apart). Measured
+conversations come from the held-back half of each prompt file, ``--warmup-per-domain`` ones
+from the first half (for ``edit`` and ``agent``, ``--prompts-per-domain`` counts conversations).
 
 Systems (``--systems``, ``;``-separated): ``hf-greedy``, ``hf-prompt-lookup``, and any
-``--drafters`` value with engine settings changed (``learning@routing=random``, any
-setting by its name: ``EngineConfig.replace``; ``prediction=none|random`` sends no prediction, or
-random words as long, instead of the workload's). Every cosine_ray
-system × concurrency starts from a fresh engine, and every output is compared token by token
-with HF greedy (or, without it, the first system). ``--repeat-probe`` sends the first measured
-request again at the end. ``--rounds N`` interleaves N rounds in seeded shuffled orders and
-prints medians and the min–max of each ratio to the same round's ``none``: on a machine whose
-speed drifts, a ratio from one pair of runs is noise. Conversations, rounds, the HF reference and
-the figures are ``cosine_ray.bench``'s, which the scripts in ``benchmarks/`` share.
+``--drafters`` value with engine settings changed by name (``learning@routing=random``:
+``EngineConfig.replace``; ``prediction=none|random`` sends no prediction, or random words as
+long). Every cosine_ray system × concurrency starts from a fresh engine, and every output is
+compared token by token with HF greedy (or, without it, the first system). ``--repeat-probe``
+sends the first measured request again at the end. ``--rounds N`` interleaves N rounds in seeded
+shuffled orders and prints medians and the min–max of each ratio to the same round's ``none``.
+Conversations, rounds, the HF reference and the figures are ``cosine_ray.bench``'s.
 """
 
 from __future__ import annotations

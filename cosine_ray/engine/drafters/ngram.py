@@ -9,18 +9,15 @@ suffix's most frequent continuation, with confidence ``count / total``::
     index:    (a,b,c) → {x: 2, y: 1}       suffix (a,b,c) matched, n = 3
     paths:    [x, …] conf 2/3              [y, …] conf 1/3
 
-Paths grow by re-lookup after each appended token (an n-gram model over the context: where
-the context disagrees with itself, the confidence says how contested a position is; ties go
-to the most recent continuation). The first level branches into up to ``max_branches``
-tokens and the budget is spent best-first by cumulative confidence. The per-request index
-grows with each call's new tokens; a context that does not extend the last one rebuilds it.
+Paths grow by re-lookup after each appended token (ties go to the most recent continuation).
+The first level branches into up to ``max_branches`` tokens and the budget is spent best-first
+by cumulative confidence. The index grows with each call's new tokens; a context that does not
+extend the last one rebuilds it.
 
-*Copying* (``copy_min_len``, on in the engine): where the context's end matched an earlier
-span of L ≥ ``copy_min_len`` tokens (the longest of the recent occurrences of its last
-``max_n`` tokens, compared up to ``copy_max_match``), the drafts copy what followed that span,
+*Copying* (``copy_min_len``): where the context's end matched an earlier span of L ≥
+``copy_min_len`` tokens (``NgramConfig``: ``copy_*``), the drafts copy what followed it for
 ``⌊L · max_spec_factor + max_spec_offset⌋`` tokens (SuffixDecoding's rule), the i-th with
-confidence (L + i) / (L + i + 1) times the n-gram's share of that token: an agent's repeated
-tool call, an answer quoting the prompt. Past the copy's length the n-gram model goes on.
+confidence (L + i) / (L + i + 1) times the n-gram's share of that token; then the n-gram goes on.
 """
 
 from __future__ import annotations
