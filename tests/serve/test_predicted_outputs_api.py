@@ -15,14 +15,12 @@ import httpx
 import openai
 import pytest
 from support.tiny_checkpoint import write_tiny_checkpoint
-from support.uvicorn_thread import serve_in_thread
+from support.uvicorn_thread import serve_engines
 
 from cosine_ray.algo.subsequence import common_subsequence_length
-from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
-from cosine_ray.serve.openai_app import build_openai_app
 
 pytestmark = pytest.mark.real_model  # the embedded SmolLM2's tokenizer
 
@@ -38,25 +36,18 @@ def servers(tmp_path_factory, real_checkpoint):
     """name → (url, engine); "ref" → the completion token ids the plain engine gives the chat
     message (greedy) and the completion prompt (seeds 5 and 6), computed before the servers run."""
     ck = write_tiny_checkpoint(tmp_path_factory.mktemp("predicted") / "tiny", tokenizer_from=real_checkpoint)
-    out, stops = {}, []
-    for name, drafters in (("spec", "ngram"), ("plain", "none")):
-        engine = LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters(drafters)).replace(
-            max_model_len=512), checkpoint=ck)
-        if name == "plain":
-            tok = engine.tokenizer
-            chat_ids = tok.apply_chat_template(MSG, add_generation_prompt=True, tokenize=True)
-            chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
-            completion_ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
-            params = [SamplingParams(max_tokens=MAX_TOKENS)] + [
-                SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=SEED + i) for i in range(2)]
-            outs = engine.generate([list(chat_ids), completion_ids, completion_ids], params)
-            out["ref"] = {"chat": outs[0].new_token_ids, "completions": [o.new_token_ids for o in outs[1:]]}
-        url, stop = serve_in_thread(build_openai_app(LocalEngineClient(engine), engine.tokenizer, model_name=MODEL))
-        out[name] = (url, engine)
-        stops.append(stop)
-    yield out
-    for stop in stops:
-        stop()
+    engines = {name: LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters(drafters)).replace(
+        max_model_len=512), checkpoint=ck) for name, drafters in (("spec", "ngram"), ("plain", "none"))}
+    plain = engines["plain"]
+    chat_ids = plain.tokenizer.apply_chat_template(MSG, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    completion_ids = plain.tokenizer(PROMPT, add_special_tokens=True)["input_ids"]
+    params = [SamplingParams(max_tokens=MAX_TOKENS)] + [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=SEED + i) for i in range(2)]
+    outs = plain.generate([list(chat_ids), completion_ids, completion_ids], params)
+    ref = {"chat": outs[0].new_token_ids, "completions": [o.new_token_ids for o in outs[1:]]}
+    with serve_engines(engines, MODEL) as served:
+        yield {**served, "ref": ref}
 
 
 def client(servers, name: str) -> openai.OpenAI:
