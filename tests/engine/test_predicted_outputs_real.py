@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosine_ray.bench.workloads import TASKS_DIR
 from cosine_ray.datasets import PACKAGED_PROMPT_DIR, read_prompts, second_half
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.drafters.prediction import PREDICTION
 from cosine_ray.engine.local import LocalEngine, encode_prompt
 from cosine_ray.engine.request import SamplingParams
+from loadgen.tasks import TASKS_DIR
 
 pytestmark = pytest.mark.real_model
 
