@@ -23,6 +23,7 @@ import numpy as np
 from loadgen.arrivals import SCHEDULES, ArrivalConfig, arrival_offsets
 from loadgen.metrics import parse_goodput, parse_percentile_metrics, parse_percentiles
 from loadgen.runner import CHAT_PATH, COMPLETIONS_PATH, RunConfig
+from loadgen.tasks import TASK_WORKLOADS, task_workload
 from loadgen.workload import (DEFAULT_DATASET_DIR, SPLITS, WorkItem, WorkloadError, build_workload, dataset_workload,
                               load_rows, parse_domain_mix, random_workload)
 
@@ -44,10 +45,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=("dataset", "code-edit", "template", "random"), default="dataset",
+    w.add_argument("--workload", choices=("dataset", "code-edit", "template", "random") + TASK_WORKLOADS,
+                   default="dataset",
                    help="dataset: the prompt rows as they are (mixed; --multi-turn for MT-bench conversations); "
                         "code-edit: requests carrying a function to change; template: many users asking "
-                        "the same kind of question (loadgen/workload.py says how each is built)")
+                        "the same kind of question; edit: a function, a change to make and the original as "
+                        "the request's prediction; agent: tool-calling loops repeating their calls and "
+                        "observations (loadgen/workload.py and loadgen/tasks.py say how each is built)")
     w.add_argument("--dataset-dir", type=Path, default=DEFAULT_DATASET_DIR,
                    help="directory of *.jsonl prompt files (id, domain, prompt[, turns]); default: the "
                         "prompt sets packaged with cosine_ray (or $COSINE_RAY_PROMPTS)")
@@ -153,6 +157,15 @@ def build_plan(args: argparse.Namespace) -> tuple[list[tuple[WorkItem, float]], 
     else:
         if args.multi_turn and endpoint != CHAT_PATH:
             raise UsageError("--multi-turn needs the chat endpoint (history is sent as messages)")
+        if args.workload in TASK_WORKLOADS:
+            if endpoint != CHAT_PATH or args.multi_turn:
+                raise UsageError(f"--workload {args.workload} sends whole chats: use the chat endpoint, "
+                                 f"without --multi-turn")
+            items = task_workload(args.workload, args.dataset_dir, args.split, args.num_prompts, args.max_tokens,
+                                  args.seed)
+            described = {"workload": args.workload, "dataset_dir": str(args.dataset_dir), "split": args.split,
+                         "max_tokens": args.max_tokens}
+            return _planned(args, items, described, arrival_rng, endpoint)
         rows = load_rows(args.dataset_dir, args.split)
         mix = parse_domain_mix(args.domain_mix, list(rows))
         if args.workload == "dataset":
@@ -165,6 +178,12 @@ def build_plan(args: argparse.Namespace) -> tuple[list[tuple[WorkItem, float]], 
                                    max_tokens=args.max_tokens)
         described = {"workload": args.workload, "dataset_dir": str(args.dataset_dir), "split": args.split,
                      "domain_mix": mix, "multi_turn": args.multi_turn, "max_tokens": args.max_tokens}
+    return _planned(args, items, described, arrival_rng, endpoint)
+
+
+def _planned(args: argparse.Namespace, items: list[WorkItem], described: dict[str, Any],
+             arrival_rng: np.random.Generator, endpoint: str) -> tuple[list[tuple[WorkItem, float]], dict[str, Any]]:
+    """The items with their seeded arrival offsets, and the run described."""
     try:
         arrivals = ArrivalConfig(args.request_rate, args.burstiness, args.schedule, args.low_rate_fraction,
                                  args.fluctuation_period)

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from loadgen.client import RequestRecord, RequestSpec, error_message, send_request
 from loadgen.ledger import Ledger
+from loadgen.tasks import ScriptedTurn
 from loadgen.workload import WorkItem
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -84,9 +85,12 @@ def root_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def request_body(item: WorkItem, history: list[dict[str, str]], cfg: RunConfig, model: str | None) -> dict[str, Any]:
+def request_body(item: WorkItem, history: list[dict[str, str]], cfg: RunConfig, model: str | None,
+                 prediction: str = "") -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": item.max_tokens, "temperature": cfg.temperature, "stream": True,
                             "stream_options": {"include_usage": True}}
+    if prediction:
+        body["prediction"] = {"type": "content", "content": prediction}
     if model:
         body["model"] = model
     if cfg.endpoint == CHAT_PATH:
@@ -149,8 +153,12 @@ class _Run:
                 for rest in range(turn, item.num_turns):
                     self._not_sent(f"{item.conversation_id}-t{rest}", reason)
                 return
-            history.append({"role": "user", "content": item.turns[turn] if item.turns else ""})
-            rec = await self.one_request(client, item, rid, turn, history)
+            scripted = item.turns[turn] if item.turns and isinstance(item.turns[turn], ScriptedTurn) else None
+            if scripted is not None:  # sent as written, whatever was answered before
+                history = scripted.chat
+            else:
+                history.append({"role": "user", "content": item.turns[turn] if item.turns else ""})
+            rec = await self.one_request(client, item, rid, turn, history, scripted.prediction if scripted else "")
             if rec.status != "ok":
                 why = rec.error if rec.status == "not_sent" else f"turn {turn} failed"
                 for rest in range(turn + 1, item.num_turns):
@@ -159,10 +167,10 @@ class _Run:
             history.append({"role": "assistant", "content": rec.output_text})
 
     async def one_request(self, client: httpx.AsyncClient, item: WorkItem, rid: str, turn: int,
-                          history: list[dict[str, str]]) -> RequestRecord:
+                          history: list[dict[str, str]], prediction: str = "") -> RequestRecord:
         rec = self.records[rid]
         spec = RequestSpec(rid, item.conversation_id, turn, item.domain, item.source_id, self.cfg.endpoint,
-                           request_body(item, history, self.cfg, self.model), rec.scheduled_s or 0.0)
+                           request_body(item, history, self.cfg, self.model, prediction), rec.scheduled_s or 0.0)
         async with self.semaphore or contextlib.nullcontext():
             rec.queued_s = self.clock() - self.t0 - (rec.scheduled_s or 0.0)
             if (reason := self._stop_reason()) is not None:
@@ -204,9 +212,11 @@ class _Run:
 
     async def warm_up(self, client: httpx.AsyncClient) -> None:
         for i, (item, _) in enumerate(self.plan[:self.cfg.num_warmups]):
-            history = [{"role": "user", "content": item.turns[0] if item.turns else ""}]
-            spec = RequestSpec(f"warmup-{i}", item.conversation_id, 0, item.domain, item.source_id,
-                               self.cfg.endpoint, request_body(item, history, self.cfg, self.model))
+            first = item.turns[0] if item.turns else ""
+            scripted = isinstance(first, ScriptedTurn)
+            history = first.chat if scripted else [{"role": "user", "content": first}]
+            spec = RequestSpec(f"warmup-{i}", item.conversation_id, 0, item.domain, item.source_id, self.cfg.endpoint,
+                               request_body(item, history, self.cfg, self.model, first.prediction if scripted else ""))
             rec = await send_request(client, spec, RequestRecord.for_spec(spec), t0=self.clock(), clock=self.clock,
                                      timeout_s=self.cfg.request_timeout_s, headers=self.headers)
             if rec.status != "ok":

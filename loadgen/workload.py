@@ -38,8 +38,9 @@ class WorkItem:
     source_id: str
     """The dataset row's id (``gsm8k/700``) or ``random/N``."""
     domain: str
-    turns: tuple[str, ...] = ()
-    """User messages; one entry unless multi-turn. Empty for token-id prompts."""
+    turns: tuple = ()
+    """User messages (str); one entry unless multi-turn. Empty for token-id prompts. The
+    scripted workloads' turns are ``loadgen.tasks.ScriptedTurn``s, each a whole request."""
     prompt_token_ids: tuple[int, ...] | None = None
     max_tokens: int = 128
 

@@ -1,20 +1,22 @@
 """``cosine-ray bench``: tokens/s of HF transformers and cosine_ray systems on one workload, in one run.
 
-Workloads (``--workload``, built by ``loadgen/workload.py``, the requests ``cosine-loadgen``
-sends): ``mixed`` (the four prompt sets in equal mix), ``multi-turn`` (MT-bench turn 2 with turn
-1's answer), ``code-edit`` (the answer repeats most of a function) and ``template`` (many users
-asking the same kind of question). Measured conversations come from the held-back second half
-of each prompt file; ``--warmup-per-domain`` ones from the first half run before them.
+Workloads (``--workload``, the requests ``cosine-loadgen`` sends, built by ``loadgen/workload.py``
+and ``loadgen/tasks.py``): ``mixed`` (the four prompt sets in equal mix), ``multi-turn``
+(MT-bench turn 2 with turn 1's answer), ``code-edit`` (the answer repeats most of a function),
+``template`` (many users asking the same kind of question), ``edit`` (code, an instruction, the
+original code as the request's prediction) and ``agent`` (a tool-calling loop whose requests
+repeat its earlier calls and observations; its later turns' tok/s is reported apart). Measured
+conversations come from the held-back half of each prompt file, ``--warmup-per-domain`` ones
+from the first half (for ``edit`` and ``agent``, ``--prompts-per-domain`` counts conversations).
 
 Systems (``--systems``, ``;``-separated): ``hf-greedy``, ``hf-prompt-lookup``, and any
-``--drafters`` value with engine settings changed (``learning@routing=random``, any
-setting by its name: ``EngineConfig.replace``). Every cosine_ray
-system × concurrency starts from a fresh engine, and every output is compared token by token
-with HF greedy (or, without it, the first system). ``--repeat-probe`` sends the first measured
-request again at the end. ``--rounds N`` interleaves N rounds in seeded shuffled orders and
-prints medians and the min–max of each ratio to the same round's ``none``: on a machine whose
-speed drifts, a ratio from one pair of runs is noise. Conversations, rounds, the HF reference and
-the figures are ``cosine_ray.bench``'s, which the scripts in ``benchmarks/`` share.
+``--drafters`` value with engine settings changed by name (``learning@routing=random``:
+``EngineConfig.replace``; ``prediction=none|random`` sends no prediction, or random words as
+long). Every cosine_ray system × concurrency starts from a fresh engine, and every output is
+compared token by token with HF greedy (or, without it, the first system). ``--repeat-probe``
+sends the first measured request again at the end. ``--rounds N`` interleaves N rounds in seeded
+shuffled orders and prints medians and the min–max of each ratio to the same round's ``none``.
+Conversations, rounds, the HF reference and the figures are ``cosine_ray.bench``'s.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.bench.conversations import Turn, count_tokens, run_conversations, run_hf, same_output
+from cosine_ray.bench.conversations import (PREDICTIONS, Turn, count_tokens, later_turns, prediction_counts,
+                                            run_conversations, run_hf, same_output)
 from cosine_ray.bench.figures import routing_shares, spec_figures
 from cosine_ray.bench.rounds import Spread, round_order
 from cosine_ray.cli.args import (MODEL_HELP, SPEC_TOKENS_HELP, CliError, add_device_args, check_local_device,
@@ -52,7 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     p.add_argument("--prompt-dir", default=str(DEFAULT_PROMPT_DIR),
                    help="folder with humaneval/gsm8k/alpaca/mtbench .jsonl")
-    p.add_argument("--workload", default="mixed", help="mixed | multi-turn | code-edit | template")
+    p.add_argument("--workload", default="mixed", help="mixed | multi-turn | code-edit | template | edit | agent")
     p.add_argument("--prompts-per-domain", type=int, default=3,
                    help="measured conversations per domain (× 4 domains; second half of each file)")
     p.add_argument("--warmup-per-domain", type=int, default=0,
@@ -60,7 +63,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per turn at most (default 64)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help="';'-separated: hf-greedy, hf-prompt-lookup, or DRAFTERS[@key=value,...] "
-                        "(engine settings by name, e.g. learning@routing=random); 'ablations' after a "
+                        "(engine settings by name, e.g. learning@routing=random; prediction=none|random: "
+                        "what the edit workload's requests predict); 'ablations' after a "
                         "system adds its four CoSine ablations (e.g. 'learning;ablations')")
     p.add_argument("--drafter-sets", default=None, help="(old flag) ';'-separated --drafters values; "
                    "the same as --systems with hf-greedy;hf-prompt-lookup in front")
@@ -86,6 +90,8 @@ class System:
     drafters: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     """Engine settings by name (``EngineConfig.replace``)."""
+    prediction: str = "workload"
+    """What its scripted requests predict (``bench.conversations.PREDICTIONS``)."""
 
     @property
     def is_hf(self) -> bool:
@@ -117,11 +123,14 @@ def parse_systems(text: str) -> list[System]:
             if not sep:
                 raise CliError(f"--systems: {item!r} in {part!r} is not KEY=VALUE")
             settings[key.strip()] = yaml.safe_load(value)
+        prediction = str(settings.pop("prediction", "workload"))
+        if prediction not in PREDICTIONS:
+            raise CliError(f"--systems {part!r}: prediction must be one of {', '.join(PREDICTIONS)}")
         try:
             config_from_dict({"drafters": drafters.strip() or "none"}).replace(**settings)
         except ValueError as exc:
             raise CliError(f"--systems {part!r}: {str(exc).splitlines()[0]}") from None
-        systems.append(System(part, drafters.strip() or "none", settings))
+        systems.append(System(part, drafters.strip() or "none", settings, prediction))
     if not systems:
         raise CliError("--systems is empty")
     names = [s.name for s in systems]
@@ -189,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         secs = time.perf_counter() - start
         outputs[system.name] = outs
         rows.append({"system": system.name, "concurrency": 1, "tokens": count_tokens(outs), "seconds": secs})
+        _task_figures(rows[-1], outs)
         print(f"  {system.name}: {rows[-1]['tokens'] / secs:.2f} tok/s", flush=True)
 
     work = [(s, c) for s in systems if not s.is_hf for c in concurrencies]
@@ -208,14 +218,14 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         warm_outs = asyncio.run(run_conversations(engine, warm_convs or [("Hello",)],
                                                   params if warm_convs else SamplingParams(max_tokens=4),
-                                                  8, tokenizer))
+                                                  8, tokenizer, system.prediction))
         if warm_convs:
             row["warmup"] = {"tokens": count_tokens(warm_outs), "seconds": time.perf_counter() - start,
                              **_spec_figures(warm_outs)}
         busy, steps = _gpu_busy_seconds(engine), dict(engine.target.stages[0].runner.stats)
         phases, priced = _phase_seconds(engine), _price_counts(engine)
         start = time.perf_counter()
-        outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer))
+        outs = asyncio.run(run_conversations(engine, convs, params, c, tokenizer, system.prediction))
         secs = time.perf_counter() - start
         if engine.config.device != "cpu":
             row["gpu_busy_share"] = (_gpu_busy_seconds(engine) - busy) / secs
@@ -226,8 +236,9 @@ def run(args: argparse.Namespace) -> int:
         row.update(tokens=count_tokens(outs), seconds=secs, **_spec_figures(outs),
                    routing_shares=routing_shares(routed, sorted(set(domains))),
                    decision_ms=_decision_ms(engine), step_ms=_step_ms(engine, phases))
+        _task_figures(row, outs)
         if args.repeat_probe:
-            first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer))
+            first = asyncio.run(run_conversations(engine, [convs[0][:1]], params, 1, tokenizer, system.prediction))
             row["repeat_probe"] = {"first": _spec_figures([outs[0][:1]]), "again": _spec_figures(first),
                                    "identical": first[0][0].token_ids == outs[0][0].token_ids}
         by_repeat = _by_repeat(outs, convs)
@@ -262,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
     ref = outputs[ref_name]
     base = next((r["tokens"] / r["seconds"] for r in rows if r["system"] == "hf-greedy"), None)
     off = {(r["concurrency"], r.get("round")): r["tokens"] / r["seconds"] for r in rows if r["system"] == "none"}
+    later_off = {(r["concurrency"], r.get("round")): r["later_turns"]["tokens_per_s"]
+                 for r in rows if r["system"] == "none" and "later_turns" in r}
     for row in rows:
         outs = outputs[_output_key(row)]
         same = sum(same_output(t, r) for conv, rconv in zip(outs, ref) for t, r in zip(conv, rconv))
@@ -271,13 +284,16 @@ def run(args: argparse.Namespace) -> int:
             row["ratio_vs_hf_greedy"] = row["tokens_per_s"] / base
         if (row["concurrency"], row.get("round")) in off:  # the same round's plain decoding
             row["ratio_vs_off"] = row["tokens_per_s"] / off[row["concurrency"], row.get("round")]
+            later = later_off.get((row["concurrency"], row.get("round")))
+            if later and "later_turns" in row:
+                row["later_turns"]["ratio_vs_off"] = row["later_turns"]["tokens_per_s"] / later
 
     report = {
         "command": "cosine-ray bench", "model": checkpoint.name, "workload": args.workload,
         "max_tokens": args.max_tokens, "measured_conversations": len(convs),
         "warmup_conversations": len(warm_convs), "lossless_reference": ref_name,
         "conversations": [{"domain": i.domain, "source": i.source_id, "turns": len(i.turns),
-                           "prompt": i.turns[0][:80]} for i in measured],
+                           "prompt": str(i.turns[0])[:80]} for i in measured],
         "split": "measured: second half of each prompt file; warm-up: first half",
         "num_speculative_tokens": args.num_speculative_tokens,
         "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
@@ -317,8 +333,24 @@ def summarize_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ratios:
             spread = Spread.of(ratios)
             entry.update(ratio_vs_off=spread.median, ratio_min=spread.low, ratio_max=spread.high)
+        later = [m["later_turns"]["ratio_vs_off"] for m in members if "ratio_vs_off" in m.get("later_turns", {})]
+        if later:
+            spread = Spread.of(later)
+            entry["later_turns"] = {"ratio_vs_off": spread.median, "ratio_min": spread.low, "ratio_max": spread.high}
         summary.append(entry)
     return summary
+
+
+def _task_figures(row: dict[str, Any], outs: list[list[Turn]]) -> None:
+    """A run's accepted and rejected prediction tokens (when its requests predicted), and the
+    tokens per second of the turns after each conversation's first (when they have several)."""
+    accepted, rejected = prediction_counts(outs)
+    if accepted or rejected:
+        row["prediction"] = {"accepted": accepted, "rejected": rejected}
+    if any(len(conv) > 1 for conv in outs):
+        tokens, seconds = later_turns(outs)
+        row["later_turns"] = {"tokens": tokens, "seconds": seconds,
+                              "tokens_per_s": tokens / seconds if seconds else 0.0}
 
 
 def _all_same(identical: str) -> bool:
@@ -435,6 +467,22 @@ def _print_table(report: dict[str, Any]) -> None:
             spread = f"{e['ratio_min']:.2f}-{e['ratio_max']:.2f}x" if "ratio_vs_off" in e else ""
             same = "all" if e["identical_every_round"] else "NOT all"
             print(f"{e['system']:<36} {e['concurrency']:>3} {e['tokens_per_s']:>12.2f} {ratio:>14} {spread:>13} {same:>9}")
+    for r in rows:
+        extra = []
+        if "prediction" in r:
+            extra.append(f"prediction tokens accepted {r['prediction']['accepted']}, rejected "
+                         f"{r['prediction']['rejected']}")
+        if "later_turns" in r:
+            later = r["later_turns"]
+            ratio = f" ({later['ratio_vs_off']:.2f}x off)" if "ratio_vs_off" in later else ""
+            extra.append(f"turns after the first {later['tokens_per_s']:.2f} tok/s{ratio}")
+        if extra:
+            print(f"{_output_key(r)}: " + "; ".join(extra))
+    for e in report.get("summary", []):
+        if "later_turns" in e:
+            later = e["later_turns"]
+            print(f"turns after the first, {e['system']} c={e['concurrency']}: {later['ratio_vs_off']:.2f}x off "
+                  f"({later['ratio_min']:.2f}-{later['ratio_max']:.2f}x over the rounds)")
     for r in rows:
         if "repeat_probe" in r:
             p = r["repeat_probe"]

@@ -83,6 +83,10 @@ def check_distilled(folder: Path, name: str, target: Checkpoint, target_tokenize
                          f"({meta.get('target')}); drafters must share the target's tokenizer")
 
 
+NGRAM_COPY_MIN_LEN = 4
+"""The engine's n-gram drafter copies what followed an earlier match of the context's end of
+at least this many tokens (one more than the 3-gram it looks up), ``NgramConfig.copy_min_len``."""
+
 TOKENIZER_KINDS = ("model", "distilled", "head")
 """Drafter kinds checked against the target's tokenizer (a drafter must share it)."""
 
@@ -99,15 +103,17 @@ def build_drafter(spec: DrafterSpec, *, target: Checkpoint, config: EngineConfig
     if target_tokenizer is None and spec.kind in TOKENIZER_KINDS and target.has_tokenizer:
         target_tokenizer = target.load_tokenizer()
     # the engine smooths n-gram counts (a continuation seen once gets confidence 1/2, not 1):
-    # with the tree's confidence cut this keeps one-off matches from filling it
+    # with the tree's confidence cut this keeps one-off matches from filling it; a match of
+    # NGRAM_COPY_MIN_LEN tokens or more copies what followed it, as long as the match justifies
     if spec.kind == "ngram":
-        return NgramDrafter(NgramConfig(count_smoothing=1.0), name=spec.name)
+        return NgramDrafter(NgramConfig(count_smoothing=1.0, copy_min_len=NGRAM_COPY_MIN_LEN), name=spec.name)
     if spec.kind == "retrieval":
         return RetrievalDrafter(load_datastore(spec, target.name, config.datastore_dir),
                                 RetrievalConfig(count_smoothing=1.0), name=spec.name)
     if spec.kind == "suffix":
         return build_suffix_drafter(spec, target.name, config.datastore_dir,
-                                    max_indexed_tokens=config.runtime.suffix_index_tokens)
+                                    max_indexed_tokens=config.runtime.suffix_index_tokens,
+                                    max_spec_tokens=config.speculation.long_draft_tokens)
     if spec.kind == "self":
         stage = (build_stages(target, target_state, dtype=dtype, device=config.device)[0] if target_state else
                  load_target(target, weights=config.weights, dtype=config.dtype, device=config.device).stages[0])
@@ -163,15 +169,19 @@ def head_spec(config: EngineConfig) -> DrafterSpec | None:
 
 
 def build_suffix_drafter(spec: DrafterSpec, model_name: str, datastore_dir: str | None = None, *,
-                         max_indexed_tokens: int | None = None) -> SuffixDrafter:
+                         max_indexed_tokens: int | None = None, max_spec_tokens: int | None = None) -> SuffixDrafter:
     """``suffix``: one index over every domain (with a per-request index too), seeded from all
     packaged datastores; ``suffix:DOMAIN``: a live expert of one domain, seeded from its
     datastore, learning only from that domain's finished requests (no per-request index: the
     shared n-gram drafter covers the request's own text); ``suffix:FILE.parquet``: a snapshot
     a server saved (``SuffixDrafter.save``). Confidences stay raw frequencies: calibration
     rescales them per domain, role and depth. ``max_indexed_tokens`` bounds each global index
-    (``RuntimeConfig.suffix_index_tokens``; None: ``SuffixConfig``'s default)."""
+    (``RuntimeConfig.suffix_index_tokens``; None: ``SuffixConfig``'s default); a draft path is
+    at most ``max_spec_tokens`` long, and never shorter than ``SuffixConfig``'s default
+    (``SpeculationConfig.long_draft_tokens``: what a request's budget can reach)."""
     caps = {} if max_indexed_tokens is None else {"max_indexed_tokens": max_indexed_tokens}
+    if max_spec_tokens is not None:
+        caps["max_spec_tokens"] = max(max_spec_tokens, SuffixConfig().max_spec_tokens)
     if spec.source.endswith(".parquet"):
         return SuffixDrafter.load(spec.source, SuffixConfig(**caps), name=spec.name)
     domains = [spec.source] if spec.source else [d for d in DOMAINS

@@ -103,6 +103,11 @@ class SpeculationConfig:
 
     num_speculative_tokens: int = 8
     """γ_max: draft-token budget of one request's tree per step (0 = plain decoding)."""
+    long_draft_tokens: int = 32
+    """Largest draft budget of one request's tree per step. A request whose last tree reached
+    depth d (its drafters matched long: a prediction, copied context, a repeated answer) gets
+    a budget of 2·d, at least γ_max and at most this; the price then verifies as many nodes as
+    their expected gains pay for. At most γ_max (or 0): every budget is γ_max."""
     drafters_per_request: int = 2
     """k: drafters routed to each request per step (adaptive: where participation starts)."""
     max_drafters_per_request: int = 3
@@ -149,8 +154,8 @@ class SpeculationConfig:
     late). YAML booleans mean off and on."""
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.num_speculative_tokens < 0 or self.long_draft_tokens < 0:
+            raise ValueError("num_speculative_tokens and long_draft_tokens must be >= 0")
         if not 1 <= self.drafters_per_request <= self.max_drafters_per_request:
             raise ValueError("need 1 <= drafters_per_request <= max_drafters_per_request")
         if isinstance(self.shared_drafters, str) or not all(isinstance(n, str) for n in self.shared_drafters):

@@ -28,6 +28,8 @@ from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.calibration import ConfidenceCalibrator
 from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.engine.config import EngineConfig
+from cosine_ray.engine.drafters.prediction import PredictionDrafter
+from cosine_ray.engine.drafters.worker import DrafterWorker
 from cosine_ray.engine.modes.pearl import Pearl, trunk_tokens
 from cosine_ray.engine.modes.pipedec import ModeGuard, PipeDec
 from cosine_ray.engine.modes.twins import Twins
@@ -47,7 +49,7 @@ from cosine_ray.engine.request import (NO_TENANT, Request, RequestOutput, Reques
                                        Tenant, needs_prefill)
 from cosine_ray.engine.types import DraftingStats, Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
-from cosine_ray.engine.worker.clients import TargetClient
+from cosine_ray.engine.worker.clients import LocalDrafterClient, TargetClient
 from cosine_ray.metrics.exporter import EngineMetrics
 from cosine_ray.metrics.registry import MetricsRegistry
 from cosine_ray.models.kv_cache import DEFAULT_BLOCK_SIZE
@@ -91,6 +93,11 @@ class EngineCore:
         """Plain counters (cosine_ray.metrics.names); exported at the edge."""
         self.exporter = EngineMetrics(self.metrics)
         self.drafters = list(drafters)
+        self.prediction = PredictionDrafter() if self.drafters and spec.num_speculative_tokens > 0 else None
+        """The drafter of requests with a prediction: in this process whatever the backend, since it
+        is told each request's prediction as the request starts (``DraftRouting.start``)."""
+        if self.prediction is not None:
+            self.drafters.append(LocalDrafterClient(DrafterWorker(self.prediction)))
         self.pool = RequestPool(max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len,
                                 num_lanes=sched.num_lanes, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                 max_restores=run.max_restores, clock=clock, seed=config.seed)
@@ -114,7 +121,7 @@ class EngineCore:
                 min_drafters=1, max_drafters=max(spec.max_drafters_per_request, spec.drafters_per_request),
                 initial=spec.drafters_per_request)
         self.routing = DraftRouting(config, [d.name for d in self.drafters], domain_classifier=domain_classifier,
-                                    participation=participation, seed=seed)
+                                    participation=participation, seed=seed, prediction=self.prediction)
         clients = {d.name: d for d in self.drafters}
         drafting = (FusedDrafting(clients, vocab_size=vocab_size, deadline_s=run.drafter_deadline_s,
                                   is_live=self.pool.is_live) if exp.fusion == "confidence" else
@@ -337,6 +344,7 @@ class EngineCore:
         grammar is compiled here unless ``prepare_request`` compiled it: a server awaits that first."""
         self._check_fits(prompt_token_ids, params)
         self.constraints.check(params)
+        self.routing.check(params, self.pool.vocab_size)
         request = self.pool.add(request_id, prompt_token_ids, params, tenant)
         try:
             self.constraints.start(request)
@@ -363,6 +371,7 @@ class EngineCore:
         self.pool.check(prompt_token_ids, params)
         self._check_fits(prompt_token_ids, params)
         self.constraints.check(params)
+        self.routing.check(params, self.pool.vocab_size)
 
     def _check_fits(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Only a request that could never fit the KV pool, even alone, is refused."""

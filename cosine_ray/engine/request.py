@@ -88,6 +88,10 @@ class SamplingParams:
     """The same for every prompt token but the first (the request skips the prefix cache)."""
     structured: "StructuredOutput | None" = None
     """A grammar the output must follow (``engine.owners.constraints``)."""
+    prediction: tuple[int, ...] = ()
+    """Token ids the client expects the output to be (OpenAI's Predicted Outputs): the
+    prediction drafter drafts from them (``engine.drafters.prediction``). They never change the
+    text, only how fast it comes; () = none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -104,6 +108,10 @@ class SamplingParams:
         if not 0.01 <= self.repetition_penalty <= 100:  # a smaller one overflows the scores to inf
             raise RequestRefused(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}",
                                  "repetition_penalty")
+        prediction = tuple(self.prediction)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prediction):
+            raise RequestRefused("prediction must be a sequence of token ids (integers >= 0)", "prediction")
+        object.__setattr__(self, "prediction", prediction)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -221,6 +229,9 @@ class Request:
     """Scheduled at least once: its KV counts against M_max whether it runs or not."""
     gain_curve: tuple[float, ...] = (0.0,)
     """Expected accepted draft tokens of its last drafted tree for γ = 0.. (predicts its next step)."""
+    draft_depth: int = 0
+    """Depth of its last drafted tree (its deepest node at or above the confidence floor): the
+    scheduler's next draft budget follows it (``SpeculationConfig.long_draft_tokens``)."""
     routing: "RoutingVector | None" = None
     """Its routing vector M_r (eq. 2-3), from the domain prior on arrival."""
     drafted_ahead: object | None = None

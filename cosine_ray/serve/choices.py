@@ -29,6 +29,7 @@ from cosine_ray.serve.text import tools
 from cosine_ray.serve.errors import EngineUnavailable, InvalidRequest, OpenAIError, error_payload
 from cosine_ray.serve.generation import Generation, sse, unless_disconnected
 from cosine_ray.serve.guards.limits import check_prompt_logprobs
+from cosine_ray.serve.text.prediction import prediction_details, prediction_ids
 from cosine_ray.serve.schemas import (ChatCompletionRequest, ChatDelta, ChatLogprobs, CompletionLogprobs,
                                       CompletionRequest, FunctionDelta, PromptTokensDetails, ToolCallDelta,
                                       TokenLogprobOut, TopLogprob, Usage)
@@ -58,6 +59,8 @@ class Choice:
     """The text of its first engine output (awaited before the response starts)."""
     prompt: int = 0
     """Which of the request's prompts it continues (a batch has several)."""
+    prediction: tuple[int, ...] = ()
+    """The request's prediction as token ids (its usage counts them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ class _Planned:
 
 def _plan(state: ServerState, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
           prompt_param: str, structured: tuple[StructuredOutput, str] | None,
-          num_logprobs: int | None) -> _Planned:
+          num_logprobs: int | None, prediction: tuple[int, ...]) -> _Planned:
     """The context, max_tokens and prompt log-probability bounds of one prompt (400s), and its
     engine parameters."""
     engine = state.engine
@@ -88,7 +91,7 @@ def _plan(state: ServerState, req: ChatCompletionRequest | CompletionRequest, pr
         check_prompt_logprobs(len(prompt_ids), "echo" if getattr(req, "echo", False) else "prompt_logprobs")
     spec, spec_param = structured or (None, None)
     max_tokens = requested or min(state.default_max_tokens, room)
-    params = sampling_params(req, max_tokens, num_logprobs, spec)
+    params = sampling_params(req, max_tokens, num_logprobs, spec, prediction)
     refusal = functools.partial(engine_refusal, num_prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
                                 max_tokens_param=max_tokens_param, prompt_param=prompt_param, grammar=structured)
     return _Planned(prompt_ids, params, refusal)
@@ -104,7 +107,8 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
     closed). Prompt log-probabilities are the same for every choice of a prompt: only its first
     asks. Choice j of prompt i has index i·num_choices + j (OpenAI's order)."""
     engine = state.engine
-    planned = [_plan(state, req, ids, prompt_param, structured, num_logprobs) for ids in prompts]
+    prediction = await prediction_ids(state, req)  # the request's, one for all its prompts
+    planned = [_plan(state, req, ids, prompt_param, structured, num_logprobs, prediction) for ids in prompts]
     max_tokens_param = req.requested_max_tokens[1]
     # before any await: the counts are exact
     releases = state.admission.admit(
@@ -132,7 +136,8 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
         choices.append(Choice(index, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
                                                 on_close=release, deadline=deadline,
                                                 every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S,
-                                                refusal=refusal, tenant=owner), prompt=i))
+                                                refusal=refusal, tenant=owner), prompt=i,
+                              prediction=prediction))
     return choices
 
 
@@ -152,7 +157,7 @@ async def _check_with_engine(engine: Any, planned: _Planned, request_id: str) ->
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, num_logprobs: int | None,
-                    structured: StructuredOutput | None) -> SamplingParams:
+                    structured: StructuredOutput | None, prediction: tuple[int, ...] = ()) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
@@ -160,7 +165,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             logit_bias=tuple(req.logit_bias), logprobs=num_logprobs, prompt_logprobs=req.prompt_logprobs,
-            structured=structured)
+            structured=structured, prediction=prediction)
     except ValueError as exc:
         param = getattr(exc, "param", None) or ("min_tokens" if "min_tokens" in str(exc) else None)
         raise InvalidRequest(str(exc), param=param) from None
@@ -182,7 +187,7 @@ def engine_refusal(exc: BaseException | str, *, num_prompt_tokens: int, max_toke
         param, reason = refusal_of(str(exc), grammar is not None)
     what = None if grammar is None else {"json_schema": "JSON schema", "lark": "grammar"}.get(grammar[0].kind,
                                                                                               grammar[0].kind)
-    if param in ("logit_bias", "stop_token_ids", "min_tokens"):
+    if param in ("logit_bias", "stop_token_ids", "min_tokens", "prediction"):
         return InvalidRequest(f"{param} cannot be served by this model", param=param)
     if param == "structured" and grammar is not None:
         name = grammar[1]
@@ -209,7 +214,7 @@ def engine_refusal(exc: BaseException | str, *, num_prompt_tokens: int, max_toke
 def refusal_of(message: str, has_grammar: bool) -> tuple[str | None, str]:
     """(param, reason) of an engine refusal that is not typed, from its opening words."""
     lowered = message.lower()
-    for name in ("logit_bias", "stop_token_ids", "min_tokens"):
+    for name in ("logit_bias", "stop_token_ids", "min_tokens", "prediction"):
         if lowered.startswith(name):
             return name, "invalid"
     if has_grammar and lowered.startswith("structured outputs"):
@@ -265,7 +270,8 @@ async def guarded_events(choices: list[Choice], events: AsyncIterator[str]) -> A
 
 def usage(choices: list[Choice]) -> Usage:
     """Summed over the choices; each prompt's tokens (and the most of them any of its choices
-    found in the prefix cache) counted once."""
+    found in the prefix cache) counted once. With a prediction, its accepted and rejected tokens
+    once every choice is done (``serve.text.prediction``)."""
     n = sum(c.gen.num_tokens for c in choices)
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
@@ -273,8 +279,12 @@ def usage(choices: list[Choice]) -> Usage:
         prompt_tokens[c.prompt] = c.gen.num_prompt_tokens
         cached[c.prompt] = max(cached.get(c.prompt, 0), c.gen.usage().prompt_tokens_details.cached_tokens)
     prompt = sum(prompt_tokens.values())
+    prediction = choices[0].prediction
+    details = prediction_details(prediction, [c.gen.text.token_ids for c in choices]) \
+        if prediction and all(c.gen.is_done for c in choices) else None
     return Usage(prompt_tokens=prompt, completion_tokens=n, total_tokens=prompt + n,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
+                 completion_tokens_details=details)
 
 
 async def interleave(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob], bool]]:

@@ -83,6 +83,8 @@ FIELDS: tuple[Field, ...] = (
     _h("parallel_tool_calls", CHAT, OV, "false: at most one call with tool_choice required"),
     _h("chat_template_kwargs", CHAT, V, "variables for the chat template (at most 32; not the names of "
        "apply_chat_template's own arguments)"),
+    _h("prediction", BOTH, O, "Predicted Outputs (also on completions): drafted from, never forced; "
+       "at most the model's context in tokens; usage counts accepted and rejected prediction tokens"),
     _h("cosine_ray_stats", BOTH, C, "add this request's speculation statistics"),
     _a("user", BOTH, OV), _a("metadata", CHAT, O), _a("store", CHAT, O),
     _a("safety_identifier", CHAT, O), _a("prompt_cache_key", CHAT, O),
@@ -90,7 +92,7 @@ FIELDS: tuple[Field, ...] = (
     _a("service_tier", CHAT, O), _a("request_id", BOTH, V), _a("session_id", BOTH, V),
     _a("stream_interval", BOTH, V, "every token is streamed as it is verified"),
     _a("include_reasoning", CHAT, V, "no reasoning parser: all text is content"),
-    _r("audio", CHAT, O), _r("modalities", CHAT, O, ["text"]), _r("prediction", CHAT, O),
+    _r("audio", CHAT, O), _r("modalities", CHAT, O, ["text"]),
     _r("functions", CHAT, O, note="deprecated by OpenAI: use tools"),
     _r("function_call", CHAT, O, "none", note="deprecated by OpenAI: use tool_choice"),
     _r("web_search_options", CHAT, O), _r("reasoning_effort", CHAT, OV), _r("verbosity", CHAT, O),

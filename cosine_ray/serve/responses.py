@@ -25,11 +25,22 @@ class PromptTokensDetails(BaseModel):
     """Prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)."""
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's details of the completion tokens; sent when the request had a ``prediction``."""
+
+    accepted_prediction_tokens: int = 0
+    """Prediction tokens that appear in the completion, in order: the length of the longest
+    common subsequence of the prediction and the completion (summed over the choices)."""
+    rejected_prediction_tokens: int = 0
+    """Prediction tokens that do not: the prediction's length less the accepted ones (per choice)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CosineRayStats(BaseModel):

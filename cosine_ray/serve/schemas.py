@@ -27,7 +27,8 @@ from cosine_ray.serve.guards.limits import (MAX_CHOICE_STRINGS, MAX_LOGIT_BIAS, 
                                             check_schema_chars, json_depth)
 from cosine_ray.serve.responses import (  # noqa: F401 - the response models, importable from here too
     AssistantMessage, CalledFunction, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-    ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse, CosineRayStats, ErrorBody,
+    ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionResponse, CompletionTokensDetails,
+    CosineRayStats, ErrorBody,
     ErrorResponse, FinishReason, FunctionDelta, ModelCard, ModelList, PromptTokensDetails, TokenLogprobOut,
     ToolCall, ToolCallDelta, TopLogprob, Usage)
 
@@ -82,6 +83,27 @@ class StreamOptions(BaseModel):
     """Send one more chunk before [DONE] with ``usage`` and no choices."""
     continuous_usage_stats: StrictBool = False
     """vLLM: ``usage`` so far on every chunk too."""
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: the text the client expects the answer to be (a file it asks
+    to edit). It only speeds the answer up; the text is the model's whatever it says."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = Field(
+        ..., description="A string or a list of {type: 'text', text} parts (concatenated).")
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, value: Any) -> str:
+        if isinstance(value, str):
+            return check_unicode(value)
+        if isinstance(value, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+            return check_unicode("".join(p["text"] for p in value))
+        raise ValueError("content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -184,6 +206,8 @@ class _SamplingRequest(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
+    prediction: Prediction | None = Field(
+        None, description="Predicted Outputs: text the answer is expected to repeat (drafted from, never forced).")
     cosine_ray_stats: StrictBool = Field(
         False, description="Add a `cosine_ray` block with this request's speculation statistics.")
 

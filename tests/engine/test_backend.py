@@ -46,7 +46,8 @@ def test_the_in_process_engine_builds_without_an_event_loop_and_inside_one(tiny_
     plain = build_local_engine(config_of(tiny_checkpoint, "none"), checkpoint=tiny_checkpoint)
     assert generate(outside) == generate(core) == generate(plain)
     assert isinstance(core.target.inner, LocalTargetClient) and len(core.target.inner.worker.stages) == 2
-    assert [type(d) for d in core.drafters] == [LocalDrafterClient] * 2
+    # the configured drafters, then the prediction drafter every speculating engine has
+    assert [type(d) for d in core.drafters] == [LocalDrafterClient] * 3 and core.drafters[-1].name == "prediction"
     # resolved once for this model and the stages in process: one lane, the CPU's batch
     assert core.config.is_resolved and core.config.scheduler.num_lanes == 1
     assert core.config.scheduler.max_num_seqs == 8
@@ -77,7 +78,8 @@ def test_the_ray_backend_with_stages_in_the_engine_starts_no_actor(tiny_checkpoi
     core = asyncio.run(build_engine(config, backend, checkpoint=tiny_checkpoint))
     assert backend.stage_slots == [] and backend.drafter_slots == []
     assert isinstance(core.target.inner, LocalTargetClient)
-    assert [type(d) for d in core.drafters] == [LocalDrafterClient] * 2
+    # the configured drafters, then the prediction drafter every speculating engine has
+    assert [type(d) for d in core.drafters] == [LocalDrafterClient] * 3 and core.drafters[-1].name == "prediction"
     assert core.config.scheduler.num_lanes == 1
     assert generate(core) == generate(build_local_engine(config, checkpoint=tiny_checkpoint))
 

@@ -72,6 +72,9 @@ class ParityDrafter(FakeDrafter):
 
 
 def make(target, drafters, *, clock=time.monotonic, **config) -> EngineCore:
+    # budgets stay γ_max (no long drafts): the oracle drafter would otherwise finish these
+    # requests in a handful of steps, too few for the drain, probes and refits measured here
+    config.setdefault("long_draft_tokens", 0)
     return EngineCore(engine_config(**config), target, list(drafters), vocab_size=VOCAB,
                   domain_classifier=MarkerClassifier(), seed=0, clock=clock)
 

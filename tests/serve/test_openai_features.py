@@ -20,9 +20,8 @@ import torch
 from starlette.testclient import TestClient
 from support.penalties import penalized_greedy
 from support.tiny_checkpoint import write_tiny_checkpoint
-from support.uvicorn_thread import serve_in_thread
+from support.uvicorn_thread import serve_engines
 
-from cosine_ray.engine.client import LocalEngineClient
 from cosine_ray.engine.config import EngineConfig, parse_drafters
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.serve.text import tools
@@ -53,16 +52,11 @@ def ck(tmp_path_factory, real_checkpoint):
 
 @pytest.fixture(scope="module")
 def servers(ck):
-    out, stops = {}, []
-    for name, drafters in (("spec", "ngram,self"), ("plain", "none")):
-        config = EngineConfig(model=str(ck.path), drafters=parse_drafters(drafters))
-        engine = LocalEngine(config.replace(min_tree_confidence=0.0, adaptive=False), checkpoint=ck)
-        url, stop = serve_in_thread(build_openai_app(LocalEngineClient(engine), engine.tokenizer, model_name=MODEL))
-        out[name] = (url, engine)
-        stops.append(stop)
-    yield out
-    for stop in stops:
-        stop()
+    engines = {name: LocalEngine(EngineConfig(model=str(ck.path), drafters=parse_drafters(drafters)).replace(
+        min_tree_confidence=0.0, adaptive=False), checkpoint=ck) for name, drafters in (("spec", "ngram,self"),
+                                                                                        ("plain", "none"))}
+    with serve_engines(engines, MODEL) as served:
+        yield served
 
 
 def clients(servers) -> dict[str, openai.OpenAI]:

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -29,3 +30,18 @@ def serve_in_thread(app: Any) -> tuple[str, Callable[[], None]]:
         sock.close()
 
     return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+@contextlib.contextmanager
+def serve_engines(engines: dict[str, Any], model_name: str) -> Iterator[dict[str, tuple[str, Any]]]:
+    """Each local engine behind its own OpenAI app while the block runs: name → (url, engine)."""
+    from cosine_ray.engine.client import LocalEngineClient
+    from cosine_ray.serve.openai_app import build_openai_app
+    with contextlib.ExitStack() as stack:
+        served = {}
+        for name, engine in engines.items():
+            url, stop = serve_in_thread(build_openai_app(LocalEngineClient(engine), engine.tokenizer,
+                                                         model_name=model_name))
+            stack.callback(stop)
+            served[name] = (url, engine)
+        yield served

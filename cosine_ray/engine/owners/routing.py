@@ -6,7 +6,9 @@ eq. 1-2 back through ``update``). Each step every decoding request with a draft 
 its k routed drafters (best-scoring first, the tie order fusion uses) plus the *shared*
 drafters, which join every request (``SpeculationConfig.shared_drafters``: the context n-gram
 drafter knows the request's own text better than any domain expert). k is the adaptive
-participation (``algo.adaptive.ParticipationController``) or fixed.
+participation (``algo.adaptive.ParticipationController``) or fixed. A request that carries a
+prediction (OpenAI's Predicted Outputs) also gets the *prediction* drafter, as a shared one;
+it is told the prediction when the request starts, and requests without one never call it.
 
 The ablations are chosen once here: ``routing="random"`` draws the k experts uniformly;
 ``fusion="single"`` routes exactly one drafter (shared ones compete for that slot too).
@@ -20,20 +22,28 @@ from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.domains import DomainClassifier
 from cosine_ray.algo.routing import ExpertiseRouting, RoutingConfig
 from cosine_ray.engine.config import EngineConfig
-from cosine_ray.engine.request import Request
+from cosine_ray.engine.drafters.prediction import PredictionDrafter
+from cosine_ray.engine.request import Request, SamplingParams
 from cosine_ray.engine.types import Route, StepBatch
 
 
 class DraftRouting:
     def __init__(self, config: EngineConfig, drafter_names: Sequence[str], *,
                  domain_classifier: DomainClassifier | None = None,
-                 participation: ParticipationController | None = None, seed: int | None = 0) -> None:
+                 participation: ParticipationController | None = None, seed: int | None = 0,
+                 prediction: PredictionDrafter | None = None) -> None:
         spec, exp = config.speculation, config.experiments
         single = exp.fusion == "single"
         shared = set() if single else set(spec.shared_drafters)
-        self.shared = tuple(n for n in drafter_names if n in shared)
+        self.prediction = prediction
+        """The drafter of requests with a prediction (``engine.drafters.prediction``); None: none
+        in the pool (speculation off)."""
+        own = {prediction.name} if prediction is not None else set()
+        self.shared = tuple(n for n in drafter_names if n in shared and n not in own)
+        self.max_prediction_tokens = config.scheduler.max_model_len
+        """Longest prediction a request may carry (its index costs memory and time per token)."""
         self.expertise = ExpertiseRouting(
-            [n for n in drafter_names if n not in shared],
+            [n for n in drafter_names if n not in shared and n not in own],
             RoutingConfig(drafters_per_request=spec.drafters_per_request,
                           mode="random" if exp.routing == "random" else "expertise"), seed=seed)
         self.domain_classifier = domain_classifier
@@ -47,8 +57,20 @@ class DraftRouting:
         return self.participation.current if self.participation is not None else self._fixed_k
 
     # ---- request lifecycle --------------------------------------------------------------
+    def check(self, params: SamplingParams, vocab_size: int) -> None:
+        """ValueError if the request's prediction cannot be drafted from."""
+        prediction = params.prediction
+        if len(prediction) > self.max_prediction_tokens:
+            raise ValueError(f"prediction has {len(prediction)} tokens; at most {self.max_prediction_tokens} "
+                             f"(the model's context)")
+        if prediction and max(prediction) >= vocab_size:
+            raise ValueError(f"prediction token ids must be in [0, {vocab_size})")
+
     def start(self, request: Request) -> None:
-        """Classify the prompt's domain (its starting prior) and start its routing vector."""
+        """Classify the prompt's domain (its starting prior), start its routing vector, and tell
+        the prediction drafter what the request predicts."""
+        if self.prediction is not None and request.params.prediction:
+            self.prediction.expect(request.request_id, len(request.prompt_token_ids), request.params.prediction)
         if self.domain_classifier is not None:
             request.domain = self.domain_classifier.classify(request.prompt_token_ids)[0]
         request.stats.domain = request.domain
@@ -75,9 +97,14 @@ class DraftRouting:
             choice = choices[r.request_id]
             scores = self.expertise.scores(r.routing)
             routed = tuple(sorted(choice.drafters, key=lambda n: -scores.get(n, 0.0)))
-            route = Route(routed + self.shared, choice.mode, len(self.shared))
+            shared = self.shared + self._prediction_of(r)
+            route = Route(routed + shared, choice.mode, len(shared))
             routes[r.request_id] = route
             r.stats.num_routed_steps += 1
             for name in route.drafters:
                 r.stats.routed_to[name] = r.stats.routed_to.get(name, 0) + 1
         return routes
+
+    def _prediction_of(self, request: Request) -> tuple[str, ...]:
+        """The prediction drafter, for a request that carries a prediction."""
+        return (self.prediction.name,) if self.prediction is not None and request.params.prediction else ()

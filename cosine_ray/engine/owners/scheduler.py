@@ -78,8 +78,12 @@ class BatchScheduler:
                  twins: Twins | None = None) -> None:
         self.config = config.scheduler
         """The batch and token budgets, the LP's bounds (``SchedulerConfig``)."""
-        self.gamma_max = config.speculation.num_speculative_tokens
-        """γ_max: a request's draft budget per step."""
+        spec = config.speculation
+        self.gamma_max = spec.num_speculative_tokens
+        """γ_max: a request's draft budget per step, unless its drafters match long."""
+        self.max_budget = max(spec.long_draft_tokens, self.gamma_max) if self.gamma_max and priced else self.gamma_max
+        """The largest budget a request's long matches earn it (``_budget``); γ_max where the
+        trees are not priced (the fixed-γ ablations verify their budget whole)."""
         self.pool = pool
         self.kv = kv
         self.policy = policy
@@ -301,8 +305,13 @@ class BatchScheduler:
         return {rid: (s / last) ** DRAIN_SHARPNESS for rid, s in left.items()}
 
     def _budget(self, request: Request) -> int:
+        """Draft tokens the request's tree may have: twice its last tree's depth, within
+        [γ_max, ``max_budget``], and never more than it has tokens left. A tree filled to its
+        budget doubles the next one (the drafters had more to say), so a long match reaches
+        the cap in a few steps; a short one brings the budget back to γ_max."""
         left = request.params.max_tokens - len(request.output_token_ids) - 1
-        return max(min(self.gamma_max, left), 0)
+        budget = min(max(self.gamma_max, 2 * request.draft_depth), self.max_budget)
+        return max(min(budget, left), 0)
 
     def _candidate(self, request: Request, now: float, budget: int | None, chunk: int | None) -> Candidate:
         rid = request.request_id

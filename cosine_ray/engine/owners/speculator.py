@@ -214,6 +214,8 @@ class Speculator:
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid],
                               min_confidence=0.0 if rid in batch.twins else cut)
             fulls[rid] = (full, expected_gains(self.node_acceptance(r.domain, full), batch.budgets[rid]))
+            if rid in drafted:  # how far its drafters reached: the scheduler's next budget follows
+                r.draft_depth = max(full.tree.depths()) if full.tree.num_draft_tokens else 0
         chosen = self.selection.gammas(batch, [(r, *fulls[r.request_id]) for r in decodes]) if decodes else []
         if batch.twins:  # a twin's text is the target's own: verified whole, whatever the price
             chosen = [batch.budgets[r.request_id] if r.request_id in batch.twins else g for r, g in zip(decodes, chosen)]

@@ -9,11 +9,15 @@ suffix's most frequent continuation, with confidence ``count / total``::
     index:    (a,b,c) → {x: 2, y: 1}       suffix (a,b,c) matched, n = 3
     paths:    [x, …] conf 2/3              [y, …] conf 1/3
 
-Paths grow by re-lookup after each appended token (an n-gram model over the context: where
-the context disagrees with itself, the confidence says how contested a position is; ties go
-to the most recent continuation). The first level branches into up to ``max_branches``
-tokens and the budget is spent best-first by cumulative confidence. The per-request index
-grows with each call's new tokens; a context that does not extend the last one rebuilds it.
+Paths grow by re-lookup after each appended token (ties go to the most recent continuation).
+The first level branches into up to ``max_branches`` tokens and the budget is spent best-first
+by cumulative confidence. The index grows with each call's new tokens; a context that does not
+extend the last one rebuilds it.
+
+*Copying* (``copy_min_len``): where the context's end matched an earlier span of L ≥
+``copy_min_len`` tokens (``NgramConfig``: ``copy_*``), the drafts copy what followed it for
+``⌊L · max_spec_factor + max_spec_offset⌋`` tokens (SuffixDecoding's rule), the i-th with
+confidence (L + i) / (L + i + 1) times the n-gram's share of that token; then the n-gram goes on.
 """
 
 from __future__ import annotations
@@ -49,6 +53,20 @@ class NgramConfig:
     max_tracked_requests: int = 4096
     """Per-request indexes kept at most; the least recently used is dropped beyond this
     (a safety net for requests never released; dropped ones are rebuilt on demand)."""
+    copy_min_len: int = 0
+    """Shortest match of the context's end (in tokens, at least ``max_n``) that drafts by
+    copying what followed it (module docstring); 0: never, the n-gram model alone."""
+    copy_max_match: int = 64
+    """Longest match compared when choosing what to copy (the L of the length rule)."""
+    copy_candidates: int = 16
+    """Earlier occurrences of the context's last ``max_n`` tokens compared, the most recent first."""
+    max_spec_factor: float = 2.0
+    """A copy from a match of L tokens drafts at most ``⌊L · factor + offset⌋`` tokens."""
+    max_spec_offset: float = 0.0
+    """See ``max_spec_factor``."""
+
+    def copy_length(self, match_len: int) -> int:
+        return max(0, int(match_len * self.max_spec_factor + self.max_spec_offset))
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -63,6 +81,10 @@ class NgramConfig:
             raise ValueError(f"count_smoothing must be >= 0, got {self.count_smoothing}")
         if self.max_tracked_requests < 1:
             raise ValueError(f"max_tracked_requests must be >= 1, got {self.max_tracked_requests}")
+        if self.copy_min_len and not self.max_n <= self.copy_min_len <= self.copy_max_match:
+            raise ValueError(f"copy_min_len must be 0 or in [max_n, copy_max_match], got {self.copy_min_len}")
+        if self.copy_candidates < 1 or self.max_spec_factor < 0:
+            raise ValueError("copy_candidates must be >= 1 and max_spec_factor >= 0")
 
 
 def walk_chains(lookup: DraftLookup, context: Sequence[int], prefixes: Sequence[Sequence[int]], depth: int,
@@ -149,12 +171,17 @@ class _ContextIndex:
     token (the last context token) is looked up, never counted as its own occurrence.
     """
 
-    __slots__ = ("context", "table", "min_n", "max_n", "smoothing")
+    __slots__ = ("context", "table", "min_n", "max_n", "smoothing", "ends", "copies", "_root")
 
-    def __init__(self, min_n: int, max_n: int, smoothing: float) -> None:
+    def __init__(self, min_n: int, max_n: int, smoothing: float, copies: bool = False) -> None:
         self.context: tuple[int, ...] = ()
         self.table: dict[tuple[int, ...], dict[int, int]] = {}
         self.min_n, self.max_n, self.smoothing = min_n, max_n, smoothing
+        self.copies = copies
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        """Copying only: ``max_n``-gram → every e with ``context[e - max_n:e]`` that gram, ``e < len(context)``."""
+        self._root: tuple[int, int] | None = None
+        """The committed context's copy (start, match length), computed once per context."""
 
     def update(self, context: tuple[int, ...]) -> None:
         """Index the tokens appended since the last call; rebuild on a non-extension."""
@@ -162,11 +189,15 @@ class _ContextIndex:
         if len(context) >= len(old) and context[:len(old)] == old:
             start = max(len(old), 1)
         else:
-            self.table = {}
+            self.table, self.ends = {}, {}
             start = 1
-        table, min_n, max_n = self.table, self.min_n, self.max_n
+        if len(context) != len(old) or start == 1:
+            self._root = None
+        table, min_n, max_n, ends = self.table, self.min_n, self.max_n, self.ends
         for end in range(start, len(context)):
             next_token = context[end]
+            if self.copies and end >= max_n:
+                ends.setdefault(context[end - max_n:end], []).append(end)
             for n in range(min_n, min(max_n, end) + 1):
                 key = context[end - n:end]
                 continuations = table.get(key)
@@ -176,6 +207,34 @@ class _ContextIndex:
                     continuations[next_token] = continuations.pop(next_token, 0) + 1
         self.context = context
 
+    def root_copy(self, config: NgramConfig) -> tuple[int, int] | None:
+        """(start, L): where the copy of the committed context starts (what followed its
+        longest earlier match, the most recent on a tie) and the match's length L; None below
+        ``copy_min_len``."""
+        if self._root is None:
+            self._root = self._find_copy(config) or (0, 0)
+        return self._root if self._root[1] else None
+
+    def _find_copy(self, config: NgramConfig) -> tuple[int, int] | None:
+        context, n = self.context, self.max_n
+        if len(context) <= n:
+            return None
+        best = None
+        for end in reversed(self.ends.get(context[-n:], ())[-config.copy_candidates:]):
+            match, limit = n, min(config.copy_max_match, end)
+            while match < limit and context[end - 1 - match] == context[-1 - match]:
+                match += 1
+            if best is None or match > best[1]:
+                best = (end, match)
+        return best if best is not None and best[1] >= config.copy_min_len else None
+
+    def share(self, tail_token_ids: Sequence[int], token: int) -> float:
+        """The n-gram's share of ``token`` after ``tail_token_ids``' last ``max_n`` tokens (1 if unseen)."""
+        continuations = self.table.get(tuple(tail_token_ids[-self.max_n:]))
+        if not continuations:
+            return 1.0
+        return continuations.get(token, 0) / sum(continuations.values())
+
     def lookup(self, tail_token_ids: list[int], k: int) -> list[tuple[int, float]]:
         table = self.table
         for n in range(min(self.max_n, len(tail_token_ids)), self.min_n - 1, -1):
@@ -183,6 +242,53 @@ class _ContextIndex:
             if continuations:
                 return _rank(continuations, k, self.smoothing)
         return []
+
+
+def _source(context: Sequence[int], after: Sequence[int], position: int) -> int:
+    """Token ``position`` of ``context ⊕ after``."""
+    return context[position] if position < len(context) else after[position - len(context)]
+
+
+class _Copy:
+    """A walk's copy of the committed context (``NgramConfig.copy_min_len``): the answer after
+    ``context ⊕ after`` is what follows ``start`` + len(after) while the walk's tokens after the
+    root have followed the copy and fewer than ``limit`` of them were drafted; the n-gram model
+    answers elsewhere. It depends only on the tokens after the root, so a level asked alone (a
+    longer prefix, ``continue_drafts``) answers as the one-pass walk does."""
+
+    __slots__ = ("context", "start", "match", "limit", "follows", "max_n")
+
+    def __init__(self, context: Sequence[int], start: int, match: int, limit: int, follows: bool, max_n: int) -> None:
+        self.context, self.start, self.match, self.limit, self.follows, self.max_n = \
+            context, start, match, limit, follows, max_n
+
+    @classmethod
+    def of(cls, index: _ContextIndex, context: Sequence[int], after: Sequence[int], config: NgramConfig) -> "_Copy":
+        root = index.root_copy(config)
+        if root is None:
+            return cls(context, 0, 0, 0, False, config.max_n)
+        start, match = root
+        limit = config.copy_length(match)
+        follows = all(_source(context, after, start + i) == t for i, t in enumerate(after[:limit]))
+        return cls(context, start, match, limit, follows, config.max_n)
+
+    def next(self, index: _ContextIndex, after: Sequence[int], tail: Sequence[int], k: int) -> list[tuple[int, float]]:
+        """Candidates after ``context ⊕ after`` (``tail``: at least its last ``max_n`` tokens)."""
+        at = len(after)
+        if not self.follows or at >= self.limit:
+            return index.lookup(list(tail[-self.max_n:]), k)
+        token = _source(self.context, after, self.start + at)
+        reach = self.match + at
+        cands = [(token, reach / (reach + 1.0) * index.share(tail, token))]
+        if k > 1:
+            cands += [c for c in index.lookup(list(tail[-self.max_n:]), k) if c[0] != token][:k - 1]
+        return cands
+
+    def step(self, after: list[int], token: int) -> None:
+        """``token`` joins the walk."""
+        if self.follows and len(after) < self.limit:
+            self.follows = _source(self.context, after, self.start + len(after)) == token
+        after.append(token)
 
 
 def _rank(continuations: dict[int, int], k: int, smoothing: float) -> list[tuple[int, float]]:
@@ -212,6 +318,10 @@ class NgramDrafter:
 
     def continue_drafts(self, queries: Sequence[ContinueQuery]) -> list[list[Candidates]]:
         """Index the committed context, look up ``context ⊕ prefix`` (the prefix is not indexed)."""
+        if self.config.copy_min_len:
+            chains = self.continue_chains([ContinueQuery(q.request_id, q.context_token_ids, q.prefixes, q.k, 1)
+                                           for q in queries])
+            return [[chain[0] if chain else [] for chain in per_prefix] for per_prefix in chains]
         out = []
         for q in queries:
             context = q.context_token_ids
@@ -225,8 +335,26 @@ class NgramDrafter:
         out = []
         for q in queries:
             index = self._indexed(q.request_id, q.context_token_ids)
-            out.append(walk_chains(index.lookup, q.context_token_ids, q.prefixes, q.depth, q.k, self.config.max_n))
+            if self.config.copy_min_len:
+                out.append([self._walk(index, q.context_token_ids, prefix, q.depth, q.k) for prefix in q.prefixes])
+            else:
+                out.append(walk_chains(index.lookup, q.context_token_ids, q.prefixes, q.depth, q.k, self.config.max_n))
         return out
+
+    def _walk(self, index: _ContextIndex, context: Sequence[int], prefix: Sequence[int], depth: int,
+              k: int) -> list[Candidates]:
+        """The chain from ``context ⊕ prefix`` with copying (``_next``), one pass."""
+        copy = _Copy.of(index, context, prefix, self.config)
+        after, chain = list(prefix), []
+        tail = list(context[-self.config.max_n:]) + after
+        while len(chain) < depth:
+            cands = copy.next(index, after, tail, k)
+            chain.append(cands)
+            if not cands:
+                break
+            copy.step(after, int(cands[0][0]))
+            tail.append(after[-1])
+        return chain
 
     def observe(self, feedback: Sequence[DraftFeedback]) -> None:
         """Nothing to learn: the index follows the context, which grows with accepted tokens."""
@@ -245,7 +373,14 @@ class NgramDrafter:
         if item.max_draft_tokens <= 0 or not context:
             return DraftProposal.empty(item.request_id, self.name)
         tail = list(context[-cfg.max_n:])
-        paths, confidences = grow_paths(index.lookup, tail, item.max_draft_tokens,
+        lookup = index.lookup
+        if cfg.copy_min_len:
+            base = len(tail)
+
+            def lookup(path_tail: list[int], k: int) -> list[tuple[int, float]]:  # grow_paths extends the tail
+                after = path_tail[base:]
+                return _Copy.of(index, context, after, cfg).next(index, after, path_tail, k)
+        paths, confidences = grow_paths(lookup, tail, item.max_draft_tokens,
                                         max_branches=cfg.max_branches, min_confidence=cfg.min_confidence)
         return DraftProposal(item.request_id, paths, confidences, self.name)
 
@@ -259,7 +394,7 @@ class NgramDrafter:
         index = self._indexes.get(request_id)
         if index is None:
             cfg = self.config
-            index = _ContextIndex(cfg.min_n, cfg.max_n, cfg.count_smoothing)
+            index = _ContextIndex(cfg.min_n, cfg.max_n, cfg.count_smoothing, copies=bool(cfg.copy_min_len))
             self._indexes[request_id] = index
             while len(self._indexes) > cfg.max_tracked_requests:
                 self._indexes.popitem(last=False)

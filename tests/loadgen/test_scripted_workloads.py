@@ -1,0 +1,42 @@
+"""``cosine-loadgen --workload edit|agent``: scripted requests (``loadgen.tasks``) are sent as
+written, whatever the server answered before, with their prediction; the plan keeps the
+held-back half and refuses the completions endpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from support.stub_server import StubServer
+
+from loadgen.cli import UsageError, build_parser, build_plan
+from loadgen.runner import RunConfig, run_plan
+from loadgen.prompt_sets import packaged_prompt_dir
+from loadgen.tasks import ScriptedTurn, task_workload
+
+
+def test_scripted_turns_are_sent_as_written_with_their_prediction():
+    item = task_workload("agent", packaged_prompt_dir(), "second-half", 1, 3, 0)[0]
+    edit = dataclasses.replace(task_workload("edit", packaged_prompt_dir(), "second-half", 1, 3, 0)[0],
+                               conversation_id="c00001")  # each plan numbers its conversations from 0
+    with StubServer(ttft_s=0.001, chunk_s=0.001, num_chunks=3) as stub:
+        result = run_plan([(item, 0.0), (edit, 0.0)], RunConfig(base_url=stub.url, show_progress=False))
+        received = dict(stub.received)
+    assert [r.status for r in result.records] == ["ok"] * 5
+    for turn, script in enumerate(item.turns):
+        body = received[f"{item.conversation_id}-t{turn}"]
+        assert body["messages"] == script.chat  # the script, not the stub's answers
+        assert "prediction" not in body
+    (turn,) = edit.turns
+    body = received[f"{edit.conversation_id}-t0"]
+    assert body["messages"] == turn.chat and body["prediction"] == {"type": "content", "content": turn.prediction}
+    assert isinstance(turn, ScriptedTurn) and turn.prediction.startswith("```python\n")
+
+
+def test_the_plan_uses_the_split_and_the_chat_endpoint():
+    args = build_parser().parse_args(["run", "--workload", "edit", "--num-prompts", "20"])
+    plan, described = build_plan(args)
+    assert described["num_requests"] == 20 and described["split"] == "second-half"
+    assert len({item.source_id for item, _ in plan[:15]}) == 15  # the 15 held-back edits, then again
+    with pytest.raises(UsageError, match="chat endpoint"):
+        build_plan(build_parser().parse_args(["run", "--workload", "agent", "--endpoint", "completions"]))
