@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 NOT_STREAMED_EVERY_S = 0.1
 """A response that is not streamed gets the engine's outputs merged to one per 0.1 s at most
 (``EngineClient.stream``): each output crossing from the engine to the ingress costs both
-processes CPU time that a small machine takes from the forward. A stop string is then found up
-to 0.1 s late; the tokens generated meanwhile leave the text, the usage and the log-probabilities
-(``TextStream``)."""
+processes CPU time that a small machine takes from the forward. A request with stop strings is
+never merged: the ingress finds its stop string as soon as the engine produces it, ends it there
+(no tokens generated past it) and the engine counts it as stopped, not as run to its length."""
 
 
 STEPS_AHEAD = 4
@@ -135,7 +135,7 @@ async def start_choices(state: ServerState, req: ChatCompletionRequest | Complet
         rid = request_id if len(releases) == 1 else f"{request_id}-{index}"
         choices.append(Choice(index, Generation(engine, state.tokenizer, prompt_ids, choice_params, req.stop, rid,
                                                 on_close=release, deadline=deadline,
-                                                every_s=0.0 if req.stream else NOT_STREAMED_EVERY_S,
+                                                every_s=0.0 if req.stream or req.stop else NOT_STREAMED_EVERY_S,
                                                 refusal=refusal, tenant=owner), prompt=i,
                               prediction=prediction))
     return choices
