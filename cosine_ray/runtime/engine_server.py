@@ -30,6 +30,7 @@ import torch
 
 from cosine_ray.engine.backend import build_engine
 from cosine_ray.engine.config import config_from_dict
+from cosine_ray.engine.drafters.prediction import PREDICTION
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import NO_TENANT, RequestOutput, RequestRefused, SamplingParams, Tenant
 from cosine_ray.engine.worker.clients import LocalDrafterClient, LocalTargetClient
@@ -150,7 +151,9 @@ class EngineServer:
     async def describe(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
                 "engine_id": self.engine_id, "namespace": self.namespace,
-                "stages": [s.name for s in self.stage_slots], "drafters": [d.name for d in self.core.drafters],
+                "stages": [s.name for s in self.stage_slots],
+                "drafters": [d.name for d in self.core.drafters if d.name != PREDICTION],  # the configured ones
+                "prediction_drafter": self.core.prediction is not None,
                 "config": {"num_stages": self.config.num_stages,
                            "num_speculative_tokens": self.config.speculation.num_speculative_tokens,
                            "stages_in_engine": self.config.cluster.stages_in_engine}}

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from cosine_ray.engine.config import EngineConfig
+from cosine_ray.engine.drafters.prediction import PREDICTION
 from cosine_ray.engine.local import LocalEngine
 from cosine_ray.engine.request import SamplingParams
 from distill.test_distill_cli import PROMPTS, distilled, tiny_target  # noqa: F401 (fixtures)
@@ -55,7 +56,8 @@ def test_the_head_drafts_beside_the_last_stage_actor(distilled, tiny_target, ray
         backend = ActorBackend(config, f"test.head.{uuid.uuid4().hex[:6]}", ready_timeout_s=300)
         try:
             core = await build_engine(config, backend, checkpoint=tiny_target)
-            assert [d.slot for d in core.drafters] == [backend.stage_slots[-1]]  # no actor of its own
+            remote = [d for d in core.drafters if d.name != PREDICTION]  # the prediction drafter: in process
+            assert [d.slot for d in remote] == [backend.stage_slots[-1]]  # no actor of its own
             assert backend.drafter_slots == []
             return await _generate(core, prompts)
         finally:
@@ -81,7 +83,8 @@ def test_the_head_drafts_beside_stages_in_the_engine(distilled, tiny_target):
     async def main():
         backend = ActorBackend(config, "unused")
         core = await build_engine(config, backend, checkpoint=tiny_target)
-        assert [type(d) for d in core.drafters] == [LocalDrafterClient]
+        assert [type(d) for d in core.drafters] == [LocalDrafterClient] * 2  # the head, then the prediction drafter
+        assert core.drafters[-1].name == PREDICTION
         assert isinstance(core.target.inner, LocalTargetClient) and backend.stage_slots == []
         return await _generate(core, prompts)
 
