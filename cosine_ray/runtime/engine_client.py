@@ -135,11 +135,11 @@ class RayEngineClient:
                 finished = out.finished
                 yield out
         finally:
+            if not finished:  # first, before any await: a second cancellation must not skip it
+                self._cancel(gen, request_id)
             if not reader.done():
                 reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            if not finished:
-                self._cancel(gen, request_id)
 
     async def _read(self, gen: Any, request_id: str, mailbox: Mailbox) -> None:
         """The engine's items into ``mailbox`` as they come, until the request finishes; an
