@@ -33,7 +33,11 @@ JSON Schema and docs/simulator.md explains every key. Top-level keys:
                 sharpness}]
   workload      num_requests | duration_s | requests: [...]; arrival {request_rate, burstiness,
                 schedule: constant|low|high|fluctuating, low_fraction, period_s};
-                max_concurrency; domains {DOMAIN: weight}; input_len, output_len, range_ratio
+                max_concurrency; domains {DOMAIN: weight}; input_len, output_len, range_ratio;
+                shared_prefix {groups, tokens}: system prompts the requests share
+  replicas      {count, routing: prefix|least_loaded|round_robin, imbalance, max_attempts,
+                failures: [{replica, at_s, restart_s}]}: engine replicas, each a copy of the
+                deployment, and when one dies (its requests fail over to the others)
 """
 
 
@@ -117,6 +121,10 @@ def format_summary(name: str, s: dict) -> str:
              f"  latency      mean {s['e2e_mean_s']:.3f} s",
              f"  accepted     {s['mean_accepted_length']:.2f} tokens per verify step",
              "  busy         " + busy_line(s["utilisation"])]
+    if s.get("replicas", 1) > 1 or s.get("resubmissions") or s.get("prefix_hit_rate"):
+        share = " / ".join(f"{x:.0%}" for x in s["served_share"])
+        lines.insert(-1, f"  replicas     {s['replicas']} (served {share}), prefix cache hits "
+                         f"{s['prefix_hit_rate']:.1%}, {s['resubmissions']} resubmitted after a replica died")
     if s.get("pipedec_timesteps"):
         lines.insert(-1, f"  PipeDec      {s['pipedec_timesteps']} timesteps, {s['pipedec_tokens_per_timestep']:.2f} "
                          f"tokens per timestep, hit rate {s['pipedec_hit_rate']:.2f}")

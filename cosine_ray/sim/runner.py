@@ -12,6 +12,7 @@ that is not lossless fails loudly instead of reporting figures.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import statistics
 import time
@@ -24,6 +25,7 @@ from cosine_ray.engine.core import EngineCore
 from cosine_ray.engine.loop import EngineLoop
 from cosine_ray.engine.request import SamplingParams
 from cosine_ray.sim.clock import Link, Resource, run_virtual
+from cosine_ray.sim.replicas import Fleet, ReplicaLost
 from cosine_ray.sim.latency import drafter_cost, engine_model, target_cost
 from cosine_ray.sim.scenario import ENGINE_DEVICE, Scenario, ScenarioError, engine_config, request_rate
 from cosine_ray.sim.world import (Acceptance, DomainOfPrompt, DrafterModel, Oracle, SimDrafter, SimDrafterClient,
@@ -43,6 +45,8 @@ class SimRequest:
     input_len: int
     output_len: int
     arrival_s: float
+    prefix_group: int | None = None
+    """The shared prefix (system prompt) its prompt starts with (``workload.shared_prefix``)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +63,12 @@ class RequestResult:
     routed_to: dict[str, int] = field(default_factory=dict)
     pipedec: tuple[int, int, int] = (0, 0, 0)
     """PipeDec timesteps, the tokens they committed, and the hits among them."""
+    replica: int = 0
+    """The engine replica that finished it."""
+    prompt_tokens_sent: int = 0
+    """Prompt tokens of all its sends (a resubmission sends the prompt and the tokens so far)."""
+    cached_tokens: int = 0
+    """Of those, the ones its replicas' prefix caches held."""
 
 
 @dataclass(slots=True)
@@ -72,6 +82,9 @@ class SimResult:
     drafter_calls: dict[str, int]
     decode: tuple[int, int, float] = (0, 0, 0.0)
     """Forwards without a prefill: (how many, tokens scored, stage seconds)."""
+    replicas: int = 1
+    resubmissions: int = 0
+    """Sends of requests whose replica died under them (``sim.replicas``)."""
 
     def summary(self) -> dict[str, Any]:
         rs = self.requests
@@ -101,6 +114,11 @@ class SimResult:
             "pipedec_tokens_per_timestep": pipedec[1] / pipedec[0] if pipedec[0] else 0.0,
             "pipedec_hit_rate": pipedec[2] / pipedec[1] if pipedec[1] else 0.0,
             "wall_s": self.wall_s,
+            "replicas": self.replicas,
+            "resubmissions": self.resubmissions,
+            "prefix_hit_rate": (sum(r.cached_tokens for r in rs) / sent) if (sent := sum(r.prompt_tokens_sent
+                                                                                          for r in rs)) else 0.0,
+            "served_share": [sum(r.replica == i for r in rs) / len(rs) for i in range(self.replicas)] if rs else [],
         }
 
 
@@ -110,8 +128,17 @@ def build_requests(scenario: Scenario) -> list[SimRequest]:
     w = scenario.workload
     rng = np.random.default_rng(scenario.seed)
     if "requests" in w:
-        return [SimRequest(f"r{i:06d}", r.get("domain", "default"), r["input_len"], r["output_len"],
-                           float(r.get("arrival_s", 0.0))) for i, r in enumerate(w["requests"])]
+        requests = [SimRequest(f"r{i:06d}", r.get("domain", "default"), r["input_len"], r["output_len"],
+                               float(r.get("arrival_s", 0.0))) for i, r in enumerate(w["requests"])]
+    else:
+        requests = _drawn_requests(w, rng)
+    if w.get("shared_prefix"):  # drawn last: a scenario without it draws what it always drew
+        groups = rng.integers(w["shared_prefix"]["groups"], size=len(requests))
+        requests = [dataclasses.replace(r, prefix_group=int(g)) for r, g in zip(requests, groups)]
+    return requests
+
+
+def _drawn_requests(w: dict[str, Any], rng: np.random.Generator) -> list[SimRequest]:
     a = w.get("arrival", {})
     arrivals = ArrivalConfig(request_rate=request_rate(a.get("request_rate")), burstiness=a.get("burstiness", 1.0),
                              schedule=a.get("schedule", "constant"), low_fraction=a.get("low_fraction", 0.25),
@@ -199,14 +226,19 @@ async def _simulate(scenario: Scenario, requests: list[SimRequest]) -> SimResult
     loop = asyncio.get_running_loop()
     clock = loop.time
     domains = sorted({r.domain for r in requests} | {"default"})
-    world = Deployment(scenario, domains)
-    core = EngineCore(engine_config(scenario.data), world.target, world.drafters, vocab_size=SIM_VOCAB, clock=clock,
-                      domain_classifier=world.classifier, latency_model=world.latency_model,
-                      kv_bytes_per_token=world.kv_bytes_per_token, seed=scenario.seed)
-    engine = EngineLoop(core)
+
+    def build(index: int) -> tuple[Deployment, EngineLoop]:
+        world = Deployment(scenario, domains)
+        core = EngineCore(engine_config(scenario.data), world.target, world.drafters, vocab_size=SIM_VOCAB,
+                          clock=clock, domain_classifier=world.classifier, latency_model=world.latency_model,
+                          kv_bytes_per_token=world.kv_bytes_per_token, seed=scenario.seed)
+        return world, EngineLoop(core)
+
+    fleet = Fleet(scenario, build)
     limit = scenario.workload.get("max_concurrency")
     slots = asyncio.Semaphore(limit) if limit else None
     results: list[RequestResult] = []
+    shared = scenario.workload.get("shared_prefix") or {}
 
     async def client(req: SimRequest) -> None:
         await asyncio.sleep(max(0.0, req.arrival_s - clock()))
@@ -218,45 +250,89 @@ async def _simulate(scenario: Scenario, requests: list[SimRequest]) -> SimResult
             if slots is not None:
                 slots.release()
 
+    def prompt_of(req: SimRequest, world: Deployment) -> list[int]:
+        key = world.oracle.key(req.request_id)
+        head = [world.classifier.encode(req.domain)]
+        if req.prefix_group is not None:  # a system prompt its group shares
+            head += [_mix(0x5EED, req.prefix_group, i) % SIM_VOCAB for i in range(min(shared["tokens"], req.input_len - 1))]
+        return head + [_mix(key, i, 7) % SIM_VOCAB for i in range(req.input_len - len(head))]
+
     async def run_one(req: SimRequest) -> None:
         start = clock()
-        key = world.oracle.key(req.request_id)
-        prompt = [world.classifier.encode(req.domain)] + [_mix(key, i, 7) % SIM_VOCAB for i in range(req.input_len - 1)]
-        world.oracle.domains[req.request_id] = req.domain
         tokens: list[int] = []
         first = last = None
-        stats = None
-        async for out in engine.generate(prompt, SamplingParams(max_tokens=req.output_len), req.request_id):
-            if out.new_token_ids:
-                last = clock()
-                first = last if first is None else first
-            tokens.extend(out.new_token_ids)
-            stats = out.stats or stats
-            if out.error:
-                raise RuntimeError(f"simulated request {req.request_id} failed: {out.error}")
-        expected = [world.oracle.token(req.request_id, req.input_len + i) for i in range(len(tokens))]
+        steps = committed = cached = sent = 0
+        routed: dict[str, int] = {}
+        pipedec = [0, 0, 0]
+        replica = None
+        for attempt in range(fleet.max_attempts):
+            replica = await fleet.choose(req.prefix_group)
+            world = replica.world
+            world.oracle.domains[req.request_id] = req.domain
+            prompt = prompt_of(req, world) + tokens
+            sent += len(prompt)
+            stats = None
+            try:
+                async for out in fleet.stream(replica, req.request_id, prompt,
+                                              SamplingParams(max_tokens=req.output_len - len(tokens))):
+                    if out.new_token_ids:
+                        last = clock()
+                        first = last if first is None else first
+                    tokens.extend(out.new_token_ids)
+                    stats = out.stats or stats
+                    if out.error:
+                        raise RuntimeError(f"simulated request {req.request_id} failed: {out.error}")
+            except ReplicaLost:
+                if attempt + 1 == fleet.max_attempts:
+                    raise RuntimeError(f"simulated request {req.request_id} lost its replica "
+                                       f"{fleet.max_attempts} times") from None
+                fleet.resubmissions += 1
+                continue
+            finally:
+                if stats is not None:
+                    steps += stats.num_verify_steps
+                    committed += stats.mean_accepted_length * stats.num_verify_steps
+                    cached += stats.num_cached_tokens
+                    for name, n in stats.routed_to.items():
+                        routed[name] = routed.get(name, 0) + n
+                    for i, v in enumerate((stats.pipedec_timesteps, stats.pipedec_tokens, stats.pipedec_hits)):
+                        pipedec[i] += v
+            break
+        expected = [replica.world.oracle.token(req.request_id, req.input_len + i) for i in range(len(tokens))]
         if tokens != expected or len(tokens) != req.output_len:
             raise AssertionError(f"simulated request {req.request_id} is not the oracle's text "
                                  f"({len(tokens)} tokens, {req.output_len} expected): the engine lost losslessness")
         n = len(tokens)
         results.append(RequestResult(req, start, first - start, (last - first) / (n - 1) if n > 1 else 0.0,
-                                     last - start, n, stats.mean_accepted_length if stats else 0.0,
-                                     stats.num_verify_steps if stats else 0,
-                                     dict(stats.routed_to) if stats else {},
-                                     (stats.pipedec_timesteps, stats.pipedec_tokens, stats.pipedec_hits) if stats
-                                     else (0, 0, 0)))
+                                     last - start, n, committed / steps if steps else 0.0, steps, routed,
+                                     tuple(pipedec), replica.index, sent, cached))
 
     wall = time.perf_counter()
     t0 = clock()
+    failures = loop.create_task(fleet.run_failures(clock))
     try:
         await asyncio.gather(*(client(r) for r in requests))
     finally:
-        await engine.shutdown()
+        failures.cancel()
+        await fleet.shutdown()
     end = max((r.start_s + r.e2e_s for r in results), default=t0)
     begin = min((r.request.arrival_s for r in results), default=t0)
+    worlds = fleet.worlds()
+    several = len(worlds) > 1
+    busy: dict[str, float] = {}
+    for replica in fleet.retired + fleet.replicas:  # a device of replica i is named DEVICE@i
+        for k, v in replica.world.busy().items():
+            name = f"{k}@{replica.index}" if several else k
+            busy[name] = busy.get(name, 0.0) + v
+    forwards = sum(w.target.forwards for w in worlds)
+    calls: dict[str, int] = {}
+    for w in worlds:
+        for d in w.drafters:
+            calls[d.name] = calls.get(d.name, 0) + d.calls
+    decode = tuple(sum(getattr(w.target, a) for w in worlds)
+                   for a in ("decode_forwards", "decode_tokens", "decode_seconds"))
     return SimResult(sorted(results, key=lambda r: r.request.request_id), end - begin, time.perf_counter() - wall,
-                     world.busy(), world.target.forwards, {d.name: d.calls for d in world.drafters},
-                     (world.target.decode_forwards, world.target.decode_tokens, world.target.decode_seconds))
+                     busy, forwards, calls, decode, len(fleet.replicas), fleet.resubmissions)
 
 
 def simulate(scenario: Scenario, requests: list[SimRequest] | None = None) -> SimResult:

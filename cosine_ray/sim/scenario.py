@@ -3,11 +3,12 @@
 Checked against ``SCHEMA`` (JSON Schema, ``jsonschema``), then against itself (names that must
 exist, such as each stage's device and latency model). Top-level keys: ``engine`` (the parts of
 the engine's own config that a simulation runs: ``scheduler``, ``speculation``, ``runtime``,
-``experiments``, as in deploy/engine.yaml), ``target`` (shapes that size the transfers), ``latency`` (named cost models
-of the whole target on a device), ``devices`` (FIFO servers; ``engine`` is the engine's host and
-always exists), ``engine_host``, ``stages``, ``links``, ``drafters`` and ``workload``
-(cosine-loadgen's arrivals and domain mixes). A key or device under an older name is refused
-with its new name. ``cosine-ray simulate --schema`` prints the schema;
+``experiments``, as in deploy/engine.yaml), ``target`` (shapes that size the transfers),
+``latency`` (named cost models of the whole target on a device), ``devices`` (FIFO servers;
+``engine`` is the engine's host and always exists), ``engine_host``, ``stages``, ``links``,
+``drafters``, ``replicas`` (``sim.replicas``: copies of the deployment, their routing and
+failures) and ``workload`` (cosine-loadgen's arrivals and domain mixes). A key or device under
+an older name is refused with its new name. ``cosine-ray simulate --schema`` prints the schema;
 docs/simulator.md explains every key with an example, and ``deploy/sim/`` has the scenarios
 the validation and the report run.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 
 from cosine_ray.engine.config import SETTING_PATHS, EngineConfig, config_from_dict
+from cosine_ray.sim.replicas import REPLICAS_SCHEMA
 
 ENGINE_PARTS = ("scheduler", "speculation", "runtime", "experiments")
 """The parts of ``EngineConfig`` a scenario's ``engine`` may set (the others say what is served
@@ -92,6 +94,7 @@ SCHEMA: dict[str, Any] = {
                 "acceptance": {"type": "object", "required": ["default"], "additionalProperties": _ACCEPT},
                 "correlation": {"type": "number", "minimum": 0, "maximum": 1},
                 "sharpness": {"type": "number", "minimum": 0, "maximum": 1}}}},
+        "replicas": REPLICAS_SCHEMA,
         "workload": {"type": "object", "additionalProperties": False, "properties": {
             "num_requests": {"type": "integer", "minimum": 1},
             "duration_s": _POS,
@@ -105,6 +108,9 @@ SCHEMA: dict[str, Any] = {
             "input_len": {"type": "integer", "minimum": 1},
             "output_len": {"type": "integer", "minimum": 1},
             "range_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            "shared_prefix": {"type": "object", "additionalProperties": False, "required": ["groups", "tokens"],
+                              "properties": {"groups": {"type": "integer", "minimum": 1},
+                                             "tokens": {"type": "integer", "minimum": 1}}},
             "requests": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "additionalProperties": False, "required": ["input_len", "output_len"],
                 "properties": {"domain": {"type": "string"}, "input_len": {"type": "integer", "minimum": 1},
@@ -167,6 +173,10 @@ def validate(data: Any) -> None:
         prof = (d.get("latency") or {}).get("profile")
         if prof is not None and "profile" not in latency.get(prof, {}):
             raise ScenarioError(f"drafters.{i}.latency.profile: {prof!r} is not a measured profile in `latency`")
+    count = data.get("replicas", {}).get("count", 1)
+    for i, f in enumerate(data.get("replicas", {}).get("failures", ())):
+        if f["replica"] >= count:
+            raise ScenarioError(f"replicas.failures.{i}.replica: {f['replica']} is not one of the {count} replicas")
     w = data["workload"]
     if ("requests" in w) == ("num_requests" in w or "duration_s" in w):
         raise ScenarioError("workload: give either `requests` or `num_requests`/`duration_s`")
