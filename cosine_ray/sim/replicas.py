@@ -5,11 +5,12 @@ A scenario's ``replicas`` key runs ``count`` copies of its whole deployment, as
 ``EngineCore`` (its own scheduler and prefix cache) on the one virtual clock. ``Fleet`` is the
 ingress's side of them:
 
-- **Routing** (``routing``): ``prefix`` sends a request to the replica that last served its
-  prompt's prefix (the workload's ``shared_prefix`` group: a system prompt), unless that
-  replica holds ``imbalance`` more requests than the least loaded one, as Ray Serve LLM's
-  prefix-affinity router does; a prefix seen nowhere, or one whose replica is down, goes to the
-  less loaded of two replicas drawn at random (``least_loaded`` always does that);
+- **Routing** (``routing``): ``prefix`` sends a request to the least loaded of the replicas that
+  served its prompt's prefix before (the workload's ``shared_prefix`` group: a system prompt;
+  their caches hold it), unless it holds ``imbalance`` more requests than the least loaded
+  replica, as Ray Serve LLM's prefix-affinity router does; then, and for a prefix served
+  nowhere, the less loaded of two replicas drawn at random takes it and becomes one of the
+  prefix's replicas (``least_loaded`` always routes that way);
   ``round_robin`` takes them in turn. Load is the requests a replica holds.
 - **Failover** (``failures``): at ``at_s`` a replica dies. Every stream it held ends, and its
   client sends the prompt plus the tokens it already has to a live replica (``max_attempts``
@@ -78,7 +79,8 @@ class Fleet:
         self.replicas = [Replica(i, *build(i)) for i in range(int(spec["count"]))]
         self.retired: list[Replica] = []
         """Replicas that died (their worlds' busy time still counts)."""
-        self._owner: dict[Any, int] = {}
+        self._homes: dict[Any, set[int]] = {}
+        """Prefix → the replicas that served it (their caches hold it)."""
         self._turn = 0
         self._rng = np.random.default_rng(scenario.seed)
         self._revived = asyncio.Event()
@@ -99,14 +101,14 @@ class Fleet:
             return alive[(self._turn - 1) % len(alive)]
         least = min(len(r.streams) for r in alive)
         if self.routing == "prefix" and prefix is not None:
-            owner = self._owner.get(prefix)
-            mine = next((r for r in alive if r.index == owner), None)
-            if mine is not None and len(mine.streams) - least < self.imbalance:
-                return mine
+            homes = [r for r in alive if r.index in self._homes.get(prefix, ())]
+            home = min(homes, key=lambda r: (len(r.streams), r.index), default=None)
+            if home is not None and len(home.streams) - least < self.imbalance:
+                return home
         picks = alive if len(alive) <= 2 else [alive[i] for i in self._rng.choice(len(alive), 2, replace=False)]
         chosen = min(picks, key=lambda r: (len(r.streams), r.index))
         if prefix is not None:
-            self._owner[prefix] = chosen.index
+            self._homes.setdefault(prefix, set()).add(chosen.index)
         return chosen
 
     # ---- failures -----------------------------------------------------------------------------
@@ -122,6 +124,8 @@ class Fleet:
     async def kill(self, index: int) -> None:
         replica = self.replicas[index]
         replica.alive = False
+        for homes in self._homes.values():  # its replacement starts with a cold cache
+            homes.discard(index)
         for rid in list(replica.streams):
             replica.engine.abort(rid)
         await asyncio.sleep(0)  # the aborted streams read their ends before the loop stops
