@@ -5,11 +5,14 @@ engine router's choice of a home replica."""
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
+
+from ray.serve.request_router import PendingRequest
 
 from cosine_ray.engine.request import RequestOutput, SamplingParams
 from cosine_ray.runtime.engine_client import ACCEPTED, Accepted, RayEngineClient
-from cosine_ray.runtime.engine_router import PREFIX_TOKENS, home_order, prefix_key
+from cosine_ray.runtime.engine_router import PREFIX_TOKENS, PrefixAffinityRouter, home_order, prefix_key
 
 
 class _Died(Exception):
@@ -154,3 +157,43 @@ def test_a_prefix_has_one_home_and_a_replica_that_leaves_moves_only_its_own_pref
     assert {"r1", "r2", "r3"} == set(before.values())  # prefixes spread over the replicas
     after = {k: home_order(k, ["r1", "r3"])[0] for k in keys}
     assert all(after[k] == before[k] for k in keys if before[k] != "r2")
+
+
+class _Replica:
+    def __init__(self, unique_id: str) -> None:
+        self.replica_id = types.SimpleNamespace(unique_id=unique_id)
+
+
+class _Loads:
+    def __init__(self, loads: dict[str, int]) -> None:
+        self.loads = loads
+
+    def get(self, replica_id) -> int | None:
+        return self.loads.get(replica_id.unique_id)
+
+
+def choose(loads: dict[str, int], method: str, args: list, kwargs: dict | None = None) -> list[list[str]]:
+    """``PrefixAffinityRouter.choose_replicas`` over replicas r1..r3 with these queue lengths."""
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # Serve's own state is not needed here
+    router._replica_queue_len_cache = _Loads(loads)
+    router.initialize_state(imbalance=4)
+
+    async def main():  # a PendingRequest makes its future on the running loop
+        request = PendingRequest(args=args, kwargs=kwargs or {}, metadata=types.SimpleNamespace(call_method=method))
+        return await router.choose_replicas([_Replica(r) for r in ("r1", "r2", "r3")], request)
+
+    ranks = asyncio.run(main())
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_the_router_ranks_a_prefix_home_first_unless_it_is_overloaded_and_pins_named_calls():
+    prompt = list(range(40))
+    home = home_order(prefix_key(prompt), ["r1", "r2", "r3"])[0]
+    ranks = choose({}, "generate", [prompt, None, "id"])
+    assert ranks[0] == [home] and len(ranks[1]) == 2 and home not in ranks[1]
+    loaded = {"r1": 0, "r2": 0, "r3": 0, home: 5}  # 5 more than the least loaded > 4
+    ranks = choose(loaded, "generate", [prompt, None, "id"])
+    assert len(ranks) == 1 and len(ranks[0]) == 2  # two random choices, the home among the candidates
+    assert choose(loaded, "abort", ["id"], {"engine_replica": "r2"}) == [["r2"]]
+    assert len(choose({}, "abort", ["id"], {"engine_replica": "gone"})[0]) == 2  # its replica died: any
+    assert len(choose({}, "health", [])[0]) == 2

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
-import shutil
-import subprocess
-import sys
 import time
 import uuid
 
@@ -27,8 +23,8 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from support.cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
-from support.engine_app import engine_replicas, force_cleanup, wait_gone  # noqa: E402
+from support.cli_server import free_port, launch_serve, log_tail, wait_until_serving  # noqa: E402
+from support.engine_app import engine_replicas, stop_and_clean  # noqa: E402
 from support.hf_reference import hf_greedy  # noqa: E402
 from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from cosine_ray.serve.generation import ENGINE_REPLICA_HEADER  # noqa: E402
@@ -53,15 +49,10 @@ def note(msg: str) -> None:
 def server(ray_cluster, tmp_path_factory, real_checkpoint):
     root = tmp_path_factory.mktemp("replicas")
     ckpt = write_tiny_checkpoint(root / "tiny-smollm2", tokenizer_from=real_checkpoint, seed=7)
-    port = free_port()
-    log_path = root / "cli.log"
-    exe = shutil.which("cosine-ray")
-    cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + [
-        "serve", "--port", str(port), "--address", ray_cluster, "--model", str(ckpt.path), "--drafters", "ngram",
-        "--stages", "1", "--stages-in-engine", "--engine-replicas", "2", "--request-timeout-s", "300"]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "COSINE_RAY_API_KEY": API_KEY})
+    port, log_path = free_port(), root / "cli.log"
+    proc, log = launch_serve(["--port", str(port), "--address", ray_cluster, "--model", str(ckpt.path),
+                              "--drafters", "ngram", "--stages", "1", "--stages-in-engine", "--engine-replicas", "2",
+                              "--request-timeout-s", "300"], log_path, {"COSINE_RAY_API_KEY": API_KEY})
     try:
         tok = ckpt.load_tokenizer()
         hf = ckpt.load_hf_model()
@@ -71,12 +62,7 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint):
         assert len(engine_replicas()) == 2, engine_replicas()
         yield f"http://127.0.0.1:{port}", refs
     finally:
-        rc = stop_cli(proc)
-        log.close()
-        left = wait_gone(30.0)
-        if left:
-            force_cleanup()
-            left = wait_gone(30.0)
+        rc, left = stop_and_clean(proc, log)
         note(f"CLI stopped (exit {rc}); log tail:\n{log_tail(log_path, 15)}")
         assert not left, f"actors still alive after cleanup: {left}"
 
