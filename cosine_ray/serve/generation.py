@@ -228,7 +228,7 @@ class Generation:
                               drafters_used=sorted(name for name, n in s.drafted_by.items() if n > 0),
                               pipedec_timesteps=s.pipedec_timesteps, pipedec_tokens=s.pipedec_tokens,
                               pipedec_hits=s.pipedec_hits, num_cached_tokens=s.num_cached_tokens,
-                              num_preemptions=s.num_preemptions)
+                              num_preemptions=s.num_preemptions, engine_replica=self.engine_replica)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

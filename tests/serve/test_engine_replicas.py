@@ -84,12 +84,14 @@ def test_streams_of_a_killed_engine_replica_end_on_the_other_with_the_uninterrup
         return (await client.completions.create(model=model, **ask)).choices[0].text
 
     async def streamed(ask: dict, progress: dict, i: int) -> str:
-        stream = await client.completions.create(model=model, stream=True, **ask)
-        progress[i] = [stream.response.headers.get(ENGINE_REPLICA_HEADER), 0, False]
+        stream = await client.completions.create(model=model, stream=True, extra_body={"cosine_ray_stats": True},
+                                                 **ask)
+        progress[i] = [stream.response.headers.get(ENGINE_REPLICA_HEADER), 0, False, None]
         text = ""
         async for chunk in stream:
             text += chunk.choices[0].text if chunk.choices else ""
             progress[i][1] += 1
+            progress[i][3] = (chunk.to_dict().get("cosine_ray") or {}).get("engine_replica") or progress[i][3]
         progress[i][2] = True
         return text
 
@@ -98,19 +100,24 @@ def test_streams_of_a_killed_engine_replica_end_on_the_other_with_the_uninterrup
         progress: dict[int, list] = {}
         tasks = [asyncio.create_task(streamed(a, progress, i)) for i, a in enumerate(asks)]
         deadline = time.monotonic() + 120
-        while not (len(progress) == len(asks) and all(p[1] >= 3 for p in progress.values())):
-            assert time.monotonic() < deadline and not any(t.done() for t in tasks), progress
+        # every stream has begun (a replica's batch may hold some back until others end) and each
+        # one still running has a few chunks: the kill lands mid-answer
+        while len(progress) < len(asks) or any(p[1] < 3 for p in progress.values() if not p[2]):
+            failed = {i: t.exception() for i, t in enumerate(tasks) if t.done() and t.exception()}
+            assert time.monotonic() < deadline and not failed, (progress, failed)
             await asyncio.sleep(0.05)
-        victim, held = collections.Counter(p[0] for p in progress.values()).most_common(1)[0]
+        victim, _ = collections.Counter(p[0] for p in progress.values() if not p[2]).most_common(1)[0]
         (name,) = [n for n in engine_replicas() if n.endswith(f"#{victim}")]
         on_victim = [i for i, p in progress.items() if p[0] == victim and not p[2]]
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         note(f"killed engine replica {victim}: {len(on_victim)} of {len(asks)} streams mid-answer on it")
         texts = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 240)
-        return seeded_refs, texts, on_victim
+        return seeded_refs, texts, on_victim, victim, progress
 
-    seeded_refs, texts, on_victim = asyncio.run(main())
+    seeded_refs, texts, on_victim, victim, progress = asyncio.run(main())
     assert on_victim, "no stream was still running on the killed replica"
     errors = [t for t in texts if isinstance(t, BaseException)]
     assert not errors, errors  # an SSE error event raises in the openai client
     assert texts == refs + list(seeded_refs)  # greedy: HF's text; seeded: the uninterrupted run's
+    ended_on = {i: progress[i][3] for i in on_victim}
+    assert all(r not in (None, victim) for r in ended_on.values()), ended_on  # the stats block names the survivor
