@@ -197,3 +197,22 @@ def test_the_router_ranks_a_prefix_home_first_unless_it_is_overloaded_and_pins_n
     assert choose(loaded, "abort", ["id"], {"engine_replica": "r2"}) == [["r2"]]
     assert len(choose({}, "abort", ["id"], {"engine_replica": "gone"})[0]) == 2  # its replica died: any
     assert len(choose({}, "health", [])[0]) == 2
+
+
+def test_engine_replicas_become_the_engine_deployments_serve_settings():
+    """One replica: the deployment as before (Serve's own router); N: N replicas and our router;
+    MIN,MAX: Serve's autoscaling on the engine's batch of ongoing requests (Serve validates them)."""
+    from cosine_ray.serve.app import build_app
+
+    def engine_settings(replicas):
+        app = build_app({"allow_unauthenticated": True, "cluster": {"engine_replicas": replicas}})
+        config = app._bound_deployment.init_args[0]._bound_deployment._deployment_config
+        scaling = config.autoscaling_config
+        return (scaling.initial_replicas if scaling else config.num_replicas,
+                scaling and (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests),
+                config.request_router_config.request_router_class.rsplit(".", 1)[-1].rsplit(":", 1)[-1])
+
+    assert engine_settings(1) == (1, None, "PowerOfTwoChoicesRequestRouter")
+    assert engine_settings(2) == (2, None, "PrefixAffinityRouter")
+    assert engine_settings("auto") == (1, (1, 4, 8), "PrefixAffinityRouter")
+    assert engine_settings("2,3") == (2, (2, 3, 8), "PrefixAffinityRouter")
