@@ -29,8 +29,10 @@ from cosine_ray.runtime.engine_client import REPLICA_KWARG
 
 PREFIX_TOKENS = 32
 """Prompt tokens that key a request's home replica: two KV blocks of 16, a system prompt's start."""
-DEFAULT_IMBALANCE = 8
-"""Requests a home replica may hold beyond the least loaded one before it is passed over."""
+DEFAULT_IMBALANCE = 2
+"""Requests a home replica may hold beyond the least loaded one before it is passed over. Small:
+a few system prompts hash to few homes, and the other replicas warm their caches for a prefix
+after its first requests, so spreading costs little of the hit rate (docs/scaling.md)."""
 ROUTER_CLASS = "cosine_ray.runtime.engine_router.PrefixAffinityRouter"
 
 
