@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
                      help="run the target's stages inside the engine replica instead of one actor each "
                           "(default: in the engine on a local CPU cluster, where it starts sooner with less "
                           "memory; one actor per stage when joining a cluster with --address or on CUDA)")
+    srv.add_argument("--engine-replicas", dest="engine_replicas", default=None, metavar="N|auto|MIN,MAX",
+                     help="engine replicas, each a whole pipeline (default 1); auto or MIN,MAX: Serve "
+                          "autoscaling on queued requests (docs/scaling.md)")
     add_cosine_args(srv)
     srv.add_argument("--api-key", default=None, help="require this key (or env COSINE_RAY_API_KEY)")
     srv.add_argument("--allow-unauthenticated", action="store_true",
@@ -217,6 +220,8 @@ def _engine_data(args: argparse.Namespace, file: ConfigFile | None) -> dict[str,
         settings["address"] = args.address
     if getattr(args, "drafters_in_engine", None) is not None:
         settings["drafters_in_engine"] = args.drafters_in_engine
+    if getattr(args, "engine_replicas", None) is not None:
+        settings["engine_replicas"] = args.engine_replicas
     if getattr(args, "stages_in_engine", None) is not None:
         settings["stages_in_engine"] = args.stages_in_engine
     elif "stages_in_engine" not in (data.get("cluster") or {}) and not (file is not None and file.serve_config):

@@ -243,6 +243,12 @@ class ClusterConfig:
     n-gram, retrieval and suffix drafters are table lookups (no model, no GPU) that take micro-
     seconds, while a round trip to another process costs a millisecond or more per fusion
     round. ``()`` (CLI ``--drafters-in-engine none``) gives every drafter its own actor."""
+    engine_replicas: int | str = 1
+    """Engine replicas of the Serve deployment, each a whole pipeline with its own stages and
+    drafters (CLI ``--engine-replicas``): an integer N >= 1, or ``"MIN,MAX"`` or ``auto``
+    (``"1,4"``) for Serve's autoscaling on the requests each replica holds (docs/scaling.md).
+    With more than one, requests that share a prompt prefix go to the same replica and a
+    request whose replica dies continues on another from the tokens it already produced."""
 
     def __post_init__(self) -> None:
         in_engine = self.drafters_in_engine
@@ -260,6 +266,38 @@ class ClusterConfig:
             raise ValueError("stage_deadline_s must be > 0")
         if not isinstance(self.stages_in_engine, bool):
             raise ValueError(f"stages_in_engine must be true or false, got {self.stages_in_engine!r}")
+        object.__setattr__(self, "engine_replicas", _replicas_setting(self.engine_replicas))
+
+    @property
+    def engine_replica_range(self) -> tuple[int, int]:
+        """(fewest, most) engine replicas: equal unless ``engine_replicas`` autoscales."""
+        if isinstance(self.engine_replicas, int):
+            return self.engine_replicas, self.engine_replicas
+        low, high = self.engine_replicas.split(",")
+        return int(low), int(high)
+
+
+AUTO_ENGINE_REPLICAS = "1,4"
+"""What ``engine_replicas: auto`` scales between."""
+
+
+def _replicas_setting(value: Any) -> int | str:
+    """``engine_replicas`` as an integer >= 1 or ``"MIN,MAX"`` (1 <= MIN <= MAX, MIN < MAX)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        text = AUTO_ENGINE_REPLICAS
+    parts = text.split(",")
+    try:
+        if isinstance(value, bool) or len(parts) > 2:
+            raise ValueError
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"engine_replicas must be an integer >= 1, auto or MIN,MAX, got {value!r}") from None
+    if min(numbers) < 1 or numbers != sorted(numbers):
+        raise ValueError(f"engine_replicas must be >= 1 (MIN <= MAX), got {value!r}")
+    if len(numbers) == 1 or numbers[0] == numbers[1]:
+        return numbers[0]
+    return f"{numbers[0]},{numbers[1]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -339,15 +339,23 @@ class EngineCore:
 
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    tenant: Tenant = NO_TENANT) -> Request:
+                    tenant: Tenant = NO_TENANT, resume_token_ids: Sequence[int] = ()) -> Request:
         """Queue a request (``tenant``: whose it is, for the fair share between tenants). Its
-        grammar is compiled here unless ``prepare_request`` compiled it: a server awaits that first."""
+        grammar is compiled here unless ``prepare_request`` compiled it: a server awaits that first.
+        ``resume_token_ids``: tokens it already generated elsewhere (an engine replica that died):
+        they are its output as if generated here (max_tokens, min_tokens, penalties, its grammar's
+        state, the positions its seed keys), and it goes on as a preempted request would."""
         self._check_fits(prompt_token_ids, params)
         self.constraints.check(params)
         self.routing.check(params, self.pool.vocab_size)
+        resumed = [int(t) for t in resume_token_ids]
+        if len(resumed) >= params.max_tokens or any(not 0 <= t < self.pool.vocab_size for t in resumed):
+            raise RequestRefused(f"{len(resumed)} tokens to resume from: fewer than max_tokens "
+                                 f"({params.max_tokens}), each in [0, {self.pool.vocab_size})", "resume_token_ids")
         request = self.pool.add(request_id, prompt_token_ids, params, tenant)
         try:
             self.constraints.start(request)
+            self.constraints.replay(request, resumed)
         except Exception:
             self.pool.abort(request_id)
             raise

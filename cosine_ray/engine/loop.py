@@ -103,8 +103,10 @@ class EngineLoop:
         return True
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None, tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes (``tenant``: whose it is). Its grammar is
+                       request_id: str | None = None, tenant: Tenant = NO_TENANT,
+                       resume_token_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes (``tenant``: whose it is; ``resume_token_ids``:
+        its output so far, generated elsewhere, ``EngineCore.add_request``). Its grammar is
         compiled off the event loop before it enters the pool (``EngineCore.prepare_request``):
         the steps of the others go on meanwhile."""
         request_id = request_id or f"req-{next(self._ids)}"
@@ -118,7 +120,8 @@ class EngineLoop:
         queue = self._queues[request_id] = Mailbox()
         try:
             await self.core.prepare_request(prompt_token_ids, params)
-            request = None if queue.holds_end else self.core.add_request(request_id, prompt_token_ids, params, tenant)
+            request = None if queue.holds_end else self.core.add_request(request_id, prompt_token_ids, params, tenant,
+                                                                              resume_token_ids)
         except BaseException:
             del self._queues[request_id]
             raise

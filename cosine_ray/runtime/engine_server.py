@@ -11,8 +11,9 @@ fate-sharing) and a replaced or restarted engine never leaves stages behind. Wit
 ``cluster.stages_in_engine`` the replica builds the stages itself and runs them in its own process.
 
 Actor names: ``cosine_ray:stage:<i>`` and ``cosine_ray:drafter:<i>`` in the engine's own
-namespace ``cosine_ray.<engine id>`` (``describe()["namespace"]``). During a rolling update
-the old and the new engine run side by side for a moment, each with its own set.
+namespace ``cosine_ray.<engine id>`` (``describe()["namespace"]``): during a rolling update
+the old and the new engine run side by side for a moment, and with ``cluster.engine_replicas``
+several replicas run at once, each with its own set (stages and drafters are per replica).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from cosine_ray.models.loader import resolve_checkpoint
 from cosine_ray.runtime.backend import READY_TIMEOUT_S, ActorBackend
 from cosine_ray.runtime.clients import RayDrafterClient, await_ref
 from cosine_ray.runtime.cluster import NAMESPACE
-from cosine_ray.runtime.engine_client import ACCEPTED, coalesced, with_heartbeats
+from cosine_ray.runtime.engine_client import Accepted, coalesced, with_heartbeats
 from cosine_ray.runtime.memory import drop_file_pages, malloc_in_use_mib, start_heap_trimmer
 from cosine_ray.runtime.metrics_scrape import StageUtilisationReader, collect_drafter_restarts
 from cosine_ray.runtime.placement import check_placement, cluster_nodes, without_drafters
@@ -64,6 +65,9 @@ class EngineServer:
             log.warning("serving without %s: %s", ask.what, why)
         config = without_drafters(config, [ask.drafter_index for ask, _ in unplaceable])
         self.engine_id = uuid.uuid4().hex[:8]
+        self.replica = _replica_id() or self.engine_id
+        """Serve's id of this replica (``serve.get_replica_context``): what the router and the
+        ingress name it by (``Accepted``, the ``x-cosine-ray-engine-replica`` header)."""
         self.namespace = f"{NAMESPACE}.{self.engine_id}"
         checkpoint = resolve_checkpoint(config.model, **config.checkpoint_args)
         if config.cluster.stages_in_engine:
@@ -116,26 +120,30 @@ class EngineServer:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str, every_s: float = 0.0,
-                       tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput | str]:
-        """``ACCEPTED``, then the request's outputs, merged to one every ``every_s`` seconds at
-        most (``coalesced``), with ``ALIVE`` after each ``HEARTBEAT_S`` without one
-        (``RayEngineClient.stream``); a cancelled stream (client gone) aborts it. ``tenant``:
-        whose request it is (the scheduler's fair share)."""
-        yield ACCEPTED  # RayEngineClient.stream: a call that reached no live replica ends in seconds
+                       request_id: str, every_s: float = 0.0, tenant: Tenant = NO_TENANT,
+                       resume_token_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput | Accepted | str]:
+        """``Accepted`` (this replica's id), then the request's outputs, merged to one every
+        ``every_s`` seconds at most (``coalesced``), with ``ALIVE`` after each ``HEARTBEAT_S``
+        without one (``RayEngineClient.stream``); a cancelled stream (client gone) aborts it.
+        ``tenant``: whose request it is (the scheduler's fair share); ``resume_token_ids``: the
+        tokens it already produced on a replica that died (``EngineCore.add_request``)."""
+        yield Accepted(self.replica)  # RayEngineClient.stream: a call that reached no live replica ends in seconds
         # closed here, not left to the collector: Serve may cancel this generator at its yield
-        outputs = coalesced(self.loop.generate(prompt_token_ids, params, request_id, tenant), every_s)
+        outputs = coalesced(self.loop.generate(prompt_token_ids, params, request_id, tenant, resume_token_ids),
+                            every_s)
         async with contextlib.aclosing(with_heartbeats(outputs)) as outs:
             async for out in outs:
                 yield out
 
-    async def abort(self, request_id: str) -> bool:
-        """``EngineLoop.abort``: the ingress's explicit abort after closing a stream early."""
+    async def abort(self, request_id: str, engine_replica: str | None = None) -> bool:
+        """``EngineLoop.abort``: the ingress's explicit abort after closing a stream early
+        (``engine_replica``: the replica it is meant for, read by the router alone)."""
         return self.loop.abort(request_id)
 
-    async def finish(self, request_id: str) -> bool:
+    async def finish(self, request_id: str, engine_replica: str | None = None) -> bool:
         """The ingress ends a streaming request as a normal completion (a stop string): its
-        stream's cancellation, which follows, counts as ``stop`` (``EngineLoop.finish``)."""
+        stream's cancellation, which follows, counts as ``stop`` (``EngineLoop.finish``);
+        ``engine_replica`` as in ``abort``."""
         return self.loop.finish(request_id)
 
     async def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestRefused | None:
@@ -150,7 +158,7 @@ class EngineServer:
     # ---- status and metrics ------------------------------------------------------------------------
     async def describe(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
-                "engine_id": self.engine_id, "namespace": self.namespace,
+                "engine_id": self.engine_id, "replica": self.replica, "namespace": self.namespace,
                 "stages": [s.name for s in self.stage_slots],
                 "drafters": [d.name for d in self.core.drafters if d.name != PREDICTION],  # the configured ones
                 "prediction_drafter": self.core.prediction is not None,
@@ -221,3 +229,12 @@ class EngineServer:
 
     async def actor_handles(self) -> dict[str, Any]:
         return {s.name: s.handle for s in self.stage_slots + self.drafter_slots}
+
+
+def _replica_id() -> str | None:
+    """Serve's unique id of the replica this runs in, or None outside a Serve replica."""
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a replica (a test builds the server directly)
+        return None

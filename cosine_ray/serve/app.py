@@ -8,7 +8,8 @@ served model names; ``OpenAIIngress`` says each). Given ``llm_configs`` it build
 Serve LLM's shape (``build_llm_app``, ``serve.llm_configs``: several models behind one ingress).
 
 Two deployments (the Ray Serve LLM pattern): ``cosine_ray_engine`` (``EngineServer``: the request
-pool and step loop, owner of the stage and drafter actors; one replica), one per model, and the
+pool and step loop, owner of the stage and drafter actors; ``cluster.engine_replicas`` replicas,
+routed and scaled as ``runtime.engine_router`` says), one per model, and the
 ingress ``cosine_ray`` (tokenizers + FastAPI app), which gets the engines' ``DeploymentHandle``s
 through ``bind``. Serve starts, health-checks, restarts and reconfigures them all.
 
@@ -102,13 +103,17 @@ def _engine_client(handle: Any, config_data: dict[str, Any]) -> tuple[Any, Any]:
 
     config = config_from_dict(config_data)
     checkpoint = resolve_checkpoint(config.model, **config.checkpoint_args)
-    client = RayEngineClient(handle, model_name=checkpoint.name,
+    several = config.cluster.engine_replica_range[1] > 1  # a lost replica's streams go on elsewhere
+    client = RayEngineClient(handle, model_name=checkpoint.name, failover_attempts=FAILOVER_ATTEMPTS if several else 0,
                              max_model_len=config.resolved(
                                  context_len=checkpoint.config.max_position_embeddings).scheduler.max_model_len,
                              vocab_size=checkpoint.config.vocab_size)
     return client, checkpoint.load_tokenizer()
 
 
+FAILOVER_ATTEMPTS = 3
+"""Resubmissions of a stream whose engine replica is lost, with several replicas
+(``RayEngineClient.failover_attempts``)."""
 ENGINE_CLASS = "cosine_ray.runtime.engine_server.EngineServer"
 """The engine deployment's class, by import path: the engine replica imports it (torch and the
 engine); the process that builds and deploys the application never does (``cosine-ray serve``'s
@@ -149,6 +154,7 @@ def build_application(models: list[EngineDeployment], ingress: dict[str, Any],
     """The ingress bound to one engine deployment per model. ``ingress``: the ingress args
     (``INGRESS_ARGS`` but ``served_model_names``); ``ingress_options``: Serve settings of the
     ingress deployment (``num_replicas``, ``autoscaling_config``)."""
+    from cosine_ray.runtime.engine_router import engine_replica_options
     from cosine_ray.runtime.placement import engine_actor_options
     from cosine_ray.serve.guards.admission import OVERCOMMIT
     from cosine_ray.serve.guards.tenants import as_key_entries, key_ring, read_key_file
@@ -181,12 +187,13 @@ def build_application(models: list[EngineDeployment], ingress: dict[str, Any],
         raise ValueError("max_pending_requests must be >= 1 and request_timeout_s > 0")
     engines = []
     for model in models:
-        actor_options = engine_actor_options(config_from_dict(model.config_data))
+        config = config_from_dict(model.config_data)
+        actor_options = engine_actor_options(config)
         if model.runtime_env:
             actor_options["runtime_env"] = model.runtime_env
         engines.append(serve.deployment(
-            name=model.deployment_name, num_replicas=1, max_ongoing_requests=ENGINE_MAX_ONGOING,
-            ray_actor_options=actor_options, **{**ENGINE_OPTIONS, **model.options})(ENGINE_CLASS).bind(
+            name=model.deployment_name, max_ongoing_requests=ENGINE_MAX_ONGOING, ray_actor_options=actor_options,
+            **engine_replica_options(config), **{**ENGINE_OPTIONS, **model.options})(ENGINE_CLASS).bind(
                 model.config_data))
     deployment = serve.deployment(
         OpenAIIngress, name="cosine_ray",

@@ -112,6 +112,8 @@ class Generation:
         """The generated tokens' log-probabilities so far (when the request asked)."""
         self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self._num_taken = 0
+        self.engine_replica: str | None = None
+        """The engine replica that produced its latest output (None: not known, e.g. in process)."""
         self._refusal = refusal or (lambda exc: InvalidRequest("the engine cannot serve this request"))
         """The client's error for an engine ValueError at submission (its text is internal)."""
 
@@ -144,6 +146,8 @@ class Generation:
             log.exception("engine error in %s", self.request_id)
             raise EngineUnavailable("the engine failed while generating; retry") from None
         self._num_outputs += 1
+        replica_of = getattr(self.engine, "replica_of", None)  # the engine client knows where it runs now
+        self.engine_replica = (replica_of(self.request_id) if replica_of else None) or self.engine_replica
         if out.finish_reason == REFUSED:  # the request's own rules left no token: its fault alone
             log.info("engine ended %s: %s", self.request_id, out.error)
             raise InvalidRequest(f"no token can follow the first {out.num_output_tokens} generated tokens: the "
@@ -224,7 +228,7 @@ class Generation:
                               drafters_used=sorted(name for name, n in s.drafted_by.items() if n > 0),
                               pipedec_timesteps=s.pipedec_timesteps, pipedec_tokens=s.pipedec_tokens,
                               pipedec_hits=s.pipedec_hits, num_cached_tokens=s.num_cached_tokens,
-                              num_preemptions=s.num_preemptions)
+                              num_preemptions=s.num_preemptions, engine_replica=self.engine_replica)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -256,9 +260,9 @@ class SSEResponse(StreamingResponse):
     a client (``serve.guards.proxy_guard``)."""
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], *,
-                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S, headers: dict[str, str] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._on_close = on_close
         self.send_timeout_s = send_timeout_s
 
@@ -285,6 +289,17 @@ class SSEResponse(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self._on_close()
+
+
+ENGINE_REPLICA_HEADER = "x-cosine-ray-engine-replica"
+
+
+def replica_header(generations: Sequence[Generation]) -> dict[str, str]:
+    """``ENGINE_REPLICA_HEADER``: the engine replicas the generations ran on when the headers
+    go (a comma list; the first output's for a stream, the last one's for a response that is
+    not streamed); none where the engine client does not know them."""
+    replicas = sorted({g.engine_replica for g in generations if g.engine_replica})
+    return {ENGINE_REPLICA_HEADER: ",".join(replicas)} if replicas else {}
 
 
 def sse(data: Any) -> str:

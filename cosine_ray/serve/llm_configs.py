@@ -9,9 +9,9 @@ its own engine deployment behind the one ingress; a request picks it with its ``
   loader resolves (an embedded name, a local directory, a ``.gguf`` file), default the id;
 - ``engine_kwargs``: our engine config (docs/configuration.md), where a setting of a part may
   also be given by its own name (``max_model_len`` for ``scheduler.max_model_len``);
-- ``deployment_config``: ``num_replicas`` / ``autoscaling_config`` of the model's engine
-  deployment (one replica: more is refused until engines scale out), and Serve's health-check
-  and shutdown settings;
+- ``deployment_config``: Serve's health-check and shutdown settings of the model's engine
+  deployment; ``num_replicas`` / ``autoscaling_config`` for one replica only (more come from
+  ``engine_kwargs``' ``engine_replicas``, which brings the routing and failover that go with them);
 - ``runtime_env``: the engine replica's (its stage and drafter actors inherit it).
 
 Ray's other fields are refused unless they have their default; beside ``llm_configs`` the args
@@ -62,8 +62,8 @@ REFUSED_DEPLOYMENT_KEYS = {
     "max_queued_requests": "the ingress bounds requests (max_pending_requests)",
 }
 INGRESS_SERVE_OPTIONS = ("num_replicas", "autoscaling_config")
-ONE_REPLICA = ("an engine runs as one Serve replica for now (its stage actors and its requests' aborts belong "
-               "to that replica); scale a model with num_stages and drafters")
+ONE_REPLICA = ("engine replicas are set in engine_kwargs: engine_replicas: N, or \"MIN,MAX\" to autoscale "
+               "(routing and failover come with them, docs/scaling.md)")
 
 
 def parse_builder_config(config: dict[str, Any], ingress_args: Collection[str]

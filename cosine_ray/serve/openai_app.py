@@ -38,7 +38,7 @@ from cosine_ray.serve.choices import (ChatDeltas, Choice, Logprobs, close_all, c
                                       guarded_events, interleave, start_choices, usage)
 from cosine_ray.serve.errors import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware,
                                      CatchAllMiddleware, HeaderLimitMiddleware, error_payload, install_error_handlers)
-from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness, SSEResponse, sse
+from cosine_ray.serve.generation import DEFAULT_SEND_TIMEOUT_S, Readiness, SSEResponse, replica_header, sse
 from cosine_ray.serve.guards.limits import check_duplicate_keys, check_vocabulary
 from cosine_ray.serve.metrics_http import (METRICS_PATH, PUSH_INTERVAL_S, HttpCounts, HttpMetricsMiddleware,
                                           metrics_response)
@@ -196,7 +196,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
         body = ChatCompletionResponse(id=rid, created=now, model=model_name, usage=usage(choices), choices=out,
                                       cosine_ray=stats_block(state, req, choices),
                                       prompt_logprobs=logprobs.vllm_prompt(choices[0].gen.prompt_logprobs))
-        return JSONResponse(body.model_dump(mode="json", exclude_none=True, by_alias=True))
+        return JSONResponse(body.model_dump(mode="json", exclude_none=True, by_alias=True),
+                            headers=replica_header([c.gen for c in choices]))
 
     def chunk(choice: ChatChunkChoice | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=rid, created=now, model=model_name, choices=[choice] if choice else [],
@@ -226,7 +227,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
             yield sse(ChatCompletionChunk(id=rid, created=now, model=model_name, choices=[], usage=usage(choices)))
 
     return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices),
-                       send_timeout_s=state.send_timeout_s)
+                       send_timeout_s=state.send_timeout_s, headers=replica_header([c.gen for c in choices]))
 
 
 @route("POST", "/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
@@ -275,7 +276,8 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
                for index, c in enumerate(choices)]
         body = CompletionResponse(id=rid, created=now, model=model_name, usage=usage(choices), choices=out,
                                   cosine_ray=stats_block(state, req, choices))
-        return JSONResponse(body.model_dump(mode="json", exclude_none=True))
+        return JSONResponse(body.model_dump(mode="json", exclude_none=True),
+                            headers=replica_header([c.gen for c in choices]))
 
     def chunk(choice: CompletionChoice | None, **extra: Any) -> CompletionResponse:
         return CompletionResponse(id=rid, created=now, model=model_name, choices=[choice] if choice else [],
@@ -306,7 +308,7 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
             yield sse(CompletionResponse(id=rid, created=now, model=model_name, choices=[], usage=usage(choices)))
 
     return SSEResponse(guarded_events(choices, events()), on_close=lambda: close_all(choices),
-                       send_timeout_s=state.send_timeout_s)
+                       send_timeout_s=state.send_timeout_s, headers=replica_header([c.gen for c in choices]))
 
 
 @route("GET", "/v1/models", response_model=ModelList)

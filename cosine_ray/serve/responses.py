@@ -67,6 +67,10 @@ class CosineRayStats(BaseModel):
     """Prompt tokens whose KV came from the prefix cache."""
     num_preemptions: int = 0
     """Times the engine preempted the request for KV memory (it resumed with the same text)."""
+    engine_replica: str | None = None
+    """The engine replica that produced its last tokens (Serve's replica id; absent in process).
+    With several replicas a request whose replica died names the one it ended on, and the
+    figures above are that replica's alone."""
 
 
 class TopLogprob(BaseModel):

@@ -73,8 +73,8 @@ def one(**entry) -> dict:
 
 
 @pytest.mark.parametrize("args, message", [
-    (one(deployment_config={"num_replicas": 2}), r"num_replicas=2 asks for engine replicas beyond one; an engine "
-                                                 r"runs as one Serve replica for now"),
+    (one(deployment_config={"num_replicas": 2}), r"num_replicas=2 asks for engine replicas beyond one; engine "
+                                                 r"replicas are set in engine_kwargs: engine_replicas"),
     (one(deployment_config={"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}),
      r"autoscaling_config.max_replicas=4 asks for engine replicas other than one"),
     (one(deployment_config={"autoscaling_config": {"min_replicas": 0}}), r"min_replicas=0"),

@@ -59,9 +59,9 @@ from cosine_ray.runtime.engine_client import RayEngineClient  # noqa: E402
 from cosine_ray.runtime.engine_client import ENGINE_DEPLOYMENT  # noqa: E402
 from cosine_ray.runtime.memory import resident_mib  # noqa: E402
 
-from support.cli_server import free_port, log_tail, stop_cli, wait_until_serving  # noqa: E402
+from support.cli_server import free_port, log_tail, wait_until_serving  # noqa: E402
 from support.engine_app import (APP_NAME, engine_actor, engine_call, engine_handle,  # noqa: E402
-                                engine_replicas, force_cleanup, wait_gone)
+                                engine_replicas, stop_and_clean)
 from support.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
@@ -143,12 +143,7 @@ def server(ray_cluster, tmp_path_factory, real_checkpoint):
         srv.model = httpx.get(f"{srv.url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
         yield srv
     finally:
-        rc = stop_cli(proc)
-        log.close()
-        left = wait_gone(30.0)
-        if left:
-            force_cleanup()
-            left = wait_gone(30.0)
+        rc, left = stop_and_clean(proc, log)
         note(f"CLI stopped (exit {rc}); log tail:\n{srv.log_tail(10) if srv else ''}")
         assert not left, f"actors still alive after cleanup: {left}"
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -46,3 +50,14 @@ def stop_cli(proc: subprocess.Popen, *, grace_s: float = 90.0) -> int:
             proc.kill()
             proc.wait(timeout=30)
     return proc.returncode
+
+
+def launch_serve(args: list[str], log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, IO[bytes]]:
+    """``cosine-ray serve ARGS`` (the installed script, else ``python -m cosine_ray.cli``) with
+    ``env`` added to this environment, its output into ``log_path``: the process and the open log."""
+    exe = shutil.which("cosine-ray")
+    cmd = ([exe] if exe else [sys.executable, "-m", "cosine_ray.cli"]) + ["serve", *args]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    return proc, log

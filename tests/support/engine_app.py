@@ -113,3 +113,17 @@ def force_cleanup() -> None:
             ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
         except Exception:
             pass
+
+
+def stop_and_clean(proc: Any, log: Any) -> tuple[int, list[tuple[str, str]]]:
+    """Stop a ``cosine-ray serve`` CLI (``support.cli_server.stop_cli``), close its log, and
+    clean up whatever it left in the session cluster: (its exit code, the actors still alive)."""
+    from support.cli_server import stop_cli
+
+    rc = stop_cli(proc)
+    log.close()
+    left = wait_gone(30.0)
+    if left:
+        force_cleanup()
+        left = wait_gone(30.0)
+    return rc, left

@@ -65,6 +65,16 @@ class Constraints:
         if request.params.structured is not None:
             request.grammar = self.compiler.matcher(request.params.structured)
 
+    @staticmethod
+    def replay(request: Request, token_ids: Sequence[int]) -> None:
+        """Make ``token_ids`` the output of a request that has none yet, its grammar's state
+        advanced over them (a request resumed from the tokens another engine generated)."""
+        for tok in token_ids:
+            if request.grammar is not None and not request.grammar.consume_token(tok):
+                raise RequestRefused("the tokens to resume from do not follow the request's grammar",
+                                     "resume_token_ids")
+        request.output_token_ids.extend(token_ids)
+
     # ---- drafts ----------------------------------------------------------------------------
     @staticmethod
     def prune(request: Request, paths: Sequence[FusedPath]) -> list[FusedPath]:
