@@ -23,9 +23,9 @@ import numpy as np
 from loadgen.arrivals import SCHEDULES, ArrivalConfig, arrival_offsets
 from loadgen.metrics import parse_goodput, parse_percentile_metrics, parse_percentiles
 from loadgen.runner import CHAT_PATH, COMPLETIONS_PATH, RunConfig
-from loadgen.tasks import TASK_WORKLOADS, task_workload
+from loadgen.tasks import MIXED_KINDS, TASK_WORKLOADS, mixed_workload, task_workload
 from loadgen.workload import (DEFAULT_DATASET_DIR, SPLITS, WorkItem, WorkloadError, build_workload, dataset_workload,
-                              load_rows, parse_domain_mix, random_workload)
+                              load_rows, parse_domain_mix, random_workload, split_counts)
 
 PROG = "cosine-loadgen"
 ENDPOINTS = {"chat": CHAT_PATH, "completions": COMPLETIONS_PATH, CHAT_PATH: CHAT_PATH,
@@ -45,13 +45,16 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=("dataset", "code-edit", "template", "random") + TASK_WORKLOADS,
-                   default="dataset",
-                   help="dataset: the prompt rows as they are (mixed; --multi-turn for MT-bench conversations); "
-                        "code-edit: requests carrying a function to change; template: many users asking "
-                        "the same kind of question; edit: a function, a change to make and the original as "
-                        "the request's prediction; agent: tool-calling loops repeating their calls and "
-                        "observations (loadgen/workload.py and loadgen/tasks.py say how each is built)")
+    w.add_argument("--workload", choices=("chat", "dataset", "code-edit", "template", "random") + TASK_WORKLOADS
+                   + ("mixed",), default="chat",
+                   help="chat (or dataset, its older name): the prompt rows of the four domains as they are "
+                        "(--multi-turn for MT-bench conversations); code-edit: requests carrying a function "
+                        "to change; template: many users asking the same kind of question; json: a text and "
+                        "a JSON schema to extract a record into (response_format); edit: a function, a "
+                        "change to make and the original as the request's prediction; rag: passages and a "
+                        "task whose answer copies from them; agent: tool-calling loops repeating their calls "
+                        "and observations; mixed: json, edit, rag, agent and chat interleaved in equal "
+                        "numbers (loadgen/workload.py and loadgen/tasks.py say how each is built)")
     w.add_argument("--dataset-dir", type=Path, default=DEFAULT_DATASET_DIR,
                    help="directory of *.jsonl prompt files (id, domain, prompt[, turns]); default: the "
                         "prompt sets packaged with cosine_ray (or $COSINE_RAY_PROMPTS)")
@@ -157,22 +160,26 @@ def build_plan(args: argparse.Namespace) -> tuple[list[tuple[WorkItem, float]], 
     else:
         if args.multi_turn and endpoint != CHAT_PATH:
             raise UsageError("--multi-turn needs the chat endpoint (history is sent as messages)")
-        if args.workload in TASK_WORKLOADS:
+        if args.workload in TASK_WORKLOADS + ("mixed",):
             if endpoint != CHAT_PATH or args.multi_turn:
                 raise UsageError(f"--workload {args.workload} sends whole chats: use the chat endpoint, "
                                  f"without --multi-turn")
-            items = task_workload(args.workload, args.dataset_dir, args.split, args.num_prompts, args.max_tokens,
-                                  args.seed)
+            if args.workload == "mixed":
+                counts = split_counts(args.num_prompts, {k: 1.0 / len(MIXED_KINDS) for k in MIXED_KINDS})
+                items = mixed_workload(args.dataset_dir, args.split, counts, args.max_tokens, args.seed)
+            else:
+                items = task_workload(args.workload, args.dataset_dir, args.split, args.num_prompts,
+                                      args.max_tokens, args.seed)
             described = {"workload": args.workload, "dataset_dir": str(args.dataset_dir), "split": args.split,
                          "max_tokens": args.max_tokens}
             return _planned(args, items, described, arrival_rng, endpoint)
         rows = load_rows(args.dataset_dir, args.split)
         mix = parse_domain_mix(args.domain_mix, list(rows))
-        if args.workload == "dataset":
+        if args.workload in ("chat", "dataset"):
             items = dataset_workload(rows, args.num_prompts, mix, workload_rng, max_tokens=args.max_tokens,
                                      multi_turn=args.multi_turn)
         elif args.multi_turn:
-            raise UsageError(f"--multi-turn applies to --workload dataset, not {args.workload}")
+            raise UsageError(f"--multi-turn applies to --workload chat, not {args.workload}")
         else:
             items = build_workload(args.workload, rows, args.num_prompts, mix, workload_rng,
                                    max_tokens=args.max_tokens)

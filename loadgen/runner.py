@@ -86,11 +86,12 @@ def root_url(url: str) -> str:
 
 
 def request_body(item: WorkItem, history: list[dict[str, str]], cfg: RunConfig, model: str | None,
-                 prediction: str = "") -> dict[str, Any]:
+                 scripted: ScriptedTurn | None = None) -> dict[str, Any]:
+    """The request of one turn; a scripted turn adds its prediction and response format."""
     body: dict[str, Any] = {"max_tokens": item.max_tokens, "temperature": cfg.temperature, "stream": True,
                             "stream_options": {"include_usage": True}}
-    if prediction:
-        body["prediction"] = {"type": "content", "content": prediction}
+    if scripted is not None:
+        body.update(scripted.body_fields())
     if model:
         body["model"] = model
     if cfg.endpoint == CHAT_PATH:
@@ -158,7 +159,7 @@ class _Run:
                 history = scripted.chat
             else:
                 history.append({"role": "user", "content": item.turns[turn] if item.turns else ""})
-            rec = await self.one_request(client, item, rid, turn, history, scripted.prediction if scripted else "")
+            rec = await self.one_request(client, item, rid, turn, history, scripted)
             if rec.status != "ok":
                 why = rec.error if rec.status == "not_sent" else f"turn {turn} failed"
                 for rest in range(turn + 1, item.num_turns):
@@ -167,10 +168,10 @@ class _Run:
             history.append({"role": "assistant", "content": rec.output_text})
 
     async def one_request(self, client: httpx.AsyncClient, item: WorkItem, rid: str, turn: int,
-                          history: list[dict[str, str]], prediction: str = "") -> RequestRecord:
+                          history: list[dict[str, str]], scripted: ScriptedTurn | None = None) -> RequestRecord:
         rec = self.records[rid]
         spec = RequestSpec(rid, item.conversation_id, turn, item.domain, item.source_id, self.cfg.endpoint,
-                           request_body(item, history, self.cfg, self.model, prediction), rec.scheduled_s or 0.0)
+                           request_body(item, history, self.cfg, self.model, scripted), rec.scheduled_s or 0.0)
         async with self.semaphore or contextlib.nullcontext():
             rec.queued_s = self.clock() - self.t0 - (rec.scheduled_s or 0.0)
             if (reason := self._stop_reason()) is not None:
@@ -216,7 +217,7 @@ class _Run:
             scripted = isinstance(first, ScriptedTurn)
             history = first.chat if scripted else [{"role": "user", "content": first}]
             spec = RequestSpec(f"warmup-{i}", item.conversation_id, 0, item.domain, item.source_id, self.cfg.endpoint,
-                               request_body(item, history, self.cfg, self.model, first.prediction if scripted else ""))
+                               request_body(item, history, self.cfg, self.model, first if scripted else None))
             rec = await send_request(client, spec, RequestRecord.for_spec(spec), t0=self.clock(), clock=self.clock,
                                      timeout_s=self.cfg.request_timeout_s, headers=self.headers)
             if rec.status != "ok":

@@ -202,9 +202,11 @@ TEMPLATES = {
 }
 """One instruction template per domain for the repeated-template workload (``{question}`` = the row)."""
 
-WORKLOADS = ("mixed", "multi-turn", "code-edit", "template")
+WORKLOADS = ("chat", "multi-turn", "code-edit", "template")
 """The text workloads ``build_workload`` makes (``cosine-ray bench --workload``; loadgen's dataset
-workload is ``mixed``/``multi-turn``, plus ``code-edit`` and ``template``)."""
+workload is ``chat``/``multi-turn``, plus ``code-edit`` and ``template``). ``chat`` is the four
+domains in the dataset's mix; the workload of all kinds together, ``mixed``, is
+``loadgen.tasks.mixed_workload``."""
 
 
 def _strip_code_stub(prompt: str) -> str:
@@ -261,7 +263,7 @@ def template_workload(rows: Mapping[str, Sequence[PromptRow]], num_prompts: int,
 def build_workload(name: str, rows: Mapping[str, Sequence[PromptRow]], num_prompts: int,
                    mix: Mapping[str, float], rng: np.random.Generator, *, max_tokens: int) -> list[WorkItem]:
     """One of ``WORKLOADS`` over ``rows`` (one split of the dataset)."""
-    if name == "mixed":
+    if name == "chat":
         return dataset_workload(rows, num_prompts, mix, rng, max_tokens=max_tokens)
     if name == "multi-turn":
         multi = {d: [r for r in rs if len(r.turns) > 1] for d, rs in rows.items()}

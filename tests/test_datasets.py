@@ -99,7 +99,7 @@ def test_bench_reads_the_packaged_prompts():
     from cosine_ray import cli
     from cosine_ray.cli import bench
     assert bench.DEFAULT_PROMPT_DIR == default_prompt_dir()
-    for workload in ("mixed", "template"):
+    for workload in ("chat", "template"):
         args = cli.build_parser().parse_args(["bench", "--workload", workload, "--prompts-per-domain", "2",
                                               "--warmup-per-domain", "2", "--prompt-dir", str(PACKAGED_PROMPT_DIR)])
         warm, measured = bench.build_conversations(args)

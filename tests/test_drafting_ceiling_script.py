@@ -38,7 +38,7 @@ def test_the_script_replays_the_real_model_outputs(tmp_path):
                            "--policies", "none/all;suffix/all;learning/own", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "mixed: 4 measured turns after 4 warm-up turns, budget 8 a drafter" in proc.stdout, proc.stdout[-2000:]
+    assert "chat: 4 measured turns after 4 warm-up turns, budget 8 a drafter" in proc.stdout, proc.stdout[-2000:]
     report = json.loads(out.read_text())
     rows = {(r["drafters"], r["route"], r["tree_budget"]): r for r in report["results"]}
     assert set(rows) == {(d, r, b) for d, r in (("none", "all"), ("suffix", "all"), ("learning", "own"))

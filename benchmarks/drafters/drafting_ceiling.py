@@ -10,7 +10,7 @@ machine's verify-time model and the drafters' measured ``propose`` time. The rep
 ceiling for ``fusion=union`` and an estimate for confidence fusion. The output keeps the
 decoded turns, which ``--turns FILE`` replays without decoding (docs/benchmarks.md).
 
-    python benchmarks/drafters/drafting_ceiling.py [--workload mixed] [--prompts-per-domain 12]
+    python benchmarks/drafters/drafting_ceiling.py [--workload chat] [--prompts-per-domain 12]
         [--warmup-per-domain 8] [--max-tokens 64] [--budget 8] [--threads 2] [--out FILE]
 """
 
@@ -31,7 +31,7 @@ DEFAULT_POLICIES = ("none/all;ngram/all;suffix/all;learning/own;learning/wrong;l
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="drafting_ceiling", description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="mixed", help="mixed | multi-turn | code-edit | template")
+    p.add_argument("--workload", default="chat", help="chat | multi-turn | code-edit | template")
     p.add_argument("--prompts-per-domain", type=int, default=12)
     p.add_argument("--warmup-per-domain", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    warm, measured = bench_workload("mixed", default_prompt_dir(), args.prompts_per_domain, args.warmup_per_domain,
+    warm, measured = bench_workload("chat", default_prompt_dir(), args.prompts_per_domain, args.warmup_per_domain,
                                     args.max_tokens, seed=0)
     checkpoint = resolve_checkpoint(args.model)
     tokenizer = checkpoint.load_tokenizer()

@@ -1,7 +1,8 @@
 """CoSine expertise routing (the CoSine paper §4.2, eq. 1-3): which k drafters serve a request.
 
 After each step the drafters that took part are scored (eq. 1-2) and the score is folded into
-the request's routing vector and its domain's prior; each step eq. 3 picks k drafters per
+the request's routing vector and its domain's prior (and the priors of its kind: grammar,
+prediction, repetition, tenant, ``algo.request_kind``); each step eq. 3 picks k drafters per
 request, exploring (a larger random share) when its last step accepted fewer than τ draft
 tokens. Paper notation → names here:
 
@@ -26,6 +27,9 @@ from typing import Collection, Literal, Mapping, Sequence
 import torch
 
 RouteMode = Literal["explore", "exploit", "random"]
+KIND_PRIORS_KEPT = 4096
+"""Kind priors kept (``ExpertiseRouting``), the least recently started kind dropped first: the
+tenants in a kind's key are a server's API keys, but a bound keeps a stray one from growing it."""
 
 
 # ---- eq. 1 and eq. 2: pure functions ----------------------------------------------------------
@@ -176,6 +180,10 @@ class RoutingVector:
     scores: dict[str, float]
     """M_r of the drafters scored so far; a drafter not in it scores its prior."""
     last_accepted_len: int | None = None
+    kinds: tuple[str, ...] = ()
+    """Its kind's prior keys, the most specific first (``RequestKind.prior_keys``): its steps
+    teach those priors too, and a drafter it has not scored yet starts from the first of them
+    that knows the drafter, else from the domain's."""
 
 
 class ExpertiseRouting:
@@ -187,6 +195,7 @@ class ExpertiseRouting:
         self._rng = random.Random(seed)
         self._drafters: list[str] = []
         self._domain_priors: dict[str, dict[str, float]] = {}
+        self._kind_priors: dict[str, dict[str, float]] = {}
         self._global_prior: dict[str, float] = {}
         for name in drafter_names:
             self.add_drafter(name)
@@ -212,9 +221,17 @@ class ExpertiseRouting:
         self._drafters.remove(name)
 
     # ---- request lifecycle -------------------------------------------------------------------
-    def start(self, request_id: str, domain: str) -> RoutingVector:
-        """A new request's routing vector: M_r starts from the domain prior (see module doc)."""
-        return RoutingVector(request_id, domain, {name: self._prior_score(domain, name) for name in self._drafters})
+    def start(self, request_id: str, domain: str, kinds: Sequence[str] = ()) -> RoutingVector:
+        """A new request's routing vector: M_r starts from its kind's prior where one has
+        learned, else its domain's (``kinds``: its kind's prior keys, the most specific first)."""
+        kinds = tuple(kinds)
+        for key in kinds:  # recently started kinds are kept longest
+            self._kind_priors[key] = self._kind_priors.pop(key, {})
+        while len(self._kind_priors) > KIND_PRIORS_KEPT:
+            del self._kind_priors[next(iter(self._kind_priors))]
+        vector = RoutingVector(request_id, domain, {}, kinds=kinds)
+        vector.scores = {name: self._prior_score(vector, name) for name in self._drafters}
+        return vector
 
     def update(self, vector: RoutingVector, scores: Mapping[str, float], accepted_len: int | None) -> None:
         """Fold this step's m[n] (eq. 2) into M_r and the priors; remember L_acc for eq. 3.
@@ -226,7 +243,8 @@ class ExpertiseRouting:
         if accepted_len is not None and accepted_len < 0:
             raise ValueError(f"accepted_len={accepted_len}: must be 0 or more")
         cfg = self.config
-        domain_prior = self._domain_priors.setdefault(vector.domain, {})
+        domain = RoutingVector("", vector.domain, {})
+        kind_priors = [self._kind_priors[k] for k in vector.kinds if k in self._kind_priors]  # unless dropped
         for name, value in scores.items():
             value = float(value)
             if not 0.0 <= value <= 1.0:  # also rejects NaN
@@ -235,7 +253,11 @@ class ExpertiseRouting:
                 continue  # removed from the pool meanwhile
             old_score = self._score(vector, name)
             vector.scores[name] = old_score + cfg.score_ema * (value - old_score)
-            for prior in (domain_prior, self._global_prior):
+            start = self._prior_score(domain, name)  # a kind's EMA starts from its domain's, not from scratch
+            for prior in kind_priors:
+                old = prior.get(name, start)
+                prior[name] = old + cfg.prior_ema * (value - old)
+            for prior in (self._domain_priors.setdefault(vector.domain, {}), self._global_prior):
                 old = prior.get(name, cfg.initial_score)
                 prior[name] = old + cfg.prior_ema * (value - old)
         if accepted_len is not None:
@@ -296,19 +318,27 @@ class ExpertiseRouting:
         """M_r (drafter → score) over the pool, for the request."""
         return {name: self._score(vector, name) for name in self._drafters}
 
-    def prior(self, domain: str) -> dict[str, float]:
-        """The score a new request of ``domain`` would start with, per drafter in the pool."""
-        return {name: self._prior_score(domain, name) for name in self._drafters}
+    def prior(self, domain: str, kinds: Sequence[str] = ()) -> dict[str, float]:
+        """The score a new request of ``domain`` (and of the kind with these prior keys) would
+        start with, per drafter in the pool."""
+        vector = RoutingVector("", domain, {}, kinds=tuple(kinds))
+        return {name: self._prior_score(vector, name) for name in self._drafters}
 
     # ---- internals -------------------------------------------------------------------------------
     def _score(self, vector: RoutingVector, name: str) -> float:
         score = vector.scores.get(name)
         if score is None:  # joined the pool after the request started: its prior, from now on
-            score = vector.scores[name] = self._prior_score(vector.domain, name)
+            score = vector.scores[name] = self._prior_score(vector, name)
         return score
 
-    def _prior_score(self, domain: str, name: str) -> float:
-        domain_prior = self._domain_priors.get(domain, {})
+    def _prior_score(self, vector: RoutingVector, name: str) -> float:
+        """The most specific prior that has observed ``name``: the request's kinds', its
+        domain's, the global one, else the initial score."""
+        for key in vector.kinds:
+            kind_prior = self._kind_priors.get(key, {})
+            if name in kind_prior:
+                return kind_prior[name]
+        domain_prior = self._domain_priors.get(vector.domain, {})
         if name in domain_prior:
             return domain_prior[name]
         return self._global_prior.get(name, self.config.initial_score)

@@ -1,7 +1,9 @@
 """Conversations through an engine or HF transformers: every turn sent with the history
 before it (turn k + 1 after turn k's answer), the answers kept token by token. A turn that is a
-``ScriptedTurn`` (the ``edit`` and ``agent`` workloads) is sent as its script says, with its
-prediction (``prediction``: the workload's, ``none``, or ``random`` words as long)."""
+``ScriptedTurn`` (the ``json``, ``edit``, ``rag`` and ``agent`` workloads) is sent as its script
+says, with its prediction (``prediction``: the workload's, ``none``, or ``random`` words as long)
+and its JSON schema as the request's grammar. HF transformers applies no grammar, so it runs no
+turn with a schema (``has_grammar``)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,23 @@ def prediction_text(turn: ScriptedTurn, mode: str, seed: int) -> str:
     return turn.prediction if mode == "workload" else useless_prediction(turn.prediction, seed)
 
 
+def has_grammar(conversations: Sequence[Sequence[str | ScriptedTurn]]) -> bool:
+    """Whether a turn of ``conversations`` constrains its answer by a JSON schema."""
+    return any(isinstance(t, ScriptedTurn) and t.schema for conv in conversations for t in conv)
+
+
+def turn_params(params: Any, turn: str | ScriptedTurn, prediction_ids: tuple[int, ...]) -> Any:
+    """``params`` (``SamplingParams``) for one turn: with its prediction's ids, and its schema as
+    the grammar of the answer."""
+    from cosine_ray.engine.request import StructuredOutput
+    changes: dict[str, Any] = {}
+    if prediction_ids:
+        changes["prediction"] = prediction_ids
+    if isinstance(turn, ScriptedTurn) and turn.schema:
+        changes["structured"] = StructuredOutput("json_schema", turn.schema)
+    return dataclasses.replace(params, **changes) if changes else params
+
+
 def prompt_of(tokenizer: Any, turn: str | ScriptedTurn, history: list[dict[str, str]]) -> list[int]:
     """A turn's prompt: a user turn after ``history`` (appended to it), or a scripted turn's chat."""
     if isinstance(turn, ScriptedTurn):
@@ -74,8 +93,7 @@ async def run_conversations(engine: Any, conversations: Sequence[Sequence[str | 
                 text = prediction_text(turn, prediction, 1000 * index + k) if isinstance(turn, ScriptedTurn) else ""
                 ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else ()
                 start = time.perf_counter()
-                result = await engine.loop.generate_all(prompt, dataclasses.replace(params, prediction=ids)
-                                                        if ids else params)
+                result = await engine.loop.generate_all(prompt, turn_params(params, turn, ids))
                 out.append(Turn(list(result.new_token_ids), result.finish_reason, result.stats, tuple(prompt),
                                 time.perf_counter() - start, ids))
                 if not isinstance(turn, ScriptedTurn):
@@ -91,7 +109,10 @@ async def run_conversations(engine: Any, conversations: Sequence[Sequence[str | 
 def run_hf(model: Any, tokenizer: Any, conversations: Sequence[Sequence[str | ScriptedTurn]], max_tokens: int,
            **kwargs: Any) -> list[list[Turn]]:
     """The same through HF transformers' greedy decoding, one conversation at a time (a
-    scripted turn's prediction is not sent); ``kwargs`` go to ``generate`` (``prompt_lookup_num_tokens``)."""
+    scripted turn's prediction is not sent); ``kwargs`` go to ``generate`` (``prompt_lookup_num_tokens``).
+    A turn with a schema is refused (ValueError): HF would decode it without the grammar."""
+    if has_grammar(conversations):
+        raise ValueError("HF transformers decodes without a grammar: a turn with a JSON schema cannot run on it")
     outs = []
     for turns in conversations:
         history: list[dict[str, str]] = []

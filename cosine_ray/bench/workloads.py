@@ -1,7 +1,8 @@
 """What the benchmarks send, from the packaged prompt sets (``cosine_ray.datasets``): measured
 prompts come from the held-back second half of each file, warm-ups from the first half or from
 held-back prompts after the measured ones. The workloads are ``cosine-loadgen``'s
-(``loadgen.workload``, and ``loadgen.tasks`` for the scripted ``edit`` and ``agent`` ones).
+(``loadgen.workload``, and ``loadgen.tasks`` for the scripted ``json``, ``edit``, ``rag`` and
+``agent`` ones and for ``mixed``, all of them together).
 """
 
 from __future__ import annotations
@@ -10,23 +11,33 @@ from pathlib import Path
 from typing import Any
 
 from cosine_ray.datasets import DOMAIN_FILES, domain_prompts, read_prompts, second_half
-from loadgen.tasks import TASK_WORKLOADS, task_workload
+from loadgen.tasks import MIXED_KINDS, TASK_WORKLOADS, mixed_workload, task_workload
+
+
+BENCH_WORKLOADS = ("chat", "json", "edit", "rag", "agent", "mixed", "multi-turn", "code-edit", "template")
+"""Every ``--workload`` of ``cosine-ray bench``: users' traffic kinds, all of them together, and
+the older text workloads."""
 
 
 def bench_workload(name: str, prompt_dir: str | Path, per_domain: int, warmup_per_domain: int, max_tokens: int,
                    seed: int) -> tuple[list[Any], list[Any]]:
-    """(warm-up, measured) conversations (``loadgen.workload.WorkItem``; for the ``edit`` and
-    ``agent`` workloads ``per_domain`` of their one kind, with scripted turns) of a ``cosine-ray
-    bench`` workload, ``per_domain`` measured ones a domain from the second half of each file
-    and ``warmup_per_domain`` warm-up ones from the first half; ``WorkloadError`` when bad."""
+    """(warm-up, measured) conversations (``loadgen.workload.WorkItem``) of a ``cosine-ray bench``
+    workload, ``per_domain`` measured ones a domain from the second half of each file and
+    ``warmup_per_domain`` warm-up ones from the first half; ``WorkloadError`` when bad. The
+    scripted workloads (``TASK_WORKLOADS``) count ``per_domain`` of their one kind, ``mixed``
+    ``per_domain`` of each of its kinds (its ``chat`` ones spread over the four domains)."""
     import numpy as np
 
     from loadgen.workload import WORKLOADS, WorkloadError, build_workload, load_rows
     if name in TASK_WORKLOADS:
         return (task_workload(name, prompt_dir, "first-half", warmup_per_domain, max_tokens, seed + 1),
                 task_workload(name, prompt_dir, "second-half", per_domain, max_tokens, seed))
+    if name == "mixed":
+        return (mixed_workload(prompt_dir, "first-half", dict.fromkeys(MIXED_KINDS, warmup_per_domain), max_tokens,
+                               seed + 1),
+                mixed_workload(prompt_dir, "second-half", dict.fromkeys(MIXED_KINDS, per_domain), max_tokens, seed))
     if name not in WORKLOADS:
-        raise WorkloadError(f"--workload must be one of {', '.join(WORKLOADS + TASK_WORKLOADS)}, got {name!r}")
+        raise WorkloadError(f"--workload must be one of {', '.join(BENCH_WORKLOADS)}, got {name!r}")
     measured_rows = load_rows(Path(prompt_dir), "second-half")
     warm_rows = load_rows(Path(prompt_dir), "first-half")
     mix = {d: 1.0 / len(measured_rows) for d in sorted(measured_rows)}

@@ -1,22 +1,20 @@
 """``cosine-ray bench``: tokens/s of HF transformers and cosine_ray systems on one workload, in one run.
 
-Workloads (``--workload``, the requests ``cosine-loadgen`` sends, built by ``loadgen/workload.py``
-and ``loadgen/tasks.py``): ``mixed`` (the four prompt sets in equal mix), ``multi-turn``
-(MT-bench turn 2 with turn 1's answer), ``code-edit`` (the answer repeats most of a function),
-``template`` (many users asking the same kind of question), ``edit`` (code, an instruction, the
-original code as the request's prediction) and ``agent`` (a tool-calling loop whose requests
-repeat its earlier calls and observations; its later turns' tok/s is reported apart). Measured
-conversations come from the held-back half of each prompt file, ``--warmup-per-domain`` ones
-from the first half (for ``edit`` and ``agent``, ``--prompts-per-domain`` counts conversations).
+Workloads (``--workload``, the requests ``cosine-loadgen`` sends: ``loadgen.workload`` and
+``loadgen.tasks`` build them, docs/benchmarks.md describes them): users' traffic ``chat``,
+``json``, ``edit``, ``rag``, ``agent`` and all of them together, ``mixed``; and ``multi-turn``,
+``code-edit``, ``template``. Measured conversations come from the held-back half of each prompt
+file, ``--warmup-per-domain`` ones from the first half.
 
 Systems (``--systems``, ``;``-separated): ``hf-greedy``, ``hf-prompt-lookup``, and any
 ``--drafters`` value with engine settings changed by name (``learning@routing=random``:
 ``EngineConfig.replace``; ``prediction=none|random`` sends no prediction, or random words as
 long). Every cosine_ray system × concurrency starts from a fresh engine, and every output is
-compared token by token with HF greedy (or, without it, the first system). ``--repeat-probe``
-sends the first measured request again at the end. ``--rounds N`` interleaves N rounds in seeded
-shuffled orders and prints medians and the min–max of each ratio to the same round's ``none``.
-Conversations, rounds, the HF reference and the figures are ``cosine_ray.bench``'s.
+compared token by token with HF greedy or, without it, ``none`` (plain decoding) or the first
+system. HF applies no grammar, so a workload with a schema runs no HF system. ``--rounds N``
+interleaves N rounds in seeded shuffled orders and prints medians and the min–max of each
+ratio to the same round's ``none``. Conversations, rounds, the HF reference and the figures
+are ``cosine_ray.bench``'s.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosine_ray.bench.conversations import (PREDICTIONS, Turn, count_tokens, later_turns, prediction_counts,
-                                            run_conversations, run_hf, same_output)
+from cosine_ray.bench.conversations import (PREDICTIONS, Turn, count_tokens, has_grammar, later_turns,
+                                            prediction_counts, run_conversations, run_hf, same_output)
 from cosine_ray.bench.figures import routing_shares, spec_figures
 from cosine_ray.bench.rounds import Spread, round_order
 from cosine_ray.cli.args import (MODEL_HELP, SPEC_TOKENS_HELP, CliError, add_device_args, check_local_device,
@@ -55,14 +53,16 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     p.add_argument("--prompt-dir", default=str(DEFAULT_PROMPT_DIR),
                    help="folder with humaneval/gsm8k/alpaca/mtbench .jsonl")
-    p.add_argument("--workload", default="mixed", help="mixed | multi-turn | code-edit | template | edit | agent")
+    p.add_argument("--workload", default="chat",
+                   help="chat | json | edit | rag | agent | mixed (all of them) | multi-turn | code-edit | template")
     p.add_argument("--prompts-per-domain", type=int, default=3,
                    help="measured conversations per domain (× 4 domains; second half of each file)")
     p.add_argument("--warmup-per-domain", type=int, default=0,
                    help="warm-up conversations per domain before the measured ones (first half of each file)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per turn at most (default 64)")
-    p.add_argument("--systems", default=DEFAULT_SYSTEMS,
-                   help="';'-separated: hf-greedy, hf-prompt-lookup, or DRAFTERS[@key=value,...] "
+    p.add_argument("--systems", default=None,
+                   help=f"(default: {DEFAULT_SYSTEMS}, without the hf ones on a workload with a schema) "
+                        "';'-separated: hf-greedy, hf-prompt-lookup, or DRAFTERS[@key=value,...] "
                         "(engine settings by name, e.g. learning@routing=random; prediction=none|random: "
                         "what the edit workload's requests predict); 'ablations' after a "
                         "system adds its four CoSine ablations (e.g. 'learning;ablations')")
@@ -171,11 +171,16 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise CliError("--rounds must be >= 1")
     text = f"{';'.join(HF_SYSTEMS)};{args.drafter_sets}" if args.drafter_sets else args.systems
-    systems = parse_systems(text)
+    systems = parse_systems(text or DEFAULT_SYSTEMS)
     check_local_device(args.device)
+    warm, measured = build_conversations(args)
+    if has_grammar([item.turns for item in warm + measured]):
+        if text and any(s.is_hf for s in systems):
+            raise CliError(f"--workload {args.workload} constrains answers by a JSON schema, which HF "
+                           f"transformers does not apply: leave {', '.join(HF_SYSTEMS)} out of --systems")
+        systems = [s for s in systems if not s.is_hf]
     if args.threads:
         torch.set_num_threads(args.threads)
-    warm, measured = build_conversations(args)
     try:
         checkpoint = resolve_checkpoint(args.model)
     except (ValueError, OSError) as exc:
@@ -267,9 +272,12 @@ def run(args: argparse.Namespace) -> int:
         del engine
         gc.collect()  # the next engine sizes its KV pool from the memory this one leaves free
 
-    ref_name = "hf-greedy" if "hf-greedy" in outputs else next(iter(outputs))
-    if args.rounds > 1 and ref_name not in HF_SYSTEMS:  # the first listed system's first round, not
-        ref_name = _output_key({"system": work[0][0].name, "concurrency": work[0][1], "round": 1})  # whichever ran first
+    if "hf-greedy" in outputs or not work:
+        ref_name = "hf-greedy" if "hf-greedy" in outputs else next(iter(outputs))
+    else:  # plain decoding's (else the first listed system's) first round, not whichever ran first
+        first = next(((s, c) for s, c in work if s.name == "none"), work[0])
+        ref_name = _output_key({"system": first[0].name, "concurrency": first[1],
+                                **({"round": 1} if args.rounds > 1 else {})})
     ref = outputs[ref_name]
     base = next((r["tokens"] / r["seconds"] for r in rows if r["system"] == "hf-greedy"), None)
     off = {(r["concurrency"], r.get("round")): r["tokens"] / r["seconds"] for r in rows if r["system"] == "none"}

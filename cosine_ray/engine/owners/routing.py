@@ -1,8 +1,10 @@
 """Routing each step's decoding requests to drafters (CoSine eq. 1-3, ``algo.routing``).
 
-A request's domain is classified once, on arrival (``algo.domains``), to pick its starting
-prior; from then on its routing vector learns from its own verify steps (the learner feeds
-eq. 1-2 back through ``update``). Each step every decoding request with a draft budget gets
+A request's domain is classified once, on arrival (``algo.domains``), and with whether it
+carries a grammar or a prediction, how much its prompt repeats itself and its tenant it makes
+the request's kind (``algo.request_kind``), whose prior it starts from (its domain's until its
+kind has learned); from then on its routing vector learns from its own verify steps (the
+learner feeds eq. 1-2 back through ``update``, into its kind's and domain's priors too). Each step every decoding request with a draft budget gets
 its k routed drafters (best-scoring first, the tie order fusion uses) plus the *shared*
 drafters, which join every request (``SpeculationConfig.shared_drafters``: the context n-gram
 drafter knows the request's own text better than any domain expert). k is the adaptive
@@ -20,6 +22,7 @@ from typing import Mapping, Sequence
 
 from cosine_ray.algo.adaptive import ParticipationController
 from cosine_ray.algo.domains import DomainClassifier
+from cosine_ray.algo.request_kind import RequestKind
 from cosine_ray.algo.routing import ExpertiseRouting, RoutingConfig
 from cosine_ray.engine.config import EngineConfig
 from cosine_ray.engine.drafters.prediction import PredictionDrafter
@@ -67,14 +70,21 @@ class DraftRouting:
             raise ValueError(f"prediction token ids must be in [0, {vocab_size})")
 
     def start(self, request: Request) -> None:
-        """Classify the prompt's domain (its starting prior), start its routing vector, and tell
-        the prediction drafter what the request predicts."""
+        """Classify the prompt's domain, start its routing vector from its kind's prior, and
+        tell the prediction drafter what the request predicts."""
         if self.prediction is not None and request.params.prediction:
             self.prediction.expect(request.request_id, len(request.prompt_token_ids), request.params.prediction)
         if self.domain_classifier is not None:
             request.domain = self.domain_classifier.classify(request.prompt_token_ids)[0]
         request.stats.domain = request.domain
-        request.routing = self.expertise.start(request.request_id, request.domain)
+        kinds = self.kind_of(request).prior_keys() if self._has_drafters else ()  # no prompt scan for nothing
+        request.routing = self.expertise.start(request.request_id, request.domain, kinds)
+
+    @staticmethod
+    def kind_of(request: Request) -> RequestKind:
+        """The request's kind: its domain, grammar, prediction, repetition and tenant."""
+        return RequestKind.of(request.domain, request.prompt_token_ids, grammar=request.params.structured is not None,
+                              prediction=bool(request.params.prediction), tenant=request.tenant.name)
 
     def priors(self, requests: Sequence[Request]) -> dict[str, dict[str, float]]:
         """The priors of these requests' domains (for the metrics, as requests finish)."""

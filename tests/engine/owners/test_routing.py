@@ -96,3 +96,21 @@ def test_adaptive_participation_sets_k():
     assert len(routing.route(StepBatch([r], budgets={"r0": 4}))["r0"].drafters) == 3
     participation.current = 1
     assert len(routing.route(StepBatch([r], budgets={"r0": 4}))["r0"].drafters) == 1
+
+
+def test_a_requests_kind_names_its_grammar_prediction_repetition_and_tenant():
+    from cosine_ray.engine.request import StructuredOutput, Tenant
+    routing = make_routing(domain_classifier=FirstTokenClassifier())
+    plain, = started(routing, make_request("p", (2, 5, 6, 7, 8, 9)))
+    assert plain.routing.kinds == ()  # the domain's prior alone
+    json_req = make_request("j", (2, 5, 6, 7, 8, 9), structured=StructuredOutput("json_schema", "{}"))
+    json_req.tenant = Tenant("acme")
+    edit = make_request("e", (1,) + (5, 6, 7, 8) * 4, prediction=(5, 6, 7))
+    started(routing, json_req, edit)
+    assert json_req.routing.kinds == ("code+grammar@acme", "code+grammar")
+    assert edit.routing.kinds == ("math+prediction+repetitive",)
+    routing.update(json_req, {"a": 1.0, "b": 0.0}, accepted_len=3)
+    routing.update(plain, {"a": 0.0}, accepted_len=0)  # the same domain without a grammar: a loses
+    later, = started(routing, make_request("k", (2, 4), structured=StructuredOutput("json_schema", "{}")))
+    assert later.routing.scores["a"] > routing.expertise.prior("code")["a"]  # its kind's prior, not the domain's
+    assert started(make_routing(()), make_request("n", (2, 5)))[0].routing.kinds == ()  # no drafters: no kind
