@@ -7,7 +7,8 @@ a tenant below its share preempts a request of one above it), plan twins, fit th
 budget (decodes and trees first, then prompt chunks), decide the batch (the LP or first come,
 ``BatchPolicy``), reserve each chosen request's KV (preempting the request that arrived last
 when it does not fit), record, price the trees (λ of eq. 8 over the guard's level, the drain
-weights, no drafting that cannot pay) and reserve their slots. Whether trees are priced is a
+weights, no drafting that cannot pay), add the tokens each grammar forces next and reserve
+the trees' slots. Whether trees are priced is a
 rule chosen at start (``TreePricing`` or ``FixedBudgets``); docs/scheduling.md explains each job.
 
 The paper's order — batch assignment before drafting (Algorithm 2) — needs
