@@ -8,7 +8,7 @@ mean accepted length, tokens/s and the load average; then each round's ratios (d
 none, plain under the grammar over plain without it) and greedy texts equal across engines.
 
     python benchmarks/engine/structured_outputs.py [--max-tokens 256] [--prompts 10]
-        [--concurrency 1] [--rounds 3] [--temperatures 0]
+        [--concurrency 1] [--rounds 3] [--temperatures 0] [--no-plain]
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=0, help="requests at once (0: all of them)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (ratios are reported per round)")
     p.add_argument("--temperatures", default="0,0.8", help="comma-separated temperatures (0: greedy, texts compared)")
+    p.add_argument("--no-plain", action="store_true", help="leave out plain decoding without the grammar")
     args = p.parse_args()
     base = EngineConfig()
     engines = {ENGINES[0]: start_engine(base if args.drafters is None else
@@ -117,7 +118,7 @@ def main() -> None:
     greedy: dict[str, list] = {}
     for rnd in range(args.rounds):
         for temperature in temperatures:
-            for label in ENGINES:
+            for label in ENGINES[:2] if args.no_plain else ENGINES:
                 grammar = label != ENGINES[2]
                 outs, seconds = run(engines[label], jobs, temperature=temperature, max_tokens=args.max_tokens,
                                     concurrency=concurrency, grammar=grammar)
@@ -140,7 +141,7 @@ def main() -> None:
                       f"{mean_accepted_length(accepted, steps):>13.2f} {tokens / seconds:>7.1f} {tokens:>7} "
                       f"{os.getloadavg()[0]:>5.2f}")
     for temperature in temperatures:
-        for num, den in ((ENGINES[0], ENGINES[1]), (ENGINES[1], ENGINES[2])):
+        for num, den in ((ENGINES[0], ENGINES[1]),) + (() if args.no_plain else ((ENGINES[1], ENGINES[2]),)):
             ratios = [a / b for a, b in zip(rates[(num, temperature)], rates[(den, temperature)])]
             print(f"temp {temperature}: {num} / {den}: {min(ratios):.2f}-{max(ratios):.2f}x "
                   f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
