@@ -80,16 +80,18 @@ def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> VerifyResult:
     if target_logits.ndim == 1:
         assert target_logits.shape[0] == tree.num_nodes, (
             f"target token ids has {target_logits.shape[0]} entries for a tree of {tree.num_nodes} nodes")
-        return _walk(tree, target_logits.tolist().__getitem__)
+        return verify_greedy_at(tree, target_logits.tolist().__getitem__)
     _check_tree_rows(tree, target_logits, "target_logits")
     target_token_ids = target_logits.argmax(dim=-1).tolist()  # [num_nodes]
-    return _walk(tree, target_token_ids.__getitem__)
+    return verify_greedy_at(tree, target_token_ids.__getitem__)
 
 
-def _walk(tree: TokenTree, target_token_at: Callable[[int], int]) -> VerifyResult:
-    """From the root, follow the child whose token is the target's token at the current node
-    (``target_token_at(node)``, asked once per visited node, in depth order); the bonus is the
-    target's token at the node where no child matches."""
+def verify_greedy_at(tree: TokenTree, target_token_at: Callable[[int], int]) -> VerifyResult:
+    """``verify_greedy`` with the target's token at a node computed on demand: from the root,
+    follow the child whose token is ``target_token_at(node)`` (asked once per visited node, in
+    depth order: each node asked is the child of the one asked before); the bonus is the
+    target's token at the node where no child matches. A row's work is done only for the
+    nodes on the accepted path and the bonus's."""
     child_by_token = _child_by_token(tree)
     node, accepted = 0, []
     while True:
@@ -123,6 +125,6 @@ def verify_keyed(
         exponentials = keyed_exponentials(seed, root_position + depths[node] + 1, vocab)  # [vocab]
         return int(keyed_argmax(target_probs[node:node + 1], exponentials[None])[0])
 
-    return _walk(tree, keyed_token)
+    return verify_greedy_at(tree, keyed_token)
 
 

@@ -52,6 +52,10 @@ class StepBatch:
     twins: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Decoding requests that draft from an identical request ahead of them (``engine.modes.twins``):
     its tokens beyond theirs, at most their budget. Not routed to the drafters; verified whole."""
+    forced: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Decoding requests whose grammar forces their next tokens (jump-forward,
+    ``engine.owners.constraints.forced_tokens``): those tokens, counted in their budget. The
+    first chain of their tree, verified whole at any level or price; the drafters draft after it."""
 
     @property
     def prefills(self) -> list[Request]:

@@ -106,3 +106,44 @@ def test_a_schema_the_engine_cannot_compile_is_refused_by_name(engines):
         core.check_request([1, 2], SamplingParams(structured=StructuredOutput("json_schema", '{"type": "foo"}')))
     with pytest.raises(ValueError, match="regex cannot be compiled"):
         core.check_request([1, 2], SamplingParams(structured=StructuredOutput("regex", "a(b")))
+
+
+ORDER = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 99999}, "status": {"enum": ["pending", "shipped", "delivered"]},
+    "items": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+        "sku": {"type": "string", "maxLength": 12}, "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
+        "required": ["sku", "qty"], "additionalProperties": False}}},
+    "required": ["id", "status", "items"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def real_engines(real_checkpoint):
+    """The embedded SmolLM2 as served: the default config (priced trees, the guard), with the
+    default drafters and with none."""
+    base = EngineConfig()
+    return {d: LocalEngine(base.replace(drafters=parse_drafters(d)), checkpoint=real_checkpoint)
+            for d in ("default", "none")}
+
+
+def test_real_model_greedy_is_the_same_with_and_without_drafters_under_each_grammar(real_engines, real_checkpoint):
+    """SmolLM2 under a JSON schema, a regex and a choice: the default drafters (forced tokens
+    ahead of them, their paths pruned, masks only where the walk goes) commit plain decoding's
+    text, which for the schema is HF's greedy under llguidance's full mask token by token; and
+    with no drafter, the forced tokens alone commit more than a token a step."""
+    tok = real_engines["none"].tokenizer
+    order = StructuredOutput("json_schema", json.dumps(ORDER))
+    cases = [(order, "Write a JSON order about a late delivery. Answer with JSON only.", 80),
+             (StructuredOutput("regex", r"[A-Z][a-z]{2,8} [0-9]{1,3} (apples|pears)"), "Name a fruit order.", 24),
+             (StructuredOutput("choice", json.dumps(["positive", "neutral", "negative"])),
+              "Is 'great food, slow service' positive, neutral or negative?", 8)]
+    for spec, text, max_tokens in cases:
+        prompt = encode_prompt(tok, text)
+        params = SamplingParams(max_tokens=max_tokens, structured=spec)
+        outs = {d: e.generate([prompt], params)[0] for d, e in real_engines.items()}
+        assert outs["default"].new_token_ids == outs["none"].new_token_ids, spec.kind
+        if spec is order:
+            assert outs["none"].new_token_ids == constrained_reference(real_checkpoint, tok, prompt, spec, max_tokens)
+            jsonschema.validate(json.loads(tok.decode(outs["none"].new_token_ids, skip_special_tokens=True)), ORDER)
+            stats = outs["none"].stats
+            assert len(outs["none"].new_token_ids) / stats.num_verify_steps > 1.5
+            assert stats.accepted_by.get("grammar", 0) > 10

@@ -7,10 +7,14 @@ own path as history, and masked by what its grammar allows there. Greedy accepta
 argmax of the processed row, keyed sampling samples it, so the committed text is constrained
 plain decoding's whatever was drafted. Grammars are compiled by llguidance, once per spec and
 off the event loop (``engine.owners.grammars``): a server awaits ``prepare`` before it adds
-the request. The request's matcher, a copy of the compiled one, follows its committed output;
-a tree's masks fork it along each path (consume, compute the mask, roll back); draft paths are cut at the first token the grammar
-forbids before TreeSelection (``prune``), so no verify slot is spent on them, and the tokens
-the grammar forces next join the tree as a path of their own.
+the request. The request's matcher, a copy of the compiled one, follows its committed output.
+
+Speculation under a grammar: the tokens the grammar forces next (``forced_tokens``: a JSON
+key of the schema, its quotes and colon) are a chain the scheduler gives every step, ahead of
+the drafters, who draft after it; draft paths are cut at their first token the grammar
+forbids (``prune``), so no verified row is spent on them. A greedy request's masks are
+computed only for the rows the acceptance walk visits, and only where the row's argmax is
+not allowed (``GreedyTokens``); a sampled request's tree forks the matcher along each path.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from cosine_ray.engine.request import Request, RequestRefused
 
 GRAMMAR = "grammar"
 """Owner of the draft nodes a grammar forces (tokens no other token can replace there)."""
+MAX_FORCED_TOKENS = 32
+"""Most forced tokens one step's tree takes (the rest come in the next step's)."""
 
 
 class Constraints:
@@ -77,23 +83,101 @@ class Constraints:
 
     # ---- drafts ----------------------------------------------------------------------------
     @staticmethod
-    def prune(request: Request, paths: Sequence[FusedPath]) -> list[FusedPath]:
-        """Each draft path cut before its first token the request's grammar forbids; first, the
-        tokens the grammar forces next (a JSON key of the schema, a closing bracket), as a
-        path of its own owned by ``GRAMMAR``: the target's masked row can only agree."""
-        if request.grammar is None:
-            return list(paths)
-        forced = tuple(request.grammar.compute_ff_tokens())
+    def prune(request: Request, paths: Sequence[FusedPath], forced: Sequence[int] = ()) -> list[FusedPath]:
+        """``forced`` (the grammar's next tokens, ``forced_tokens``) as a path of its own owned by
+        ``GRAMMAR``, then each draft path (drafted after ``forced``) behind it, cut before its
+        first token the request's grammar forbids there."""
+        forced = tuple(forced)
         out = [FusedPath(forced, (1.0,) * len(forced), (GRAMMAR,) * len(forced), (1.0,) * len(forced))] if forced else []
-        for p in paths:
-            n = request.grammar.validate_tokens(list(p.token_ids))
-            if n == len(p.token_ids):
-                out.append(p)
-            elif n > 0:
-                out.append(FusedPath(p.token_ids[:n], p.confidences[:n], p.owners[:n], p.raw_confidences[:n],
-                                     p.trunk_flags[:n]))
+        matcher = request.grammar
+        if matcher is None:
+            return out + [_behind(forced, p, len(p.token_ids)) for p in paths]
+        consumed = matcher.try_consume_tokens(list(forced)) if forced else 0
+        if consumed != len(forced):  # never: the grammar forced them
+            matcher.rollback(consumed)
+            return out
+        try:
+            for p in paths:
+                n = matcher.validate_tokens(list(p.token_ids))
+                if n > 0:
+                    out.append(_behind(forced, p, n))
+        finally:
+            if forced:
+                matcher.rollback(len(forced))
         return out
 
+
+def forced_tokens(request: Request, limit: int) -> tuple[int, ...]:
+    """The tokens the request's grammar forces after its committed output (jump-forward: no
+    other token is allowed at each), at most ``limit``; () without a grammar."""
+    matcher = request.grammar
+    if matcher is None or limit <= 0 or matcher.is_stopped():
+        return ()
+    return tuple(matcher.compute_ff_tokens()[:limit])
+
+
+def _behind(forced: tuple[int, ...], p: FusedPath, n: int) -> FusedPath:
+    """The first ``n`` tokens of ``p``, after ``forced`` (certain: confidence 1)."""
+    k = len(forced)
+    flags = p.trunk_flags[:n]
+    return FusedPath(forced + p.token_ids[:n], (1.0,) * k + p.confidences[:n], (GRAMMAR,) * k + p.owners[:n],
+                     (1.0,) * k + (p.raw_confidences or p.confidences)[:n], (True,) * k + flags if flags else ())
+
+
+class GreedyTokens:
+    """The target's greedy token at the nodes of a request's tree, for ``verify_greedy_at``:
+    the argmax of the node's row under the request's rules, checked against the grammar's
+    mask after the node's path. The matcher follows the walk (each node asked is the child of
+    the one before) and ``close`` rolls it back. A mask is filled per visited node, and applied
+    to the row only where its argmax is not allowed: masking leaves the row's values alone where
+    it allows, so an allowed argmax is the masked row's argmax too (ties: the first index).
+    ``dead``: the first visit (0: the root) whose row the rules masked whole; its token is 0,
+    as the masked row of zeros ``_live_scores`` gives."""
+
+    def __init__(self, request: Request, logits: torch.Tensor, tree: TokenTree | None = None) -> None:
+        self.request, self.logits, self.tree = request, logits, tree
+        self.consumed = 0
+        self.visits = 0
+        self.dead: int | None = None
+        self.path: tuple[int, ...] = ()
+        self._bitmask = None
+
+    def __call__(self, node: int) -> int:
+        request, matcher = self.request, self.request.grammar
+        if self.dead is not None:  # nothing after a dead row is committed
+            return 0
+        if node:
+            token = self.tree.token_ids[node]
+            self.path += (token,)
+            if matcher is not None:
+                matcher.consume_token(token)  # its parent's masked argmax: allowed there
+                self.consumed += 1
+        self.visits += 1
+        row = self.logits[node:node + 1]
+        if request.rules is not None:
+            row = apply_rules(row, request.rules, prompt_ids=request.prompt_token_ids,
+                              output_ids=request.output_token_ids, paths=[self.path])
+        token = int(row[0].argmax())
+        if matcher is None:
+            return token
+        import llguidance.torch as llg_torch
+        if self._bitmask is None:
+            self._bitmask = llg_torch.allocate_token_bitmask(1, self.logits.shape[1])
+        llg_torch.fill_next_token_bitmask(matcher, self._bitmask, 0)
+        if int(self._bitmask[0, token // 32]) >> (token % 32) & 1:
+            return token
+        masked = row[0].float().masked_fill(~unpack_bitmask(self._bitmask, self.logits.shape[1])[0], -float("inf"))
+        if not bool((masked > -float("inf")).any()):
+            if self.dead is None:
+                self.dead = self.visits - 1
+            return 0
+        return int(masked.argmax())
+
+    def close(self) -> None:
+        """Roll the matcher back to the request's committed output."""
+        if self.consumed:
+            self.request.grammar.rollback(self.consumed)
+            self.consumed = 0
 
 
 def scores(request: Request, logits: torch.Tensor, tree: TokenTree | None = None) -> torch.Tensor:

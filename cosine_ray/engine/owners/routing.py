@@ -96,11 +96,12 @@ class DraftRouting:
 
     # ---- eq. 3 ------------------------------------------------------------------------------
     def route(self, batch: StepBatch) -> dict[str, Route]:
-        """Drafters for every decoding request with a draft budget (others draft nothing, and
-        a twin's follower drafts from its leader, ``engine.modes.twins``)."""
+        """Drafters for every decoding request with a draft budget beyond its forced tokens
+        (others draft nothing, and a twin's follower drafts from its leader, ``engine.modes.twins``)."""
         if not self._has_drafters:
             return {}
-        drafting = [r for r in batch.decodes if batch.budgets[r.request_id] > 0 and r.request_id not in batch.twins]
+        drafting = [r for r in batch.decodes if batch.budgets[r.request_id] > len(batch.forced.get(r.request_id, ()))
+                    and r.request_id not in batch.twins]
         choices = self.expertise.choose([r.routing for r in drafting], k=self.drafters_per_request)
         routes = {}
         for r in drafting:

@@ -7,7 +7,8 @@ a tenant below its share preempts a request of one above it), plan twins, fit th
 budget (decodes and trees first, then prompt chunks), decide the batch (the LP or first come,
 ``BatchPolicy``), reserve each chosen request's KV (preempting the request that arrived last
 when it does not fit), record, price the trees (λ of eq. 8 over the guard's level, the drain
-weights, no drafting that cannot pay) and reserve their slots. Whether trees are priced is a
+weights, no drafting that cannot pay), add the tokens each grammar forces next and reserve
+the trees' slots. Whether trees are priced is a
 rule chosen at start (``TreePricing`` or ``FixedBudgets``); docs/scheduling.md explains each job.
 
 The paper's order — batch assignment before drafting (Algorithm 2) — needs
@@ -26,6 +27,7 @@ from cosine_ray.algo.guard import SpeculationGuard
 from cosine_ray.algo.scheduling.lp_schedule import Candidate, Schedule, ScheduleConfig, first_come_batch, schedule_batch, trim_gammas
 from cosine_ray.algo.tree_selection import TreePrice
 from cosine_ray.engine.config import EngineConfig
+from cosine_ray.engine.owners.constraints import MAX_FORCED_TOKENS, forced_tokens
 from cosine_ray.engine.owners.economics import CostModel, predicted_gains
 from cosine_ray.engine.owners.kv import KVBlocks
 from cosine_ray.engine.owners.pool import RequestPool
@@ -96,6 +98,9 @@ class BatchScheduler:
         self.twins = twins if twins is not None else NoTwins()
         """Identical greedy requests: followers wait for, then draft from, their leader."""
         self.tally = PriceTally()
+        self.jump_forward = spec.pearl == "off"
+        """Grammar-forced tokens join each step's budget (``_force``); PEARL drafts the next tree
+        ahead from this one's trunk, which leaves no place for a chain before it."""
         self.pricing = (TreePricing(self, guard, skip_unpaying=skip_unpaying, drain=self.config.drain_pricing)
                         if priced else FixedBudgets())
         """The rule that prices this step's trees, chosen once."""
@@ -145,6 +150,8 @@ class BatchScheduler:
                           epochs={r.request_id: r.kv_epoch for r in requests})
         self.pricing.price(batch, schedule)
         budgets.update(twin_budgets)  # a twin's text is verified whole, at any level or price
+        if self.jump_forward:
+            self._force(batch)
         self._reserve_trees(batch)
         batch.num_steps = {r.request_id: r.num_decode_steps for r in requests if r.request_id in budgets}
         batch.decision_s = time.perf_counter() - start
@@ -258,6 +265,21 @@ class BatchScheduler:
         else:
             self.num_preemptions += 1
 
+    @staticmethod
+    def _force(batch: StepBatch) -> None:
+        """The tokens each decoding request's grammar forces next join its budget, ahead of
+        what the price gave the drafters: they are accepted for certain, at the cost of a
+        verified row each (within the tokens it has left)."""
+        for r in batch.decodes:
+            rid = r.request_id
+            if r.grammar is None or rid in batch.twins:
+                continue
+            left = r.params.max_tokens - len(r.output_token_ids) - 1
+            forced = forced_tokens(r, min(left, MAX_FORCED_TOKENS))
+            if forced:
+                batch.forced[rid] = forced
+                batch.budgets[rid] = min(batch.budgets[rid] + len(forced), left)
+
     def _reserve_trees(self, batch: StepBatch) -> None:
         """KV slots for the draft trees (root + γ_i); a tree the pool cannot hold is not drafted."""
         for r in batch.decodes:
@@ -265,6 +287,7 @@ class BatchScheduler:
             if gamma and not self.kv.ensure(r, r.num_computed_tokens + 1 + gamma):
                 batch.budgets[r.request_id] = 0
                 batch.twins.pop(r.request_id, None)
+                batch.forced.pop(r.request_id, None)
 
     def _schedule_config(self, size: int) -> ScheduleConfig:
         config = self._configs.get(size)

@@ -146,11 +146,12 @@ class FixedSelection:
 class Speculator:
     def __init__(self, drafting: DraftingStrategy, selection: TreePolicy, calibrator: ConfidenceCalibrator, *,
                  total_gamma_max: int, bias: TreeBias | None = None,
-                 prune: Callable[[Request, Sequence[FusedPath]], list[FusedPath]] = lambda request, paths: list(paths)
+                 prune: Callable[[Request, Sequence[FusedPath], Sequence[int]], list[FusedPath]] | None = None
                  ) -> None:
         self.drafting = drafting
-        self.prune = prune
-        """Cuts a request's draft paths at the first token its grammar forbids (``Constraints.prune``)."""
+        self.prune = prune or _as_drafted
+        """The forced chain, then the draft paths behind it, each cut at the first token the
+        request's grammar forbids (``Constraints.prune``)."""
         self.selection = selection
         self.calibrator = calibrator
         self.total_gamma_max = total_gamma_max
@@ -181,7 +182,13 @@ class Speculator:
     async def draft(self, batch: StepBatch, routes: Mapping[str, Route]) -> Drafts:
         """A tree per decoding request (root only where nothing was drafted), and how drafting went."""
         stats = DraftingStats()
-        drafted = await self.draft_paths(batch.decodes, routes, batch.budgets, stats)
+        forced = batch.forced
+        contexts = budgets = None
+        if forced:  # the drafters continue after the tokens the grammar forces, with what is left of the budget
+            contexts = {rid: (*r.context_token_ids, *forced[rid]) for r in batch.decodes
+                        if (rid := r.request_id) in forced}
+            budgets = {rid: g - len(forced.get(rid, ())) for rid, g in batch.budgets.items()}
+        drafted = await self.draft_paths(batch.decodes, routes, budgets or batch.budgets, stats, contexts)
         return self.select(batch, drafted, stats)
 
     async def draft_paths(self, requests: Sequence[Request], routes: Mapping[str, Route],
@@ -207,30 +214,47 @@ class Speculator:
             drafted = {**drafted, **{rid: self._twin(r, batch.twins[r.request_id])
                                      for r in decodes if (rid := r.request_id) in batch.twins}}
         fulls: dict[str, tuple[SelectedTree, tuple[float, ...]]] = {}
+        forced = batch.forced
         for r in decodes:
             rid = r.request_id
-            paths = self.prune(r, drafted[rid].paths) if rid in drafted else []
+            chain = forced.get(rid, ())
+            paths = self.prune(r, drafted[rid].paths if rid in drafted else [], chain) if rid in drafted or chain else []
             # a twin's chain is the target's own text: no floor (its calibration may lag)
             full = build_tree(r.output_token_ids[-1], paths, batch.budgets[rid],
                               min_confidence=0.0 if rid in batch.twins else cut)
             fulls[rid] = (full, expected_gains(self.node_acceptance(r.domain, full), batch.budgets[rid]))
             if rid in drafted:  # how far its drafters reached: the scheduler's next budget follows
-                r.draft_depth = max(full.tree.depths()) if full.tree.num_draft_tokens else 0
+                r.draft_depth = max(max(full.tree.depths()) - len(chain), 0) if full.tree.num_draft_tokens else 0
         chosen = self.selection.gammas(batch, [(r, *fulls[r.request_id]) for r in decodes]) if decodes else []
         if batch.twins:  # a twin's text is the target's own: verified whole, whatever the price
             chosen = [batch.budgets[r.request_id] if r.request_id in batch.twins else g for r, g in zip(decodes, chosen)]
+        # the forced chain is verified whole, whatever the price (its budget and KV include it)
+        chosen = [max(g, len(forced.get(r.request_id, ()))) for r, g in zip(decodes, chosen)]
         # no more than was drafted (a request with no paths has a root-only tree: γ = 0)
         gammas = {r.request_id: min(g, fulls[r.request_id][0].tree.num_draft_tokens) for r, g in zip(decodes, chosen)}
         gammas = trim_gammas(gammas, self.total_gamma_max)  # Algorithm 2
+        for rid, chain in forced.items():
+            if rid in gammas:
+                gammas[rid] = max(gammas[rid], len(chain))
         trees = {}
         for r in decodes:
             rid = r.request_id
             full, gains = fulls[rid]
             selected = full.top(gammas[rid])  # = build_tree(root, paths, γ_i, min_confidence=cut)
             d = drafted.get(rid, Drafted())
-            trees[rid] = DraftTree(selected, d.route, d.answers, d.trunk, gains)
+            answers, trunk = d.answers, d.trunk
+            if rid in forced:  # the drafters answered after the chain: their answers and trunk start with it
+                head = [(token, 1.0) for token in forced[rid]]
+                answers = {name: head + list(a) for name, a in answers.items()}
+                trunk = forced[rid] + tuple(trunk) if trunk else trunk
+            trees[rid] = DraftTree(selected, d.route, answers, trunk, gains)
         stats.selection_s = time.perf_counter() - start
         stats.num_drafted_nodes = sum(full.tree.num_draft_tokens for full, _ in fulls.values())
         self.drafted_nodes += stats.num_drafted_nodes
         self.verified_nodes += sum(gammas.values())
         return Drafts(trees, stats)
+
+
+def _as_drafted(request: Request, paths: Sequence[FusedPath], forced: Sequence[int]) -> list[FusedPath]:
+    """Without grammars: the paths as drafted (nothing is forced)."""
+    return list(paths)

@@ -29,8 +29,8 @@ import torch
 from cosine_ray.algo.logits_rules import TokenLogprob, token_logprobs
 from cosine_ray.algo.sampling import logits_to_probs, sample_keyed
 from cosine_ray.algo.tree import TokenTree
-from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_keyed
-from cosine_ray.engine.owners.constraints import scores
+from cosine_ray.algo.verify import VerifyResult, verify_greedy, verify_greedy_at, verify_keyed
+from cosine_ray.engine.owners.constraints import GreedyTokens, scores
 from cosine_ray.engine.types import Drafts, StepBatch, Verified, VerifiedBatch
 from cosine_ray.engine.worker.recovery import RecoveringTarget
 from cosine_ray.engine.request import Request
@@ -135,6 +135,12 @@ class Verifier:
         """The tree's verification, and the index of the first new token whose row its rules
         masked whole (None: none was): plain decoding has no such token, so the request ends
         there, unless a token before it ends the request first (``Request.append``)."""
+        if request.params.is_greedy and request.grammar is not None:  # masks only where the walk goes
+            tokens = GreedyTokens(request, logits, tree)
+            try:
+                return verify_greedy_at(tree, tokens), tokens.dead
+            finally:
+                tokens.close()
         processed, dead = _live_scores(request, scores(request, logits, tree))
         if request.params.is_greedy:
             result = verify_greedy(tree, processed)
@@ -211,6 +217,12 @@ def target_token(request: Request, logits: torch.Tensor, *, position: int) -> in
     ``NoTokenLeft`` when they allow none."""
     if logits.ndim == 1:
         return int(logits[0])
+    if request.params.is_greedy and request.grammar is not None:
+        tokens = GreedyTokens(request, logits)
+        token = tokens(0)
+        if tokens.dead is not None:
+            raise NoTokenLeft(len(request.output_token_ids))
+        return token
     processed, dead = _live_scores(request, scores(request, logits))
     if dead is not None:
         raise NoTokenLeft(len(request.output_token_ids))
