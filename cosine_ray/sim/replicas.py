@@ -62,8 +62,6 @@ class Replica:
     alive: bool = True
     streams: set[str] = field(default_factory=set)
     """Request ids it is serving now."""
-    served: int = 0
-    """Sends it took (first sends and resubmissions)."""
 
 
 class Fleet:
@@ -141,7 +139,6 @@ class Fleet:
     async def stream(self, replica: Replica, request_id: str, prompt: list[int], params: Any):
         """The outputs of one send to ``replica``; ReplicaLost when it dies before the end."""
         replica.streams.add(request_id)
-        replica.served += 1
         try:
             async for out in replica.engine.generate(prompt, params, request_id):
                 if out.finished and not replica.alive:
@@ -157,5 +154,6 @@ class Fleet:
             if r.alive:
                 await r.engine.shutdown()
 
-    def worlds(self) -> list[Any]:
-        return [r.world for r in self.retired + self.replicas]
+    def every(self) -> list[Replica]:
+        """Every replica the run had: those that died, then those serving at the end."""
+        return self.retired + self.replicas

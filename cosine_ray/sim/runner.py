@@ -317,10 +317,11 @@ async def _simulate(scenario: Scenario, requests: list[SimRequest]) -> SimResult
         await fleet.shutdown()
     end = max((r.start_s + r.e2e_s for r in results), default=t0)
     begin = min((r.request.arrival_s for r in results), default=t0)
-    worlds = fleet.worlds()
-    several = len(worlds) > 1
+    replicas = fleet.every()
+    worlds = [r.world for r in replicas]
+    several = len(replicas) > 1
     busy: dict[str, float] = {}
-    for replica in fleet.retired + fleet.replicas:  # a device of replica i is named DEVICE@i
+    for replica in replicas:  # a device of replica i is named DEVICE@i
         for k, v in replica.world.busy().items():
             name = f"{k}@{replica.index}" if several else k
             busy[name] = busy.get(name, 0.0) + v
